@@ -1,0 +1,63 @@
+"""Typed errors raised by um_lab (each says what went wrong and what to do)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class UmLabError(Exception):
+    """Base class of um_lab's own errors."""
+
+
+class PolicyError(UmLabError, ValueError):
+    """A policy (or its JSON) is invalid; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class CudaUnavailableError(UmLabError, RuntimeError):
+    """The real backend needs a CUDA GPU; points to the simulator backend."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"the cuda backend cannot run here: {reason}. Use the simulator instead: "
+            "RunSpec(backend='sim') or `um-lab run --backend sim` (no GPU needed)."
+        )
+
+
+class UnsupportedDeviceError(UmLabError, RuntimeError):
+    """The GPU lacks a feature the lab needs (e.g. concurrent managed access)."""
+
+
+class SessionStateError(UmLabError, RuntimeError):
+    """A session method was called in the wrong state (closed, already open, nested)."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
+    """A managed allocation would have pushed live managed bytes past the safety cap.
+
+    Nothing was allocated: the cap is checked before CUDA is called.
+    """
+
+    def __init__(self, requested: int, live: int, cap: int, data_type: str | None = None) -> None:
+        self.requested = requested
+        self.live = live
+        self.cap = cap
+        self.data_type = data_type
+        kind = f" for {data_type}" if data_type else ""
+        super().__init__(
+            f"um_lab refused a managed allocation{kind}: requested {requested} B ({_gib(requested)}), "
+            f"live {live} B ({_gib(live)}), cap {cap} B ({_gib(cap)}). Nothing was allocated. "
+            "The cap keeps managed memory below the GPU's free memory; asking for more can hang a "
+            "shared GPU. Use a smaller model or batch, study oversubscription in the simulator "
+            "(backend='sim'), or on your own machine pass allow_oversubscription=True."
+        )
+
+    def __reduce__(self):  # keep picklable despite the custom signature
+        return (type(self), (self.requested, self.live, self.cap, self.data_type))

@@ -1,0 +1,264 @@
+"""Memory-advice policies: one :class:`Advice` per data type, presets, validation, JSON round trip.
+
+Loading a policy never evaluates code: only JSON is read, and every field is checked against the
+vocabulary below. Errors are :class:`PolicyError` and name the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from um_lab.errors import PolicyError
+from um_lab.types import DATA_TYPES, DataType
+
+PREFERRED_LOCATIONS = ("none", "gpu", "cpu")
+PROCESSORS = ("gpu", "cpu")
+PREFETCHES = ("none", "to-gpu-before-use", "to-cpu-after-use")
+FORMAT_VERSION = 1
+
+_ADVICE_FIELDS = ("preferred_location", "accessed_by", "read_mostly", "prefetch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """``cudaMemAdvise`` settings and prefetch action for one data type.
+
+    ``preferred_location``: where pages should live (``none``, ``gpu``, ``cpu``).
+    ``accessed_by``: processors that keep a mapping, so they access remotely instead of faulting.
+    ``read_mostly``: duplicate pages on read (collapses on every write: bad for written data).
+    ``prefetch``: ``to-gpu-before-use`` before the phase that uses the type, or ``to-cpu-after-use``
+    after the step.
+    """
+
+    preferred_location: str = "none"
+    accessed_by: frozenset[str] = frozenset()
+    read_mostly: bool = False
+    prefetch: str = "none"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "accessed_by", frozenset(self.accessed_by))
+        _check_values(dataclasses.asdict(self), "advice")
+
+    @property
+    def is_default(self) -> bool:
+        """True when this is no advice at all (plain Unified Memory)."""
+        return self == Advice()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``accessed_by`` sorted)."""
+        return {
+            "preferred_location": self.preferred_location,
+            "accessed_by": sorted(self.accessed_by),
+            "read_mostly": self.read_mostly,
+            "prefetch": self.prefetch,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "advice") -> Advice:
+        """Build from a dict, rejecting unknown keys and values with a :class:`PolicyError`."""
+        if not isinstance(data, Mapping):
+            raise PolicyError(where, f"must be an object, got {type(data).__name__}")
+        extra = sorted(set(data) - set(_ADVICE_FIELDS))
+        if extra:
+            raise PolicyError(f"{where}.{extra[0]}", f"unknown field; valid: {', '.join(_ADVICE_FIELDS)}")
+        accessed = data.get("accessed_by", [])
+        if isinstance(accessed, str) or not isinstance(accessed, Iterable):
+            raise PolicyError(f"{where}.accessed_by", f"must be a list of {PROCESSORS}, got {accessed!r}")
+        accessed = list(accessed)
+        values = {
+            "preferred_location": data.get("preferred_location", "none"),
+            "accessed_by": accessed,
+            "read_mostly": data.get("read_mostly", False),
+            "prefetch": data.get("prefetch", "none"),
+        }
+        _check_values(values, where)
+        return cls(**values)
+
+
+def _check_values(values: Mapping[str, Any], where: str) -> None:
+    location = values["preferred_location"]
+    if not isinstance(location, str) or location not in PREFERRED_LOCATIONS:
+        raise PolicyError(
+            f"{where}.preferred_location", f"{location!r} is not one of {', '.join(PREFERRED_LOCATIONS)}"
+        )
+    for proc in values["accessed_by"]:
+        if not isinstance(proc, str) or proc not in PROCESSORS:
+            raise PolicyError(f"{where}.accessed_by", f"{proc!r} is not one of {', '.join(PROCESSORS)}")
+    if not isinstance(values["read_mostly"], bool):
+        raise PolicyError(f"{where}.read_mostly", f"must be true or false, got {values['read_mostly']!r}")
+    prefetch = values["prefetch"]
+    if not isinstance(prefetch, str) or prefetch not in PREFETCHES:
+        raise PolicyError(f"{where}.prefetch", f"{prefetch!r} is not one of {', '.join(PREFETCHES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A named set of :class:`Advice`, one per :class:`DataType` (missing types get no advice)."""
+
+    name: str
+    advice: Mapping[DataType, Advice] = dataclasses.field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise PolicyError("name", "must be a non-empty string")
+        full: dict[DataType, Advice] = {t: Advice() for t in DATA_TYPES}
+        for key, adv in dict(self.advice).items():
+            try:
+                dtype = DataType.parse(key)
+            except ValueError as e:
+                raise PolicyError(f"advice.{key}", str(e)) from None
+            if not isinstance(adv, Advice):
+                raise PolicyError(f"advice.{dtype.value}", f"must be an Advice, got {type(adv).__name__}")
+            full[dtype] = adv
+        object.__setattr__(self, "advice", full)
+
+    def __getitem__(self, dtype: DataType | str) -> Advice:
+        return self.advice[DataType.parse(dtype)]
+
+    def replace(self, name: str | None = None, **advice: Advice) -> Policy:
+        """A copy with some types' advice replaced, e.g. ``p.replace(param=Advice(...))``."""
+        merged = dict(self.advice)
+        for key, adv in advice.items():
+            merged[DataType.parse(key)] = adv
+        return Policy(name or self.name, merged, self.description)
+
+    @classmethod
+    def from_paper_groups(
+        cls,
+        name: str,
+        model_parameters: Advice = Advice(),
+        intermediate_results: Advice = Advice(),
+        input_data: Advice = Advice(),
+        description: str = "",
+    ) -> Policy:
+        """Build from the paper's three data types (parameters = param + grad + optim)."""
+        advice = {t: model_parameters for t in (DataType.PARAM, DataType.GRAD, DataType.OPTIM)}
+        advice[DataType.ACT] = intermediate_results
+        advice[DataType.INPUT] = input_data
+        return cls(name, advice, description)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with every data type present."""
+        return {
+            "um_lab_policy": FORMAT_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "advice": {t.value: self.advice[t].to_dict() for t in DATA_TYPES},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Policy:
+        """Build from a dict (as :meth:`to_dict` writes), validating every field."""
+        if not isinstance(data, Mapping):
+            raise PolicyError("policy", f"must be a JSON object, got {type(data).__name__}")
+        allowed = {"um_lab_policy", "name", "description", "advice"}
+        extra = sorted(set(data) - allowed)
+        if extra:
+            raise PolicyError(extra[0], f"unknown field; valid: {', '.join(sorted(allowed))}")
+        version = data.get("um_lab_policy", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise PolicyError("um_lab_policy", f"unsupported format version {version!r}")
+        name = data.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise PolicyError("name", "must be a non-empty string")
+        description = data.get("description", "")
+        if not isinstance(description, str):
+            raise PolicyError("description", "must be a string")
+        raw = data.get("advice", {})
+        if not isinstance(raw, Mapping):
+            raise PolicyError("advice", "must be an object keyed by data type")
+        advice = {}
+        for key, value in raw.items():
+            try:
+                dtype = DataType.parse(key)
+            except ValueError as e:
+                raise PolicyError(f"advice.{key}", str(e)) from None
+            advice[dtype] = Advice.from_dict(value, where=f"advice.{dtype.value}")
+        return cls(name, advice, description)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Serialise to JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Policy:
+        """Parse JSON text (nothing is evaluated) and validate it."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PolicyError("policy", f"not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the policy as JSON to ``path``."""
+        path = Path(path)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        """Read a policy JSON file."""
+        return cls.from_json(Path(path).read_text())
+
+
+_GPU_PINNED = Advice(preferred_location="gpu", accessed_by=frozenset({"gpu"}))
+_ZERO_COPY = Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))
+
+presets: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("um-default", {}, "No advice: plain Unified Memory, the paper's baseline."),
+        Policy(
+            "gpu-first",
+            {t: _GPU_PINNED for t in DATA_TYPES},
+            "Every type prefers the GPU and stays mapped there: near-native when data fits.",
+        ),
+        Policy(
+            "zero-copy-params",
+            {DataType.PARAM: _ZERO_COPY},
+            "Parameters live in host memory and are read over the host link (no migration).",
+        ),
+        Policy(
+            "offload-optimizer",
+            {DataType.OPTIM: _ZERO_COPY},
+            "Optimizer state lives in host memory, accessed remotely by the optimizer step.",
+        ),
+        Policy(
+            "input-read-mostly",
+            {DataType.INPUT: Advice(read_mostly=True, prefetch="to-gpu-before-use")},
+            "Input batches are duplicated read-only on the GPU and prefetched before the forward pass.",
+        ),
+        Policy(
+            "prefetch-all",
+            {t: Advice(prefetch="to-gpu-before-use") for t in DATA_TYPES},
+            "Every type is prefetched to the GPU before the phase that uses it.",
+        ),
+        Policy.from_paper_groups(
+            "paper-3type",
+            model_parameters=Advice(
+                preferred_location="gpu", accessed_by=frozenset({"gpu"}), prefetch="to-gpu-before-use"
+            ),
+            intermediate_results=Advice(preferred_location="gpu"),
+            input_data=Advice(read_mostly=True, prefetch="to-gpu-before-use"),
+            description=(
+                "Our provisional reading of Choi & Lee (2021): parameters pinned to and prefetched to the"
+                " GPU, intermediate results preferring the GPU, input read-mostly. The paper does not"
+                " say which advice it used; the reproduction notebook's experiment is meant to choose."
+            ),
+        ),
+    )
+}
+
+
+def get_policy(policy: Policy | str) -> Policy:
+    """Return ``policy`` itself, or the preset of that name (a :class:`PolicyError` lists them)."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy in presets:
+        return presets[policy]
+    raise PolicyError("policy", f"unknown preset {policy!r}; valid: {', '.join(presets)}")

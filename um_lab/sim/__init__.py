@@ -1,0 +1,1 @@
+"""The simulated backend: a calibrated Unified Memory model that runs on the CPU."""

@@ -1,0 +1,145 @@
+"""The schema every part of um_lab speaks: data types, run specifications, step records.
+
+Plain dataclasses only. Backends (``cuda``, ``sim``) produce :class:`StepRecord` objects; the runner,
+the run log and the dashboards consume them, and cannot tell the backends apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+class DataType(str, enum.Enum):
+    """The kinds of training data that get a pool (and advice) of their own."""
+
+    PARAM = "param"  #: weights and buffers
+    GRAD = "grad"  #: parameter gradients
+    OPTIM = "optim"  #: optimizer state
+    ACT = "act"  #: intermediate results: saved activations, activation gradients, temporaries
+    INPUT = "input"  #: batches moved to the GPU
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str | DataType) -> DataType:
+        """Return the member named ``value``; raise ``ValueError`` listing the valid names."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(t.value for t in cls)
+            raise ValueError(f"unknown data type {value!r}; valid: {names}") from None
+
+
+#: Order used wherever per-type values are stored in fixed-size arrays (the C shim's tags).
+DATA_TYPES: tuple[DataType, ...] = tuple(DataType)
+
+#: The paper's three types (Choi & Lee 2021) as groups of ours.
+PAPER_GROUPS: Mapping[str, tuple[DataType, ...]] = {
+    "model parameters": (DataType.PARAM, DataType.GRAD, DataType.OPTIM),
+    "intermediate results": (DataType.ACT,),
+    "input data": (DataType.INPUT,),
+}
+
+
+def per_type(value: Any = 0) -> dict[str, Any]:
+    """A dict with one entry per data type name, all set to ``value``."""
+    return {t.value: value for t in DATA_TYPES}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What to run: model, batch, policy, backend, steps and (for the simulator) GPU capacity."""
+
+    model: str = "mlp"
+    policy: str = "um-default"
+    backend: str = "auto"  #: "cuda", "sim" or "auto" (cuda when available, else sim)
+    steps: int = 20
+    warmup_steps: int = 2
+    batch_size: int | None = None
+    model_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    capacity_bytes: int | None = None  #: simulated GPU capacity; None = the profile's card
+    oversubscription_ratio: float | None = None  #: alternative to capacity_bytes (sim only)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.backend not in ("cuda", "sim", "auto"):
+            raise ValueError(f"unknown backend {self.backend!r}; valid: cuda, sim, auto")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if self.oversubscription_ratio is not None and not self.oversubscription_ratio > 0:
+            raise ValueError(f"oversubscription_ratio must be > 0, got {self.oversubscription_ratio}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        d = dataclasses.asdict(self)
+        d["model_kwargs"] = dict(self.model_kwargs)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(data) - known
+        if extra:
+            raise ValueError(f"unknown RunSpec fields: {sorted(extra)}")
+        return cls(**dict(data))
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One training step as a backend saw it.
+
+    Per-type fields are dicts keyed by data type name (``"param"``, ``"grad"``, ...). Fields a backend
+    cannot measure stay ``None`` (never invented); ``telemetry`` says why when they are missing.
+    """
+
+    step: int
+    wall_ms: float  #: step time (CUDA events on the real backend, the model on the simulator)
+    live_bytes: dict[str, int]  #: managed bytes allocated per data type (segments, not tensors)
+    cap_bytes: int | None  #: the safety cap on live managed bytes (None: no cap, e.g. simulator)
+    gpu_capacity_bytes: int  #: GPU memory (total on the real card; simulated capacity on sim)
+    backend: str = "cuda"
+    policy: str = "um-default"
+    loss: float | None = None
+    warmup: bool = False
+    resident_bytes: dict[str, int] | None = None  #: GPU-resident bytes per type (telemetry / sim)
+    htod_bytes: dict[str, int] | None = None  #: migrated host->device per type this step
+    dtoh_bytes: dict[str, int] | None = None  #: migrated device->host per type this step
+    gpu_page_faults: int | None = None
+    evictions: int | None = None  #: evicted 2 MiB chunks this step
+    remote_bytes: int | None = None  #: bytes read or written over the host link without migrating
+    telemetry: str = "unavailable: not collected"
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def live_total(self) -> int:
+        """All live managed bytes."""
+        return sum(self.live_bytes.values())
+
+    @property
+    def oversubscription_ratio(self) -> float:
+        """Live managed bytes / GPU capacity (> 1 means the data cannot all be resident)."""
+        if self.gpu_capacity_bytes <= 0:
+            return math.inf
+        return self.live_total / self.gpu_capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (includes the derived ``oversubscription_ratio``)."""
+        d = dataclasses.asdict(self)
+        d["oversubscription_ratio"] = self.oversubscription_ratio
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
+        """Inverse of :meth:`to_dict` (derived and unknown keys are ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
