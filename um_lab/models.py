@@ -3,16 +3,35 @@
 A :class:`ModelCase` bundles a model factory, a batch factory and a loss, so every backend (real or
 simulated) and every benchmark trains the same thing. torchvision and transformers are imported
 lazily, only for the models that need them.
+
+Zoo (``get_model(name, **knobs)``; ``describe_models()`` lists the knobs):
+
+- ``mlp`` (width, depth, batch_size, classes)
+- ``resnet18`` / ``resnet50`` / ``resnet152`` and ``vit-b16`` (torchvision; batch_size, image_size, ...)
+- ``gpt2-small`` .. ``gpt2-xl`` (transformers; batch_size, seq_len, and any GPT2Config field as an
+  override, e.g. ``get_model("gpt2-small", n_layer=2, n_embd=64, n_head=2, vocab_size=1000)``)
+- ``bert-base`` / ``bert-large`` (transformers; batch_size, seq_len, BertConfig overrides)
+
+Your own model: ``custom("mine", model_or_factory, make_batch, loss_fn)``; ``register(case_factory)``
+puts it in the zoo so runs, comparisons and the CLI can name it.
+
+Memory per data type: ``estimate_memory(case)``; a size that oversubscribes a capacity by a chosen
+ratio: ``size_for_ratio(name, capacity_bytes, ratio)``; the pre-flight check against a cap:
+``check_fits(estimate, cap_bytes)``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from um_lab.errors import OversubscriptionRefused
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -43,8 +62,25 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+def _require(module: str, model_name: str) -> Any:
+    """Import an optional dependency, or say which model needs it and how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"model {model_name!r} needs {module}, which is not importable here ({e}). "
+            f"Install it with `pip install 'um_lab[models]'` (a {module} build that matches your torch)."
+        ) from e
+
+
+# --------------------------------------------------------------------------------------------- MLP
+
+
 def mlp(width: int = 4096, depth: int = 8, batch_size: int = 256, classes: int = 10) -> ModelCase:
     """A GELU MLP: ``depth`` square layers of ``width`` and a classifier."""
+    _check_positive(width=width, depth=depth, batch_size=batch_size, classes=classes)
 
     def build() -> nn.Module:
         layers: list[nn.Module] = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
@@ -54,25 +90,78 @@ def mlp(width: int = 4096, depth: int = 8, batch_size: int = 256, classes: int =
         return torch.randn(batch_size, width, generator=g), torch.randint(0, classes, (batch_size,), generator=g)
 
     return ModelCase("mlp", build, batch, _classification_loss,
-                     info={"width": width, "depth": depth, "batch_size": batch_size})
+                     info={"width": width, "depth": depth, "batch_size": batch_size, "classes": classes})
 
 
-def resnet(depth: int = 50, batch_size: int = 128, image_size: int = 224, classes: int = 1000) -> ModelCase:
-    """torchvision ResNet-18/50/152 from its constructor (random weights)."""
-    if depth not in (18, 34, 50, 101, 152):
-        raise ValueError(f"ResNet depth must be one of 18, 34, 50, 101, 152; got {depth}")
+# ------------------------------------------------------------------------------------ torchvision
 
-    def build() -> nn.Module:
-        import torchvision  # lazy: only this model needs it
 
-        return getattr(torchvision.models, f"resnet{depth}")(num_classes=classes)
-
+def _image_batch(batch_size: int, image_size: int, classes: int) -> Callable[[torch.Generator], Batch]:
     def batch(g: torch.Generator) -> Batch:
         x = torch.randn(batch_size, 3, image_size, image_size, generator=g)
         return x, torch.randint(0, classes, (batch_size,), generator=g)
 
-    return ModelCase(f"resnet{depth}", build, batch, _classification_loss,
-                     info={"depth": depth, "batch_size": batch_size, "image_size": image_size})
+    return batch
+
+
+def resnet(depth: int = 50, batch_size: int = 128, image_size: int = 224, classes: int = 1000) -> ModelCase:
+    """torchvision ResNet-18/34/50/101/152 from its constructor (random weights)."""
+    if depth not in (18, 34, 50, 101, 152):
+        raise ValueError(f"ResNet depth must be one of 18, 34, 50, 101, 152; got {depth}")
+    _check_positive(batch_size=batch_size, image_size=image_size, classes=classes)
+    name = f"resnet{depth}"
+
+    def build() -> nn.Module:
+        torchvision = _require("torchvision", name)  # lazy: only this model needs it
+        return getattr(torchvision.models, name)(num_classes=classes)
+
+    return ModelCase(name, build, _image_batch(batch_size, image_size, classes), _classification_loss,
+                     info={"depth": depth, "batch_size": batch_size, "image_size": image_size,
+                           "classes": classes})
+
+
+VIT_SIZES = {
+    "b16": dict(patch_size=16, num_layers=12, num_heads=12, hidden_dim=768, mlp_dim=3072),
+    "l16": dict(patch_size=16, num_layers=24, num_heads=16, hidden_dim=1024, mlp_dim=4096),
+}
+
+
+def vit(size: str = "b16", batch_size: int = 64, image_size: int = 224, classes: int = 1000,
+        **overrides: int) -> ModelCase:
+    """torchvision Vision Transformer (ViT-B/16 by default); ``overrides`` change ``patch_size``,
+    ``num_layers``, ``num_heads``, ``hidden_dim`` or ``mlp_dim`` (the width knob)."""
+    if size not in VIT_SIZES:
+        raise ValueError(f"ViT size must be one of {', '.join(VIT_SIZES)}; got {size!r}")
+    unknown = sorted(set(overrides) - set(VIT_SIZES[size]))
+    if unknown:
+        raise ValueError(f"unknown ViT knob(s) {unknown}; valid: {', '.join(VIT_SIZES[size])}")
+    config = {**VIT_SIZES[size], **overrides}
+    _check_positive(batch_size=batch_size, image_size=image_size, classes=classes, **config)
+    if image_size % config["patch_size"]:
+        raise ValueError(f"image_size {image_size} must be a multiple of patch_size {config['patch_size']}")
+    name = f"vit-{size}"
+
+    def build() -> nn.Module:
+        tv = _require("torchvision", name)
+        return tv.models.vision_transformer.VisionTransformer(
+            image_size=image_size, num_classes=classes, **config)
+
+    return ModelCase(name, build, _image_batch(batch_size, image_size, classes), _classification_loss,
+                     info={"size": size, "batch_size": batch_size, "image_size": image_size,
+                           "classes": classes, **config})
+
+
+# ----------------------------------------------------------------------------------- transformers
+
+
+def _config_fields(config_cls: type) -> set[str]:
+    return {p for p in inspect.signature(config_cls.__init__).parameters if p not in ("self", "kwargs")}
+
+
+def _check_overrides(config_cls: type, overrides: Mapping[str, Any], model_name: str) -> None:
+    unknown = sorted(set(overrides) - _config_fields(config_cls))
+    if unknown:
+        raise ValueError(f"unknown {config_cls.__name__} field(s) {unknown} for model {model_name!r}")
 
 
 GPT2_SIZES = {
@@ -83,23 +172,126 @@ GPT2_SIZES = {
 }
 
 
-def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024) -> ModelCase:
-    """Hugging Face GPT-2 built from a config (no weights downloaded), language-model loss."""
+def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overrides: Any) -> ModelCase:
+    """Hugging Face GPT-2 built from a config (no weights downloaded), language-model loss.
+
+    ``overrides`` are GPT2Config fields (``n_layer``, ``n_embd``, ``n_head``, ``vocab_size``, ...):
+    ``gpt2("small", 2, 32, n_layer=2, n_embd=64, n_head=2, vocab_size=1000)`` is a tiny test model.
+    """
     if size not in GPT2_SIZES:
         raise ValueError(f"GPT-2 size must be one of {', '.join(GPT2_SIZES)}; got {size!r}")
-    vocab = 50257
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    name = f"gpt2-{size}"
+    vocab = int(overrides.get("vocab_size", 50257))
+    config = {"vocab_size": vocab, "n_positions": max(1024, seq_len), **GPT2_SIZES[size], **overrides}
+    if vocab <= 50256:  # a small test vocabulary: keep the special tokens inside it
+        config.setdefault("bos_token_id", vocab - 1)
+        config.setdefault("eos_token_id", vocab - 1)
+    if overrides:
+        _check_overrides(_require("transformers", name).GPT2Config, overrides, name)
 
     def build() -> nn.Module:
-        from transformers import GPT2Config, GPT2LMHeadModel  # lazy
-
-        cfg = GPT2Config(vocab_size=vocab, n_positions=max(1024, seq_len), **GPT2_SIZES[size])
-        return GPT2LMHeadModel(cfg)
+        transformers = _require("transformers", name)  # lazy
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
 
     def batch(g: torch.Generator) -> Batch:
         return (torch.randint(0, vocab, (batch_size, seq_len), generator=g),)
 
-    return ModelCase(f"gpt2-{size}", build, batch, _lm_loss,
-                     info={"size": size, "batch_size": batch_size, "seq_len": seq_len})
+    return ModelCase(name, build, batch, _lm_loss,
+                     info={"size": size, "batch_size": batch_size, "seq_len": seq_len, **config})
+
+
+BERT_SIZES = {
+    "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+def bert(size: str = "base", batch_size: int = 16, seq_len: int = 512, **overrides: Any) -> ModelCase:
+    """Hugging Face BERT (masked-LM head) from a config, trained on every token of a random batch.
+
+    ``overrides`` are BertConfig fields (``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ...).
+    """
+    if size not in BERT_SIZES:
+        raise ValueError(f"BERT size must be one of {', '.join(BERT_SIZES)}; got {size!r}")
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    name = f"bert-{size}"
+    vocab = int(overrides.get("vocab_size", 30522))
+    config = {"vocab_size": vocab, "max_position_embeddings": max(512, seq_len), **BERT_SIZES[size],
+              **overrides}
+    if overrides:
+        _check_overrides(_require("transformers", name).BertConfig, overrides, name)
+
+    def build() -> nn.Module:
+        transformers = _require("transformers", name)
+        return transformers.BertForMaskedLM(transformers.BertConfig(**config))
+
+    def batch(g: torch.Generator) -> Batch:
+        return (torch.randint(0, vocab, (batch_size, seq_len), generator=g),)
+
+    return ModelCase(name, build, batch, _lm_loss,
+                     info={"size": size, "batch_size": batch_size, "seq_len": seq_len, **config})
+
+
+# ----------------------------------------------------------------------------------- user models
+
+
+def custom(
+    name: str,
+    model: nn.Module | Callable[[], nn.Module],
+    make_batch: Callable[[torch.Generator], Batch] | Callable[[], Batch] | Sequence[torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    make_optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> ModelCase:
+    """Wrap your own model as a :class:`ModelCase`.
+
+    ``model``: an ``nn.Module`` (each run trains a deep copy, so runs stay independent) or a factory.
+    ``make_batch``: ``f(generator) -> tuple of CPU tensors``, ``f() -> tuple``, or a fixed tuple.
+    ``loss_fn(model, *batch) -> scalar``; default: cross entropy of ``model(x)`` against ``y``.
+    ``make_optimizer(params)``; default: AdamW(lr=1e-5).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("custom model needs a non-empty name")
+    if isinstance(model, nn.Module):
+        template = model
+        build: Callable[[], nn.Module] = lambda: copy.deepcopy(template)
+    elif callable(model):
+        build = model
+    else:
+        raise TypeError(f"model must be an nn.Module or a factory, got {type(model).__name__}")
+    batch_factory = _as_batch_factory(make_batch)
+    case = ModelCase(name, build, batch_factory, loss_fn or _classification_loss, info=dict(info or {}))
+    if make_optimizer is not None:
+        case.make_optimizer = make_optimizer
+    case.info.setdefault("custom", True)
+    return case
+
+
+def _as_batch_factory(make_batch: Any) -> Callable[[torch.Generator], Batch]:
+    if isinstance(make_batch, torch.Tensor):
+        fixed: Batch = (make_batch,)
+        return lambda g: fixed
+    if isinstance(make_batch, (tuple, list)):
+        if not all(isinstance(t, torch.Tensor) for t in make_batch):
+            raise TypeError("a fixed batch must be a tuple of tensors")
+        fixed = tuple(make_batch)
+        return lambda g: fixed
+    if not callable(make_batch):
+        raise TypeError(f"make_batch must be callable or a tuple of tensors, got {type(make_batch).__name__}")
+    try:
+        takes_generator = len(inspect.signature(make_batch).parameters) >= 1
+    except (TypeError, ValueError):
+        takes_generator = True
+
+    def batch(g: torch.Generator) -> Batch:
+        out = make_batch(g) if takes_generator else make_batch()
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+    return batch
+
+
+# --------------------------------------------------------------------------------------- the zoo
 
 
 ZOO: dict[str, Callable[..., ModelCase]] = {
@@ -107,11 +299,26 @@ ZOO: dict[str, Callable[..., ModelCase]] = {
     "resnet18": lambda **kw: resnet(18, **kw),
     "resnet50": lambda **kw: resnet(50, **kw),
     "resnet152": lambda **kw: resnet(152, **kw),
+    "vit-b16": lambda **kw: vit("b16", **kw),
     "gpt2-small": lambda **kw: gpt2("small", **kw),
     "gpt2-medium": lambda **kw: gpt2("medium", **kw),
     "gpt2-large": lambda **kw: gpt2("large", **kw),
     "gpt2-xl": lambda **kw: gpt2("xl", **kw),
+    "bert-base": lambda **kw: bert("base", **kw),
+    "bert-large": lambda **kw: bert("large", **kw),
 }
+
+_ZOO_BASE = {"mlp": mlp, "resnet18": resnet, "resnet50": resnet, "resnet152": resnet, "vit-b16": vit,
+             "gpt2-small": gpt2, "gpt2-medium": gpt2, "gpt2-large": gpt2, "gpt2-xl": gpt2,
+             "bert-base": bert, "bert-large": bert}
+_FIXED_BY_NAME = {resnet: {"depth"}, vit: {"size"}, gpt2: {"size"}, bert: {"size"}}  # set by the name
+
+
+def register(name: str, factory: Callable[..., ModelCase], replace: bool = False) -> None:
+    """Add ``factory(**knobs) -> ModelCase`` to the zoo under ``name`` (runs and the CLI can name it)."""
+    if name in ZOO and not replace:
+        raise ValueError(f"model {name!r} is already in the zoo (pass replace=True to replace it)")
+    ZOO[name] = factory
 
 
 def get_model(name: str, **kwargs: Any) -> ModelCase:
@@ -119,3 +326,252 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(ZOO)}")
     return ZOO[name](**kwargs)
+
+
+def describe_models() -> dict[str, str]:
+    """Zoo name -> its size knobs with defaults, e.g. ``"width=4096, depth=8, batch_size=256, ..."``."""
+    out = {}
+    for name, factory in ZOO.items():
+        base = _ZOO_BASE.get(name, factory)
+        fixed = _FIXED_BY_NAME.get(base, set())
+        params = [p for p in inspect.signature(base).parameters.values() if p.name not in fixed]
+        knobs = [f"{p.name}={p.default!r}" if p.default is not p.empty else
+                 ("<config fields>" if p.kind is p.VAR_KEYWORD else p.name) for p in params]
+        out[name] = ", ".join(knobs)
+    return out
+
+
+def case_for_spec(spec: Any) -> ModelCase:
+    """The :class:`ModelCase` a :class:`~um_lab.types.RunSpec` names (its batch size and model knobs)."""
+    kwargs = dict(spec.model_kwargs)
+    if spec.batch_size is not None:
+        kwargs["batch_size"] = spec.batch_size
+    return get_model(spec.model, **kwargs)
+
+
+def _check_positive(**values: Any) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+# ------------------------------------------------------------------------- memory per data type
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one training step keeps live, per data type (keys: ``param grad optim act input``).
+
+    ``act`` counts the tensors autograd saves for backward (the bulk of intermediate results); the
+    real peak adds short-lived temporaries and allocator rounding (2 MiB segments), so treat the total
+    as a lower bound. ``method`` says where the numbers came from.
+    """
+
+    model: str
+    bytes_per_type: dict[str, int]
+    method: str  #: "sim-trace" or "analytic"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        """All data types together."""
+        return sum(self.bytes_per_type.values())
+
+    def ratio(self, capacity_bytes: int) -> float:
+        """Oversubscription ratio of this estimate against ``capacity_bytes``."""
+        return self.total_bytes / capacity_bytes
+
+    def describe(self) -> str:
+        """A one-line human summary, e.g. ``param 1.2 GiB, grad 1.2 GiB, ... = 7.3 GiB (analytic)``."""
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.bytes_per_type.items())
+        return f"{parts} = {format_bytes(self.total_bytes)} ({self.method})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"model": self.model, "bytes_per_type": dict(self.bytes_per_type), "method": self.method,
+                "total_bytes": self.total_bytes, "notes": list(self.notes)}
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"  # pragma: no cover
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, **knobs: Any) -> MemoryEstimate:
+    """Estimate live bytes per data type for one training step of ``case`` (a case or a zoo name).
+
+    Uses the simulator's trace (``um_lab.sim.trace``) when it offers an estimate, else an analytic
+    count on the meta device (nothing is allocated): parameters and buffers, gradients, optimizer
+    state (the case's optimizer stepped on meta tensors; AdamW = 2x parameters), input batch, and the
+    tensors saved for backward during a forward pass.
+    """
+    if isinstance(case, str):
+        case = get_model(case, **knobs)
+    elif knobs:
+        raise TypeError("size knobs are only accepted with a zoo name, not with a ModelCase")
+    if use_sim_trace:
+        traced = _sim_trace_estimate(case)
+        if traced is not None:
+            return traced
+    return _analytic_estimate(case)
+
+
+def _sim_trace_estimate(case: ModelCase) -> MemoryEstimate | None:
+    """The simulator trace's per-type bytes, when ``um_lab.sim.trace`` offers them."""
+    try:
+        from um_lab.sim import trace as sim_trace  # being written by the simulator's author
+    except Exception:
+        return None
+    fn = getattr(sim_trace, "estimate_bytes_per_type", None)
+    if fn is None:
+        return None
+    try:
+        raw = fn(case)
+    except Exception:
+        return None
+    per_type = {t: int(raw.get(t, 0)) for t in ("param", "grad", "optim", "act", "input")}
+    return MemoryEstimate(case.name, per_type, "sim-trace")
+
+
+def _meta_batch(case: ModelCase) -> Batch:
+    try:
+        with torch.device("meta"):
+            batch = case.make_batch(torch.Generator())
+    except Exception:  # a user's batch factory that needs real tensors
+        batch = case.make_batch(torch.Generator())
+    return tuple(t if t.is_meta else t.to("meta") for t in batch)
+
+
+def _analytic_estimate(case: ModelCase) -> MemoryEstimate:
+    notes: list[str] = []
+    with torch.device("meta"):
+        model = case.build_model()
+    model.train()
+    params = list(model.parameters())
+    param_bytes = sum(_tensor_bytes(p) for p in params) + sum(_tensor_bytes(b) for b in model.buffers())
+    trainable = [p for p in params if p.requires_grad]
+    grad_bytes = sum(_tensor_bytes(p) for p in trainable)
+    batch = _meta_batch(case)
+    input_bytes = sum(_tensor_bytes(t) for t in batch)
+
+    known = {t.untyped_storage()._cdata for t in [*params, *model.buffers(), *batch]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in known:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = case.loss_fn(model, *batch)
+        del loss
+    except Exception as e:
+        notes.append(f"activations not estimated (meta-device forward failed: {type(e).__name__}: {e})")
+    act_bytes = sum(saved.values())
+
+    optim_bytes = _optimizer_state_bytes(case, trainable, notes)
+    per_type = {"param": param_bytes, "grad": grad_bytes, "optim": optim_bytes, "act": act_bytes,
+                "input": input_bytes}
+    return MemoryEstimate(case.name, per_type, "analytic", tuple(notes))
+
+
+def _optimizer_state_bytes(case: ModelCase, trainable: list[nn.Parameter], notes: list[str]) -> int:
+    try:
+        for p in trainable:
+            p.grad = torch.empty_like(p)
+        optimizer = case.make_optimizer(trainable)
+        optimizer.step()
+        return sum(_tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.is_meta)
+    except Exception as e:
+        notes.append(f"optimizer state assumed AdamW (2x parameters): {type(e).__name__}: {e}")
+        return 2 * sum(_tensor_bytes(p) for p in trainable)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizedModel:
+    """A zoo model sized to oversubscribe a capacity: its knobs, case and estimate."""
+
+    name: str
+    knobs: dict[str, Any]
+    case: ModelCase
+    estimate: MemoryEstimate
+    capacity_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """The achieved ratio: estimated bytes / capacity."""
+        return self.estimate.ratio(self.capacity_bytes)
+
+
+def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "batch_size",
+                   max_value: int = 1 << 20, **fixed: Any) -> SizedModel:
+    """The smallest value of ``knob`` (an integer size knob: ``batch_size``, ``width``, ``seq_len``...)
+    whose estimated memory reaches ``ratio x capacity_bytes``; other knobs are ``fixed``.
+
+    Example: ``size_for_ratio("mlp", 80 * 2**30, 1.5, knob="batch_size", width=8192)``.
+    """
+    if capacity_bytes <= 0 or not ratio > 0:
+        raise ValueError("capacity_bytes and ratio must be > 0")
+    if knob in fixed:
+        raise ValueError(f"{knob!r} is the knob being searched; do not fix it")
+    target = ratio * capacity_bytes
+    cache: dict[int, MemoryEstimate] = {}
+
+    def total(value: int) -> int:
+        if value not in cache:
+            cache[value] = estimate_memory(get_model(name, **{**fixed, knob: value}))
+        return cache[value].total_bytes
+
+    low, high = 1, 1
+    if total(1) < target:  # a first guess from the slope between 1 and 2 (memory ~ affine in batch)
+        slope = total(2) - total(1)
+        guess = int((target - total(1)) / slope) + 1 if slope > 0 else 2
+        high = min(max(2, guess), max_value)
+        while total(high) < target:
+            if high >= max_value:
+                raise ValueError(
+                    f"{name}: {knob}={max_value} is still below {ratio} x {format_bytes(capacity_bytes)} "
+                    f"(estimate {format_bytes(total(max_value))}); fix a larger size or raise max_value")
+            low, high = high, min(2 * high, max_value)
+        while low + 1 < high:  # invariant: total(low) < target <= total(high), or low == 1
+            mid = (low + high) // 2
+            low, high = (mid, high) if total(mid) < target else (low, mid)
+    knobs = {**fixed, knob: high}
+    return SizedModel(name, knobs, get_model(name, **knobs), cache[high], capacity_bytes)
+
+
+class SizeRefused(OversubscriptionRefused):
+    """The model's estimated memory does not fit under the safety cap; nothing was allocated."""
+
+    def __init__(self, estimate_bytes: int, cap: int, detail: str = "") -> None:
+        self.requested, self.live, self.cap, self.data_type, self.detail = estimate_bytes, 0, cap, None, detail
+        Exception.__init__(
+            self,
+            f"um_lab refused to start the run: the estimated memory {format_bytes(estimate_bytes)} "
+            f"({estimate_bytes} B) does not fit under the safety cap {format_bytes(cap)} ({cap} B). "
+            f"Estimate: {detail}. Nothing was allocated. Use a smaller model or batch, or study "
+            "oversubscription in the simulator (backend='sim').")
+
+    def __reduce__(self):
+        return (type(self), (self.requested, self.cap, self.detail))
+
+
+def check_fits(estimate: MemoryEstimate, cap_bytes: int | None) -> MemoryEstimate:
+    """Refuse (:class:`SizeRefused`) an estimate above ``cap_bytes`` before anything is allocated.
+
+    The cuda path of the runner calls this with the session's safety cap; ``None`` means no cap.
+    """
+    if cap_bytes is not None and estimate.total_bytes > cap_bytes:
+        raise SizeRefused(estimate.total_bytes, cap_bytes, estimate.describe())
+    return estimate
