@@ -1,0 +1,148 @@
+"""Fake CUDA pieces for CPU tests: a driver for the C shim, torch's pool API, the advice runtime."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+from typing import Any
+
+from um_lab.cuda.allocator import AdviceCodes, SegmentSource
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+ADVISE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, MemLocation)
+
+CODES = AdviceCodes(
+    set_read_mostly=1, unset_read_mostly=2, set_preferred_location=3, unset_preferred_location=4,
+    set_accessed_by=5, unset_accessed_by=6, location_device=1, location_host=2,
+)
+
+
+class FakeDriver:
+    """Stands in for cudaMallocManaged/cudaFree/cudaMemAdvise: hands out fake, never-touched addresses."""
+
+    def __init__(self) -> None:
+        self.next_address = 1 << 40
+        self.mallocs: list[tuple[int, int]] = []
+        self.frees: list[int] = []
+        self.advice: list[tuple[int, int, int, int, int]] = []
+        self.fail_next = 0  # error code to return from the next malloc
+
+        @MALLOC
+        def malloc(out, size, flags):
+            if self.fail_next:
+                err, self.fail_next = self.fail_next, 0
+                return err
+            addr = self.next_address
+            self.next_address += (size + (2 << 20) - 1) // (2 << 20) * (2 << 20) + (2 << 20)
+            out[0] = addr
+            self.mallocs.append((addr, size))
+            return 0
+
+        @FREE
+        def free(ptr):
+            self.frees.append(ptr)
+            return 0
+
+        @ADVISE
+        def advise(ptr, size, advice, loc):
+            self.advice.append((ptr, size, advice, loc.type, loc.id))
+            return 0
+
+        self._callbacks = (malloc, free, advise)  # keep alive
+
+    def addresses(self) -> tuple[int, int, int]:
+        return tuple(ctypes.cast(c, ctypes.c_void_p).value for c in self._callbacks)  # type: ignore[return-value]
+
+
+def install_fake_driver(cap: int = 1 << 40) -> tuple[SegmentSource, FakeDriver]:
+    """Point the process-wide shim at a fresh fake driver with an empty registry."""
+    source = SegmentSource()
+    drain(source)
+    driver = FakeDriver()
+    source.configure(*driver.addresses())
+    source.set_cap(cap, False)
+    for t in range(5):
+        source._shim.set_advice(t, [])
+    return source, driver
+
+
+def drain(source: SegmentSource) -> None:
+    """Free every live segment (keeps tests independent: the shim is process-wide)."""
+    for seg in source.segments():
+        source.free(seg.ptr)
+
+
+@dataclasses.dataclass
+class FakePool:
+    id: tuple[int, int]
+    alloc_address: int
+    free_address: int
+
+
+class FakePoolAPI:
+    """Records torch's pool calls and checks the pairing rule as torch would."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+        self.calls: list[tuple[str, Any]] = []
+        self.recording: dict[tuple[int, int], int] = {}  # pool -> begins without end
+        self.use_count: dict[tuple[int, int], int] = {}
+        self.empty_caches = 0
+        self.pools: list[FakePool] = []
+
+    def new_pool(self, alloc_address: int, free_address: int) -> FakePool:
+        pool = FakePool((0, next(self.ids)), alloc_address, free_address)
+        self.pools.append(pool)
+        self.use_count[pool.id] = 1
+        self.calls.append(("new", pool.id))
+        return pool
+
+    def begin(self, device: int, pool_id: tuple[int, int]) -> None:
+        if self.recording.get(pool_id):
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.recording[pool_id] = 1
+        self.use_count[pool_id] += 1
+        self.calls.append(("begin", pool_id))
+
+    def end(self, device: int, pool_id: tuple[int, int]) -> None:
+        if not self.recording.get(pool_id):
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.recording[pool_id] = 0
+        self.calls.append(("end", pool_id))
+
+    def release(self, device: int, pool_id: tuple[int, int]) -> None:
+        self.use_count[pool_id] -= 1
+        self.calls.append(("release", pool_id))
+
+    def empty_cache(self) -> None:
+        self.empty_caches += 1
+
+    def balanced(self) -> bool:
+        """Every begin has its end and release (use counts back at the pools' own reference)."""
+        return not any(self.recording.values()) and all(v == 1 for v in self.use_count.values())
+
+
+class FakeRuntime:
+    """Records advise and prefetch calls."""
+
+    codes = CODES
+
+    def __init__(self) -> None:
+        self.advised: list[tuple[int, int, int, int, int]] = []
+        self.prefetched: list[tuple[int, int, int, int, int]] = []
+
+    def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None:
+        self.advised.append((ptr, nbytes, code, location_type, location_id))
+
+    def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
+        self.prefetched.append((ptr, nbytes, location_type, location_id, stream))
+
+    def current_stream(self) -> int:
+        return 0

@@ -1,0 +1,324 @@
+"""Managed-memory pools, one per data type, hot-swapped into a live PyTorch session.
+
+The segment source is the compiled shim (``_shim.c``): torch's caching allocator keeps working
+inside each ``torch.cuda.MemPool`` and calls the shim only for new segments, so a resident managed
+pool costs nothing per step. This module adds routing (which thread allocates into which pool),
+the per-type advice table, re-application of advice to live segments, phase prefetches, and the
+safety cap on live managed bytes.
+
+Pairing rule (DESIGN.md): every ``begin`` of a pool is matched by ``end`` *and* ``release``, always,
+or the pool never frees its segments. :meth:`ManagedPools.route` is the only place that begins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from um_lab.errors import OversubscriptionRefused, SessionStateError
+from um_lab.policy import Advice, Policy
+from um_lab.types import DATA_TYPES, DataType
+
+GiB = 1 << 30
+
+
+def default_cap(free_bytes: int, total_bytes: int) -> int:
+    """The safety cap: free GPU memory minus a reserve of max(2 GiB, 5 % of the card)."""
+    reserve = max(2 * GiB, total_bytes // 20)
+    return max(0, free_bytes - reserve)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdviceCodes:
+    """CUDA enum values the shim needs (taken from cuda-bindings on a real GPU)."""
+
+    set_read_mostly: int
+    unset_read_mostly: int
+    set_preferred_location: int
+    unset_preferred_location: int
+    set_accessed_by: int
+    unset_accessed_by: int
+    location_device: int
+    location_host: int
+
+
+class Runtime(Protocol):
+    """What the pools need from CUDA beyond the shim (a fake implements it in CPU tests)."""
+
+    codes: AdviceCodes
+
+    def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None: ...
+
+    def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None: ...
+
+    def current_stream(self) -> int: ...
+
+
+class PoolAPI(Protocol):
+    """torch's pool calls (a fake implements it in CPU tests)."""
+
+    def new_pool(self, alloc_address: int, free_address: int) -> Any: ...
+
+    def begin(self, device: int, pool_id: tuple[int, int]) -> None: ...
+
+    def end(self, device: int, pool_id: tuple[int, int]) -> None: ...
+
+    def release(self, device: int, pool_id: tuple[int, int]) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+
+class TorchPoolAPI:
+    """The real :class:`PoolAPI`: ``torch.cuda.MemPool`` over the shim's C entry points."""
+
+    def new_pool(self, alloc_address: int, free_address: int) -> Any:
+        allocator = torch._C._cuda_customAllocator(alloc_address, free_address)
+        return torch.cuda.MemPool(allocator)
+
+    def begin(self, device: int, pool_id: tuple[int, int]) -> None:
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool_id)
+
+    def end(self, device: int, pool_id: tuple[int, int]) -> None:
+        torch._C._cuda_endAllocateToPool(device, pool_id)
+
+    def release(self, device: int, pool_id: tuple[int, int]) -> None:
+        torch._C._cuda_releasePool(device, pool_id)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def advice_entries(advice: Advice, device: int, codes: AdviceCodes) -> list[tuple[int, int, int]]:
+    """The ``(advice, location type, location id)`` calls that set ``advice`` on a fresh segment."""
+    gpu = (codes.location_device, device)
+    host = (codes.location_host, 0)
+    where = {"gpu": gpu, "cpu": host}
+    out: list[tuple[int, int, int]] = []
+    if advice.read_mostly:
+        out.append((codes.set_read_mostly, *gpu))
+    if advice.preferred_location != "none":
+        out.append((codes.set_preferred_location, *where[advice.preferred_location]))
+    for proc in sorted(advice.accessed_by):
+        out.append((codes.set_accessed_by, *where[proc]))
+    return out
+
+
+def reset_entries(device: int, codes: AdviceCodes) -> list[tuple[int, int, int]]:
+    """The calls that clear every advice (before a new policy is applied to a live segment)."""
+    gpu = (codes.location_device, device)
+    host = (codes.location_host, 0)
+    return [
+        (codes.unset_read_mostly, *gpu),
+        (codes.unset_preferred_location, *gpu),
+        (codes.unset_accessed_by, *gpu),
+        (codes.unset_accessed_by, *host),
+    ]
+
+
+def _shim() -> Any:
+    try:
+        from um_lab.cuda import _shim
+    except ImportError as e:  # pragma: no cover - a broken install
+        raise ImportError(
+            f"um_lab's compiled allocation shim is missing ({e}); reinstall with `pip install -e .`"
+        ) from None
+    return _shim
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One managed segment handed to torch."""
+
+    ptr: int
+    size: int
+    data_type: DataType
+
+    def contains(self, address: int) -> bool:
+        """True when ``address`` lies inside this segment."""
+        return self.ptr <= address < self.ptr + self.size
+
+
+class SegmentSource:
+    """Python face of the process-wide shim: cap, advice table, counters, live segments."""
+
+    def __init__(self) -> None:
+        self._shim = _shim()
+
+    def configure(self, malloc_managed: int, free: int, advise: int) -> None:
+        """Give the shim the CUDA runtime's function addresses (or a fake driver's)."""
+        self._shim.configure(malloc_managed, free, advise)
+
+    def set_cap(self, cap_bytes: int, allow_oversubscription: bool = False) -> None:
+        """Live managed bytes may not exceed ``cap_bytes`` (unless oversubscription is allowed)."""
+        if cap_bytes < 0:
+            raise ValueError(f"cap must be >= 0 bytes, got {cap_bytes}")
+        self._shim.set_cap(int(cap_bytes), bool(allow_oversubscription))
+
+    def set_advice(self, data_type: DataType, entries: list[tuple[int, int, int]]) -> None:
+        """Advice applied by the shim to every new segment of ``data_type``."""
+        self._shim.set_advice(DATA_TYPES.index(data_type), entries)
+
+    def addresses(self) -> tuple[dict[DataType, int], int]:
+        """Per-type allocation entry points and the shared free entry point."""
+        allocs, free = self._shim.addresses()
+        return dict(zip(DATA_TYPES, allocs, strict=True)), free
+
+    def stats(self) -> dict[str, Any]:
+        """Counters from the shim (calls, refusals, errors, live bytes)."""
+        return self._shim.stats()
+
+    def live_bytes(self) -> dict[str, int]:
+        """Live managed bytes per data type name."""
+        by_tag = self._shim.stats()["live_by_tag"]
+        return {t.value: int(n) for t, n in zip(DATA_TYPES, by_tag, strict=True)}
+
+    def segments(self, data_type: DataType | None = None) -> list[Segment]:
+        """Live segments, optionally of one type."""
+        segs = [Segment(p, s, DATA_TYPES[t]) for p, s, t in self._shim.segments()]
+        return [s for s in segs if data_type is None or s.data_type == data_type]
+
+    def data_type_of(self, address: int) -> DataType | None:
+        """The data type whose segment holds ``address`` (None: not managed by um_lab)."""
+        for seg in self.segments():
+            if seg.contains(address):
+                return seg.data_type
+        return None
+
+    def allocate(self, data_type: DataType, nbytes: int) -> int:
+        """Allocate through the shim directly (probes and tests); 0 when refused or failed."""
+        return int(self._shim.alloc(DATA_TYPES.index(data_type), nbytes))
+
+    def free(self, ptr: int) -> None:
+        """Free a segment allocated by :meth:`allocate`."""
+        self._shim.free(ptr)
+
+
+class ManagedPools:
+    """Five ``MemPool``s (one per data type) with routing, advice and the safety cap."""
+
+    def __init__(self, device: int, api: PoolAPI, runtime: Runtime, source: SegmentSource) -> None:
+        self.device = device
+        self.api = api
+        self.runtime = runtime
+        self.source = source
+        self._pools: dict[DataType, Any] = {}
+        self._routes: dict[int, DataType] = {}  # thread id -> routed type
+        self._lock = threading.Lock()
+        self.policy: Policy | None = None
+        self.begins = 0
+        self.ends = 0
+        self.releases = 0
+
+    @property
+    def is_open(self) -> bool:
+        """True between :meth:`open` and :meth:`close`."""
+        return bool(self._pools)
+
+    def open(self, policy: Policy, cap_bytes: int, allow_oversubscription: bool = False) -> None:
+        """Set cap and advice, then create the pools (nothing is allocated yet)."""
+        if self._pools:
+            raise SessionStateError("pools are already open")
+        self.source.set_cap(cap_bytes, allow_oversubscription)
+        self._set_advice_table(policy)
+        allocs, free = self.source.addresses()
+        self._pools = {t: self.api.new_pool(allocs[t], free) for t in DATA_TYPES}
+
+    def pool_id(self, data_type: DataType) -> tuple[int, int]:
+        """torch's id of the pool for ``data_type``."""
+        return self._pools[data_type].id
+
+    @property
+    def active_routes(self) -> dict[int, DataType]:
+        """Threads currently routed, and to which type."""
+        with self._lock:
+            return dict(self._routes)
+
+    @contextlib.contextmanager
+    def route(self, data_type: DataType) -> Iterator[None]:
+        """Route the calling thread's CUDA allocations into ``data_type``'s pool.
+
+        A refusal by the safety cap surfaces as :class:`OversubscriptionRefused`. Routing ends and
+        the pool is released on any exit, ``KeyboardInterrupt`` included.
+        """
+        if not self._pools:
+            raise SessionStateError("pools are closed")
+        tid = threading.get_ident()
+        with self._lock:
+            if tid in self._routes:
+                raise SessionStateError(
+                    f"this thread is already routed to {self._routes[tid].value}; routes do not nest"
+                )
+            self._routes[tid] = data_type
+        pid = self.pool_id(data_type)
+        refused_before = self.source.stats()["refused"]
+        try:
+            self.api.begin(self.device, pid)
+            self.begins += 1
+        except BaseException:
+            with self._lock:
+                self._routes.pop(tid, None)
+            raise
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError as e:
+            stats = self.source.stats()
+            if stats["refused"] > refused_before and not isinstance(e, OversubscriptionRefused):
+                size, live, cap, tag = stats["last_refusal"]
+                name = DATA_TYPES[tag].value if 0 <= tag < len(DATA_TYPES) else None
+                raise OversubscriptionRefused(size, live, cap, name) from e
+            raise
+        finally:
+            try:
+                self.api.end(self.device, pid)
+                self.ends += 1
+            finally:
+                self.api.release(self.device, pid)
+                self.releases += 1
+                with self._lock:
+                    self._routes.pop(tid, None)
+
+    def _set_advice_table(self, policy: Policy) -> None:
+        for t in DATA_TYPES:
+            self.source.set_advice(t, advice_entries(policy[t], self.device, self.runtime.codes))
+        self.policy = policy
+
+    def set_policy(self, policy: Policy) -> int:
+        """Switch policy: new segments get the new advice, live segments are re-advised now.
+
+        Returns the number of live segments re-advised. Call between steps (no route active).
+        """
+        if self.active_routes:
+            raise SessionStateError("cannot change the policy while allocations are routed")
+        self._set_advice_table(policy)
+        count = 0
+        codes = self.runtime.codes
+        for seg in self.source.segments():
+            calls = reset_entries(self.device, codes) + advice_entries(policy[seg.data_type], self.device, codes)
+            for code, loc_type, loc_id in calls:
+                self.runtime.advise(seg.ptr, seg.size, code, loc_type, loc_id)
+            count += 1
+        return count
+
+    def prefetch(self, data_type: DataType, processor: str) -> int:
+        """Prefetch every live segment of ``data_type`` to ``"gpu"`` or ``"cpu"``; returns bytes."""
+        codes = self.runtime.codes
+        loc = (codes.location_device, self.device) if processor == "gpu" else (codes.location_host, 0)
+        stream = self.runtime.current_stream()
+        total = 0
+        for seg in self.source.segments(data_type):
+            self.runtime.prefetch(seg.ptr, seg.size, loc[0], loc[1], stream)
+            total += seg.size
+        return total
+
+    def close(self) -> None:
+        """Drop every pool; idle segments are freed now, busy ones when their tensors die."""
+        if self.active_routes:
+            raise SessionStateError("cannot close while allocations are routed")
+        pools, self._pools = self._pools, {}
+        pools.clear()  # MemPool destructors release the pools and free their idle segments
+        self.api.empty_cache()

@@ -1,0 +1,274 @@
+"""Thin, typed access to the CUDA runtime for managed memory (CUDA 12 and 13).
+
+* Advice and prefetch go through ``cuda.bindings.runtime`` with a ``cudaMemLocation``: CuPy's own
+  ``memAdvise``/``memPrefetchAsync`` build a *device* location, so the host (-1) fails on CUDA 13.
+  The location-taking calls are ``cudaMemAdvise``/``cudaMemPrefetchAsync`` on CUDA 13 and
+  ``cudaMemAdvise_v2``/``cudaMemPrefetchAsync_v2`` on CUDA 12.2+.
+* CuPy provides standalone managed buffers and array views of segments.
+* The allocation shim (``_shim.c``) receives raw function addresses from the runtime library that
+  torch loaded, so one build serves both CUDA majors.
+
+Nothing here allocates at import time; CuPy and cuda-bindings are imported on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import torch
+
+from um_lab.errors import CudaUnavailableError, UnsupportedDeviceError
+
+GPU = "gpu"
+CPU = "cpu"
+
+
+def require_cuda() -> None:
+    """Raise :class:`CudaUnavailableError` (pointing to the simulator) unless CUDA is usable."""
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise CudaUnavailableError(f"this torch build ({torch.__version__}) has no CUDA support")
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError("no CUDA GPU is visible to torch")
+    for module, extra in (("cupy", "cuda12 or cuda13"), ("cuda.bindings.runtime", "cuda12 or cuda13")):
+        try:
+            __import__(module)
+        except ImportError as e:
+            raise CudaUnavailableError(
+                f"{module} is not installed ({e}); pip install 'um_lab[{extra.split()[0]}]' (or [cuda13])"
+            ) from None
+
+
+@functools.cache
+def _cudart() -> Any:
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+def _check(result: Any, what: str) -> Any:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[1]
+    return result[1:] if isinstance(result, tuple) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What the lab needs to know about a GPU."""
+
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    concurrent_managed_access: bool
+    compute_capability: tuple[int, int]
+    runtime_version: int
+
+
+def device_info(device: int) -> DeviceInfo:
+    """Read the GPU's name, memory and managed-memory capabilities."""
+    require_cuda()
+    rt = _cudart()
+    attr = rt.cudaDeviceAttr.cudaDevAttrConcurrentManagedAccess
+    concurrent = _check(rt.cudaDeviceGetAttribute(attr, device), "cudaDeviceGetAttribute")
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceInfo(
+        index=device,
+        name=torch.cuda.get_device_name(device),
+        total_bytes=int(total),
+        free_bytes=int(free),
+        concurrent_managed_access=bool(concurrent),
+        compute_capability=torch.cuda.get_device_capability(device),
+        runtime_version=runtime_version(),
+    )
+
+
+def check_device(info: DeviceInfo) -> None:
+    """Refuse GPUs without concurrent managed access (pre-Pascal, Windows, WSL) with a clear error."""
+    if not info.concurrent_managed_access:
+        raise UnsupportedDeviceError(
+            f"GPU {info.index} ({info.name}) has no concurrent managed access: the CPU cannot touch "
+            "managed memory while kernels run, so per-type advice and prefetch do not apply (this is "
+            "the case on Windows, WSL and pre-Pascal GPUs). Use the simulator backend instead."
+        )
+
+
+def mem_get_info(device: int) -> tuple[int, int]:
+    """(free, total) bytes of the GPU, as the driver reports them."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
+# ---- the runtime library torch uses, for the C shim ----
+
+
+def _loaded_cudart_path() -> str | None:
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "libcudart.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def runtime_library() -> ctypes.CDLL:
+    """The CUDA runtime library already loaded by torch (falls back to the CUDA path finder)."""
+    torch.cuda.init()
+    path = _loaded_cudart_path()
+    if path is None:
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            path = load_nvidia_dynamic_lib("cudart").abs_path
+        except Exception as e:  # noqa: BLE001 - any failure means "not found"
+            raise CudaUnavailableError(f"cannot locate the CUDA runtime library (libcudart): {e}") from None
+    return ctypes.CDLL(path)
+
+
+@functools.cache
+def runtime_version() -> int:
+    """CUDA runtime version as an int (e.g. 13000)."""
+    version = ctypes.c_int(0)
+    err = runtime_library().cudaRuntimeGetVersion(ctypes.byref(version))
+    if err != 0:
+        raise RuntimeError(f"cudaRuntimeGetVersion failed with error {err}")
+    return version.value
+
+
+def shim_function_addresses() -> tuple[int, int, int]:
+    """Addresses of cudaMallocManaged, cudaFree and the location-taking cudaMemAdvise."""
+    lib = runtime_library()
+    advise_name = "cudaMemAdvise" if runtime_version() >= 13000 else "cudaMemAdvise_v2"
+    try:
+        advise = getattr(lib, advise_name)
+    except AttributeError:
+        raise UnsupportedDeviceError(
+            f"the CUDA runtime ({runtime_version()}) lacks {advise_name}; CUDA 12.2 or newer is needed"
+        ) from None
+
+    def addr(fn: Any) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+    return addr(lib.cudaMallocManaged), addr(lib.cudaFree), addr(advise)
+
+
+# ---- advice and prefetch from Python (re-applying a policy, phase prefetches) ----
+
+
+def advice_code(name: str) -> int:
+    """The ``cudaMemoryAdvise`` enum value for e.g. ``"SetPreferredLocation"``."""
+    return int(getattr(_cudart().cudaMemoryAdvise, f"cudaMemAdvise{name}"))
+
+
+def location_code(processor: str) -> int:
+    """The ``cudaMemLocationType`` enum value for ``"gpu"`` or ``"cpu"``."""
+    kind = "Device" if processor == GPU else "Host"
+    return int(getattr(_cudart().cudaMemLocationType, f"cudaMemLocationType{kind}"))
+
+
+def location(processor: str, device: int) -> Any:
+    """A ``cudaMemLocation`` for the GPU ``device`` or the host."""
+    rt = _cudart()
+    loc = rt.cudaMemLocation()
+    loc.type = rt.cudaMemLocationType(location_code(processor))
+    loc.id = device if processor == GPU else 0
+    return loc
+
+
+def _location_api(name: str) -> Any:
+    rt = _cudart()
+    return getattr(rt, f"{name}_v2", None) or getattr(rt, name)
+
+
+def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
+    """``cudaMemAdvise`` with a location (works for the host on CUDA 12 and 13)."""
+    rt = _cudart()
+    fn = _location_api("cudaMemAdvise")
+    code = rt.cudaMemoryAdvise(advice_code(advice))
+    _check(fn(ptr, nbytes, code, location(processor, device)), f"cudaMemAdvise({advice}, {processor})")
+
+
+def prefetch(ptr: int, nbytes: int, processor: str, device: int, stream: int = 0) -> None:
+    """``cudaMemPrefetchAsync`` to the GPU or the host on ``stream`` (a raw stream handle)."""
+    fn = _location_api("cudaMemPrefetchAsync")
+    _check(fn(ptr, nbytes, location(processor, device), 0, stream), f"cudaMemPrefetchAsync({processor})")
+
+
+def synchronize() -> None:
+    """Wait for all work on the current device."""
+    torch.cuda.synchronize()
+
+
+# ---- standalone managed buffers through CuPy (experiments, telemetry checks) ----
+
+
+def malloc_managed(nbytes: int) -> Any:
+    """A managed buffer from CuPy (``cupy.cuda.MemoryPointer``); freed when it is garbage collected.
+
+    Not capped: for small experiments only. Training tensors go through :class:`ManagedPools`.
+    """
+    import cupy
+
+    return cupy.cuda.malloc_managed(nbytes)
+
+
+def managed_array(ptr: int, nbytes: int, dtype: Any = "float32", owner: Any = None) -> Any:
+    """A CuPy array view over managed memory at ``ptr`` (no copy, no ownership)."""
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner)
+    itemsize = cupy.dtype(dtype).itemsize
+    return cupy.ndarray((nbytes // itemsize,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+class CudaRuntime:
+    """The real ``Runtime`` for :class:`um_lab.cuda.allocator.ManagedPools` (enum codes, raw calls)."""
+
+    def __init__(self) -> None:
+        from um_lab.cuda.allocator import AdviceCodes
+
+        self.codes = AdviceCodes(
+            set_read_mostly=advice_code("SetReadMostly"),
+            unset_read_mostly=advice_code("UnsetReadMostly"),
+            set_preferred_location=advice_code("SetPreferredLocation"),
+            unset_preferred_location=advice_code("UnsetPreferredLocation"),
+            set_accessed_by=advice_code("SetAccessedBy"),
+            unset_accessed_by=advice_code("UnsetAccessedBy"),
+            location_device=location_code(GPU),
+            location_host=location_code(CPU),
+        )
+
+    @staticmethod
+    def _location(location_type: int, location_id: int) -> Any:
+        rt = _cudart()
+        loc = rt.cudaMemLocation()
+        loc.type = rt.cudaMemLocationType(location_type)
+        loc.id = location_id
+        return loc
+
+    def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None:
+        """Raw ``cudaMemAdvise`` with a location."""
+        rt = _cudart()
+        fn = _location_api("cudaMemAdvise")
+        loc = self._location(location_type, location_id)
+        _check(fn(ptr, nbytes, rt.cudaMemoryAdvise(code), loc), f"cudaMemAdvise(advice={code})")
+
+    def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
+        """Raw ``cudaMemPrefetchAsync`` with a location."""
+        fn = _location_api("cudaMemPrefetchAsync")
+        loc = self._location(location_type, location_id)
+        _check(fn(ptr, nbytes, loc, 0, stream), "cudaMemPrefetchAsync")
+
+    def current_stream(self) -> int:
+        """torch's current stream as a raw handle."""
+        return int(torch.cuda.current_stream().cuda_stream)

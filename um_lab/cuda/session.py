@@ -1,0 +1,428 @@
+"""Session: wrap ordinary PyTorch training so every CUDA tensor lives in managed memory, per type.
+
+::
+
+    with um_lab.Session("um-default") as lab:      # cap: free GPU memory minus a reserve
+        model = lab.place(model)                    # parameters and buffers -> param pool
+        opt = lab.attach(model, opt)                # gradients -> grad pool, optimizer state -> optim
+        for x, y in batches:
+            x, y = lab.inputs(x, y)                 # -> input pool
+            record = lab.step(lambda: loss_fn(model(x), y), opt)   # forward + backward -> act pool
+
+Backward runs on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), so its
+temporaries are routed into the act pool by the same begin/end pair as the forward pass, and an
+exception or Ctrl-C anywhere in a step ends the routing. Gradients are pre-allocated in the grad pool
+and accumulated in place (``zero_grad(set_to_none=False)``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
+from um_lab.errors import SessionStateError
+from um_lab.policy import Policy, get_policy
+from um_lab.types import DataType, StepRecord
+
+#: Which types each phase touches first: "to-gpu-before-use" prefetches happen at these boundaries.
+PHASE_TYPES: dict[str, tuple[DataType, ...]] = {
+    "before_forward": (DataType.PARAM, DataType.INPUT, DataType.ACT),
+    "before_backward": (DataType.GRAD,),
+    "before_optimizer": (DataType.OPTIM,),
+}
+
+
+class _SegmentIndex:
+    """Address -> data type lookups over a snapshot of the live segments (bisect, not a scan)."""
+
+    def __init__(self, source: SegmentSource) -> None:
+        segs = sorted(source.segments(), key=lambda s: s.ptr)
+        self._starts = [s.ptr for s in segs]
+        self._segs = segs
+
+    def data_type_of(self, address: int) -> DataType | None:
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0 and self._segs[i].contains(address):
+            return self._segs[i].data_type
+        return None
+
+
+class Session:
+    """A managed-memory training session on one GPU (see the module docstring)."""
+
+    _open_lock = threading.Lock()
+    _open_session: Session | None = None
+
+    def __init__(
+        self,
+        policy: Policy | str = "um-default",
+        *,
+        device: int | None = None,
+        cap_bytes: int | None = None,
+        allow_oversubscription: bool = False,
+        evacuate_on_close: bool = True,
+        _pool_api: PoolAPI | None = None,
+        _runtime: Runtime | None = None,
+        _source: SegmentSource | None = None,
+        _device_memory: tuple[int, int] | None = None,
+    ) -> None:
+        self.policy = get_policy(policy)
+        if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
+            raise ValueError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}")
+        if device is not None and (not isinstance(device, int) or device < 0):
+            raise ValueError(f"device must be a non-negative GPU index, got {device!r}")
+        self.allow_oversubscription = bool(allow_oversubscription)
+        self.evacuate_on_close = evacuate_on_close
+        self._requested_cap = cap_bytes
+        self._requested_device = device
+        self._pool_api = _pool_api
+        self._runtime = _runtime
+        self._source = _source
+        self._device_memory = _device_memory
+        self._pools: ManagedPools | None = None
+        self._real = _pool_api is None
+        self._modules: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self.device: torch.device | None = None
+        self.cap_bytes: int | None = None
+        self.gpu_capacity_bytes = 0
+        self.baseline_live_bytes = 0
+        self.steps_done = 0
+        self.last_record: StepRecord | None = None
+        self.on_step: list[Callable[[StepRecord], None]] = []
+
+    # ---- lifecycle ----
+
+    @property
+    def is_open(self) -> bool:
+        """True between :meth:`open` and :meth:`close`."""
+        return self._pools is not None
+
+    def open(self) -> Session:
+        """Check the GPU, set the cap, warm up cuBLAS outside the pools, create the pools."""
+        if self.is_open:
+            raise SessionStateError("this session is already open")
+        with Session._open_lock:
+            if Session._open_session is not None:
+                raise SessionStateError("another um_lab Session is open in this process; close it first")
+            Session._open_session = self
+        try:
+            self._open()
+        except BaseException:
+            with Session._open_lock:
+                Session._open_session = None
+            raise
+        return self
+
+    def _open(self) -> None:
+        fake = self._pool_api is not None
+        if fake:
+            index = self._requested_device or 0
+            self.device = torch.device("cpu")
+            free, total = self._device_memory or (64 << 30, 80 << 30)
+            source = self._source or SegmentSource()
+            runtime = self._runtime
+        else:
+            from um_lab.cuda import driver
+
+            driver.require_cuda()
+            index = torch.cuda.current_device() if self._requested_device is None else self._requested_device
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device {index} does not exist; {torch.cuda.device_count()} GPU(s) visible")
+            torch.cuda.set_device(index)
+            info = driver.device_info(index)
+            driver.check_device(info)
+            free, total = info.free_bytes, info.total_bytes
+            self.device = torch.device("cuda", index)
+            source = self._source or SegmentSource()
+            source.configure(*driver.shim_function_addresses())
+            runtime = self._runtime or driver.CudaRuntime()
+            _warm_up_outside_pools(self.device)
+        self.gpu_capacity_bytes = total
+        self.baseline_live_bytes = source.stats()["live_total"]
+        cap = self._requested_cap if self._requested_cap is not None else default_cap(free, total)
+        self.cap_bytes = cap
+        pools = ManagedPools(index, self._pool_api or TorchPoolAPI(), runtime, source)
+        pools.open(self.policy, cap, self.allow_oversubscription)
+        self._pools = pools
+
+    def close(self) -> int:
+        """Release every pool and free every managed segment no tensor holds any more.
+
+        Registered models and optimizers are first moved to ordinary CUDA memory (unless
+        ``evacuate_on_close=False``), so they stay usable. Returns managed bytes still held by
+        tensors the caller keeps (0 normally); they are freed once those tensors die.
+        """
+        if not self.is_open:
+            return 0
+        pools = self._pools
+        assert pools is not None
+        try:
+            if self.evacuate_on_close:
+                self._evacuate()
+            self._modules.clear()
+            self._optimizers.clear()
+            gc.collect()
+            pools.close()
+        finally:
+            self._pools = None
+            with Session._open_lock:
+                if Session._open_session is self:
+                    Session._open_session = None
+        residual = pools.source.stats()["live_total"] - self.baseline_live_bytes
+        if residual > 0:
+            warnings.warn(
+                f"{residual} managed bytes are still held by tensors you keep (inputs, losses, "
+                "activations); they are freed once those tensors are deleted and "
+                "torch.cuda.empty_cache() runs.",
+                ResourceWarning,
+                stacklevel=2,
+            )
+        return max(0, residual)
+
+    def __enter__(self) -> Session:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_open(self) -> ManagedPools:
+        if self._pools is None:
+            raise SessionStateError("the session is not open; use `with Session(...) as lab:` or .open()")
+        return self._pools
+
+    # ---- placing training data ----
+
+    def place(self, module: nn.Module) -> nn.Module:
+        """Move ``module``'s parameters and buffers into the param pool; returns the module."""
+        pools = self._require_open()
+        with pools.route(DataType.PARAM):
+            module.to(self.device)
+            index = _SegmentIndex(pools.source)
+            for tensor in _module_tensors(module):
+                if index.data_type_of(tensor.data_ptr()) is not DataType.PARAM and self._is_device(tensor):
+                    tensor.data = tensor.data.clone()
+        if module not in self._modules:
+            self._modules.append(module)
+        return module
+
+    def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Pre-allocate ``module``'s gradients in the grad pool and adopt ``optimizer``'s state."""
+        pools = self._require_open()
+        if module not in self._modules:
+            self.place(module)
+        self._ensure_grads(module)
+        existing = [v for st in optimizer.state.values() for v in st.values() if _is_tensor(v)]
+        if existing:
+            with pools.route(DataType.OPTIM):
+                index = _SegmentIndex(pools.source)
+                for state in optimizer.state.values():
+                    for key, value in state.items():
+                        if _is_tensor(value) and self._is_device(value):
+                            if index.data_type_of(value.data_ptr()) is not DataType.OPTIM:
+                                state[key] = value.clone()
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+        return optimizer
+
+    def inputs(self, *tensors: Any) -> Any:
+        """Copy tensors to the GPU into the input pool (non-tensors pass through).
+
+        Returns one value for one argument, else a tuple.
+        """
+        pools = self._require_open()
+        with pools.route(DataType.INPUT):
+            out = tuple(t.to(self.device, copy=True) if _is_tensor(t) else t for t in tensors)
+        return out[0] if len(out) == 1 else out
+
+    def _ensure_grads(self, module: nn.Module) -> None:
+        pools = self._require_open()
+        params = [p for p in module.parameters() if p.requires_grad]
+        index = _SegmentIndex(pools.source)
+        missing = [
+            p for p in params
+            if p.grad is None or (self._is_device(p.grad) and index.data_type_of(p.grad.data_ptr()) is not DataType.GRAD)
+        ]
+        if not missing:
+            return
+        with pools.route(DataType.GRAD):
+            for p in missing:
+                grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if p.grad is not None:
+                    grad.copy_(p.grad)
+                p.grad = grad
+
+    def _is_device(self, tensor: torch.Tensor) -> bool:
+        """True for tensors on this session's GPU (never with a fake driver: nothing is managed)."""
+        return self._real and self.device is not None and tensor.device == self.device
+
+    # ---- the training step ----
+
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        zero_grad: bool = True,
+    ) -> StepRecord:
+        """One training step: ``closure()`` (forward, returns the loss), backward, ``optimizer.step()``.
+
+        Timed with CUDA events; the policy's prefetches run at the phase boundaries. Returns the
+        step's :class:`StepRecord` (also passed to every callback in ``on_step``).
+        """
+        pools = self._require_open()
+        if optimizer not in self._optimizers:
+            raise SessionStateError("attach the optimizer first: opt = lab.attach(model, opt)")
+        for module in self._modules:
+            self._ensure_grads(module)
+        timer = _StepTimer(self.device)
+        timer.start()
+        self._prefetch_phase("before_forward")
+        with pools.route(DataType.ACT):
+            loss = closure()
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise TypeError(
+                    "the step closure must return a scalar loss tensor that requires grad, got "
+                    f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+                )
+            self._prefetch_phase("before_backward")
+            with torch.autograd.set_multithreading_enabled(False):
+                loss.backward()
+        self._prefetch_phase("before_optimizer")
+        with pools.route(DataType.OPTIM):
+            optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=False)
+        self._prefetch_to_cpu_after_use()
+        wall_ms = timer.stop()
+        record = StepRecord(
+            step=self.steps_done,
+            wall_ms=wall_ms,
+            live_bytes=pools.source.live_bytes(),
+            cap_bytes=None if self.allow_oversubscription else self.cap_bytes,
+            gpu_capacity_bytes=self.gpu_capacity_bytes,
+            backend="cuda",
+            policy=self.policy.name,
+            loss=float(loss.detach()),
+            telemetry="unavailable: telemetry not enabled",
+        )
+        self.steps_done += 1
+        self.last_record = record
+        for callback in self.on_step:
+            callback(record)
+        return record
+
+    def _prefetch_phase(self, phase: str) -> None:
+        pools = self._require_open()
+        for t in PHASE_TYPES[phase]:
+            if self.policy[t].prefetch == "to-gpu-before-use":
+                pools.prefetch(t, "gpu")
+
+    def _prefetch_to_cpu_after_use(self) -> None:
+        pools = self._require_open()
+        for t in DataType:
+            if self.policy[t].prefetch == "to-cpu-after-use":
+                pools.prefetch(t, "cpu")
+
+    # ---- policy and inspection ----
+
+    def set_policy(self, policy: Policy | str) -> int:
+        """Switch policy mid-session: new segments and all live ones get the new advice.
+
+        Returns the number of live segments re-advised.
+        """
+        pools = self._require_open()
+        new = get_policy(policy)
+        count = pools.set_policy(new)
+        self.policy = new
+        return count
+
+    def live_bytes(self) -> dict[str, int]:
+        """Live managed bytes per data type."""
+        return self._require_open().source.live_bytes()
+
+    def data_type_of(self, tensor: torch.Tensor) -> DataType | None:
+        """Which pool holds ``tensor`` (None: not in managed memory)."""
+        return self._require_open().source.data_type_of(tensor.data_ptr())
+
+    def stats(self) -> dict[str, Any]:
+        """The segment source's counters (allocations, frees, refusals, live bytes)."""
+        return self._require_open().source.stats()
+
+    # ---- close helpers ----
+
+    def _evacuate(self) -> None:
+        """Copy registered model and optimizer tensors out of managed memory (ordinary CUDA memory)."""
+        pools = self._pools
+        assert pools is not None
+        index = _SegmentIndex(pools.source)
+
+        def managed(t: torch.Tensor) -> bool:
+            return self._is_device(t) and index.data_type_of(t.data_ptr()) is not None
+
+        with torch.no_grad():
+            for module in self._modules:
+                for tensor in _module_tensors(module):
+                    if managed(tensor):
+                        tensor.data = tensor.data.clone()
+                for p in module.parameters():
+                    if p.grad is not None and managed(p.grad):
+                        p.grad = p.grad.clone()
+            for optimizer in self._optimizers:
+                for state in optimizer.state.values():
+                    for key, value in state.items():
+                        if _is_tensor(value) and managed(value):
+                            state[key] = value.clone()
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _module_tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+class _StepTimer:
+    """CUDA events on a GPU; a wall clock on the CPU (fake-driver tests)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            import time
+
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            return float(self._start.elapsed_time(self._end))
+        import time
+
+        return (time.perf_counter() - self._t0) * 1e3
+
+
+def _warm_up_outside_pools(device: torch.device) -> None:
+    """Create cuBLAS handles and workspaces now, in ordinary memory, not in a managed pool."""
+    a = torch.ones(64, 64, device=device, requires_grad=True)
+    b = torch.ones(64, 64, device=device)
+    with torch.autograd.set_multithreading_enabled(False):
+        (torch.nn.functional.linear(a, b, b[0]) @ b).sum().backward()
+    torch.bmm(a.detach()[None], b[None])
+    torch.cuda.synchronize(device)
