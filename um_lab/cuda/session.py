@@ -18,10 +18,11 @@ and accumulated in place (``zero_grad(set_to_none=False)``).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -282,7 +283,8 @@ class Session:
         if optimizer not in self._optimizers:
             raise SessionStateError("attach the optimizer first: opt = lab.attach(model, opt)")
         for module in self._modules:
-            self._ensure_grads(module)
+            if any(p.grad is None for p in module.parameters() if p.requires_grad):
+                self._ensure_grads(module)  # the caller set gradients to None: re-create them in place
         timer = _StepTimer(self.device)
         timer.start()
         self._prefetch_phase("before_forward")
@@ -331,6 +333,12 @@ class Session:
         for t in DataType:
             if self.policy[t].prefetch == "to-cpu-after-use":
                 pools.prefetch(t, "cpu")
+
+    @contextlib.contextmanager
+    def allocating(self, data_type: DataType | str) -> Iterator[None]:
+        """Route this thread's CUDA allocations into ``data_type``'s pool (e.g. extra buffers)."""
+        with self._require_open().route(DataType.parse(data_type)):
+            yield
 
     # ---- policy and inspection ----
 

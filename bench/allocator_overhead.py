@@ -1,0 +1,182 @@
+"""Allocator overhead on a real GPU: native PyTorch vs um_lab (um-default) vs the naive global pool.
+
+Each (model, mode) runs in a fresh process: the naive way swaps a CuPy ``MemoryPool(malloc_managed)``
+in as torch's global allocator, which only works before CUDA is initialised. Every mode runs the
+same loop (copy the batch to the GPU, forward, backward, AdamW step, zero_grad) with a synchronise
+around each step, and reports the median over the timed steps.
+
+    python bench/allocator_overhead.py [--steps 20] [--warmup 5] [--models mlp resnet50 gpt2-medium]
+
+Prints a table and writes bench/results/allocator_overhead.json. Bar: um_lab / native <= 1.01.
+The um_lab safety cap is on; the naive mode has no cap, so the models stay far below the card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
+MODES = ("native", "um_lab", "naive")
+NAIVE_LIMIT = 60 << 30  # the naive pool's own abort counter: far below the card
+
+
+def _install_naive_allocator() -> None:
+    import cupy
+    import torch
+
+    pool = cupy.cuda.MemoryPool(cupy.cuda.malloc_managed)
+    live: dict[int, object] = {}
+    alloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    free_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+    @alloc_t
+    def alloc(size, device, stream):
+        if pool.total_bytes() + size > NAIVE_LIMIT:
+            return None
+        mem = pool.malloc(size)
+        live[mem.ptr] = mem
+        return mem.ptr
+
+    @free_t
+    def free(ptr, size, device, stream):
+        live.pop(ptr, None)
+
+    _install_naive_allocator.keep = (alloc, free, pool, live)  # type: ignore[attr-defined]
+    raw = torch._C._cuda_customAllocator(ctypes.cast(alloc, ctypes.c_void_p).value,
+                                         ctypes.cast(free, ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(torch.cuda.memory._CUDAAllocator(raw))
+
+
+def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
+    """Run one (mode, model) in this process; returns median step time and last loss."""
+    if mode == "naive":
+        _install_naive_allocator()
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from um_lab.models import get_model
+
+    case = get_model(model_name, **MODELS[model_name])
+    torch.manual_seed(0)
+    model = case.build_model()
+    batch_cpu = case.batch(0)
+    times: list[float] = []
+    loss_value = float("nan")
+    if mode == "um_lab":
+        from um_lab.cuda.session import Session
+
+        with Session("um-default", evacuate_on_close=False) as lab:
+            model = lab.place(model)
+            opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+            for i in range(warmup + steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                batch = lab.inputs(*batch_cpu)
+                batch = batch if isinstance(batch, tuple) else (batch,)
+                rec = lab.step(lambda: case.loss_fn(model, *batch), opt)
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+                loss_value = rec.loss
+                del batch
+            stats = lab.stats()
+            extra = {"segments": stats["segments"], "managed_GiB": round(stats["live_total"] / 2**30, 2),
+                     "cap_GiB": round(lab.cap_bytes / 2**30, 1)}
+            del model, opt
+    else:
+        model = model.cuda()
+        opt = case.make_optimizer(list(model.parameters()))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            batch = tuple(t.cuda() for t in batch_cpu)
+            loss = case.loss_fn(model, *batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            loss_value = float(loss)
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        extra = {}
+    return {"mode": mode, "model": model_name, "median_ms": statistics.median(times) * 1e3,
+            "loss": loss_value, **extra}
+
+
+def versions() -> dict:
+    """Library and device versions, read in a child process so this one never touches CUDA."""
+    code = (
+        "import json,sys,torch,cupy;from cuda import bindings;"
+        "print(json.dumps({'python':sys.version.split()[0],'torch':torch.__version__,"
+        "'cuda':torch.version.cuda,'cupy':cupy.__version__,'cuda_bindings':bindings.__version__,"
+        "'device':torch.cuda.get_device_name(0)}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allocator_overhead.json")
+    parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup)), flush=True)
+        return
+    info = versions()
+    rows = []
+    for model_name in args.models:
+        results = {}
+        for mode in MODES:
+            cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
+            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  {model_name:12s} {mode:7s} {results[mode]['median_ms']:9.2f} ms", flush=True)
+        native = results["native"]["median_ms"]
+        rows.append({
+            "model": model_name,
+            "native_ms": round(native, 3),
+            "um_lab_ms": round(results["um_lab"]["median_ms"], 3),
+            "naive_ms": round(results["naive"]["median_ms"], 3),
+            "um_lab_over_native": round(results["um_lab"]["median_ms"] / native, 4),
+            "naive_over_native": round(results["naive"]["median_ms"] / native, 4),
+            "losses_equal": results["um_lab"]["loss"] == results["native"]["loss"],
+            "um_lab_segments": results["um_lab"].get("segments"),
+            "um_lab_managed_GiB": results["um_lab"].get("managed_GiB"),
+        })
+    report = {
+        "device": info["device"],
+        "versions": {k: v for k, v in info.items() if k != "device"},
+        "date": datetime.date.today().isoformat(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{'model':12s} {'native ms':>10s} {'um_lab ms':>10s} {'naive ms':>10s} {'um_lab/native':>14s}")
+    for r in rows:
+        print(f"{r['model']:12s} {r['native_ms']:10.2f} {r['um_lab_ms']:10.2f} {r['naive_ms']:10.2f} "
+              f"{r['um_lab_over_native']:14.4f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
