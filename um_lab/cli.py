@@ -1,0 +1,367 @@
+"""``um-lab``: run, compare, calibrate, and start the notebooks from a shell.
+
+::
+
+    um-lab run --model mlp --model-kw width=1024 --policy gpu-first --backend sim --steps 50
+    um-lab compare --models mlp gpt2-small --policies um-default gpu-first --ratios 0.8 1.5 --csv out.csv
+    um-lab calibrate --out calibration/my-gpu.json        # needs a CUDA GPU
+    um-lab lab                                            # JupyterLab on notebooks/, 127.0.0.1, token on
+    um-lab show runs/<run folder>                         # a run's status and summary
+    um-lab models | um-lab policies                       # what can be named
+
+``--backend auto`` (the default) picks cuda when a GPU is available, else sim; the choice is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from um_lab.errors import UmLabError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
+                   "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
+
+
+class CliError(UmLabError):
+    """A problem the user can fix; printed as ``um-lab: error: ...`` with exit status 2."""
+
+
+# -------------------------------------------------------------------------------------- parsing
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` -> 1500000000; plain numbers are bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (examples: 8GiB, 512MiB, 1.5GB, 1048576)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
+    return value
+
+
+def parse_ratio(text: str) -> float | None:
+    """An oversubscription ratio (> 0), or ``none`` for the profile's card."""
+    if text.lower() in ("none", "-"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a ratio: {text!r} (a number > 0, or none)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"ratio must be > 0: {text!r}")
+    return value
+
+
+def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``["width=1024", "n_layer=2"]`` -> ``{"width": 1024, "n_layer": 2}`` (JSON values, else text)."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"--model-kw expects KEY=VALUE, got {pair!r}")
+        try:
+            kwargs[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            kwargs[key.strip()] = raw
+    return kwargs
+
+
+def load_policy_arg(value: str) -> Any:
+    """A preset name, or a path to a policy JSON file."""
+    from um_lab.policy import Policy, get_policy
+
+    if value.endswith(".json") or Path(value).is_file():
+        path = Path(value)
+        if not path.is_file():
+            raise CliError(f"policy file {value!r} not found")
+        return Policy.load(path)
+    return get_policy(value)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", help="cuda, sim or auto (cuda when available, else sim)")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per run (default 20)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps, recorded but not summarised")
+    p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the model's)")
+    p.add_argument("--model-kw", action="append", metavar="KEY=VALUE",
+                   help="a model size knob, repeatable (e.g. width=1024, seq_len=256, n_layer=2)")
+    p.add_argument("--capacity", type=parse_bytes, default=None,
+                   help="simulated GPU capacity, e.g. 16GiB (sim only; default: the profile's card)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs", help="folder for run logs (default: runs/)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``um-lab`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="um-lab", description="CUDA Unified Memory lab: per-data-type advice, real GPU or simulated.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run one model under one policy and log every step")
+    p.add_argument("--model", default="mlp", help="zoo name (see `um-lab models`)")
+    p.add_argument("--policy", default="um-default", help="preset name or policy JSON file")
+    p.add_argument("--ratio", type=parse_ratio, default=None, help="simulated oversubscription ratio")
+    _add_run_options(p)
+
+    p = sub.add_parser("compare", help="sweep models x policies x ratios; table, CSV/Parquet")
+    p.add_argument("--models", nargs="+", default=["mlp"], help="zoo names")
+    p.add_argument("--policies", nargs="+", default=["um-default", "gpu-first"],
+                   help="preset names or policy JSON files (um-default is added as the baseline)")
+    p.add_argument("--ratios", nargs="+", type=parse_ratio, default=[None],
+                   help="simulated oversubscription ratios (sim only); 'none' = the profile's card")
+    p.add_argument("--csv", type=Path, help="write the table as CSV")
+    p.add_argument("--parquet", type=Path, help="write the table as Parquet (needs pyarrow)")
+    p.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
+    _add_run_options(p)
+
+    p = sub.add_parser("calibrate", help="measure this GPU and write a simulator calibration profile")
+    p.add_argument("--out", type=Path, default=Path("calibration/profile.json"), help="profile JSON path")
+    p.add_argument("--name", default=None, help="profile name (default: the GPU's name)")
+
+    p = sub.add_parser("lab", help="start JupyterLab on the notebooks (127.0.0.1, token auth on)")
+    p.add_argument("--notebooks", type=Path, default=None, help="notebook folder (default: notebooks/)")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--no-browser", action="store_true")
+
+    p = sub.add_parser("show", help="status and summary of a run folder")
+    p.add_argument("path", type=Path)
+
+    sub.add_parser("models", help="list the model zoo and its size knobs")
+    sub.add_parser("policies", help="list the policy presets")
+    return parser
+
+
+# ------------------------------------------------------------------------------------- commands
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _announce_backend(requested: str) -> str:
+    from um_lab.backend import resolve_backend_name
+    from um_lab.runner import backend_note
+
+    resolved = resolve_backend_name(requested)
+    _say(f"backend: {backend_note(requested, resolved)}")
+    return resolved
+
+
+def _format_table(table: Any) -> str:
+    columns = [c for c in SUMMARY_COLUMNS if c in table.columns]
+    return table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``um-lab run``."""
+    from tqdm.auto import tqdm
+
+    from um_lab.runner import Run
+    from um_lab.types import RunSpec
+
+    policy = load_policy_arg(args.policy)
+    _announce_backend(args.backend)
+    spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
+                   warmup_steps=args.warmup, batch_size=args.batch_size,
+                   model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
+                   oversubscription_ratio=args.ratio, seed=args.seed)
+    active = Run(spec, policy=policy, out_dir=args.out)
+    _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
+         f"{active.path}")
+    bar = tqdm(total=args.warmup + args.steps, unit="step", disable=args.no_progress)
+    try:
+        for record in active:
+            bar.set_postfix_str(f"{record.wall_ms:.2f} ms{' (warm-up)' if record.warmup else ''}")
+            bar.update(1)
+    except KeyboardInterrupt:
+        bar.close()
+        _say(f"interrupted: {active.steps_completed} completed steps kept in {active.path}")
+        return EXIT_INTERRUPTED
+    bar.close()
+    summary = active.summary()
+    _say(f"status: {active.status}")
+    for key in ("steps", "median_ms", "mean_ms", "p90_ms", "migrated_bytes", "gpu_page_faults",
+                "evictions", "peak_live_bytes", "oversubscription", "last_loss"):
+        value = summary[key]
+        _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+    _say(f"log: {active.path}")
+    return EXIT_OK
+
+
+def _check_exports(args: argparse.Namespace) -> None:
+    if args.parquet is not None and importlib.util.find_spec("pyarrow") is None:
+        raise CliError("--parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
+                       "or export with --csv instead")
+    for path in (args.csv, args.parquet):
+        if path is not None and not path.parent.exists():
+            raise CliError(f"cannot write {path}: folder {path.parent} does not exist")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``um-lab compare``."""
+    from um_lab.runner import compare
+
+    _check_exports(args)  # before the sweep, not after it
+    policies = [load_policy_arg(p) for p in args.policies]
+    backend = _announce_backend(args.backend)
+    table = compare(args.models, policies, args.ratios, backend=backend, steps=args.steps,
+                    warmup_steps=args.warmup, batch_size=args.batch_size,
+                    model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
+                    seed=args.seed, out_dir=args.out, progress=not args.no_progress,
+                    keep_going=args.keep_going)
+    _say(_format_table(table))
+    _say(f"runs: {table.attrs['sweep_dir']}")
+    if args.csv is not None:
+        table.to_csv(args.csv, index=False)
+        _say(f"csv: {args.csv}")
+    if args.parquet is not None:
+        table.to_parquet(args.parquet, index=False)
+        _say(f"parquet: {args.parquet}")
+    return EXIT_OK if (table["status"] == "complete").all() else EXIT_FAILED
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``um-lab calibrate``: delegate to ``um_lab.sim.calibration.calibrate`` on a real GPU."""
+    from um_lab.backend import cuda_available
+
+    if not cuda_available():
+        raise CliError("calibrate needs CUDA: run it on a machine with an NVIDIA GPU and a CUDA build of "
+                       "torch. The simulator's default (H200) profile needs no calibration.")
+    try:
+        from um_lab.sim.calibration import calibrate
+    except ImportError as e:
+        raise CliError(f"calibration is not available in this um_lab ({e})") from None
+    accepted = inspect.signature(calibrate).parameters
+    kwargs: dict[str, Any] = {}
+    for key in ("out", "path", "output"):
+        if key in accepted:
+            kwargs[key] = args.out
+            break
+    if args.name is not None and "name" in accepted:
+        kwargs["name"] = args.name
+    _say("calibrating: measuring host<->GPU transfers and faults (takes a minute)...")
+    profile = calibrate(**kwargs)
+    if not args.out.exists():
+        _write_profile(profile, args.out)
+    _say(f"profile: {args.out}")
+    return EXIT_OK
+
+
+def _write_profile(profile: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if hasattr(profile, "save"):
+        profile.save(path)
+        return
+    if hasattr(profile, "to_dict"):
+        profile = profile.to_dict()
+    elif hasattr(profile, "__dataclass_fields__"):
+        import dataclasses
+
+        profile = dataclasses.asdict(profile)
+    path.write_text(json.dumps(profile, indent=2, default=str) + "\n")
+
+
+def default_notebooks_dir() -> Path:
+    """``notebooks/`` beside the um_lab package (a source checkout), else under the current folder."""
+    import um_lab
+
+    beside = Path(um_lab.__file__).resolve().parent.parent / "notebooks"
+    return beside if beside.is_dir() else Path.cwd() / "notebooks"
+
+
+def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = False) -> list[str]:
+    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on."""
+    cmd = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.root_dir={notebooks}"]
+    if port is not None:
+        cmd.append(f"--ServerApp.port={port}")
+    if no_browser:
+        cmd.append("--no-browser")
+    return cmd
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    """``um-lab lab``."""
+    if importlib.util.find_spec("jupyterlab") is None:
+        raise CliError("jupyterlab is not installed: `pip install 'um_lab[notebook]'` (or pip install "
+                       "jupyterlab), then run `um-lab lab` again")
+    notebooks = (args.notebooks or default_notebooks_dir()).resolve()
+    if not notebooks.is_dir():
+        raise CliError(f"notebook folder {notebooks} not found (pass --notebooks DIR)")
+    cmd = lab_command(notebooks, args.port, args.no_browser)
+    _say(f"starting JupyterLab on {notebooks} (127.0.0.1 only; open the URL with the token it prints)")
+    return subprocess.call(cmd)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """``um-lab show``."""
+    from um_lab.runner import load
+
+    loaded = load(args.path)
+    _say(f"{loaded.path}: {loaded.spec.model} under {loaded.spec.policy} on "
+         f"{loaded.environment.get('backend', '?')}, state {loaded.state}, "
+         f"{loaded.status.get('steps_completed', '?')}/{loaded.status.get('steps_planned', '?')} steps")
+    if loaded.status.get("error"):
+        _say(f"error: {loaded.status['error']}")
+    for key, value in loaded.summary().items():
+        _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+    return EXIT_OK
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """``um-lab models``."""
+    from um_lab.models import describe_models
+
+    for name, knobs in describe_models().items():
+        _say(f"{name:12s} {knobs}")
+    return EXIT_OK
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    """``um-lab policies``."""
+    from um_lab.policy import presets
+
+    for name, policy in presets.items():
+        _say(f"{name:18s} {policy.description}")
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "compare": cmd_compare, "calibrate": cmd_calibrate, "lab": cmd_lab,
+            "show": cmd_show, "models": cmd_models, "policies": cmd_policies}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``um-lab``; returns the exit status (errors print ``um-lab: error: ...``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("um-lab: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (CliError, ValueError, FileNotFoundError, ImportError, OSError) as e:
+        print(f"um-lab: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except UmLabError as e:  # e.g. a size refused under the safety cap
+        print(f"um-lab: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
