@@ -87,7 +87,8 @@ def mlp(width: int = 4096, depth: int = 8, batch_size: int = 256, classes: int =
         return nn.Sequential(*layers, nn.Linear(width, classes))
 
     def batch(g: torch.Generator) -> Batch:
-        return torch.randn(batch_size, width, generator=g), torch.randint(0, classes, (batch_size,), generator=g)
+        x = torch.randn(batch_size, width, generator=g)
+        return x, torch.randint(0, classes, (batch_size,), generator=g)
 
     return ModelCase("mlp", build, batch, _classification_loss,
                      info={"width": width, "depth": depth, "batch_size": batch_size, "classes": classes})
@@ -325,7 +326,13 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
     """The zoo entry ``name`` with size knobs; unknown names list the valid ones."""
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(ZOO)}")
-    return ZOO[name](**kwargs)
+    try:
+        return ZOO[name](**kwargs)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        knobs = describe_models().get(name, "")
+        raise ValueError(f"model {name!r}: {e.args[0].split(': ', 1)[-1]}; its knobs: {knobs}") from None
 
 
 def describe_models() -> dict[str, str]:
@@ -555,7 +562,8 @@ class SizeRefused(OversubscriptionRefused):
     """The model's estimated memory does not fit under the safety cap; nothing was allocated."""
 
     def __init__(self, estimate_bytes: int, cap: int, detail: str = "") -> None:
-        self.requested, self.live, self.cap, self.data_type, self.detail = estimate_bytes, 0, cap, None, detail
+        self.requested, self.live, self.cap, self.data_type = estimate_bytes, 0, cap, None
+        self.detail = detail
         Exception.__init__(
             self,
             f"um_lab refused to start the run: the estimated memory {format_bytes(estimate_bytes)} "

@@ -1,0 +1,232 @@
+"""CPU tests of the ``um-lab`` CLI, called in-process (``main([...])``) and once as a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from test_runner import FakeBackend
+
+import um_lab.runner
+from um_lab import cli
+from um_lab.cli import main, parse_bytes, parse_model_kwargs, parse_ratio
+from um_lab.runner import list_runs, load
+
+TINY = ["--model-kw", "width=16", "--model-kw", "depth=1", "--batch-size", "4"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """Route the runner's backend construction to the instant fake (runner/CLI logic only)."""
+    created = []
+
+    def make(name="auto", **options):
+        backend = FakeBackend()
+        created.append(backend)
+        return backend
+
+    monkeypatch.setattr(um_lab.runner, "get_backend", make)
+    return created
+
+
+def run_dirs(out: Path) -> list[Path]:
+    return list_runs(out) if out.exists() else []
+
+
+def test_run_prints_backend_and_summary_and_logs_steps(fake_backend, tmp_path, capsys):
+    rc = main(["run", "--backend", "sim", "--steps", "5", "--warmup", "2", "--out", str(tmp_path),
+               "--no-progress", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.splitlines()[0] == "backend: sim"
+    assert "median_ms" in out and "status: complete" in out
+    (path,) = run_dirs(tmp_path)
+    loaded = load(path)
+    assert loaded.complete and len(list(loaded.records())) == 7
+    assert loaded.spec.model_kwargs == {"width": 16, "depth": 1} and loaded.spec.batch_size == 4
+
+
+def test_auto_backend_is_always_printed(fake_backend, tmp_path, capsys):
+    rc = main(["run", "--steps", "1", "--out", str(tmp_path), "--no-progress", *TINY])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert rc == 0
+    expected = "cuda (auto: a CUDA GPU is available)" if torch.cuda.is_available() else \
+        "sim (auto: no CUDA GPU here)"
+    assert first == f"backend: {expected}"
+    env = json.loads((run_dirs(tmp_path)[0] / "environment.json").read_text())
+    assert env["backend_requested"] == "auto" and env["backend_note"] == expected
+
+
+def test_compare_prints_table_and_exports_csv(fake_backend, tmp_path, capsys):
+    csv = tmp_path / "table.csv"
+    rc = main(["compare", "--models", "mlp", "--policies", "gpu-first", "zero-copy-params",
+               "--ratios", "0.5", "2", "--backend", "sim", "--steps", "3", "--warmup", "1",
+               "--out", str(tmp_path / "runs"), "--csv", str(csv), "--no-progress", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "speedup_vs_um-default" in out and "zero-copy-params" in out
+    table = pd.read_csv(csv)
+    assert len(table) == 6 and set(table["ratio"]) == {0.5, 2.0}
+    assert len(run_dirs(tmp_path / "runs")) == 6
+
+
+def test_compare_progress_bar_goes_to_stderr(fake_backend, tmp_path, capsys):
+    rc = main(["compare", "--backend", "sim", "--steps", "1", "--out", str(tmp_path), *TINY])
+    err = capsys.readouterr().err
+    assert rc == 0 and "compare" in err and "2/2" in err
+
+
+def test_parquet_export_needs_pyarrow(fake_backend, tmp_path, capsys):
+    target = tmp_path / "table.parquet"
+    rc = main(["compare", "--backend", "sim", "--steps", "1", "--out", str(tmp_path / "runs"),
+               "--parquet", str(target), "--no-progress", *TINY])
+    captured = capsys.readouterr()
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        assert rc == 2 and "--parquet needs pyarrow" in captured.err
+        assert not (tmp_path / "runs").exists()  # refused before the sweep
+    else:
+        assert rc == 0 and len(pd.read_parquet(target)) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--model", "nope"], "unknown model 'nope'; valid: mlp, resnet18"),
+    (["run", "--policy", "fastest"], "unknown preset 'fastest'; valid: um-default, gpu-first"),
+    (["run", "--backend", "tpu"], "unknown backend 'tpu'; valid: cuda, sim, auto"),
+    (["compare", "--models", "mlp", "nope"], "unknown model 'nope'; valid: mlp"),
+    (["compare", "--policies", "nope"], "unknown preset 'nope'; valid:"),
+    (["run", "--policy", "missing.json"], "policy file 'missing.json' not found"),
+    (["run", "--model-kw", "width"], "--model-kw expects KEY=VALUE"),
+    (["run", "--backend", "sim", "--model-kw", "colour=3"], "colour"),
+    (["run", "--backend", "sim", "--steps", "0"], "steps must be >= 1"),
+])
+def test_bad_input_exits_2_with_a_message(fake_backend, tmp_path, capsys, argv, message):
+    rc = main([*argv, "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("um-lab: error:") and message in err
+    assert run_dirs(tmp_path / "runs") == []
+
+
+def test_unwritable_out_is_reported_before_running(fake_backend, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["run", "--backend", "sim", "--out", str(blocker / "runs"), *TINY])
+    assert rc == 2 and "cannot write the run directory" in capsys.readouterr().err
+    assert fake_backend == [] or all(b.calls == [] for b in fake_backend)
+
+
+def test_policy_from_json_file(fake_backend, tmp_path, capsys):
+    from um_lab.policy import presets
+
+    policy_file = tmp_path / "mine.json"
+    presets["gpu-first"].replace(name="my-gpu-first").save(policy_file)
+    rc = main(["run", "--backend", "sim", "--steps", "1", "--policy", str(policy_file),
+               "--out", str(tmp_path / "runs"), "--no-progress", *TINY])
+    assert rc == 0
+    loaded = load(run_dirs(tmp_path / "runs")[0])
+    assert loaded.spec.policy == "my-gpu-first" and loaded.policy == presets["gpu-first"].replace(
+        name="my-gpu-first")
+
+
+def test_interrupted_run_keeps_its_steps(monkeypatch, tmp_path, capsys):
+    class Interrupting(FakeBackend):
+        def run(self, spec, case, policy):
+            for record in super().run(spec, case, policy):
+                if record.step == 3:
+                    raise KeyboardInterrupt
+                yield record
+
+    monkeypatch.setattr(um_lab.runner, "get_backend", lambda name="auto", **kw: Interrupting())
+    rc = main(["run", "--backend", "sim", "--steps", "10", "--out", str(tmp_path), "--no-progress", *TINY])
+    assert rc == 130
+    assert "3 completed steps kept" in capsys.readouterr().out
+    loaded = load(run_dirs(tmp_path)[0])
+    assert loaded.state == "interrupted" and not loaded.complete and len(list(loaded.records())) == 3
+
+
+def test_show_prints_state_and_summary(fake_backend, tmp_path, capsys):
+    main(["run", "--backend", "sim", "--steps", "4", "--out", str(tmp_path), "--no-progress", *TINY])
+    capsys.readouterr()
+    assert main(["show", str(run_dirs(tmp_path)[0])]) == 0
+    out = capsys.readouterr().out
+    assert "state complete" in out and "6/6 steps" in out and "median_ms" in out
+    assert main(["show", str(tmp_path)]) == 2
+    assert "not a um_lab run folder" in capsys.readouterr().err
+
+
+def test_models_and_policies_listings(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("mlp", "resnet50", "vit-b16", "gpt2-xl", "bert-large"):
+        assert name in out
+    assert "width=4096" in out
+    assert main(["policies"]) == 0
+    assert "paper-3type" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ calibrate and lab
+
+
+def test_calibrate_needs_cuda(monkeypatch, capsys):
+    import um_lab.backend
+
+    monkeypatch.setattr(um_lab.backend, "cuda_available", lambda: False)
+    assert main(["calibrate", "--out", "x.json"]) == 2
+    assert "calibrate needs CUDA" in capsys.readouterr().err
+
+
+def test_lab_without_jupyterlab_is_a_clear_error(monkeypatch, capsys):
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jupyterlab" else real(name, *a))
+    assert main(["lab"]) == 2
+    assert "jupyterlab is not installed" in capsys.readouterr().err
+
+
+def test_lab_binds_localhost_and_keeps_token_auth(monkeypatch, tmp_path, capsys):
+    calls = []
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert main(["lab", "--notebooks", str(tmp_path), "--port", "8899", "--no-browser"]) == 0
+    (cmd,) = calls
+    assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert "--ServerApp.ip=127.0.0.1" in cmd and f"--ServerApp.root_dir={tmp_path.resolve()}" in cmd
+    assert "--ServerApp.port=8899" in cmd
+    assert not any("token" in part.lower() or "password" in part.lower() for part in cmd)
+    assert main(["lab", "--notebooks", str(tmp_path / "missing")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- parsing
+
+
+def test_parsers():
+    assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_bytes("lots")
+    assert parse_ratio("none") is None and parse_ratio("1.5") == 1.5
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_ratio("-1")
+    assert parse_model_kwargs(["width=8", "act=gelu", "flag=true", "lr=1e-3"]) == {
+        "width": 8, "act": "gelu", "flag": True, "lr": 1e-3}
+
+
+def test_subprocess_smoke():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "policies"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0 and "um-default" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--model", "nope"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 2 and "valid: mlp" in done.stderr
