@@ -415,37 +415,60 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, **knobs: Any) -> MemoryEstimate:
     """Estimate live bytes per data type for one training step of ``case`` (a case or a zoo name).
 
-    Uses the simulator's trace (``um_lab.sim.trace``) when it offers an estimate, else an analytic
-    count on the meta device (nothing is allocated): parameters and buffers, gradients, optimizer
-    state (the case's optimizer stepped on meta tensors; AdamW = 2x parameters), input batch, and the
-    tensors saved for backward during a forward pass.
+    Uses the simulator's trace (``um_lab.sim.trace``: each type's peak over one traced step, optimizer
+    temporaries and backward temporaries included) when it is available, else (or with
+    ``use_sim_trace=False``) an analytic count on the meta device (nothing is allocated): parameters
+    and buffers, gradients, optimizer state (the case's optimizer stepped on meta tensors; AdamW = 2x
+    parameters), input batch, and the tensors saved for backward during a forward pass.
     """
     if isinstance(case, str):
         case = get_model(case, **knobs)
     elif knobs:
         raise TypeError("size knobs are only accepted with a zoo name, not with a ModelCase")
+    notes: tuple[str, ...] = ()
     if use_sim_trace:
-        traced = _sim_trace_estimate(case)
-        if traced is not None:
-            return traced
-    return _analytic_estimate(case)
+        input_bytes = sum(_tensor_bytes(t) for t in _meta_batch(case))
+        if input_bytes <= SIM_TRACE_MAX_INPUT_BYTES:
+            traced = _sim_trace_estimate(case)
+            if traced is not None:
+                return traced
+        else:  # the trace builds the real batch on the CPU: too big here
+            notes = (f"sim trace skipped: it would build a {format_bytes(input_bytes)} batch on the CPU",)
+    estimate = _analytic_estimate(case)
+    return dataclasses.replace(estimate, notes=notes + estimate.notes)
+
+
+#: above this input-batch size the simulator trace (which materialises the batch) is not used
+SIM_TRACE_MAX_INPUT_BYTES = 1 << 30
 
 
 def _sim_trace_estimate(case: ModelCase) -> MemoryEstimate | None:
-    """The simulator trace's per-type bytes, when ``um_lab.sim.trace`` offers them."""
+    """Peak live bytes per data type over the simulator's trace of one step (None if unavailable).
+
+    Each type has its own pool on the real backend, so each type's own peak is what its pool holds.
+    """
     try:
-        from um_lab.sim import trace as sim_trace  # being written by the simulator's author
-    except Exception:
+        import numpy as np
+
+        from um_lab.sim.trace import cached_trace  # the simulator's FakeTensor trace (no memory used)
+        from um_lab.types import DATA_TYPES
+
+        trace = cached_trace(case)
+        n = trace.n_ops
+        per_type: dict[str, int] = {}
+        for index, dtype in enumerate(DATA_TYPES):
+            selected = trace.st_type == index
+            nbytes = trace.st_nbytes[selected].astype(np.int64)
+            alloc, free = trace.st_alloc[selected], trace.st_free[selected]
+            delta = np.zeros(n + 2, np.int64)
+            np.add.at(delta, np.clip(alloc, -1, n) + 1, nbytes)
+            np.add.at(delta, np.clip(free, 0, n) + 1, -nbytes * (free <= n - 1))
+            per_type[dtype.value] = int(np.cumsum(delta).max()) if n + 2 else 0
+    except Exception:  # the simulator is missing or changed shape: the analytic estimate stands in
         return None
-    fn = getattr(sim_trace, "estimate_bytes_per_type", None)
-    if fn is None:
-        return None
-    try:
-        raw = fn(case)
-    except Exception:
-        return None
-    per_type = {t: int(raw.get(t, 0)) for t in ("param", "grad", "optim", "act", "input")}
-    return MemoryEstimate(case.name, per_type, "sim-trace")
+    return MemoryEstimate(case.name, per_type, "sim-trace",
+                          ("peak live bytes per type over one traced step (tensors, before 2 MiB "
+                           "segment rounding)",))
 
 
 def _meta_batch(case: ModelCase) -> Batch:
@@ -522,7 +545,7 @@ class SizedModel:
 
 
 def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "batch_size",
-                   max_value: int = 1 << 20, **fixed: Any) -> SizedModel:
+                   max_value: int = 1 << 20, use_sim_trace: bool = True, **fixed: Any) -> SizedModel:
     """The smallest value of ``knob`` (an integer size knob: ``batch_size``, ``width``, ``seq_len``...)
     whose estimated memory reaches ``ratio x capacity_bytes``; other knobs are ``fixed``.
 
@@ -537,7 +560,8 @@ def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "ba
 
     def total(value: int) -> int:
         if value not in cache:
-            cache[value] = estimate_memory(get_model(name, **{**fixed, knob: value}))
+            cache[value] = estimate_memory(get_model(name, **{**fixed, knob: value}),
+                                           use_sim_trace=use_sim_trace)
         return cache[value].total_bytes
 
     low, high = 1, 1
