@@ -349,6 +349,8 @@ def test_cuda_preflight_refuses_a_size_above_the_cap_before_running(tmp_path):
         allow_oversubscription = False
 
     backend = CappedCuda()
+    with pytest.raises(ValueError, match="simulated"):
+        Run(spec(backend="cuda", oversubscription_ratio=1.5), out_dir=tmp_path, backend=backend)
     with pytest.raises(SizeRefused, match=r"estimated memory .* does not fit under the safety cap.*param"):
         Run(spec(backend="cuda"), out_dir=tmp_path, backend=backend)
     assert backend.calls == [] and list(tmp_path.iterdir()) == []

@@ -250,6 +250,10 @@ class Run:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+        if self.backend_name == "cuda" and (spec.oversubscription_ratio is not None
+                                            or spec.capacity_bytes is not None):
+            raise ValueError("capacity_bytes and oversubscription_ratio are simulated (backend 'sim'); on "
+                             "cuda size the model instead (um_lab.models.size_for_ratio)")
         model_info: dict[str, Any] = {"name": self.case.name, "info": _jsonable(self.case.info)}
         if preflight and self.backend_name == "cuda":
             model_info["preflight"] = preflight_cuda(self.case, self.backend)  # raises before any run
