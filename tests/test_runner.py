@@ -192,6 +192,14 @@ def test_background_run_stop_keeps_completed_steps_and_marks_incomplete(tmp_path
     assert len(list(loaded.records())) == n == active.steps_completed
 
 
+def test_leaving_a_with_block_stops_a_background_run(tmp_path):
+    with Run(spec(steps=10_000), out_dir=tmp_path, backend=FakeBackend(step_delay_s=0.005)).start() as active:
+        while active.steps_completed < 2:
+            time.sleep(0.005)
+    assert active.status == "stopped" and not active._thread.is_alive()
+    assert load(active.path).status["steps_completed"] == active.steps_completed >= 2
+
+
 def test_breaking_out_of_a_foreground_run_marks_it_stopped(tmp_path):
     backend = FakeBackend()
     active = Run(spec(steps=100), out_dir=tmp_path, backend=backend)

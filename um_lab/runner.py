@@ -300,6 +300,15 @@ class Run:
             raise self.error
         return True
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Leaving a ``with`` block stops a background run and waits for it (errors stay in ``error``)."""
+        if self._thread is not None and self._thread.is_alive():
+            self.stop()
+            self._thread.join()
+
     @property
     def running(self) -> bool:
         """True while steps are being run."""
