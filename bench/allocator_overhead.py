@@ -56,7 +56,7 @@ def _install_naive_allocator() -> None:
     torch.cuda.memory.change_current_allocator(torch.cuda.memory._CUDAAllocator(raw))
 
 
-def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
+def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
     """Run one (mode, model) in this process; returns median step time and last loss."""
     if mode == "naive":
         _install_naive_allocator()
@@ -77,10 +77,11 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
         with Session("um-default", evacuate_on_close=False) as lab:
             model = lab.place(model)
             opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+            fixed = lab.inputs(*batch_cpu) if fixed_batch else None
             for i in range(warmup + steps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                batch = lab.inputs(*batch_cpu)
+                batch = fixed if fixed_batch else lab.inputs(*batch_cpu)
                 batch = batch if isinstance(batch, tuple) else (batch,)
                 rec = lab.step(lambda: case.loss_fn(model, *batch), opt)
                 torch.cuda.synchronize()
@@ -91,16 +92,17 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
             stats = lab.stats()
             extra = {"segments": stats["segments"], "managed_GiB": round(stats["live_total"] / 2**30, 2),
                      "cap_GiB": round(lab.cap_bytes / 2**30, 1)}
-            del model, opt
+            del model, opt, fixed
     else:
         model = model.cuda()
         opt = case.make_optimizer(list(model.parameters()))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
+        fixed = tuple(t.cuda() for t in batch_cpu)
         for i in range(warmup + steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            batch = tuple(t.cuda() for t in batch_cpu)
+            batch = fixed if fixed_batch else tuple(t.cuda() for t in batch_cpu)
             loss = case.loss_fn(model, *batch)
             loss.backward()
             opt.step()
@@ -132,10 +134,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allocator_overhead.json")
+    parser.add_argument("--fixed-batch", action="store_true",
+                        help="copy the batch to the GPU once (isolates the per-step input copy)")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup)), flush=True)
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.fixed_batch)), flush=True)
         return
     info = versions()
     rows = []
@@ -143,7 +147,7 @@ def main() -> None:
         results = {}
         for mode in MODES:
             cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
+                   "--warmup", str(args.warmup)] + (["--fixed-batch"] if args.fixed_batch else [])
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
@@ -167,6 +171,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "steps": args.steps,
         "warmup": args.warmup,
+        "batch": "copied once" if args.fixed_batch else "copied to the GPU every step (pageable source)",
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,9 @@ failure = []
 
 def train():
     try:
+        # this thread's cuBLAS handle and workspace must be created outside any pool (DESIGN.md)
+        model(torch.ones(8, 1024, device="cuda")).sum().backward()
+        model.zero_grad(set_to_none=True)
         start_frees = source.stats()["free_calls"]
         for i in range(iterations):
             n = 64 + (i * 37) % 2048

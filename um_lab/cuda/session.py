@@ -90,6 +90,7 @@ class Session:
         self._device_memory = _device_memory
         self._pools: ManagedPools | None = None
         self._real = _pool_api is None
+        self._warm_threads: set[int] = set()
         self._modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self.device: torch.device | None = None
@@ -147,6 +148,7 @@ class Session:
             source.configure(*driver.shim_function_addresses())
             runtime = self._runtime or driver.CudaRuntime()
             _warm_up_outside_pools(self.device)
+            self._warm_threads = {threading.get_ident()}
         self.gpu_capacity_bytes = total
         self.baseline_live_bytes = source.stats()["live_total"]
         cap = self._requested_cap if self._requested_cap is not None else default_cap(free, total)
@@ -172,6 +174,9 @@ class Session:
             self._modules.clear()
             self._optimizers.clear()
             gc.collect()
+            if self._real and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch.cuda.synchronize(self.device)
+                torch._C._cuda_clearCublasWorkspaces()  # a workspace created in a pool would pin it
             pools.close()
         finally:
             self._pools = None
@@ -285,6 +290,9 @@ class Session:
         for module in self._modules:
             if any(p.grad is None for p in module.parameters() if p.requires_grad):
                 self._ensure_grads(module)  # the caller set gradients to None: re-create them in place
+        if self._real and threading.get_ident() not in self._warm_threads:
+            _warm_up_outside_pools(self.device)  # cuBLAS handles are per thread
+            self._warm_threads.add(threading.get_ident())
         timer = _StepTimer(self.device)
         timer.start()
         self._prefetch_phase("before_forward")
