@@ -43,6 +43,9 @@ from um_lab.models import ModelCase
 from um_lab.types import DATA_TYPES, DataType
 
 PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")
+#: Op kinds: memory-bound kernels, dense matmul (GEMM/attention), convolution (TF32 on cuDNN by
+#: default), and the host-to-device copy of the batch.
+OP_KINDS: tuple[str, ...] = ("memory", "matmul", "conv", "h2d_copy")
 TYPE_INDEX: dict[DataType, int] = {t: i for i, t in enumerate(DATA_TYPES)}
 
 #: Ops that launch no kernel (metadata, host-side scalars, profiler markers).
@@ -80,9 +83,11 @@ class StepTrace:
     """One training step as a sequence of kernel ops over classified storages (NumPy arrays).
 
     Ops: ``op_names``, ``op_phase`` (index into :data:`PHASES`), ``op_flops``, ``op_bytes`` (HBM bytes
-    moved at roofline), ``op_is_matmul`` (dense GEMM/conv/attention: runs on the matmul roofline).
+    moved at roofline), ``op_kind`` (see :data:`OP_KINDS`: which roofline the op runs on). Op 0 is the
+    host-to-device copy of the batch into the input pool.
     Accesses (CSR over ops, ``acc_ptr[i]:acc_ptr[i+1]``): ``acc_storage``, byte range ``acc_lo`` ..
-    ``acc_hi`` inside the storage, ``acc_write``, ``acc_reuse`` (for GEMM operands: the extent of the
+    ``acc_hi`` inside the storage, ``acc_write`` (0 read, 1 write only, 2 read and write in place),
+    ``acc_reuse`` (for GEMM operands: the extent of the
     other output dimension, i.e. how many output tiles re-read the operand; 1 otherwise).
     Storages: ``st_nbytes``, ``st_type`` (index into :data:`um_lab.types.DATA_TYPES`), ``st_alloc``
     (op index at which it is allocated; -1 = exists before the step), ``st_free`` (op index before
@@ -94,7 +99,7 @@ class StepTrace:
     op_phase: np.ndarray
     op_flops: np.ndarray
     op_bytes: np.ndarray
-    op_is_matmul: np.ndarray
+    op_kind: np.ndarray
     acc_ptr: np.ndarray
     acc_storage: np.ndarray
     acc_lo: np.ndarray
@@ -110,7 +115,7 @@ class StepTrace:
 
     @property
     def n_ops(self) -> int:
-        """Number of kernel ops in the step."""
+        """Number of kernel ops in the step (the input copy included)."""
         return len(self.op_names)
 
     def bytes_by_type(self, persistent_only: bool = False) -> dict[str, int]:
@@ -206,8 +211,8 @@ class _Recorder(TorchDispatchMode):
         self.alloc: list[int] = []
         self.free: list[int] = []
         self.transient: list[int] = []  # storage indices that may die during the step
-        self.ops: list[tuple[str, int, float, float, bool]] = []
-        self.acc: list[tuple[int, int, int, int, bool, float]] = []
+        self.ops: list[tuple[str, int, float, float, int]] = []
+        self.acc: list[tuple[int, int, int, int, int, float]] = []
         self.unknown: dict[str, None] = {}
 
     # -- storages -------------------------------------------------------------------------------
@@ -293,21 +298,32 @@ class _Recorder(TorchDispatchMode):
             lo, hi = _extent_bytes(t)
             nb = t.numel() * t.element_size()
             hbm += nb * (2 if write else 1)
-            self.acc.append((op_index, idx, lo, hi, write, reuse.get(pos, 1.0)))
+            self.acc.append((op_index, idx, lo, hi, 2 if write else 0, reuse.get(pos, 1.0)))
         for t in new_outs:
             idx = self.register(t, self.classify_new(), op_index, True)
             lo, hi = _extent_bytes(t)
             hbm += t.numel() * t.element_size()
-            self.acc.append((op_index, idx, lo, hi, True, 1.0))
+            self.acc.append((op_index, idx, lo, hi, 1, 1.0))
         packet = func.overloadpacket
-        is_matmul = packet in flop_registry
-        if is_matmul:
+        kind = 0
+        if packet in flop_registry:
+            kind = 2 if "conv" in name else 1
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         else:
             flops = float(sum(t.numel() for t in outs))
             if not (torch.Tag.pointwise in func.tags or name in _KNOWN_GENERIC or name.startswith("aten._foreach")):
                 self._warn(name, "unknown op; generic accounting (bytes of inputs and outputs)")
-        self.ops.append((name, self.phase, flops, hbm, is_matmul))
+        self.ops.append((name, self.phase, flops, hbm, kind))
+
+    def record_input_copy(self, batch: tuple[torch.Tensor, ...]) -> None:
+        """Op 0: the batch copied from host into the input pool (a write of each input storage)."""
+        nbytes = 0.0
+        for t in batch:
+            idx = self.register(t, DataType.INPUT, len(self.ops), False)
+            lo, hi = _extent_bytes(t)
+            nbytes += t.numel() * t.element_size()
+            self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0))
+        self.ops.append(("um_lab.input_h2d", 0, 0.0, nbytes, 3))
 
 
 def _swap_sdpa_free(model: torch.nn.Module) -> None:
@@ -366,9 +382,7 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 rec.register(v, DataType.OPTIM, -1, False)
-    for b in batch:
-        rec.register(b, DataType.INPUT, 0, False)
-
+    rec.record_input_copy(batch)
     with fake, _CudaKernelChoices(), rec:
         rec.phase = phase_box["phase"] = 0
         loss = case.loss_fn(model, *batch)
@@ -401,12 +415,12 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         op_phase=np.array([o[1] for o in rec.ops], np.int8),
         op_flops=np.array([o[2] for o in rec.ops], np.float64),
         op_bytes=np.array([o[3] for o in rec.ops], np.float64),
-        op_is_matmul=np.array([o[4] for o in rec.ops], bool),
+        op_kind=np.array([o[4] for o in rec.ops], np.int8),
         acc_ptr=ptr,
         acc_storage=col(1, np.int32),
         acc_lo=col(2, np.int64),
         acc_hi=col(3, np.int64),
-        acc_write=col(4, bool),
+        acc_write=col(4, np.int8),
         acc_reuse=col(5, np.float64),
         st_nbytes=np.array(rec.nbytes, np.int64),
         st_type=types,

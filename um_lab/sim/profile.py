@@ -1,0 +1,102 @@
+"""Machine profiles: the constants of the simulator's roofline and Unified Memory driver model.
+
+A profile is a JSON file. The packaged ``profiles/h200.json`` was built from measurements on an NVIDIA
+H200 (PCIe Gen5 host link), recorded in the project's ``calibration/h200-probe.json`` (2026-11-30);
+see :mod:`um_lab.sim.calibration` for how the constants are derived and fitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Constants of one GPU + host link. Bandwidths in GB/s (1e9 B/s), times in microseconds."""
+
+    name: str = "h200"
+    source: str = ""
+    gpu_memory_bytes: int = 150_109_880_320  #: the card's memory (default simulated capacity)
+    # compute roofline
+    matmul_tflops: float = 55.0  #: fp32 GEMM / attention peak (no TF32: PyTorch's default for matmul)
+    matmul_half_gflop: float = 1.0  #: GEMM size (GFLOP) at which a GEMM reaches half the peak
+    conv_tflops: float = 250.0  #: convolution peak (cuDNN allows TF32 by default)
+    conv_half_gflop: float = 1.0
+    hbm_GBps: float = 3000.0  #: effective HBM bandwidth of memory-bound kernels
+    kernel_us: float = 2.0  #: fixed GPU time per kernel
+    cpu_op_us: float = 12.0  #: host time to dispatch one op (the GPU starves when kernels are shorter)
+    # host link
+    pinned_h2d_GBps: float = 51.61
+    remote_GBps: float = 47.77  #: GPU reads/writes of host-resident managed memory (zero-copy)
+    gemm_tile_min: float = 64.0  #: GEMM output tile bounds: a remote GEMM operand is re-read per tile
+    gemm_tile_max: float = 108.0
+    # Unified Memory driver
+    prefetch_h2d_GBps: float = 47.4
+    prefetch_d2h_GBps: float = 3.65
+    evict_d2h_GBps: float = 3.65
+    fault_xfer_GBps: float = 47.4  #: transfer rate inside fault servicing (overheads counted apart)
+    fault_block_us: float = 157.0  #: servicing overhead per fully faulted 2 MiB block (migration)
+    populate_block_us: float = 263.0  #: first GPU touch of a never-populated 2 MiB block
+    fault_batch_us: float = 30.0  #: per fault batch (up to fault_batch_size faults)
+    fault_batch_size: int = 256
+    faults_per_block: float = 22.6  #: GPU page faults raised per fully faulted block
+    density_threshold: float = 0.51  #: prefetcher pulls a whole block in above this resident share
+    evict_chunk_us: float = 20.0  #: per evicted root chunk, on top of the transfer
+    prefetch_block_us: float = 5.0  #: per block moved by cudaMemPrefetchAsync, on top of the transfer
+    prefetch_call_us_per_block: float = 0.5  #: host time per block of a prefetch call (resident too)
+    readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with a format version."""
+        return {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """Build from a dict; unknown keys raise ``ValueError``; missing keys keep their defaults."""
+        data = dict(data)
+        version = data.pop("um_lab_profile", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"unsupported profile format version {version!r}")
+        data.pop("measured", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise ValueError(f"unknown profile fields: {extra}; valid: {sorted(known)}")
+        for key, value in data.items():
+            if key not in ("name", "source") and (not isinstance(value, int | float) or value <= 0):
+                raise ValueError(f"profile field {key} must be a positive number, got {value!r}")
+        return cls(**data)
+
+    def save(self, path: str | Path, measured: dict[str, Any] | None = None) -> Path:
+        """Write the profile as JSON (optionally with the raw measurements it came from)."""
+        path = Path(path)
+        d = self.to_dict()
+        if measured is not None:
+            d["measured"] = measured
+        path.write_text(json.dumps(d, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile JSON file."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def load_profile(name_or_path: str | Path | Profile = "h200") -> Profile:
+    """A packaged profile by name (``"h200"``), a profile JSON path, or a :class:`Profile` itself."""
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    text = str(name_or_path)
+    if text.endswith(".json") or Path(text).exists():
+        return Profile.load(text)
+    try:
+        data = resources.files("um_lab.sim").joinpath(f"profiles/{text}.json").read_text()
+    except FileNotFoundError:
+        raise ValueError(f"unknown profile {text!r}: not a packaged profile name or a JSON file") from None
+    return Profile.from_dict(json.loads(data))

@@ -1,0 +1,421 @@
+"""The Unified Memory driver model: residency, faults, migration, eviction and advice, per VA block.
+
+State, one entry per 2 MiB VA block (NumPy arrays): ``gpu`` and ``cpu`` are uint32 masks of the 64 KiB
+big pages with a valid copy on each side (both set = read-duplicated), ``mig_time`` orders blocks by
+when data last migrated in (eviction is least-recently-*migrated-in*, advice ignored), and the GPU
+holds at most ``capacity_chunks`` 2 MiB root chunks (a block with any GPU page holds one).
+
+A GPU access to a page without a GPU copy is decided in the driver's order (DESIGN.md):
+
+1. ``accessed_by`` includes the GPU and the page lives on the host: the GPU keeps a mapping (also
+   after eviction), so it reads/writes remotely, without a fault or a migration.
+2. ``read_mostly`` and the op only reads the page: fault, duplicate it to the GPU (host copy kept).
+3. never populated: populate at the preferred location when that is the CPU (then 5), else on the GPU.
+4. preferred location GPU, or no preference: fault and migrate to the GPU.
+5. preferred location CPU: stay on the host, map remotely (zero-copy).
+
+Faults are serviced in batches (``fault_batch_size``) with a cost per batch and per block plus the
+transfer; the prefetcher pulls a whole block in once more than ``density_threshold`` of it would be
+resident. GPU writes to ``read_mostly`` data fault once per 4 KiB page and kernel and collapse the
+duplicates (calibrated on the H200, where this made training 100-1,500x slower). Explicit prefetches
+(``to-gpu-before-use`` at the start of the phase that uses a type, ``to-cpu-after-use`` after the
+step) run on a copy stream that overlaps compute, migrate regardless of the preferred location, and may
+evict. Remote accesses run at the host-link bandwidth, overlapping the kernel's own compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from um_lab.policy import Policy
+from um_lab.sim.access import OpBlocks
+from um_lab.sim.placement import BIG_PAGE, BLOCK, PAGES_PER_BLOCK, Layout
+from um_lab.sim.profile import Profile
+from um_lab.sim.trace import StepTrace
+from um_lab.types import DATA_TYPES, DataType
+
+PREF_NONE, PREF_GPU, PREF_CPU = 0, 1, 2
+FULL_MASK = np.uint32(0xFFFFFFFF)
+PAGE = 4096
+#: Phase (index into trace.PHASES) before which a type's ``to-gpu-before-use`` prefetch is issued.
+PREFETCH_PHASE: dict[DataType, int] = {
+    DataType.PARAM: 0, DataType.INPUT: 0, DataType.ACT: 0, DataType.GRAD: 0, DataType.OPTIM: 2,
+}
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    """Set bits per element (big pages in a mask)."""
+    return np.bitwise_count(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdviceTable:
+    """A policy as small arrays indexed by data type (order of :data:`um_lab.types.DATA_TYPES`)."""
+
+    preferred: np.ndarray
+    gpu_mapped: np.ndarray
+    read_mostly: np.ndarray
+    prefetch_to_gpu: np.ndarray
+    prefetch_to_cpu: np.ndarray
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> AdviceTable:
+        """Translate a :class:`Policy` (already validated) into arrays."""
+        adv = [policy[t] for t in DATA_TYPES]
+        code = {"none": PREF_NONE, "gpu": PREF_GPU, "cpu": PREF_CPU}
+        return cls(
+            preferred=np.array([code[a.preferred_location] for a in adv], np.int8),
+            gpu_mapped=np.array(["gpu" in a.accessed_by for a in adv], bool),
+            read_mostly=np.array([a.read_mostly for a in adv], bool),
+            prefetch_to_gpu=np.array([a.prefetch == "to-gpu-before-use" for a in adv], bool),
+            prefetch_to_cpu=np.array([a.prefetch == "to-cpu-after-use" for a in adv], bool),
+        )
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one simulated step did (per-type arrays in DATA_TYPES order, bytes)."""
+
+    wall_us: float
+    htod: np.ndarray
+    dtoh: np.ndarray
+    resident: np.ndarray
+    faults: int
+    evictions: int
+    remote_bytes: float
+    fault_us: float
+    remote_us: float
+
+
+class UvmModel:
+    """Residency state of all VA blocks and the rules that change it (see module doc)."""
+
+    def __init__(self, profile: Profile, advice: AdviceTable, capacity_bytes: int, n_blocks: int) -> None:
+        if capacity_bytes < BLOCK:
+            raise ValueError(f"GPU capacity must be at least one 2 MiB chunk, got {capacity_bytes} B")
+        self.p = profile
+        self.a = advice
+        self.capacity_chunks = int(capacity_bytes // BLOCK)
+        self.gpu = np.zeros(n_blocks, np.uint32)
+        self.cpu = np.zeros(n_blocks, np.uint32)
+        self.mig_time = np.zeros(n_blocks, np.int64)
+        self.arrival = np.zeros(n_blocks, np.float64)
+        self.used = 0
+        self.clock = 0
+        self.fifo_blk = np.zeros(1024, np.int64)
+        self.fifo_time = np.zeros(1024, np.int64)
+        self.fifo_len = 0
+        self.head = 0
+        self.block_type = np.zeros(n_blocks, np.int8)
+        self._reset_counters()
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        n = len(DATA_TYPES)
+        self.htod = np.zeros(n, np.int64)
+        self.dtoh = np.zeros(n, np.int64)
+        self.faults = 0
+        self.evictions = 0
+        self.remote_bytes = 0.0
+        self.fault_us = 0.0
+        self.remote_us = 0.0
+
+    def state_digest(self) -> str:
+        """A digest of everything the next step depends on (residency and eviction order)."""
+        h = hashlib.sha1()
+        h.update(self.gpu.tobytes())
+        h.update(self.cpu.tobytes())
+        resident = np.flatnonzero(self.gpu)
+        h.update(resident[np.argsort(self.mig_time[resident], kind="stable")].tobytes())
+        return h.hexdigest()
+
+    def _note_migrated_in(self, blocks: np.ndarray) -> None:
+        k = len(blocks)
+        if k == 0:
+            return
+        times = self.clock + np.arange(1, k + 1)
+        self.clock += k
+        self.mig_time[blocks] = times
+        if self.fifo_len + k > len(self.fifo_blk):
+            self._compact_fifo(extra=k)
+        self.fifo_blk[self.fifo_len:self.fifo_len + k] = blocks
+        self.fifo_time[self.fifo_len:self.fifo_len + k] = times
+        self.fifo_len += k
+
+    def _compact_fifo(self, extra: int) -> None:
+        blk = self.fifo_blk[self.head:self.fifo_len]
+        tim = self.fifo_time[self.head:self.fifo_len]
+        valid = (self.mig_time[blk] == tim) & (self.gpu[blk] != 0)
+        blk, tim = blk[valid], tim[valid]
+        size = max(1024, 2 * (len(blk) + extra))
+        self.fifo_blk = np.zeros(size, np.int64)
+        self.fifo_time = np.zeros(size, np.int64)
+        self.fifo_blk[:len(blk)] = blk
+        self.fifo_time[:len(blk)] = tim
+        self.fifo_len = len(blk)
+        self.head = 0
+
+    def evict(self, count: int, protect: np.ndarray | None) -> tuple[int, float]:
+        """Evict up to ``count`` chunks, least recently migrated in first, skipping ``protect``.
+
+        Returns (chunks evicted, microseconds spent writing them back to the host).
+        """
+        victims: list[np.ndarray] = []
+        found = 0
+        keep: list[tuple[np.ndarray, np.ndarray]] = []
+        while found < count and self.head < self.fifo_len:
+            end = min(self.fifo_len, self.head + max(256, 2 * (count - found)))
+            blk = self.fifo_blk[self.head:end]
+            tim = self.fifo_time[self.head:end]
+            valid = (self.mig_time[blk] == tim) & (self.gpu[blk] != 0)
+            prot = protect[blk] if protect is not None else np.zeros(len(blk), bool)
+            choose = valid & ~prot
+            idx = np.flatnonzero(choose)[: count - found]
+            stop = (idx[-1] + 1) if len(idx) and found + len(idx) >= count else len(blk)
+            chosen = blk[idx]
+            victims.append(chosen)
+            found += len(chosen)
+            skipped = valid[:stop] & prot[:stop]
+            if skipped.any():
+                keep.append((blk[:stop][skipped], tim[:stop][skipped]))
+            self.head += stop
+        for blk, _ in keep:  # protected blocks in use now: they go to the back of the queue
+            self._note_migrated_in(blk)
+        if not victims:
+            return 0, 0.0
+        v = np.unique(np.concatenate(victims)) if len(victims) > 1 else victims[0]
+        if len(v) == 0:
+            return 0, 0.0
+        only_gpu = self.gpu[v] & ~self.cpu[v]
+        nbytes = popcount(only_gpu).astype(np.int64) * BIG_PAGE
+        np.add.at(self.dtoh, self.block_type[v], nbytes)
+        self.cpu[v] |= self.gpu[v]
+        self.gpu[v] = 0
+        self.used -= len(v)
+        self.evictions += len(v)
+        t = float(nbytes.sum()) / (self.p.evict_d2h_GBps * 1e3) + len(v) * self.p.evict_chunk_us
+        return len(v), t
+
+    def _make_room(self, need: int, protect: np.ndarray) -> float:
+        """Evict so that ``need`` more chunks fit; returns the time spent."""
+        excess = self.used + need - self.capacity_chunks
+        if excess <= 0:
+            return 0.0
+        _, t = self.evict(excess, protect)
+        return t
+
+    # -- GPU accesses ---------------------------------------------------------------------------
+    def access(self, blocks: np.ndarray, mask: np.ndarray, wmask: np.ndarray, remote_bytes: np.ndarray,
+               protect: np.ndarray) -> tuple[float, float]:
+        """A kernel touches ``mask`` pages of ``blocks``; return (fault stall us, remote access us).
+
+        ``protect``: a boolean array over all blocks, True for this op's blocks (not evicted for it).
+        """
+        miss = mask & ~self.gpu[blocks]
+        sel = miss != 0
+        if not sel.any():
+            return 0.0, 0.0
+        a = self.a
+        bb = blocks[sel]
+        mm = miss[sel]
+        wm = wmask[sel]
+        ty = self.block_type[bb]
+        pref = a.preferred[ty]
+        cpu = self.cpu[bb]
+        unpop = mm & ~cpu
+        pop_cpu = np.where(pref == PREF_CPU, unpop, np.uint32(0)).astype(np.uint32)
+        pop_gpu = unpop & ~pop_cpu
+        if pop_cpu.any():
+            self.cpu[bb] |= pop_cpu
+            cpu = cpu | pop_cpu
+        oncpu = mm & cpu
+        mapped = a.gpu_mapped[ty]
+        rm = a.read_mostly[ty]
+        remote = np.where(mapped | ((pref == PREF_CPU) & ~rm), oncpu, np.uint32(0)).astype(np.uint32)
+        rest = oncpu & ~remote
+        dup = np.where(rm, rest & ~wm, np.uint32(0)).astype(np.uint32)
+        mig = rest & ~dup
+        # density prefetcher: a block more than half resident comes in whole (host-resident pages)
+        movable = ~mapped & (pref != PREF_CPU) | rm
+        gpu_now = self.gpu[bb]
+        dense = (popcount(gpu_now | mig | dup | pop_gpu) > self.p.density_threshold * PAGES_PER_BLOCK) & movable
+        if dense.any():
+            more = np.where(dense, cpu & ~gpu_now & ~remote, np.uint32(0)).astype(np.uint32)
+            dup = dup | np.where(rm, more, np.uint32(0)).astype(np.uint32)
+            mig = mig | np.where(rm, np.uint32(0), more).astype(np.uint32)
+        bring = pop_gpu | mig | dup
+        remote_us = 0.0
+        if remote.any():
+            frac = popcount(remote) / np.maximum(popcount(mask[sel]), 1)
+            rbytes = float((remote_bytes[sel] * frac).sum())
+            self.remote_bytes += rbytes
+            remote_us = rbytes / (self.p.remote_GBps * 1e3)
+            self.remote_us += remote_us
+        if not bring.any():
+            return 0.0, remote_us
+        sb = bring != 0
+        bb, bring, mig, dup, pop_gpu, ty = bb[sb], bring[sb], mig[sb], dup[sb], pop_gpu[sb], ty[sb]
+        new_chunk = self.gpu[bb] == 0
+        t = self._make_room(int(new_chunk.sum()), protect)
+        self.gpu[bb] |= bring
+        self.cpu[bb] &= ~(mig | pop_gpu)
+        self.used += int(new_chunk.sum())
+        self._note_migrated_in(bb)
+        moved = popcount(mig | dup).astype(np.int64) * BIG_PAGE
+        np.add.at(self.htod, ty, moved)
+        frac_mig = popcount(mig | dup) / PAGES_PER_BLOCK
+        frac_pop = popcount(pop_gpu) / PAGES_PER_BLOCK
+        n_faults = int(np.maximum(1, np.rint((frac_mig + frac_pop) * self.p.faults_per_block)).sum())
+        self.faults += n_faults
+        batches = -(-n_faults // self.p.fault_batch_size)
+        t += (batches * self.p.fault_batch_us + float(frac_mig.sum()) * self.p.fault_block_us
+              + float(frac_pop.sum()) * self.p.populate_block_us
+              + float(moved.sum()) / (self.p.fault_xfer_GBps * 1e3))
+        if self.used > self.capacity_chunks:  # one op needs more than the GPU holds: thrash
+            _, te = self.evict(self.used - self.capacity_chunks, None)
+            t += te
+        self.fault_us += t
+        return t, remote_us
+
+    def invalidate_host_copies(self, blocks: np.ndarray, wmask: np.ndarray) -> None:
+        """GPU writes collapse read duplicates: the host copies of written pages become invalid."""
+        self.cpu[blocks] &= ~wmask
+
+    # -- explicit prefetches --------------------------------------------------------------------
+    def prefetch_to_gpu(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """``cudaMemPrefetchAsync`` of ``blocks`` to the GPU (evicting others as needed).
+
+        Returns (blocks moved, copy-stream time of each, eviction time before the copies).
+        """
+        if len(blocks) == 0:
+            return blocks, np.zeros(0), 0.0
+        protect = np.zeros(len(self.gpu), bool)
+        protect[blocks] = True
+        need_new = blocks[self.gpu[blocks] == 0]
+        t_evict = self._make_room(len(need_new), protect)
+        room = self.capacity_chunks - self.used
+        if len(need_new) > room:  # the set does not fit: prefetch in VA order until full
+            allowed = np.ones(len(blocks), bool)
+            new_pos = np.flatnonzero(self.gpu[blocks] == 0)
+            allowed[new_pos[max(room, 0):]] = False
+            blocks = blocks[allowed]
+        rm = self.a.read_mostly[self.block_type[blocks]]
+        moving = self.cpu[blocks] & ~self.gpu[blocks]
+        new_chunk = self.gpu[blocks] == 0
+        moved_bytes = popcount(moving).astype(np.int64) * BIG_PAGE
+        np.add.at(self.htod, self.block_type[blocks], moved_bytes)
+        touched = (moving != 0) | new_chunk
+        self.gpu[blocks] = FULL_MASK
+        self.cpu[blocks] &= np.where(rm, FULL_MASK, np.uint32(0)).astype(np.uint32)
+        self.used += int(new_chunk.sum())
+        self._note_migrated_in(blocks[touched])
+        per_block = moved_bytes / (self.p.prefetch_h2d_GBps * 1e3) + touched * self.p.prefetch_block_us
+        return blocks, per_block, t_evict
+
+    def prefetch_to_cpu(self, blocks: np.ndarray) -> float:
+        """``cudaMemPrefetchAsync`` of ``blocks`` to the host; returns the copy-stream time."""
+        blocks = blocks[self.gpu[blocks] != 0]
+        if len(blocks) == 0:
+            return 0.0
+        only_gpu = self.gpu[blocks] & ~self.cpu[blocks]
+        nbytes = popcount(only_gpu).astype(np.int64) * BIG_PAGE
+        np.add.at(self.dtoh, self.block_type[blocks], nbytes)
+        self.cpu[blocks] |= self.gpu[blocks]
+        self.gpu[blocks] = 0
+        self.used -= len(blocks)
+        return float(nbytes.sum()) / (self.p.prefetch_d2h_GBps * 1e3) + len(blocks) * self.p.prefetch_block_us
+
+    def resident_by_type(self) -> np.ndarray:
+        """GPU-resident bytes per data type."""
+        out = np.zeros(len(DATA_TYPES), np.int64)
+        np.add.at(out, self.block_type, popcount(self.gpu).astype(np.int64) * BIG_PAGE)
+        return out
+
+
+def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, base_us: np.ndarray,
+             rm_write_us: np.ndarray) -> StepStats:
+    """Simulate one step: walk the ops, servicing faults, remote accesses and prefetches.
+
+    ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
+    ``rm_write_us``: each op's read_mostly write-fault cost.
+    """
+    p = model.p
+    a = model.a
+    model._reset_counters()
+    model.block_type[: layout.n_blocks] = layout.block_type
+    n_blocks = layout.n_blocks
+    type_blocks = [np.flatnonzero(layout.block_type == ti) for ti in range(len(DATA_TYPES))]
+    protect = np.zeros(len(model.gpu), bool)
+    any_rm = bool(a.read_mostly.any())
+    rm_block = a.read_mostly[model.block_type] if any_rm else None
+    now_gpu = now_cpu = copy_clock = 0.0
+    pending = False
+    model.arrival[:] = 0.0
+    phase = -1
+    ptr, blk, msk, wmk, rbytes = ob.ptr, ob.block, ob.mask, ob.write_mask, ob.remote_bytes
+    gpu = model.gpu
+    op_phase = trace.op_phase
+    cpu_op = p.cpu_op_us
+    for i in range(trace.n_ops):
+        if op_phase[i] != phase:
+            phase = int(op_phase[i])
+            for ti, t in enumerate(DATA_TYPES):
+                if a.prefetch_to_gpu[ti] and PREFETCH_PHASE[t] == phase:
+                    tb = type_blocks[ti]
+                    now_cpu += len(tb) * p.prefetch_call_us_per_block
+                    moved, per_block, t_ev = model.prefetch_to_gpu(tb)
+                    start = max(copy_clock, now_cpu) + t_ev
+                    if len(moved):
+                        arr = start + np.cumsum(per_block)
+                        model.arrival[moved] = arr
+                        copy_clock = float(arr[-1])
+                        pending = True
+                    else:
+                        copy_clock = start
+        now_cpu += cpu_op
+        start = now_gpu if now_gpu > now_cpu else now_cpu
+        p0, p1 = ptr[i], ptr[i + 1]
+        b = blk[p0:p1]
+        m = msk[p0:p1]
+        fault_us = remote_us = 0.0
+        if ((m & ~gpu[b]) != 0).any():
+            protect[b] = True
+            fault_us, remote_us = model.access(b, m, wmk[p0:p1], rbytes[p0:p1], protect)
+            protect[b] = False
+        if pending and len(b):
+            ready = float(model.arrival[b].max())
+            if ready > start:
+                start = ready
+        if any_rm:
+            sel = rm_block[b]
+            if sel.any():
+                model.invalidate_host_copies(b[sel], wmk[p0:p1][sel])
+        base = base_us[i]
+        now_gpu = start + (base if base > remote_us else remote_us) + fault_us + rm_write_us[i]
+    end = max(now_gpu, copy_clock)
+    for ti in range(len(DATA_TYPES)):
+        if a.prefetch_to_cpu[ti]:
+            end += model.prefetch_to_cpu(type_blocks[ti])
+    del n_blocks
+    return StepStats(
+        wall_us=end, htod=model.htod.copy(), dtoh=model.dtoh.copy(), resident=model.resident_by_type(),
+        faults=model.faults, evictions=model.evictions, remote_bytes=model.remote_bytes,
+        fault_us=model.fault_us, remote_us=model.remote_us,
+    )
+
+
+def readmostly_write_us(trace: StepTrace, ob: OpBlocks, block_type: np.ndarray, advice: AdviceTable,
+                        profile: Profile) -> np.ndarray:
+    """Per-op cost of kernel writes to read_mostly data (one fault per 4 KiB page; copies excluded)."""
+    out = np.zeros(trace.n_ops)
+    if not advice.read_mostly.any() or len(ob.block) == 0:
+        return out
+    entry_op = np.repeat(np.arange(trace.n_ops), np.diff(ob.ptr))
+    rm = advice.read_mostly[block_type[ob.block]]
+    pages = np.where(rm, np.ceil(ob.write_bytes / PAGE), 0.0)
+    out = np.bincount(entry_op, weights=pages, minlength=trace.n_ops) * profile.readmostly_write_fault_us
+    out[trace.op_kind == 3] = 0.0
+    return out
