@@ -25,7 +25,7 @@ from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile
 from um_lab.sim.roofline import op_times_us
 from um_lab.sim.trace import StepTrace, cached_trace
-from um_lab.sim.uvm import AdviceTable, StepStats, UvmModel, readmostly_write_us, run_step
+from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel, readmostly_write_us, run_step
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 
@@ -49,8 +49,13 @@ class SimBackend:
 
     name = "sim"
 
-    def __init__(self, profile: str | Profile = "h200") -> None:
+    def __init__(self, profile: str | Profile = "h200", prefetch_stream: str = "compute") -> None:
+        """``profile``: a packaged profile name, a profile JSON path or a :class:`Profile`;
+        ``prefetch_stream``: ``"compute"`` (as the real backend issues them) or ``"copy"`` (overlap)."""
+        if prefetch_stream not in PREFETCH_STREAMS:
+            raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
         self.profile = load_profile(profile)
+        self.prefetch_stream = prefetch_stream
         self._prepared: dict[str, PreparedCase] = {}
         self._lock = threading.Lock()
 
@@ -112,7 +117,7 @@ class SimBackend:
                 stats = last[2]  # same state, same layout: the step repeats exactly
             else:
                 stats = run_step(model, prepared.trace, prepared.placement.layouts[li],
-                                 prepared.op_blocks[li], prepared.base_us, rm_us[li])
+                                 prepared.op_blocks[li], prepared.base_us, rm_us[li], self.prefetch_stream)
                 last = (digest, li, stats)
             yield _record(step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
 

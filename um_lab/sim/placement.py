@@ -120,6 +120,7 @@ class Layout:
 
     st_va: np.ndarray
     segment_bytes: dict[str, int]  #: per data type, after this step
+    segment_count: dict[str, int]  #: segments per data type (one prefetch call each)
     n_blocks: int  #: VA blocks covered by all segments so far
     block_type: np.ndarray  #: data type index per VA block
 
@@ -189,6 +190,7 @@ def place(trace: StepTrace, max_replays: int = 4) -> Placement:
         for start, size, ti in seg_types:
             block_type[start // BLOCK:(start + size) // BLOCK] = ti
         layout = Layout(step_va, {t.value: pools[i].segment_bytes for i, t in enumerate(DATA_TYPES)},
+                        {t.value: len(pools[i].segments) for i, t in enumerate(DATA_TYPES)},
                         n_blocks, block_type)
         if prev is not None and np.array_equal(prev.st_va, step_va) and prev.n_blocks == n_blocks:
             break

@@ -49,7 +49,8 @@ class Profile:
     density_threshold: float = 0.51  #: prefetcher pulls a whole block in above this resident share
     evict_chunk_us: float = 20.0  #: per evicted root chunk, on top of the transfer
     prefetch_block_us: float = 5.0  #: per block moved by cudaMemPrefetchAsync, on top of the transfer
-    prefetch_call_us_per_block: float = 0.5  #: host time per block of a prefetch call (resident too)
+    prefetch_call_us: float = 15.0  #: host time per cudaMemPrefetchAsync call (one per segment)
+    prefetch_call_us_per_block: float = 1.0  #: host time per block of a prefetch call (resident too)
     readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
 
     def to_dict(self) -> dict[str, Any]:

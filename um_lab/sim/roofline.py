@@ -31,8 +31,14 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
 
 
 def native_step_ms(trace: StepTrace, profile: Profile) -> float:
-    """Step time with everything resident: GPU kernels queued behind the host's op dispatch."""
-    return float(queue_time_us(op_times_us(trace, profile), profile.cpu_op_us)) / 1e3
+    """Step time with everything resident: GPU kernels queued behind the host's op dispatch.
+
+    The batch copy (op 0) happens before the timed step, as in the real backend.
+    """
+    times = op_times_us(trace, profile)
+    if trace.n_ops and trace.op_kind[0] == 3:
+        times = times[1:]
+    return float(queue_time_us(times, profile.cpu_op_us)) / 1e3
 
 
 def queue_time_us(gpu_us: np.ndarray, cpu_op_us: float) -> float:

@@ -40,10 +40,14 @@ from um_lab.types import DATA_TYPES, DataType
 PREF_NONE, PREF_GPU, PREF_CPU = 0, 1, 2
 FULL_MASK = np.uint32(0xFFFFFFFF)
 PAGE = 4096
-#: Phase (index into trace.PHASES) before which a type's ``to-gpu-before-use`` prefetch is issued.
+#: Phase (index into trace.PHASES) before which a type's ``to-gpu-before-use`` prefetch is issued
+#: (the real backend's ``PHASE_TYPES``: before forward, before backward, before the optimizer step).
 PREFETCH_PHASE: dict[DataType, int] = {
-    DataType.PARAM: 0, DataType.INPUT: 0, DataType.ACT: 0, DataType.GRAD: 0, DataType.OPTIM: 2,
+    DataType.PARAM: 0, DataType.INPUT: 0, DataType.ACT: 0, DataType.GRAD: 1, DataType.OPTIM: 2,
 }
+#: Where explicit prefetches run: on the compute stream (what the real backend does: kernels after
+#: the prefetch wait for it) or on a copy stream (kernels wait only for the blocks they touch).
+PREFETCH_STREAMS = ("compute", "copy")
 
 
 def popcount(x: np.ndarray) -> np.ndarray:
@@ -336,12 +340,16 @@ class UvmModel:
 
 
 def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, base_us: np.ndarray,
-             rm_write_us: np.ndarray) -> StepStats:
+             rm_write_us: np.ndarray, prefetch_stream: str = "compute") -> StepStats:
     """Simulate one step: walk the ops, servicing faults, remote accesses and prefetches.
 
     ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
-    ``rm_write_us``: each op's read_mostly write-fault cost.
+    ``rm_write_us``: each op's read_mostly write-fault cost. Op 0 (the batch copy) happens before
+    the step's timer starts, as in the real backend; its faults and bytes still count.
     """
+    if prefetch_stream not in PREFETCH_STREAMS:
+        raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
+    on_copy_stream = prefetch_stream == "copy"
     p = model.p
     a = model.a
     model._reset_counters()
@@ -365,9 +373,12 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
             for ti, t in enumerate(DATA_TYPES):
                 if a.prefetch_to_gpu[ti] and PREFETCH_PHASE[t] == phase:
                     tb = type_blocks[ti]
-                    now_cpu += len(tb) * p.prefetch_call_us_per_block
+                    now_cpu += (len(tb) * p.prefetch_call_us_per_block
+                                + layout.segment_count[t.value] * p.prefetch_call_us)
                     moved, per_block, t_ev = model.prefetch_to_gpu(tb)
                     start = max(copy_clock, now_cpu) + t_ev
+                    if not on_copy_stream:
+                        start = max(start, now_gpu)
                     if len(moved):
                         arr = start + np.cumsum(per_block)
                         model.arrival[moved] = arr
@@ -375,6 +386,8 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
                         pending = True
                     else:
                         copy_clock = start
+                    if not on_copy_stream:
+                        now_gpu = max(now_gpu, copy_clock)
         now_cpu += cpu_op
         start = now_gpu if now_gpu > now_cpu else now_cpu
         p0, p1 = ptr[i], ptr[i + 1]
@@ -395,10 +408,12 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
                 model.invalidate_host_copies(b[sel], wmk[p0:p1][sel])
         base = base_us[i]
         now_gpu = start + (base if base > remote_us else remote_us) + fault_us + rm_write_us[i]
+        if i == 0 and trace.op_kind[0] == 3:  # the batch copy precedes the timed step
+            now_gpu = now_cpu = copy_clock = 0.0
     end = max(now_gpu, copy_clock)
-    for ti in range(len(DATA_TYPES)):
+    for ti, t in enumerate(DATA_TYPES):
         if a.prefetch_to_cpu[ti]:
-            end += model.prefetch_to_cpu(type_blocks[ti])
+            end += model.prefetch_to_cpu(type_blocks[ti]) + layout.segment_count[t.value] * p.prefetch_call_us
     del n_blocks
     return StepStats(
         wall_us=end, htod=model.htod.copy(), dtoh=model.dtoh.copy(), resident=model.resident_by_type(),

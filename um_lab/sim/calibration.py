@@ -1,0 +1,217 @@
+"""Calibrate a simulator :class:`~um_lab.sim.profile.Profile` from measurements on a real GPU.
+
+Two kinds of input, both plain dicts (JSON-ready):
+
+* ``bandwidth_GBps``: microbenchmark bandwidths with the keys of the project's
+  ``calibration/h200-probe.json`` (``pinned_copy_h2d``, ``prefetch_h2d_GBps``, ``fault_h2d_GBps``,
+  ``gpu_first_touch_GBps``, ``prefetch_d2h_GBps``, ``remote_read_GBps``, ``resident_read_GBps``);
+  turned into model constants by :func:`profile_from_bandwidths`.
+* ``targets``: measured median step times, ``[{"model", "model_kwargs", "policy", "ms"}, ...]``;
+  :func:`calibrate` fits the roofline (GEMM and convolution peaks) to the ``um-default`` targets, the
+  GEMM tile bound to zero-copy targets and the read_mostly write-fault cost to read_mostly targets.
+
+:func:`measure_on_gpu` collects both on the local GPU (it needs CUDA and the real backend); without
+CUDA it raises :class:`um_lab.errors.CudaUnavailableError`. ``um_lab/sim/profiles/h200.json`` was
+made by :func:`build_h200_profile` from the H200 probe (2026-11-30).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from um_lab.policy import Policy, get_policy
+from um_lab.sim.placement import BLOCK
+from um_lab.sim.profile import Profile
+from um_lab.sim.replicas import model_case
+from um_lab.sim.roofline import native_step_ms
+from um_lab.sim.trace import cached_trace
+from um_lab.types import RunSpec
+
+#: Step-time targets measured on the H200 (``training_steps`` of h200-probe.json; torch 2.11, fp32).
+H200_TARGETS: list[dict[str, Any]] = [
+    {"model": "mlp", "model_kwargs": {}, "policy": "um-default", "ms": 8.55},
+    {"model": "resnet50", "model_kwargs": {"batch_size": 128}, "policy": "um-default", "ms": 61.72},
+    {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024}, "policy": "um-default",
+     "ms": 472.86},
+    {"model": "mlp", "model_kwargs": {}, "policy": "zero-copy-params", "ms": 145.16},
+    {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024}, "policy": "zero-copy-params",
+     "ms": 5122.79},
+    {"model": "mlp", "model_kwargs": {}, "policy": {"name": "params-read-mostly",
+                                                     "advice": {"param": {"read_mostly": True}}}, "ms": 13186.14},
+    {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024},
+     "policy": {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}, "ms": 47384.45},
+]
+
+
+def profile_from_bandwidths(bw: Mapping[str, float], base: Profile = Profile(), **fields: Any) -> Profile:
+    """Model constants from microbenchmark bandwidths (GB/s); keys as in h200-probe.json.
+
+    Demand faults: a fully faulted 2 MiB block costs ``BLOCK / fault_h2d``; the part not explained by
+    the transfer at prefetch speed is the per-block servicing overhead. First touch: ``BLOCK /
+    first_touch`` per block, no transfer.
+    """
+    prefetch = bw.get("prefetch_h2d_GBps", base.prefetch_h2d_GBps)
+    block_us = lambda gbps: BLOCK / (gbps * 1e3)  # noqa: E731
+    values = dict(
+        pinned_h2d_GBps=bw.get("pinned_copy_h2d", base.pinned_h2d_GBps),
+        prefetch_h2d_GBps=prefetch,
+        fault_xfer_GBps=prefetch,
+        prefetch_d2h_GBps=bw.get("prefetch_d2h_GBps", base.prefetch_d2h_GBps),
+        evict_d2h_GBps=bw.get("prefetch_d2h_GBps", base.evict_d2h_GBps),
+        remote_GBps=bw.get("remote_read_GBps", base.remote_GBps),
+    )
+    if "fault_h2d_GBps" in bw:
+        values["fault_block_us"] = max(1.0, block_us(bw["fault_h2d_GBps"]) - block_us(prefetch))
+    if "gpu_first_touch_GBps" in bw:
+        values["populate_block_us"] = block_us(bw["gpu_first_touch_GBps"])
+    if "resident_read_GBps" in bw:
+        values["hbm_GBps"] = 0.85 * bw["resident_read_GBps"]  # elementwise kernels read and write
+    values.update(fields)
+    return dataclasses.replace(base, **values)
+
+
+def _policy(p: str | Mapping[str, Any] | Policy) -> Policy:
+    return Policy.from_dict(p) if isinstance(p, Mapping) else get_policy(p)
+
+
+def simulate_ms(profile: Profile, target: Mapping[str, Any], steps: int = 3) -> float:
+    """Median simulated step time (ms) of one target configuration (after one warm-up step)."""
+    from um_lab.sim.backend import SimBackend
+
+    case = model_case(target["model"], **dict(target.get("model_kwargs", {})))
+    spec = RunSpec(model=target["model"], backend="sim", steps=steps, warmup_steps=1,
+                   oversubscription_ratio=target.get("ratio"))
+    recs = SimBackend(profile).run(spec, case, _policy(target["policy"]))
+    return statistics.median(r.wall_ms for r in recs if not r.warmup)
+
+
+def _golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 40) -> float:
+    """Minimise ``f`` over [lo, hi] in log space (golden-section search)."""
+    a, b = math.log(lo), math.log(hi)
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(math.exp(c)), f(math.exp(d))
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(math.exp(d))
+    return math.exp((a + b) / 2)
+
+
+def _log_err(sim: float, measured: float) -> float:
+    return math.log(sim / measured) ** 2
+
+
+def fit_roofline(profile: Profile, targets: Iterable[Mapping[str, Any]], rounds: int = 6) -> Profile:
+    """Fit ``matmul_tflops``, ``matmul_half_gflop`` and ``conv_tflops`` to resident (um-default) steps."""
+    pairs = []
+    for t in targets:
+        if _policy(t["policy"]).name != "um-default" or t.get("ratio"):
+            continue
+        trace = cached_trace(model_case(t["model"], **dict(t.get("model_kwargs", {}))))
+        pairs.append((trace, float(t["ms"])))
+    if not pairs:
+        return profile
+    has_conv = any((tr.op_kind == 2).any() for tr, _ in pairs)
+    has_mm = any((tr.op_kind == 1).any() for tr, _ in pairs)
+
+    def loss(p: Profile) -> float:
+        return sum(_log_err(native_step_ms(tr, p), ms) for tr, ms in pairs)
+
+    fields = ([("matmul_tflops", 5.0, 500.0), ("matmul_half_gflop", 0.01, 100.0)] if has_mm else [])
+    fields += [("conv_tflops", 5.0, 2000.0)] if has_conv else []
+    for _ in range(rounds):
+        for name, lo, hi in fields:
+            best = _golden(lambda v, n=name: loss(dataclasses.replace(profile, **{n: v})), lo, hi)
+            profile = dataclasses.replace(profile, **{name: best})
+    return profile
+
+
+def fit_field(profile: Profile, targets: Iterable[Mapping[str, Any]], field: str, lo: float, hi: float,
+              iters: int = 16) -> Profile:
+    """Fit one profile field by running the simulator on ``targets`` (squared log error)."""
+    targets = list(targets)
+    if not targets:
+        return profile
+
+    def loss(v: float) -> float:
+        p = dataclasses.replace(profile, **{field: v})
+        return sum(_log_err(simulate_ms(p, t), float(t["ms"])) for t in targets)
+
+    return dataclasses.replace(profile, **{field: _golden(loss, lo, hi, iters)})
+
+
+def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS, bandwidth_GBps: Mapping[str, float] | None = None,
+              base: Profile = Profile(), **fields: Any) -> Profile:
+    """A profile fitted to measured step times (and bandwidths, when given): see module doc."""
+    targets = list(targets)
+    profile = profile_from_bandwidths(bandwidth_GBps or {}, base, **fields)
+    profile = fit_roofline(profile, targets)
+    names = [(t, _policy(t["policy"])) for t in targets]
+    zero_copy = [t for t, p in names if any(a.preferred_location == "cpu" for a in p.advice.values())
+                 and not any(a.read_mostly for a in p.advice.values())]
+    read_mostly = [t for t, p in names if any(a.read_mostly for a in p.advice.values()) and p.name != "input-read-mostly"]
+    profile = fit_field(profile, zero_copy, "gemm_tile_max", profile.gemm_tile_min, 1024.0)
+    profile = fit_field(profile, read_mostly, "readmostly_write_fault_us", 1.0, 1000.0)
+    return profile
+
+
+def build_h200_profile(probe_path: str | Path, out: str | Path | None = None) -> Profile:
+    """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``)."""
+    probe = json.loads(Path(probe_path).read_text())
+    bw = probe["bandwidth_GBps"]
+    gpu_total = int(probe["environment"]["memGetInfo"][1])
+    profile = calibrate(H200_TARGETS, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total,
+                        source=f"{probe['what']}; fitted by um_lab.sim.calibration.build_h200_profile")
+    if out is not None:
+        measured = {"bandwidth_GBps": bw, "step_ms_targets": H200_TARGETS,
+                    "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}
+        profile.save(out, measured=measured)
+    return profile
+
+
+def measure_on_gpu(targets: Iterable[Mapping[str, Any]] = H200_TARGETS[:5], steps: int = 8,
+                   warmup: int = 3) -> dict[str, Any]:
+    """Measure bandwidths and step times on the local GPU (needs CUDA and the real backend).
+
+    Returns ``{"bandwidth_GBps": {...}, "targets": [...]}`` for :func:`calibrate`.
+    """
+    import torch
+
+    from um_lab.errors import CudaUnavailableError
+
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError("measure_on_gpu needs a CUDA GPU")
+    from um_lab.backend import get_backend
+
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev.copy_(host)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dev.copy_(host, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    bw = {"pinned_copy_h2d": n / (start.elapsed_time(end) * 1e6)}
+    del host, dev
+    backend = get_backend("cuda")
+    measured = []
+    for t in targets:
+        case = model_case(t["model"], **dict(t.get("model_kwargs", {})))
+        spec = RunSpec(model=t["model"], backend="cuda", steps=steps, warmup_steps=warmup)
+        times = [r.wall_ms for r in backend.run(spec, case, _policy(t["policy"])) if not r.warmup]
+        measured.append({**t, "ms": statistics.median(times)})
+    return {"bandwidth_GBps": bw, "targets": measured}
