@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
-MODES = ("native", "um_lab", "naive")
+MODES = ("native", "um_lab", "naive")  # also: um_lab_caller (backward on the calling thread)
 NAIVE_LIMIT = 60 << 30  # the naive pool's own abort counter: far below the card
 
 
@@ -71,10 +71,11 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
     batch_cpu = case.batch(0)
     times: list[float] = []
     loss_value = float("nan")
-    if mode == "um_lab":
+    if mode.startswith("um_lab"):
         from um_lab.cuda.session import Session
 
-        with Session("um-default", evacuate_on_close=False) as lab:
+        backward_thread = "caller" if mode == "um_lab_caller" else "worker"
+        with Session("um-default", evacuate_on_close=False, backward_thread=backward_thread) as lab:
             model = lab.place(model)
             opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
             fixed = lab.inputs(*batch_cpu) if fixed_batch else None
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allocator_overhead.json")
+    parser.add_argument("--modes", nargs="+", default=list(MODES),
+                        choices=list(MODES) + ["um_lab_caller"])
     parser.add_argument("--fixed-batch", action="store_true",
                         help="copy the batch to the GPU once (isolates the per-step input copy)")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
@@ -145,7 +148,7 @@ def main() -> None:
     rows = []
     for model_name in args.models:
         results = {}
-        for mode in MODES:
+        for mode in args.modes:
             cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
                    "--warmup", str(args.warmup)] + (["--fixed-batch"] if args.fixed_batch else [])
             out = subprocess.run(cmd, capture_output=True, text=True)
@@ -154,6 +157,9 @@ def main() -> None:
             results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  {model_name:12s} {mode:7s} {results[mode]['median_ms']:9.2f} ms", flush=True)
         native = results["native"]["median_ms"]
+        if set(args.modes) != set(MODES):
+            rows.append({"model": model_name, **{f"{m}_ms": round(r["median_ms"], 3) for m, r in results.items()}})
+            continue
         rows.append({
             "model": model_name,
             "native_ms": round(native, 3),
@@ -178,6 +184,9 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{'model':12s} {'native ms':>10s} {'um_lab ms':>10s} {'naive ms':>10s} {'um_lab/native':>14s}")
     for r in rows:
+        if "um_lab_over_native" not in r:
+            print(r)
+            continue
         print(f"{r['model']:12s} {r['native_ms']:10.2f} {r['um_lab_ms']:10.2f} {r['naive_ms']:10.2f} "
               f"{r['um_lab_over_native']:14.4f}")
     print(f"wrote {args.out}")

@@ -44,7 +44,10 @@ def test_step_routes_each_phase_to_its_pool_and_pairs_every_begin(env):
         x, y = lab.inputs(torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))
         rec = lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
         assert api.balanced()
-    assert routed_types(api) == [DataType.PARAM, DataType.GRAD, DataType.INPUT, DataType.ACT, DataType.OPTIM]
+    # forward and backward each route into act
+    assert routed_types(api) == [
+        DataType.PARAM, DataType.GRAD, DataType.INPUT, DataType.ACT, DataType.ACT, DataType.OPTIM
+    ]
     assert rec.step == 0 and rec.wall_ms > 0 and rec.loss is not None and rec.backend == "cuda"
     assert set(rec.live_bytes) == {t.value for t in DataType}
     assert all(p.grad is not None for p in model.parameters())
@@ -68,6 +71,26 @@ def test_exception_in_the_closure_ends_routing_and_the_session_stays_usable(env)
         rec = lab.step(lambda: model(x).sum(), opt)  # still usable
         assert rec.step == 0
     assert api.balanced()
+
+
+@pytest.mark.parametrize("backward_thread", ["worker", "caller"])
+def test_failure_inside_backward_still_pairs_every_begin(env, backward_thread):
+    source, driver, api, runtime = env
+    with make_session(env, backward_thread=backward_thread) as lab:
+        model, opt = tiny()
+        lab.attach(model, opt)
+
+        def closure():
+            h = model[0](torch.randn(4, 8))
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("bad hook")))
+            return model[2](model[1](h)).sum()
+
+        with pytest.raises(RuntimeError, match="bad hook"):
+            lab.step(closure, opt)
+        assert api.balanced() and lab._pools.active_routes == {}
+        lab.step(lambda: model(torch.randn(4, 8)).sum(), opt)
+        assert api.balanced()
+    assert routed_types(api).count(DataType.ACT) == 4
 
 
 def test_bad_closure_result_is_a_clear_type_error(env):

@@ -46,8 +46,8 @@ def _clean():
     assert _source().stats()["live_total"] == 0, "a test left managed bytes behind"
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_every_tensor_lies_in_its_own_types_segments(name):
+@pytest.mark.parametrize("name, backward_thread", [(m, "worker") for m in MODELS] + [("mlp", "caller")])
+def test_every_tensor_lies_in_its_own_types_segments(name, backward_thread):
     case = get_model(name, **MODELS[name])
     torch.manual_seed(0)
     model = case.build_model()
@@ -58,7 +58,7 @@ def test_every_tensor_lies_in_its_own_types_segments(name):
             saved.append(t.data_ptr())
         return t
 
-    with _session("um-default") as lab:
+    with _session("um-default", backward_thread=backward_thread) as lab:
         model = lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
         batch = lab.inputs(*case.batch(0))

@@ -266,21 +266,80 @@ class ManagedPools:
         try:
             yield
         except torch.cuda.OutOfMemoryError as e:
-            stats = self.source.stats()
-            if stats["refused"] > refused_before and not isinstance(e, OversubscriptionRefused):
-                size, live, cap, tag = stats["last_refusal"]
-                name = DATA_TYPES[tag].value if 0 <= tag < len(DATA_TYPES) else None
-                raise OversubscriptionRefused(size, live, cap, name) from e
+            self._raise_if_refused(e, refused_before)
             raise
         finally:
-            try:
-                self.api.end(self.device, pid)
-                self.ends += 1
-            finally:
-                self.api.release(self.device, pid)
-                self.releases += 1
+            self._end(pid, tid)
+
+    def _end(self, pid: tuple[int, int], tid: int) -> None:
+        try:
+            self.api.end(self.device, pid)
+            self.ends += 1
+        finally:
+            self.api.release(self.device, pid)
+            self.releases += 1
+            with self._lock:
+                self._routes.pop(tid, None)
+
+    def _raise_if_refused(self, error: BaseException, refused_before: int) -> None:
+        stats = self.source.stats()
+        if stats["refused"] > refused_before and not isinstance(error, OversubscriptionRefused):
+            size, live, cap, tag = stats["last_refusal"]
+            name = DATA_TYPES[tag].value if 0 <= tag < len(DATA_TYPES) else None
+            raise OversubscriptionRefused(size, live, cap, name) from error
+
+    @contextlib.contextmanager
+    def route_backward(self, data_type: DataType, root: torch.Tensor) -> Iterator[None]:
+        """Route the autograd engine's thread into ``data_type``'s pool for one ``backward()``.
+
+        A hook on ``root`` begins routing on whichever thread runs the backward pass (torch's
+        device thread for CUDA) and a final engine callback ends it there. If the pass fails before
+        that callback runs, the routing is ended from the calling thread on exit, so begin, end and
+        release always pair.
+        """
+        if not self._pools:
+            raise SessionStateError("pools are closed")
+        pid = self.pool_id(data_type)
+        begun: list[int] = []
+        guard = threading.Lock()
+
+        def finish() -> None:
+            with guard:
+                if not begun:
+                    return
+                tid = begun.pop()
+            self._end(pid, tid)
+
+        def begin_here(grad: torch.Tensor) -> torch.Tensor:
+            tid = threading.get_ident()
+            with guard:
+                if begun:
+                    return grad
                 with self._lock:
-                    self._routes.pop(tid, None)
+                    if tid in self._routes:
+                        raise SessionStateError("the autograd thread is already routed")
+                    self._routes[tid] = data_type
+                try:
+                    self.api.begin(self.device, pid)
+                except BaseException:
+                    with self._lock:
+                        self._routes.pop(tid, None)
+                    raise
+                self.begins += 1
+                begun.append(tid)
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
+            return grad
+
+        refused_before = self.source.stats()["refused"]
+        handle = root.register_hook(begin_here)
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError as e:
+            self._raise_if_refused(e, refused_before)
+            raise
+        finally:
+            handle.remove()
+            finish()
 
     def _set_advice_table(self, policy: Policy) -> None:
         for t in DATA_TYPES:

@@ -9,10 +9,13 @@
             x, y = lab.inputs(x, y)                 # -> input pool
             record = lab.step(lambda: loss_fn(model(x), y), opt)   # forward + backward -> act pool
 
-Backward runs on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), so its
-temporaries are routed into the act pool by the same begin/end pair as the forward pass, and an
-exception or Ctrl-C anywhere in a step ends the routing. Gradients are pre-allocated in the grad pool
-and accumulated in place (``zero_grad(set_to_none=False)``).
+Backward runs on autograd's own device thread (``backward_thread="worker"``, the default): a hook on
+the loss begins routing that thread into the act pool and an engine callback ends it; if backward
+fails first, the routing is ended from the calling thread, so begin/end/release always pair.
+``backward_thread="caller"`` runs backward on the calling thread instead
+(``torch.autograd.set_multithreading_enabled(False)``). Either way an exception or Ctrl-C anywhere
+in a step ends the routing. Gradients are pre-allocated in the grad pool and accumulated in place
+(``zero_grad(set_to_none=False)``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Session:
         cap_bytes: int | None = None,
         allow_oversubscription: bool = False,
         evacuate_on_close: bool = True,
+        backward_thread: str = "worker",
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
@@ -82,6 +86,9 @@ class Session:
             raise ValueError(f"device must be a non-negative GPU index, got {device!r}")
         self.allow_oversubscription = bool(allow_oversubscription)
         self.evacuate_on_close = evacuate_on_close
+        if backward_thread not in ("worker", "caller"):
+            raise ValueError(f"backward_thread must be 'worker' or 'caller', got {backward_thread!r}")
+        self.backward_thread = backward_thread
         self._requested_cap = cap_bytes
         self._requested_device = device
         self._pool_api = _pool_api
@@ -298,13 +305,17 @@ class Session:
         self._prefetch_phase("before_forward")
         with pools.route(DataType.ACT):
             loss = closure()
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                raise TypeError(
-                    "the step closure must return a scalar loss tensor that requires grad, got "
-                    f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
-                )
-            self._prefetch_phase("before_backward")
-            with torch.autograd.set_multithreading_enabled(False):
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TypeError(
+                "the step closure must return a scalar loss tensor that requires grad, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+            )
+        self._prefetch_phase("before_backward")
+        if self.backward_thread == "caller":
+            with pools.route(DataType.ACT), torch.autograd.set_multithreading_enabled(False):
+                loss.backward()
+        else:
+            with pools.route_backward(DataType.ACT, loss):
                 loss.backward()
         self._prefetch_phase("before_optimizer")
         with pools.route(DataType.OPTIM):
@@ -438,7 +449,8 @@ def _warm_up_outside_pools(device: torch.device) -> None:
     """Create cuBLAS handles and workspaces now, in ordinary memory, not in a managed pool."""
     a = torch.ones(64, 64, device=device, requires_grad=True)
     b = torch.ones(64, 64, device=device)
+    (torch.nn.functional.linear(a, b, b[0]) @ b).sum().backward()  # autograd's device thread
     with torch.autograd.set_multithreading_enabled(False):
-        (torch.nn.functional.linear(a, b, b[0]) @ b).sum().backward()
+        (torch.nn.functional.linear(a, b, b[0]) @ b).sum().backward()  # this thread
     torch.bmm(a.detach()[None], b[None])
     torch.cuda.synchronize(device)

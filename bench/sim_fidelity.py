@@ -1,0 +1,179 @@
+"""Simulator fidelity: median step time on the real GPU vs the simulator, same configurations.
+
+    python bench/sim_fidelity.py                  # on the GPU machine: measure, simulate, compare
+    python bench/sim_fidelity.py --simulate-only  # CPU only: the simulator's predictions
+
+Configurations: mlp, resnet50 (bs 32), gpt2-small (bs 8 x 1024) x um-default, zero-copy-params,
+prefetch-all, input-read-mostly (the 12 required), plus mlp gpu-first / offload-optimizer and
+gpt2-medium um-default / zero-copy-params (the probe's configurations). Every configuration stays far
+below the card (<= 35 GiB of live managed memory; safety cap on). The measured side runs through
+``um_lab.backend.get_backend("cuda").run(spec, case, policy)``; slow configurations (predicted
+> 1 s/step) use 1 warm-up + 3 timed steps, the rest 3 + 5. The simulator uses the packaged H200
+profile (or ``--profile``) with the GPU's capacity from the measured records.
+
+Writes ``<out>/sim_fidelity.json`` ({"device", "versions", "date", "rows": [{"model", "policy", "ratio",
+"measured_ms", "simulated_ms", "error"}]}, error = simulated / measured - 1), or with
+``--simulate-only`` ``<out>/sim_fidelity_predicted.json`` (measured_ms and error null).
+Bars (issue 3): median |error| <= 15%, worst <= 35%, zero-copy configurations within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from um_lab.policy import get_policy  # noqa: E402
+from um_lab.sim.backend import SimBackend  # noqa: E402
+from um_lab.sim.replicas import model_case  # noqa: E402
+from um_lab.types import RunSpec  # noqa: E402
+
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {},
+    "resnet50": {"batch_size": 32},
+    "gpt2-small": {"batch_size": 8, "seq_len": 1024},
+}
+REQUIRED_POLICIES = ("um-default", "zero-copy-params", "prefetch-all", "input-read-mostly")
+EXTRA = [
+    ("mlp", {}, "gpu-first"),
+    ("mlp", {}, "offload-optimizer"),
+    ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "um-default"),
+    ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "zero-copy-params"),
+]
+SLOW_MS = 1000.0
+
+
+def configurations() -> list[tuple[str, dict[str, Any], str]]:
+    """(model, model_kwargs, policy) for every row."""
+    rows = [(m, kw, p) for m, kw in MODELS.items() for p in REQUIRED_POLICIES]
+    return rows + EXTRA
+
+
+def simulate(sim: SimBackend, model: str, kwargs: dict[str, Any], policy: str, capacity: int | None,
+             steps: int, warmup: int) -> tuple[float, float, dict[str, Any]]:
+    """Median simulated step time (ms), the ratio, and the last record's counters."""
+    case = model_case(model, **kwargs)
+    spec = RunSpec(model=model, backend="sim", steps=steps, warmup_steps=warmup, capacity_bytes=capacity)
+    recs = list(sim.run(spec, case, get_policy(policy)))
+    timed = [r for r in recs if not r.warmup]
+    last = timed[-1]
+    counters = {"faults": last.gpu_page_faults, "evictions": last.evictions, "remote_GB": last.remote_bytes / 1e9,
+                "htod_GB": sum(last.htod_bytes.values()) / 1e9, "live_GiB": last.live_total / 2**30}
+    return statistics.median(r.wall_ms for r in timed), last.oversubscription_ratio, counters
+
+
+def measure(model: str, kwargs: dict[str, Any], policy: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Median measured step time on the GPU through the real backend."""
+    from um_lab.backend import get_backend
+    from um_lab.models import get_model
+
+    backend = get_backend("cuda")
+    case = get_model(model, **kwargs)
+    spec = RunSpec(model=model, backend="cuda", steps=steps, warmup_steps=warmup)
+    t = time.perf_counter()
+    recs = list(backend.run(spec, case, get_policy(policy)))
+    timed = [r for r in recs if not r.warmup]
+    out = {"measured_ms": statistics.median(r.wall_ms for r in timed), "ratio": timed[-1].oversubscription_ratio,
+           "capacity": timed[-1].gpu_capacity_bytes, "live_GiB": timed[-1].live_total / 2**30,
+           "run_s": time.perf_counter() - t}
+    del recs, timed, case
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def versions() -> dict[str, str]:
+    """Library versions of this run."""
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "torchvision", "numpy", "cupy"):
+        try:
+            v[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        v["cuda"] = str(torch.version.cuda)
+    return v
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median / worst |error| and the zero-copy worst, against the bars."""
+    errs = [abs(r["error"]) for r in rows if r["error"] is not None]
+    if not errs:
+        return {}
+    zc = [abs(r["error"]) for r in rows if r["error"] is not None and r["policy"] == "zero-copy-params"]
+    s = {"median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
+         "zero_copy_worst_abs_error": max(zc) if zc else None}
+    s["passes"] = bool(s["median_abs_error"] <= 0.15 and s["worst_abs_error"] <= 0.35
+                       and (not zc or max(zc) <= 0.25))
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the comparison; print the table; write the JSON. Returns the result dict."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--simulate-only", action="store_true", help="CPU only: predictions, no GPU")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--profile", default="h200", help="simulator profile name or JSON path")
+    args = ap.parse_args(argv)
+    sim = SimBackend(args.profile)
+    measure_gpu = not args.simulate_only
+    if measure_gpu and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU here: run with --simulate-only for the simulator's predictions")
+
+    configs = configurations()
+    predicted = {}
+    for model, kw, policy in configs:  # predictions first: they choose the step counts
+        ms, ratio, counters = simulate(sim, model, kw, policy, None, 3, 1)
+        predicted[(model, policy)] = (ms, ratio, counters)
+    rows = []
+    t_gpu = 0.0
+    for model, kw, policy in configs:
+        pred_ms, pred_ratio, counters = predicted[(model, policy)]
+        warmup, steps = (1, 3) if pred_ms > SLOW_MS else (3, 5)
+        row = {"model": model, "model_kwargs": kw, "policy": policy, "ratio": round(pred_ratio, 4),
+               "measured_ms": None, "simulated_ms": round(pred_ms, 3), "error": None,
+               "steps": steps, "warmup_steps": warmup, "sim": {k: round(v, 4) for k, v in counters.items()}}
+        if measure_gpu:
+            m = measure(model, kw, policy, steps, warmup)
+            t_gpu += m["run_s"]
+            sim_ms, ratio, counters = simulate(sim, model, kw, policy, m["capacity"], steps, warmup)
+            row.update(measured_ms=round(m["measured_ms"], 3), simulated_ms=round(sim_ms, 3),
+                       ratio=round(m["ratio"], 4), error=round(sim_ms / m["measured_ms"] - 1, 4),
+                       measured_live_GiB=round(m["live_GiB"], 3), run_s=round(m["run_s"], 1),
+                       sim={k: round(v, 4) for k, v in counters.items()})
+        rows.append(row)
+        print(f"{model:12s} {policy:18s} ratio {row['ratio']:.3f}  measured "
+              f"{row['measured_ms'] if row['measured_ms'] is not None else '-':>10}  simulated "
+              f"{row['simulated_ms']:10.2f} ms  error {row['error'] if row['error'] is not None else '-'}",
+              flush=True)
+    summary = summarise(rows)
+    if summary:
+        print(f"\nmedian |error| {summary['median_abs_error']:.3f} (bar 0.15), worst {summary['worst_abs_error']:.3f}"
+              f" (bar 0.35), zero-copy worst {summary['zero_copy_worst_abs_error']} (bar 0.25),"
+              f" passes: {summary['passes']}; GPU time {t_gpu:.0f} s")
+    device = torch.cuda.get_device_name(0) if measure_gpu else f"simulated ({sim.profile.name} profile)"
+    result = {"device": device, "versions": versions(),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "profile": sim.profile.name, "summary": summary, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
+    (out / name).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out / name}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
