@@ -41,9 +41,9 @@ def run_dirs(out: Path) -> list[Path]:
     return list_runs(out) if out.exists() else []
 
 
-def test_run_prints_backend_and_summary_and_logs_steps(fake_backend, tmp_path, capsys):
-    rc = main(["run", "--backend", "sim", "--steps", "5", "--warmup", "2", "--out", str(tmp_path),
-               "--no-progress", *TINY])
+def test_run_on_sim_prints_backend_and_summary_and_logs_steps(tmp_path, capsys):
+    rc = main(["run", "--backend", "sim", "--steps", "5", "--warmup", "2", "--ratio", "3",
+               "--out", str(tmp_path), "--no-progress", *TINY])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.splitlines()[0] == "backend: sim"
@@ -52,6 +52,20 @@ def test_run_prints_backend_and_summary_and_logs_steps(fake_backend, tmp_path, c
     loaded = load(path)
     assert loaded.complete and len(list(loaded.records())) == 7
     assert loaded.spec.model_kwargs == {"width": 16, "depth": 1} and loaded.spec.batch_size == 4
+    assert loaded.spec.oversubscription_ratio == 3.0
+    assert loaded.environment["backend"] == "sim" and loaded.environment["calibration_profile"] == "h200"
+    assert all(r.backend == "sim" and r.telemetry == "simulated" for r in loaded.records())
+    assert f"oversubscription   {loaded.summary()['oversubscription']:.3f}" in out
+
+
+def test_sim_profile_option(tmp_path, capsys):
+    rc = main(["run", "--backend", "sim", "--profile", "h200", "--steps", "1", "--out", str(tmp_path),
+               "--no-progress", *TINY])
+    assert rc == 0 and load(run_dirs(tmp_path)[0]).environment["calibration_profile"] == "h200"
+    assert main(["run", "--backend", "sim", "--profile", "no-such-card", "--out", str(tmp_path), *TINY]) == 2
+    assert "unknown profile 'no-such-card'" in capsys.readouterr().err
+    assert main(["run", "--profile", "h200", "--backend", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--profile is a simulator option" in capsys.readouterr().err
 
 
 def test_auto_backend_is_always_printed(fake_backend, tmp_path, capsys):
@@ -65,7 +79,7 @@ def test_auto_backend_is_always_printed(fake_backend, tmp_path, capsys):
     assert env["backend_requested"] == "auto" and env["backend_note"] == expected
 
 
-def test_compare_prints_table_and_exports_csv(fake_backend, tmp_path, capsys):
+def test_compare_on_sim_prints_table_and_exports_csv(tmp_path, capsys):
     csv = tmp_path / "table.csv"
     rc = main(["compare", "--models", "mlp", "--policies", "gpu-first", "zero-copy-params",
                "--ratios", "0.5", "2", "--backend", "sim", "--steps", "3", "--warmup", "1",
@@ -75,6 +89,10 @@ def test_compare_prints_table_and_exports_csv(fake_backend, tmp_path, capsys):
     assert "speedup_vs_um-default" in out and "zero-copy-params" in out
     table = pd.read_csv(csv)
     assert len(table) == 6 and set(table["ratio"]) == {0.5, 2.0}
+    assert (table["backend"] == "sim").all() and (table["status"] == "complete").all()
+    by = table.set_index(["policy", "ratio"])
+    assert by.loc[("um-default", 2.0), "median_ms"] > by.loc[("um-default", 0.5), "median_ms"]
+    assert by.loc[("um-default", 2.0), "evictions"] > 0
     assert len(run_dirs(tmp_path / "runs")) == 6
 
 
@@ -222,11 +240,14 @@ def test_parsers():
         "width": 8, "act": "gelu", "flag": True, "lr": 1e-3}
 
 
-def test_subprocess_smoke():
+def test_subprocess_smoke_on_sim(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "policies"], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
-    assert done.returncode == 0 and "um-default" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--backend", "sim", "--steps", "3",
+                           "--out", str(tmp_path), *TINY], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("backend: sim\n") and "status: complete" in done.stdout
+    assert load(run_dirs(tmp_path)[0]).complete
     done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--model", "nope"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert done.returncode == 2 and "valid: mlp" in done.stderr

@@ -403,3 +403,72 @@ def test_iter_records_streams(tmp_path):
     list(active)
     stream = iter_records(active.path / "records.jsonl")
     assert next(stream).step == 0 and next(stream).step == 1
+
+
+# ------------------------------------------------------------------- the real simulator backend
+
+SIM_MLP = {"width": 256, "depth": 2, "batch_size": 64}
+SIM_GPT2 = {"batch_size": 2, "seq_len": 32, "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 1000}
+
+
+def test_sim_run_writes_a_complete_log(tmp_path):
+    result = run(RunSpec(model="mlp", model_kwargs=SIM_MLP, backend="sim", steps=6, warmup_steps=2),
+                 out_dir=tmp_path)
+    assert result.complete and result.environment["backend"] == "sim"
+    assert result.environment["calibration_profile"] == "h200"
+    records = list(result.records())
+    assert [r.warmup for r in records] == [True, True] + [False] * 6
+    for record in records:
+        assert record.backend == "sim" and record.policy == "um-default" and record.wall_ms > 0
+        assert all(record.live_bytes[t.value] > 0 for t in DATA_TYPES), record.live_bytes
+    summary = result.summary()
+    assert summary["steps"] == 6 and summary["median_ms"] > 0
+    assert summary["migrated_bytes"] == 0 and summary["evictions"] == 0  # fits on the simulated H200
+
+
+def test_sim_oversubscription_migrates_and_is_slower(tmp_path):
+    base = {"model": "mlp", "model_kwargs": SIM_MLP, "backend": "sim", "steps": 4, "warmup_steps": 1}
+    fits = run(RunSpec(**base), out_dir=tmp_path).summary()
+    over = run(RunSpec(**base, oversubscription_ratio=1.5), out_dir=tmp_path).summary()
+    assert over["oversubscription"] == pytest.approx(1.5, rel=0.15)
+    assert over["evictions"] > 0 and over["migrated_bytes"] > 0 and over["gpu_page_faults"] > 0
+    assert over["median_ms"] > fits["median_ms"]
+
+
+def test_sim_compare_two_models_three_policies_two_ratios(tmp_path):
+    mlp_1k = {"width": 1024, "depth": 2, "batch_size": 128}  # big enough to be bandwidth-bound
+    table = compare({"mlp": mlp_1k, "gpt2-small": SIM_GPT2}, ["um-default", "gpu-first", "zero-copy-params"],
+                    ratios=[None, 1.5], backend="sim", steps=3, warmup_steps=1, out_dir=tmp_path)
+    assert len(table) == 12 and (table["status"] == "complete").all() and (table["backend"] == "sim").all()
+    assert table["median_ms"].gt(0).all() and (table["steps"] == 3).all()
+    assert (table[table["policy"] == "um-default"]["speedup_vs_um-default"] == 1.0).all()
+    zero_copy = table[table["policy"] == "zero-copy-params"]
+    assert zero_copy["remote_bytes"].gt(0).all()  # parameters are read over the host link
+    fits = zero_copy[(zero_copy["model"] == "mlp") & zero_copy["ratio"].isna()]
+    assert fits["speedup_vs_um-default"].lt(1.0).all(), table  # ... which costs time when all fits
+    assert table[table["ratio"] == 1.5]["migrated_bytes"].gt(0).any()
+    assert table[table["ratio"].isna()]["migrated_bytes"].eq(0).all()
+    assert len(list_runs(tmp_path)) == 12
+
+
+def test_sim_background_stop_keeps_completed_steps(tmp_path):
+    active = Run(RunSpec(model="mlp", model_kwargs=SIM_MLP, backend="sim", steps=10_000_000,
+                         oversubscription_ratio=1.5), out_dir=tmp_path).start()
+    deadline = time.time() + 60
+    while active.steps_completed < 20 and time.time() < deadline:
+        time.sleep(0.01)
+    active.stop()
+    assert active.join(timeout=60)
+    loaded = load(active.path)
+    assert loaded.state == "stopped" and not loaded.complete
+    assert len(list(loaded.records())) == loaded.status["steps_completed"] >= 20
+
+
+def test_thousand_sim_steps_do_not_grow_memory(tmp_path):
+    make = lambda: Run(RunSpec(model="mlp", model_kwargs=SIM_MLP, backend="sim", steps=1000, warmup_steps=0,
+                               oversubscription_ratio=1.5), out_dir=tmp_path)
+    list(make())  # trace and caches warm
+    at_200, at_1000 = _traced_growth(make, 1000)
+    assert at_1000 - at_200 < 64 * 1024, (at_200, at_1000)
+    loaded = load(list_runs(tmp_path)[-1])
+    assert loaded.complete and sum(1 for _ in loaded.records()) == 1000

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import re
 import subprocess
@@ -103,6 +102,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="a model size knob, repeatable (e.g. width=1024, seq_len=256, n_layer=2)")
     p.add_argument("--capacity", type=parse_bytes, default=None,
                    help="simulated GPU capacity, e.g. 16GiB (sim only; default: the profile's card)")
+    p.add_argument("--profile", default=None,
+                   help="simulator calibration profile: a packaged name (h200) or a profile JSON (sim only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs", help="folder for run logs (default: runs/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -164,6 +165,17 @@ def _announce_backend(requested: str) -> str:
     return resolved
 
 
+def _backend_instance(resolved: str, profile: str | None) -> Any:
+    """A backend built with the CLI's options (None: let the runner build the default one)."""
+    if profile is None:
+        return None
+    if resolved != "sim":
+        raise CliError("--profile is a simulator option; use it with --backend sim")
+    from um_lab.backend import get_backend
+
+    return get_backend("sim", profile=profile)
+
+
 def _format_table(table: Any) -> str:
     columns = [c for c in SUMMARY_COLUMNS if c in table.columns]
     return table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}")
@@ -177,12 +189,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from um_lab.types import RunSpec
 
     policy = load_policy_arg(args.policy)
-    _announce_backend(args.backend)
+    backend = _backend_instance(_announce_backend(args.backend), args.profile)
     spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
                    warmup_steps=args.warmup, batch_size=args.batch_size,
                    model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
                    oversubscription_ratio=args.ratio, seed=args.seed)
-    active = Run(spec, policy=policy, out_dir=args.out)
+    active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")
     bar = tqdm(total=args.warmup + args.steps, unit="step", disable=args.no_progress)
@@ -221,7 +233,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_exports(args)  # before the sweep, not after it
     policies = [load_policy_arg(p) for p in args.policies]
     backend = _announce_backend(args.backend)
-    table = compare(args.models, policies, args.ratios, backend=backend, steps=args.steps,
+    instance = _backend_instance(backend, args.profile)
+    table = compare(args.models, policies, args.ratios, backend=backend, backend_instance=instance,
+                    steps=args.steps,
                     warmup_steps=args.warmup, batch_size=args.batch_size,
                     model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
                     seed=args.seed, out_dir=args.out, progress=not args.no_progress,
@@ -238,44 +252,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``um-lab calibrate``: delegate to ``um_lab.sim.calibration.calibrate`` on a real GPU."""
+    """``um-lab calibrate``: measure this GPU, fit a simulator profile (``um_lab.sim.calibration``)."""
     from um_lab.backend import cuda_available
 
     if not cuda_available():
         raise CliError("calibrate needs CUDA: run it on a machine with an NVIDIA GPU and a CUDA build of "
-                       "torch. The simulator's default (H200) profile needs no calibration.")
+                       "torch. The simulator's packaged profile (h200) needs no calibration.")
     try:
-        from um_lab.sim.calibration import calibrate
+        from um_lab.sim.calibration import calibrate, measure_on_gpu
     except ImportError as e:
         raise CliError(f"calibration is not available in this um_lab ({e})") from None
-    accepted = inspect.signature(calibrate).parameters
-    kwargs: dict[str, Any] = {}
-    for key in ("out", "path", "output"):
-        if key in accepted:
-            kwargs[key] = args.out
-            break
-    if args.name is not None and "name" in accepted:
-        kwargs["name"] = args.name
-    _say("calibrating: measuring host<->GPU transfers and faults (takes a minute)...")
-    profile = calibrate(**kwargs)
-    if not args.out.exists():
-        _write_profile(profile, args.out)
-    _say(f"profile: {args.out}")
+    import torch
+
+    name = args.name or re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    _, total = torch.cuda.mem_get_info()
+    _say("calibrating: measuring host<->GPU bandwidth and step times of the reference models...")
+    measured = measure_on_gpu()
+    profile = calibrate(measured["targets"], measured["bandwidth_GBps"], name=name, gpu_memory_bytes=total)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(args.out, measured=measured)
+    _say(f"profile {name!r}: {args.out} (use it with --backend sim --profile {args.out})")
     return EXIT_OK
-
-
-def _write_profile(profile: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if hasattr(profile, "save"):
-        profile.save(path)
-        return
-    if hasattr(profile, "to_dict"):
-        profile = profile.to_dict()
-    elif hasattr(profile, "__dataclass_fields__"):
-        import dataclasses
-
-        profile = dataclasses.asdict(profile)
-    path.write_text(json.dumps(profile, indent=2, default=str) + "\n")
 
 
 def default_notebooks_dir() -> Path:

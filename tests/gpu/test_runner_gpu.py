@@ -116,3 +116,22 @@ def test_cli_auto_picks_cuda_and_says_so(tmp_path, capsys):
     (path,) = list_runs(tmp_path)
     env = json.loads((path / "environment.json").read_text())
     assert env["backend"] == "cuda" and env["backend_requested"] == "auto"
+
+
+@pytest.mark.slow
+def test_cli_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
+    from um_lab.cli import main
+    from um_lab.sim.profile import load_profile
+
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--out", str(out), "--name", "test-gpu"]) == 0
+    profile = load_profile(out)
+    assert profile.name == "test-gpu"
+    _, total = torch.cuda.mem_get_info()
+    assert profile.gpu_memory_bytes == total
+    capsys.readouterr()
+    rc = main(["run", "--backend", "sim", "--profile", str(out), "--model", "mlp", "--model-kw", "width=256",
+               "--steps", "2", "--out", str(tmp_path / "runs"), "--no-progress"])
+    assert rc == 0
+    (path,) = list_runs(tmp_path / "runs")
+    assert load(path).environment["calibration_profile"] == "test-gpu"
