@@ -69,7 +69,8 @@ def simulate(sim: SimBackend, model: str, kwargs: dict[str, Any], policy: str, c
     recs = list(sim.run(spec, case, get_policy(policy)))
     timed = [r for r in recs if not r.warmup]
     last = timed[-1]
-    counters = {"faults": last.gpu_page_faults, "evictions": last.evictions, "remote_GB": last.remote_bytes / 1e9,
+    counters = {"faults": last.gpu_page_faults, "evictions": last.evictions,
+                "remote_GB": last.remote_bytes / 1e9,
                 "htod_GB": sum(last.htod_bytes.values()) / 1e9, "live_GiB": last.live_total / 2**30}
     return statistics.median(r.wall_ms for r in timed), last.oversubscription_ratio, counters
 
@@ -85,7 +86,8 @@ def measure(model: str, kwargs: dict[str, Any], policy: str, steps: int, warmup:
     t = time.perf_counter()
     recs = list(backend.run(spec, case, get_policy(policy)))
     timed = [r for r in recs if not r.warmup]
-    out = {"measured_ms": statistics.median(r.wall_ms for r in timed), "ratio": timed[-1].oversubscription_ratio,
+    out = {"measured_ms": statistics.median(r.wall_ms for r in timed),
+           "ratio": timed[-1].oversubscription_ratio,
            "capacity": timed[-1].gpu_capacity_bytes, "live_GiB": timed[-1].live_total / 2**30,
            "run_s": time.perf_counter() - t}
     del recs, timed, case
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               flush=True)
     summary = summarise(rows)
     if summary:
-        print(f"\nmedian |error| {summary['median_abs_error']:.3f} (bar 0.15), worst {summary['worst_abs_error']:.3f}"
+        print(f"\nmedian |error| {summary['median_abs_error']:.3f} (bar 0.15),"
+              f" worst {summary['worst_abs_error']:.3f}"
               f" (bar 0.35), zero-copy worst {summary['zero_copy_worst_abs_error']} (bar 0.25),"
               f" passes: {summary['passes']}; GPU time {t_gpu:.0f} s")
     device = torch.cuda.get_device_name(0) if measure_gpu else f"simulated ({sim.profile.name} profile)"

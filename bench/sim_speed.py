@@ -40,7 +40,8 @@ def policies() -> list:
 
 def machine() -> str:
     """A short description of this machine."""
-    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}"
+    return (f"{platform.node()} {platform.machine()} {os.cpu_count()} cores,"
+            f" Python {platform.python_version()}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     one_step = []
     for policy in pols:
-        spec = RunSpec(model="gpt2-medium", backend="sim", steps=1, warmup_steps=0, oversubscription_ratio=1.5)
+        spec = RunSpec(model="gpt2-medium", backend="sim", steps=1, warmup_steps=0,
+                       oversubscription_ratio=1.5)
         t = time.perf_counter()
         list(backend.run(spec, case, policy))
         one_step.append((time.perf_counter() - t, policy.name))

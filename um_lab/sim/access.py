@@ -66,7 +66,8 @@ def expand(trace: StepTrace, layout: Layout, tile_min: float, tile_max: float) -
     lo = base + trace.acc_lo[keep]
     hi = base + trace.acc_hi[keep]
     write = trace.acc_write[keep] > 0
-    reread = reread_factor(trace.acc_reuse[keep], tile_min, tile_max) * np.where(trace.acc_write[keep] == 2, 2, 1)
+    in_place = np.where(trace.acc_write[keep] == 2, 2, 1)
+    reread = reread_factor(trace.acc_reuse[keep], tile_min, tile_max) * in_place
     first_block = lo // BLOCK
     n_blk = (hi - 1) // BLOCK - first_block + 1
     # one entry per (access, block)

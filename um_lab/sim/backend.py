@@ -20,7 +20,7 @@ import numpy as np
 from um_lab.errors import PolicyError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, get_policy
-from um_lab.sim.access import OpBlocks, expand
+from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile
 from um_lab.sim.roofline import op_times_us
@@ -67,7 +67,8 @@ class SimBackend:
         if hit is not None:
             return hit
         placement = place(trace)
-        blocks = [expand(trace, layout, self.profile.gemm_tile_min, self.profile.gemm_tile_max) for layout in placement.layouts]
+        p = self.profile
+        blocks = [expand(trace, layout, p.gemm_tile_min, p.gemm_tile_max) for layout in placement.layouts]
         prepared = PreparedCase(trace, placement, blocks, op_times_us(trace, self.profile))
         with self._lock:
             self._prepared[trace.key] = prepared
@@ -92,7 +93,8 @@ class SimBackend:
             raise ValueError(f"simulated GPU capacity {cap} B is below one 2 MiB chunk; use a smaller ratio")
         return cap
 
-    def run(self, spec: RunSpec, case: ModelCase, policy: Policy | str | Mapping[str, Any]) -> Iterator[StepRecord]:
+    def run(self, spec: RunSpec, case: ModelCase,
+            policy: Policy | str | Mapping[str, Any]) -> Iterator[StepRecord]:
         """Yield one :class:`StepRecord` per step (warm-up steps first, ``warmup=True``)."""
         policy = _as_policy(policy)
         prepared = self.prepare(case)
@@ -127,7 +129,8 @@ def _as_policy(policy: Policy | str | Mapping[str, Any]) -> Policy:
         return get_policy(policy)
     if isinstance(policy, Mapping):
         return Policy.from_dict(policy)
-    raise PolicyError("policy", f"must be a Policy, a preset name or a policy dict, got {type(policy).__name__}")
+    raise PolicyError("policy",
+                      f"must be a Policy, a preset name or a policy dict, got {type(policy).__name__}")
 
 
 def _initialise(model: UvmModel, prepared: PreparedCase) -> None:
@@ -135,8 +138,6 @@ def _initialise(model: UvmModel, prepared: PreparedCase) -> None:
     (model moved to the GPU, gradients pre-allocated, state created), in allocation order."""
     trace = prepared.trace
     layout = prepared.placement.layouts[0]
-    ob = prepared.op_blocks[0]
-    del ob
     persistent = np.flatnonzero(trace.st_persistent & (trace.st_nbytes > 0))
     protect = np.zeros(len(model.gpu), bool)
     for s in persistent:
@@ -144,8 +145,6 @@ def _initialise(model: UvmModel, prepared: PreparedCase) -> None:
         hi = lo + int(trace.st_nbytes[s])
         first, last = lo // BLOCK, (hi - 1) // BLOCK
         blocks = np.arange(first, last + 1, dtype=np.int64)
-        from um_lab.sim.access import page_mask
-
         blo = np.maximum(lo, blocks * BLOCK) - blocks * BLOCK
         bhi = np.minimum(hi, (blocks + 1) * BLOCK) - blocks * BLOCK
         mask = page_mask(blo, bhi)

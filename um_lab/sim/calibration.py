@@ -8,7 +8,8 @@ Two kinds of input, both plain dicts (JSON-ready):
   turned into model constants by :func:`profile_from_bandwidths`.
 * ``targets``: measured median step times, ``[{"model", "model_kwargs", "policy", "ms"}, ...]``;
   :func:`calibrate` fits the roofline (GEMM and convolution peaks) to the ``um-default`` targets, the
-  GEMM tile bound to zero-copy targets and the read_mostly write-fault cost to read_mostly targets.
+  GEMM tile bound to zero-copy targets, the read_mostly write-fault cost to read_mostly targets and
+  the host cost of a prefetch call to prefetch-policy targets (all-resident prefetches cost only that).
 
 :func:`measure_on_gpu` collects both on the local GPU (it needs CUDA and the real backend); without
 CUDA it raises :class:`um_lab.errors.CudaUnavailableError`. ``um_lab/sim/profiles/h200.json`` was
@@ -42,20 +43,21 @@ H200_TARGETS: list[dict[str, Any]] = [
     {"model": "mlp", "model_kwargs": {}, "policy": "zero-copy-params", "ms": 145.16},
     {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024}, "policy": "zero-copy-params",
      "ms": 5122.79},
-    {"model": "mlp", "model_kwargs": {}, "policy": {"name": "params-read-mostly",
-                                                     "advice": {"param": {"read_mostly": True}}}, "ms": 13186.14},
+    {"model": "mlp", "model_kwargs": {},
+     "policy": {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}, "ms": 13186.14},
     {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024},
      "policy": {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}, "ms": 47384.45},
 ]
 
 
-def profile_from_bandwidths(bw: Mapping[str, float], base: Profile = Profile(), **fields: Any) -> Profile:
+def profile_from_bandwidths(bw: Mapping[str, float], base: Profile | None = None, **fields: Any) -> Profile:
     """Model constants from microbenchmark bandwidths (GB/s); keys as in h200-probe.json.
 
     Demand faults: a fully faulted 2 MiB block costs ``BLOCK / fault_h2d``; the part not explained by
     the transfer at prefetch speed is the per-block servicing overhead. First touch: ``BLOCK /
     first_touch`` per block, no transfer.
     """
+    base = base or Profile()
     prefetch = bw.get("prefetch_h2d_GBps", base.prefetch_h2d_GBps)
     block_us = lambda gbps: BLOCK / (gbps * 1e3)  # noqa: E731
     values = dict(
@@ -133,7 +135,7 @@ def fit_roofline(profile: Profile, targets: Iterable[Mapping[str, Any]], rounds:
     fields += [("conv_tflops", 5.0, 2000.0)] if has_conv else []
     for _ in range(rounds):
         for name, lo, hi in fields:
-            best = _golden(lambda v, n=name: loss(dataclasses.replace(profile, **{n: v})), lo, hi)
+            best = _golden(lambda v, n=name, p=profile: loss(dataclasses.replace(p, **{n: v})), lo, hi)
             profile = dataclasses.replace(profile, **{name: best})
     return profile
 
@@ -152,18 +154,23 @@ def fit_field(profile: Profile, targets: Iterable[Mapping[str, Any]], field: str
     return dataclasses.replace(profile, **{field: _golden(loss, lo, hi, iters)})
 
 
-def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS, bandwidth_GBps: Mapping[str, float] | None = None,
-              base: Profile = Profile(), **fields: Any) -> Profile:
+def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS,
+              bandwidth_GBps: Mapping[str, float] | None = None,
+              base: Profile | None = None, **fields: Any) -> Profile:
     """A profile fitted to measured step times (and bandwidths, when given): see module doc."""
     targets = list(targets)
-    profile = profile_from_bandwidths(bandwidth_GBps or {}, base, **fields)
+    profile = profile_from_bandwidths(bandwidth_GBps or {}, base or Profile(), **fields)
     profile = fit_roofline(profile, targets)
     names = [(t, _policy(t["policy"])) for t in targets]
     zero_copy = [t for t, p in names if any(a.preferred_location == "cpu" for a in p.advice.values())
                  and not any(a.read_mostly for a in p.advice.values())]
-    read_mostly = [t for t, p in names if any(a.read_mostly for a in p.advice.values()) and p.name != "input-read-mostly"]
+    read_mostly = [t for t, p in names
+                   if any(a.read_mostly for a in p.advice.values()) and p.name != "input-read-mostly"]
+    prefetching = [t for t, p in names if any(a.prefetch != "none" for a in p.advice.values())
+                   and not any(a.read_mostly or a.preferred_location == "cpu" for a in p.advice.values())]
     profile = fit_field(profile, zero_copy, "gemm_tile_max", profile.gemm_tile_min, 1024.0)
     profile = fit_field(profile, read_mostly, "readmostly_write_fault_us", 1.0, 1000.0)
+    profile = fit_field(profile, prefetching, "prefetch_call_us", 0.1, 1000.0)
     return profile
 
 

@@ -89,7 +89,8 @@ class _ResNet(nn.Module):
         return self.fc(self.avgpool(x).flatten(1))
 
 
-def resnet_replica(depth: int = 50, batch_size: int = 128, image_size: int = 224, classes: int = 1000) -> ModelCase:
+def resnet_replica(depth: int = 50, batch_size: int = 128, image_size: int = 224,
+                   classes: int = 1000) -> ModelCase:
     """The zoo's ResNet case with torchvision's constructor replaced by a replica (same name and info)."""
     case = resnet(depth, batch_size=batch_size, image_size=image_size, classes=classes)
     case.build_model = lambda: _ResNet(depth, classes)

@@ -53,7 +53,8 @@ _NO_KERNEL = {
     "prim.device", "aten._local_scalar_dense", "aten.lift_fresh", "aten.detach", "aten.alias",
     "profiler._record_function_enter_new", "profiler._record_function_exit", "aten.empty",
     "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
-    "aten.is_same_size", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten._has_compatible_shallow_copy_type",
+    "aten.is_same_size", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
+    "aten._has_compatible_shallow_copy_type",
 }
 #: Non-pointwise ops whose generic accounting (bytes in + out) is known to be right: no warning.
 _KNOWN_GENERIC = {
@@ -121,7 +122,8 @@ class StepTrace:
     def bytes_by_type(self, persistent_only: bool = False) -> dict[str, int]:
         """Storage bytes per data type name (all storages, or only persistent ones)."""
         sel = self.st_persistent if persistent_only else np.ones(len(self.st_nbytes), bool)
-        return {t.value: int(self.st_nbytes[sel & (self.st_type == i)].sum()) for i, t in enumerate(DATA_TYPES)}
+        return {t.value: int(self.st_nbytes[sel & (self.st_type == i)].sum())
+                for i, t in enumerate(DATA_TYPES)}
 
     def peak_bytes(self) -> int:
         """Peak bytes of live storages over the step (tensors, before segment rounding)."""
@@ -279,7 +281,8 @@ class _Recorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     in_tensors.append((t, write, pos))
         for key, a in kwargs.items():
-            write = any(s.name == key and s.alias_info is not None and s.alias_info.is_write for s in schema_args)
+            write = any(s.name == key and s.alias_info is not None and s.alias_info.is_write
+                        for s in schema_args)
             for t in tree_flatten(a)[0]:
                 if isinstance(t, torch.Tensor):
                     in_tensors.append((t, write, -1))
@@ -311,7 +314,8 @@ class _Recorder(TorchDispatchMode):
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         else:
             flops = float(sum(t.numel() for t in outs))
-            if not (torch.Tag.pointwise in func.tags or name in _KNOWN_GENERIC or name.startswith("aten._foreach")):
+            known = torch.Tag.pointwise in func.tags or name in _KNOWN_GENERIC
+            if not (known or name.startswith("aten._foreach")):
                 self._warn(name, "unknown op; generic accounting (bytes of inputs and outputs)")
         self.ops.append((name, self.phase, flops, hbm, kind))
 

@@ -245,7 +245,8 @@ class UvmModel:
         # density prefetcher: a block more than half resident comes in whole (host-resident pages)
         movable = ~mapped & (pref != PREF_CPU) | rm
         gpu_now = self.gpu[bb]
-        dense = (popcount(gpu_now | mig | dup | pop_gpu) > self.p.density_threshold * PAGES_PER_BLOCK) & movable
+        share = popcount(gpu_now | mig | dup | pop_gpu)
+        dense = (share > self.p.density_threshold * PAGES_PER_BLOCK) & movable
         if dense.any():
             more = np.where(dense, cpu & ~gpu_now & ~remote, np.uint32(0)).astype(np.uint32)
             dup = dup | np.where(rm, more, np.uint32(0)).astype(np.uint32)
@@ -354,7 +355,6 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     a = model.a
     model._reset_counters()
     model.block_type[: layout.n_blocks] = layout.block_type
-    n_blocks = layout.n_blocks
     type_blocks = [np.flatnonzero(layout.block_type == ti) for ti in range(len(DATA_TYPES))]
     protect = np.zeros(len(model.gpu), bool)
     any_rm = bool(a.read_mostly.any())
@@ -414,7 +414,6 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     for ti, t in enumerate(DATA_TYPES):
         if a.prefetch_to_cpu[ti]:
             end += model.prefetch_to_cpu(type_blocks[ti]) + layout.segment_count[t.value] * p.prefetch_call_us
-    del n_blocks
     return StepStats(
         wall_us=end, htod=model.htod.copy(), dtoh=model.dtoh.copy(), resident=model.resident_by_type(),
         faults=model.faults, evictions=model.evictions, remote_bytes=model.remote_bytes,

@@ -1,0 +1,92 @@
+"""Profiles (JSON round trip, packaged H200) and calibration fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from um_lab.models import get_model
+from um_lab.sim.calibration import (
+    H200_TARGETS,
+    calibrate,
+    fit_roofline,
+    measure_on_gpu,
+    profile_from_bandwidths,
+)
+from um_lab.sim.profile import Profile, load_profile
+from um_lab.sim.roofline import native_step_ms, queue_time_us
+from um_lab.sim.trace import cached_trace
+
+
+def test_packaged_h200_profile_carries_the_probe_numbers() -> None:
+    p = load_profile("h200")
+    assert p.name == "h200" and "H200" in p.source
+    assert p.remote_GBps == pytest.approx(47.77)
+    assert p.prefetch_h2d_GBps == pytest.approx(47.4)
+    assert p.gpu_memory_bytes == 150109880320
+    # demand faults: 2 MiB per (overhead + transfer) reproduces the measured 10.43 GB/s
+    per_block_us = p.fault_block_us + (2 << 20) / (p.fault_xfer_GBps * 1e3)
+    assert (2 << 20) / (per_block_us * 1e3) == pytest.approx(10.43, rel=1e-3)
+
+
+def test_profile_json_round_trip_and_rejects_bad_fields(tmp_path) -> None:
+    p = dataclasses.replace(Profile(), name="mine", matmul_tflops=12.5)
+    path = p.save(tmp_path / "mine.json", measured={"x": 1})
+    assert load_profile(str(path)) == p
+    data = json.loads(path.read_text())
+    data["bogus"] = 1
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unknown profile fields"):
+        load_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="positive"):
+        Profile.from_dict({"hbm_GBps": -1})
+    with pytest.raises(ValueError, match="unknown profile"):
+        load_profile("no-such-card")
+
+
+def test_profile_from_bandwidths() -> None:
+    p = profile_from_bandwidths({"prefetch_h2d_GBps": 20.0, "fault_h2d_GBps": 5.0, "remote_read_GBps": 9.0})
+    assert p.prefetch_h2d_GBps == 20.0 and p.remote_GBps == 9.0
+    assert p.fault_block_us == pytest.approx((2 << 20) / 5e3 - (2 << 20) / 20e3)
+
+
+def test_queue_time_is_gpu_or_host_bound() -> None:
+    assert queue_time_us(torch.tensor([100.0, 100.0]).numpy(), 1.0) == pytest.approx(201.0)
+    assert queue_time_us(torch.tensor([1.0, 1.0]).numpy(), 50.0) == pytest.approx(101.0)
+
+
+def test_fit_roofline_recovers_a_known_gemm_peak() -> None:
+    case = get_model("mlp", width=1024, depth=3, batch_size=512)
+    truth = dataclasses.replace(Profile(), matmul_tflops=20.0, matmul_half_gflop=0.05)
+    measured = native_step_ms(cached_trace(case), truth)
+    start = dataclasses.replace(Profile(), matmul_tflops=80.0, matmul_half_gflop=0.05)
+    target = [{"model": "mlp", "model_kwargs": {"width": 1024, "depth": 3, "batch_size": 512},
+               "policy": "um-default", "ms": measured}]
+    fitted = fit_roofline(start, target)
+    assert native_step_ms(cached_trace(case), fitted) == pytest.approx(measured, rel=0.01)
+
+
+def test_calibrate_fits_zero_copy_tile() -> None:
+    kw = {"width": 1024, "depth": 2, "batch_size": 2048}
+    truth = dataclasses.replace(Profile(), gemm_tile_max=200.0)
+    from um_lab.sim.calibration import simulate_ms
+
+    t_zc = {"model": "mlp", "model_kwargs": kw, "policy": "zero-copy-params"}
+    targets = [{**t_zc, "ms": simulate_ms(truth, t_zc)}]
+    fitted = calibrate(targets, base=Profile())
+    assert fitted.gemm_tile_max == pytest.approx(200.0, rel=0.1)
+
+
+def test_h200_targets_are_named_like_the_probe() -> None:
+    assert {t["model"] for t in H200_TARGETS} == {"mlp", "resnet50", "gpt2-medium"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_measure_on_gpu_needs_cuda() -> None:
+    from um_lab.errors import CudaUnavailableError
+
+    with pytest.raises(CudaUnavailableError):
+        measure_on_gpu()
