@@ -472,3 +472,36 @@ def test_thousand_sim_steps_do_not_grow_memory(tmp_path):
     assert at_1000 - at_200 < 64 * 1024, (at_200, at_1000)
     loaded = load(list_runs(tmp_path)[-1])
     assert loaded.complete and sum(1 for _ in loaded.records()) == 1000
+
+
+def test_killed_process_leaves_a_crashed_run_with_its_completed_steps(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys\n"
+        "from um_lab.runner import Run\n"
+        "from um_lab.types import RunSpec\n"
+        f"r = Run(RunSpec(model='mlp', model_kwargs={SIM_MLP!r}, backend='sim', steps=10**8,"
+        " oversubscription_ratio=1.5), out_dir=sys.argv[1])\n"
+        "for _ in r: pass\n")
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            logs = list(tmp_path.glob("*/records.jsonl"))
+            if logs and logs[0].read_text().count("\n") >= 50:
+                break
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    (path,) = list_runs(tmp_path)
+    loaded = load(path)
+    assert loaded.state == "crashed" and not loaded.complete
+    steps = [r.step for r in loaded.records()]
+    assert len(steps) >= 50 and steps == list(range(len(steps)))
