@@ -195,6 +195,17 @@ def test_models_and_policies_listings(capsys):
 # ------------------------------------------------------------------------------ calibrate and lab
 
 
+def test_cuda_backend_without_a_gpu_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    import um_lab.backend
+
+    monkeypatch.setattr(um_lab.backend, "cuda_available", lambda: False)
+    monkeypatch.setattr(um_lab.runner, "cuda_available", lambda: False)
+    for command in ("run", "compare"):
+        assert main([command, "--backend", "cuda", "--out", str(tmp_path), "--no-progress"]) == 1
+        assert "the cuda backend cannot run here" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_calibrate_needs_cuda(monkeypatch, capsys):
     import um_lab.backend
 
@@ -226,6 +237,15 @@ def test_lab_binds_localhost_and_keeps_token_auth(monkeypatch, tmp_path, capsys)
 
 
 # ------------------------------------------------------------------------------------- parsing
+
+
+def test_argparse_rejects_bad_values_with_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--backend", "sim", "--ratios", "0"])
+    assert info.value.code == 2 and "ratio must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", "--capacity", "lots"])
+    assert "not a size: 'lots'" in capsys.readouterr().err
 
 
 def test_parsers():

@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, ValueError, FileNotFoundError, ImportError, OSError) as e:
         print(f"um-lab: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except UmLabError as e:  # e.g. a size refused under the safety cap
+    except (UmLabError, RuntimeError) as e:  # e.g. no GPU, a size refused under the safety cap
         print(f"um-lab: error: {e}", file=sys.stderr)
         return EXIT_FAILED
 

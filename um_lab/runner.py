@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from um_lab.backend import Backend, get_backend, resolve_backend_name
-from um_lab.errors import UmLabError
+from um_lab.backend import Backend, cuda_available, get_backend, resolve_backend_name
+from um_lab.errors import CudaUnavailableError, UmLabError
 from um_lab.models import ModelCase, case_for_spec, check_fits, estimate_memory
 from um_lab.policy import Policy, get_policy
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
@@ -181,6 +181,8 @@ def _cuda_cap_bytes(backend: Backend) -> int | None:
     cap = getattr(backend, "cap_bytes", None)
     if cap is not None:
         return int(cap)
+    if not cuda_available():
+        return None  # no GPU to protect (the backend itself will refuse to run)
     import torch
 
     from um_lab.cuda.allocator import default_cap  # the cap's definition belongs to the cuda backend
@@ -233,8 +235,11 @@ class Run:
         spec = spec or RunSpec()
         self.policy = get_policy(policy if policy is not None else spec.policy)
         self.case = case if case is not None else case_for_spec(spec)
-        self.spec = dataclasses.replace(spec, policy=self.policy.name, model=self.case.name)
+        self.spec = dataclasses.replace(spec, policy=self.policy.name,
+                                        model=self.case.name if case is not None else spec.model)
         self.backend_name = backend.name if backend is not None else resolve_backend_name(spec.backend)
+        if backend is None and self.backend_name == "cuda" and not cuda_available():
+            raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
         self.backend_note = backend_note(spec.backend, self.backend_name)
         self.backend = backend if backend is not None else get_backend(self.backend_name)
         self.keep_records = keep_records
@@ -671,6 +676,8 @@ def compare(
     if backend_name == "cuda" and any(r is not None for r in ratio_list):
         raise ValueError("oversubscription ratios are simulated (backend 'sim'); on cuda size the model "
                          "instead (um_lab.models.size_for_ratio) and keep it under the safety cap")
+    if backend_name == "cuda" and backend_instance is None and not cuda_available():
+        raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
     check_writable(out_dir)
     sweep_dir = prepare_run_dir(out_dir, f"compare-{_timestamp()}-{uuid.uuid4().hex[:6]}")
     shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
