@@ -80,7 +80,7 @@ def test_auto_backend_is_always_printed(fake_backend, tmp_path, capsys):
 
 
 def test_compare_on_sim_prints_table_and_exports_csv(tmp_path, capsys):
-    csv = tmp_path / "table.csv"
+    csv = tmp_path / "exports" / "table.csv"  # a folder the CLI creates
     rc = main(["compare", "--models", "mlp", "--policies", "gpu-first", "zero-copy-params",
                "--ratios", "0.5", "2", "--backend", "sim", "--steps", "3", "--warmup", "1",
                "--out", str(tmp_path / "runs"), "--csv", str(csv), "--no-progress", *TINY])

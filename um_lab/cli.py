@@ -222,8 +222,12 @@ def _check_exports(args: argparse.Namespace) -> None:
         raise CliError("--parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
                        "or export with --csv instead")
     for path in (args.csv, args.parquet):
-        if path is not None and not path.parent.exists():
-            raise CliError(f"cannot write {path}: folder {path.parent} does not exist")
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
