@@ -99,3 +99,14 @@ def test_unknown_ops_warn_once_and_are_accounted() -> None:
     assert "aten.cumsum" in trace.unknown_ops
     i = trace.op_names.index("aten.cumsum")
     assert trace.op_bytes[i] > 0
+
+
+@pytest.mark.slow
+def test_gpt2_xl_step_traces_without_memory() -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    trace = trace_step(get_model("gpt2-xl", batch_size=2, seq_len=1024))
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    params = trace.bytes_by_type(persistent_only=True)["param"]
+    assert 1.5e9 * 4 < params < 1.65e9 * 4  # ~1.56 B parameters, fp32
+    assert grown_gib < 2.0  # a real step would need > 25 GB
+    assert trace.op_names.count("aten._scaled_dot_product_efficient_attention") == 48

@@ -25,7 +25,8 @@ class Profile:
     gpu_memory_bytes: int = 150_109_880_320  #: the card's memory (default simulated capacity)
     # compute roofline
     matmul_tflops: float = 55.0  #: fp32 GEMM / attention peak (no TF32: PyTorch's default for matmul)
-    matmul_half_gflop: float = 1.0  #: GEMM size (GFLOP) at which a GEMM reaches half the peak
+    matmul_half_gflop: float = 0.05  #: GEMM size (GFLOP) at which a GEMM reaches half the peak
+    attention_tflops: float = 30.0  #: fused (memory-efficient) fp32 attention kernels
     conv_tflops: float = 250.0  #: convolution peak (cuDNN allows TF32 by default)
     conv_half_gflop: float = 1.0
     hbm_GBps: float = 3000.0  #: effective HBM bandwidth of memory-bound kernels

@@ -11,16 +11,18 @@ from um_lab.sim.trace import StepTrace
 def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     """GPU time of each op in microseconds with all its data in GPU memory.
 
-    GEMM-like ops run at ``peak * f / (f + f_half)`` (small GEMMs fill the GPU badly), bounded below by
-    their HBM traffic; memory-bound ops move ``op_bytes`` at the HBM bandwidth; the batch copy runs at
-    the pinned host-to-device bandwidth. Every kernel adds ``kernel_us``.
+    GEMM-like ops (GEMM, convolution, fused attention: each with its own peak) run at
+    ``peak * f / (f + f_half)`` (small GEMMs fill the GPU badly), bounded below by their HBM traffic;
+    memory-bound ops move ``op_bytes`` at the HBM bandwidth; the batch copy runs at the pinned
+    host-to-device bandwidth. Every kernel adds ``kernel_us``.
     """
     flops = trace.op_flops
     kind = trace.op_kind
     mem_us = trace.op_bytes / (profile.hbm_GBps * 1e3)
     t = mem_us.copy()
     for k, tflops, half in ((1, profile.matmul_tflops, profile.matmul_half_gflop),
-                            (2, profile.conv_tflops, profile.conv_half_gflop)):
+                            (2, profile.conv_tflops, profile.conv_half_gflop),
+                            (4, profile.attention_tflops, profile.matmul_half_gflop)):
         sel = kind == k
         f = flops[sel]
         rate = tflops * 1e6 * f / (f + half * 1e9)  # flop per us

@@ -43,9 +43,9 @@ from um_lab.models import ModelCase
 from um_lab.types import DATA_TYPES, DataType
 
 PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")
-#: Op kinds: memory-bound kernels, dense matmul (GEMM/attention), convolution (TF32 on cuDNN by
-#: default), and the host-to-device copy of the batch.
-OP_KINDS: tuple[str, ...] = ("memory", "matmul", "conv", "h2d_copy")
+#: Op kinds: memory-bound kernels, dense matmul (GEMM), convolution (TF32 on cuDNN by default), the
+#: host-to-device copy of the batch, and fused attention.
+OP_KINDS: tuple[str, ...] = ("memory", "matmul", "conv", "h2d_copy", "attention")
 TYPE_INDEX: dict[DataType, int] = {t: i for i, t in enumerate(DATA_TYPES)}
 
 #: Ops that launch no kernel (metadata, host-side scalars, profiler markers).
@@ -199,6 +199,18 @@ def _gemm_reuse(name: str, args: tuple) -> dict[int, float]:
     return {}
 
 
+def _is_causal_attention(name: str, args: tuple, kwargs: dict) -> bool:
+    """True for fused attention ops called with ``is_causal=True``."""
+    positions = {"aten._scaled_dot_product_efficient_attention": 6,
+                 "aten._scaled_dot_product_efficient_attention_backward": 11,
+                 "aten._scaled_dot_product_flash_attention": 4,
+                 "aten._scaled_dot_product_flash_attention_backward": 11}
+    if name not in positions:
+        return False
+    pos = positions[name]
+    return bool(kwargs.get("is_causal", args[pos] if len(args) > pos else False))
+
+
 class _Recorder(TorchDispatchMode):
     """Records kernel ops, storage accesses, allocations and frees (see :class:`StepTrace`)."""
 
@@ -310,8 +322,10 @@ class _Recorder(TorchDispatchMode):
         packet = func.overloadpacket
         kind = 0
         if packet in flop_registry:
-            kind = 2 if "conv" in name else 1
+            kind = 2 if "conv" in name else 4 if "attention" in name else 1
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            if _is_causal_attention(name, args, kwargs):
+                flops *= 0.5  # causal kernels skip the masked half of the score matrix
         else:
             flops = float(sum(t.numel() for t in outs))
             known = torch.Tag.pointwise in func.tags or name in _KNOWN_GENERIC
