@@ -50,9 +50,15 @@ PREFETCH_PHASE: dict[DataType, int] = {
 PREFETCH_STREAMS = ("compute", "copy")
 
 
+_BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)
+
+
 def popcount(x: np.ndarray) -> np.ndarray:
-    """Set bits per element (big pages in a mask)."""
-    return np.bitwise_count(x)
+    """Set bits per element of a uint32 array (big pages in a mask); NumPy 1.x fallback included."""
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(x)
+    x = np.ascontiguousarray(x, np.uint32)
+    return _BYTE_BITS[x.view(np.uint8)].reshape(*x.shape, 4).sum(axis=-1, dtype=np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
