@@ -24,8 +24,9 @@ from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile
 from um_lab.sim.roofline import op_times_us
+from um_lab.sim.stepper import readmostly_write_us, run_step
 from um_lab.sim.trace import StepTrace, cached_trace
-from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel, readmostly_write_us, run_step
+from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 

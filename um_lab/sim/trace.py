@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -31,15 +30,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from um_lab.models import ModelCase
+from um_lab.sim.ops import (
+    KNOWN_GENERIC,
+    NO_KERNEL,
+    CudaKernelChoices,
+    extent_bytes,
+    gemm_reuse,
+    is_causal_attention,
+)
 from um_lab.types import DATA_TYPES, DataType
 
 PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")
@@ -47,37 +52,6 @@ PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")
 #: host-to-device copy of the batch, and fused attention.
 OP_KINDS: tuple[str, ...] = ("memory", "matmul", "conv", "h2d_copy", "attention")
 TYPE_INDEX: dict[DataType, int] = {t: i for i, t in enumerate(DATA_TYPES)}
-
-#: Ops that launch no kernel (metadata, host-side scalars, profiler markers).
-_NO_KERNEL = {
-    "prim.device", "aten._local_scalar_dense", "aten.lift_fresh", "aten.detach", "aten.alias",
-    "profiler._record_function_enter_new", "profiler._record_function_exit", "aten.empty",
-    "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
-    "aten.is_same_size", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
-    "aten._has_compatible_shallow_copy_type",
-}
-#: Non-pointwise ops whose generic accounting (bytes in + out) is known to be right: no warning.
-_KNOWN_GENERIC = {
-    "aten.native_layer_norm", "aten.native_layer_norm_backward", "aten._log_softmax",
-    "aten._log_softmax_backward_data", "aten._softmax", "aten._softmax_backward_data", "aten._safe_softmax",
-    "aten.nll_loss_forward", "aten.nll_loss_backward", "aten.embedding", "aten.embedding_dense_backward",
-    "aten.native_dropout", "aten.native_dropout_backward", "aten.cat", "aten.clone", "aten.copy_",
-    "aten._to_copy", "aten.zero_", "aten.fill_", "aten.zeros", "aten.ones", "aten.zeros_like",
-    "aten.ones_like", "aten.full", "aten.full_like", "aten.scalar_tensor", "aten.arange",
-    "aten.constant_pad_nd", "aten.native_batch_norm", "aten.native_batch_norm_backward",
-    "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit",
-    "aten.cudnn_batch_norm", "aten.cudnn_batch_norm_backward", "aten.max_pool2d_with_indices",
-    "aten.max_pool2d_with_indices_backward", "aten.avg_pool2d", "aten.avg_pool2d_backward",
-    "aten.adaptive_avg_pool2d", "aten._adaptive_avg_pool2d", "aten._adaptive_avg_pool2d_backward",
-    "aten.mean", "aten.sum", "aten.amax", "aten.threshold_backward", "aten.gelu_backward",
-    "aten.tanh_backward", "aten.sigmoid_backward", "aten.where", "aten.tril", "aten.triu",
-    "aten.bernoulli_", "aten.uniform_", "aten.normal_", "aten.index_select", "aten.gather",
-    "aten.scatter_add", "aten.index_put_", "aten._unsafe_index_put", "aten.masked_fill",
-    "aten.masked_fill_", "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.stack",
-    "aten.repeat", "aten.split_with_sizes_copy", "aten.randint", "aten.randn", "aten.rand",
-    "aten.convolution_backward", "aten.max", "aten.min", "aten.var_mean", "aten.rsqrt",
-}
-
 
 @dataclasses.dataclass
 class StepTrace:
@@ -134,83 +108,6 @@ class StepTrace:
         return int(np.cumsum(delta).max())
 
 
-class _CudaKernelChoices(TorchFunctionMode):
-    """Replace CPU-only decompositions by the fused ops CUDA would run (same memory behaviour)."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            if k.shape[-3] == q.shape[-3] and k.dim() == 4 and (mask is None or not causal):
-                with torch._C.DisableTorchFunction():
-                    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-                    out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                        q, k, v, mask, need_lse, p, causal, scale=kwargs.get("scale"))
-                return out[0]
-        if func is F.dropout:
-            x = args[0]
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
-            if not inplace:
-                if not training or p == 0:
-                    return x
-                with torch._C.DisableTorchFunction():
-                    return torch.ops.aten.native_dropout(x, p, True)[0]
-        return func(*args, **kwargs)
-
-
-def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range [lo, hi) of ``t`` inside its storage."""
-    item = t.element_size()
-    if t.numel() == 0:
-        lo = t.storage_offset() * item
-        return lo, lo
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
-    lo = t.storage_offset() * item
-    return lo, lo + span * item
-
-
-def _gemm_reuse(name: str, args: tuple) -> dict[int, float]:
-    """For GEMM-like ops: arg position -> extent of the other output dimension (operand re-reads)."""
-    try:
-        if name in ("aten.mm", "aten.bmm"):
-            a, b = args[0], args[1]
-            return {0: float(b.shape[-1]), 1: float(a.shape[-2])}
-        if name in ("aten.addmm", "aten.baddbmm"):
-            a, b = args[1], args[2]
-            return {1: float(b.shape[-1]), 2: float(a.shape[-2])}
-        if name in ("aten.convolution", "aten._convolution", "aten.cudnn_convolution"):
-            x, w = args[0], args[1]
-            pixels = x.shape[0] * math.prod(x.shape[2:])
-            return {0: float(w.shape[0]), 1: float(pixels)}
-        if name == "aten.convolution_backward":
-            go, x, w = args[0], args[1], args[2]
-            pixels = go.shape[0] * math.prod(go.shape[2:])
-            return {0: float(max(w.shape[1], w.shape[0])), 1: float(w.shape[0]), 2: float(pixels)}
-        if name.startswith("aten._scaled_dot_product") or name.startswith("aten._efficient_attention"):
-            q = args[0]
-            return {1: float(q.shape[-2]), 2: float(q.shape[-2])}
-    except (AttributeError, IndexError, TypeError):
-        pass
-    return {}
-
-
-def _is_causal_attention(name: str, args: tuple, kwargs: dict) -> bool:
-    """True for fused attention ops called with ``is_causal=True``."""
-    positions = {"aten._scaled_dot_product_efficient_attention": 6,
-                 "aten._scaled_dot_product_efficient_attention_backward": 11,
-                 "aten._scaled_dot_product_flash_attention": 4,
-                 "aten._scaled_dot_product_flash_attention_backward": 11}
-    if name not in positions:
-        return False
-    pos = positions[name]
-    return bool(kwargs.get("is_causal", args[pos] if len(args) > pos else False))
-
-
 class _Recorder(TorchDispatchMode):
     """Records kernel ops, storage accesses, allocations and frees (see :class:`StepTrace`)."""
 
@@ -265,7 +162,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
         out = func(*args, **kwargs)
-        if name in _NO_KERNEL:
+        if name in NO_KERNEL:
             if name.startswith("aten.empty") or name.startswith("aten.new_empty"):
                 self._collect_frees()
                 for t in tree_flatten(out)[0]:
@@ -306,17 +203,17 @@ class _Recorder(TorchDispatchMode):
             return  # a view or metadata op: no kernel
         self._collect_frees()
         op_index = len(self.ops)
-        reuse = _gemm_reuse(name, args)
+        reuse = gemm_reuse(name, args)
         hbm = 0.0
         for t, write, pos in in_tensors:
             idx = self.register(t, self.classify_new(), op_index, True)
-            lo, hi = _extent_bytes(t)
+            lo, hi = extent_bytes(t)
             nb = t.numel() * t.element_size()
             hbm += nb * (2 if write else 1)
             self.acc.append((op_index, idx, lo, hi, 2 if write else 0, reuse.get(pos, 1.0)))
         for t in new_outs:
             idx = self.register(t, self.classify_new(), op_index, True)
-            lo, hi = _extent_bytes(t)
+            lo, hi = extent_bytes(t)
             hbm += t.numel() * t.element_size()
             self.acc.append((op_index, idx, lo, hi, 1, 1.0))
         packet = func.overloadpacket
@@ -324,11 +221,11 @@ class _Recorder(TorchDispatchMode):
         if packet in flop_registry:
             kind = 2 if "conv" in name else 4 if "attention" in name else 1
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-            if _is_causal_attention(name, args, kwargs):
+            if is_causal_attention(name, args, kwargs):
                 flops *= 0.5  # causal kernels skip the masked half of the score matrix
         else:
             flops = float(sum(t.numel() for t in outs))
-            known = torch.Tag.pointwise in func.tags or name in _KNOWN_GENERIC
+            known = torch.Tag.pointwise in func.tags or name in KNOWN_GENERIC
             if not (known or name.startswith("aten._foreach")):
                 self._warn(name, "unknown op; generic accounting (bytes of inputs and outputs)")
         self.ops.append((name, self.phase, flops, hbm, kind))
@@ -338,7 +235,7 @@ class _Recorder(TorchDispatchMode):
         nbytes = 0.0
         for t in batch:
             idx = self.register(t, DataType.INPUT, len(self.ops), False)
-            lo, hi = _extent_bytes(t)
+            lo, hi = extent_bytes(t)
             nbytes += t.numel() * t.element_size()
             self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0))
         self.ops.append(("um_lab.input_h2d", 0, 0.0, nbytes, 3))
@@ -378,7 +275,7 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
             if "foreach" in group and not group.get("fused"):
                 group["foreach"] = True
         batch = tuple(fake.from_tensor(b) for b in case.batch(seed))
-    with fake, _CudaKernelChoices():
+    with fake, CudaKernelChoices():
         loss = case.loss_fn(model, *batch)
         loss.backward()
         optimizer.step()
@@ -401,7 +298,7 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
             if isinstance(v, torch.Tensor):
                 rec.register(v, DataType.OPTIM, -1, False)
     rec.record_input_copy(batch)
-    with fake, _CudaKernelChoices(), rec:
+    with fake, CudaKernelChoices(), rec:
         rec.phase = phase_box["phase"] = 0
         loss = case.loss_fn(model, *batch)
         rec.phase = phase_box["phase"] = 1

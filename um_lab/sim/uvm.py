@@ -31,10 +31,8 @@ import hashlib
 import numpy as np
 
 from um_lab.policy import Policy
-from um_lab.sim.access import OpBlocks
-from um_lab.sim.placement import BIG_PAGE, BLOCK, PAGES_PER_BLOCK, Layout
+from um_lab.sim.placement import BIG_PAGE, BLOCK, PAGES_PER_BLOCK
 from um_lab.sim.profile import Profile
-from um_lab.sim.trace import StepTrace
 from um_lab.types import DATA_TYPES, DataType
 
 PREF_NONE, PREF_GPU, PREF_CPU = 0, 1, 2
@@ -344,98 +342,3 @@ class UvmModel:
         out = np.zeros(len(DATA_TYPES), np.int64)
         np.add.at(out, self.block_type, popcount(self.gpu).astype(np.int64) * BIG_PAGE)
         return out
-
-
-def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, base_us: np.ndarray,
-             rm_write_us: np.ndarray, prefetch_stream: str = "compute") -> StepStats:
-    """Simulate one step: walk the ops, servicing faults, remote accesses and prefetches.
-
-    ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
-    ``rm_write_us``: each op's read_mostly write-fault cost. Op 0 (the batch copy) happens before
-    the step's timer starts, as in the real backend; its faults and bytes still count.
-    """
-    if prefetch_stream not in PREFETCH_STREAMS:
-        raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
-    on_copy_stream = prefetch_stream == "copy"
-    p = model.p
-    a = model.a
-    model._reset_counters()
-    model.block_type[: layout.n_blocks] = layout.block_type
-    type_blocks = [np.flatnonzero(layout.block_type == ti) for ti in range(len(DATA_TYPES))]
-    protect = np.zeros(len(model.gpu), bool)
-    any_rm = bool(a.read_mostly.any())
-    rm_block = a.read_mostly[model.block_type] if any_rm else None
-    now_gpu = now_cpu = copy_clock = 0.0
-    pending = False
-    model.arrival[:] = 0.0
-    phase = -1
-    ptr, blk, msk, wmk, rbytes = ob.ptr, ob.block, ob.mask, ob.write_mask, ob.remote_bytes
-    gpu = model.gpu
-    op_phase = trace.op_phase
-    cpu_op = p.cpu_op_us
-    for i in range(trace.n_ops):
-        if op_phase[i] != phase:
-            phase = int(op_phase[i])
-            for ti, t in enumerate(DATA_TYPES):
-                if a.prefetch_to_gpu[ti] and PREFETCH_PHASE[t] == phase:
-                    tb = type_blocks[ti]
-                    now_cpu += (len(tb) * p.prefetch_call_us_per_block
-                                + layout.segment_count[t.value] * p.prefetch_call_us)
-                    moved, per_block, t_ev = model.prefetch_to_gpu(tb)
-                    start = max(copy_clock, now_cpu) + t_ev
-                    if not on_copy_stream:
-                        start = max(start, now_gpu)
-                    if len(moved):
-                        arr = start + np.cumsum(per_block)
-                        model.arrival[moved] = arr
-                        copy_clock = float(arr[-1])
-                        pending = True
-                    else:
-                        copy_clock = start
-                    if not on_copy_stream:
-                        now_gpu = max(now_gpu, copy_clock)
-        now_cpu += cpu_op
-        start = now_gpu if now_gpu > now_cpu else now_cpu
-        p0, p1 = ptr[i], ptr[i + 1]
-        b = blk[p0:p1]
-        m = msk[p0:p1]
-        fault_us = remote_us = 0.0
-        if ((m & ~gpu[b]) != 0).any():
-            protect[b] = True
-            fault_us, remote_us = model.access(b, m, wmk[p0:p1], rbytes[p0:p1], protect)
-            protect[b] = False
-        if pending and len(b):
-            ready = float(model.arrival[b].max())
-            if ready > start:
-                start = ready
-        if any_rm:
-            sel = rm_block[b]
-            if sel.any():
-                model.invalidate_host_copies(b[sel], wmk[p0:p1][sel])
-        base = base_us[i]
-        now_gpu = start + (base if base > remote_us else remote_us) + fault_us + rm_write_us[i]
-        if i == 0 and trace.op_kind[0] == 3:  # the batch copy precedes the timed step
-            now_gpu = now_cpu = copy_clock = 0.0
-    end = max(now_gpu, copy_clock)
-    for ti, t in enumerate(DATA_TYPES):
-        if a.prefetch_to_cpu[ti]:
-            end += model.prefetch_to_cpu(type_blocks[ti]) + layout.segment_count[t.value] * p.prefetch_call_us
-    return StepStats(
-        wall_us=end, htod=model.htod.copy(), dtoh=model.dtoh.copy(), resident=model.resident_by_type(),
-        faults=model.faults, evictions=model.evictions, remote_bytes=model.remote_bytes,
-        fault_us=model.fault_us, remote_us=model.remote_us,
-    )
-
-
-def readmostly_write_us(trace: StepTrace, ob: OpBlocks, block_type: np.ndarray, advice: AdviceTable,
-                        profile: Profile) -> np.ndarray:
-    """Per-op cost of kernel writes to read_mostly data (one fault per 4 KiB page; copies excluded)."""
-    out = np.zeros(trace.n_ops)
-    if not advice.read_mostly.any() or len(ob.block) == 0:
-        return out
-    entry_op = np.repeat(np.arange(trace.n_ops), np.diff(ob.ptr))
-    rm = advice.read_mostly[block_type[ob.block]]
-    pages = np.where(rm, np.ceil(ob.write_bytes / PAGE), 0.0)
-    out = np.bincount(entry_op, weights=pages, minlength=trace.n_ops) * profile.readmostly_write_fault_us
-    out[trace.op_kind == 3] = 0.0
-    return out
