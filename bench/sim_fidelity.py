@@ -148,7 +148,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "measured_ms": None, "simulated_ms": round(pred_ms, 3), "error": None,
                "steps": steps, "warmup_steps": warmup, "sim": {k: round(v, 4) for k, v in counters.items()}}
         if measure_gpu:
-            m = measure(model, kw, policy, steps, warmup)
+            try:
+                m = measure(model, kw, policy, steps, warmup)
+            except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the rest
+                row["measure_error"] = f"{type(e).__name__}: {e}"[:500]
+                rows.append(row)
+                print(f"{model:12s} {policy:18s} MEASUREMENT FAILED: {row['measure_error']}", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
             t_gpu += m["run_s"]
             sim_ms, ratio, counters = simulate(sim, model, kw, policy, m["capacity"], steps, warmup)
             row.update(measured_ms=round(m["measured_ms"], 3), simulated_ms=round(sim_ms, 3),
