@@ -84,7 +84,7 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
                 t0 = time.perf_counter()
                 batch = fixed if fixed_batch else lab.inputs(*batch_cpu)
                 batch = batch if isinstance(batch, tuple) else (batch,)
-                rec = lab.step(lambda: case.loss_fn(model, *batch), opt)
+                rec = lab.step(lambda batch=batch: case.loss_fn(model, *batch), opt)
                 torch.cuda.synchronize()
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)

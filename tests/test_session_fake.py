@@ -31,7 +31,7 @@ def tiny():
 
 
 def routed_types(api):
-    ids = {p.id: t for p, t in zip(api.pools, list(DataType) * 1000)}
+    ids = {p.id: t for p, t in zip(api.pools, list(DataType) * 1000, strict=False)}
     return [ids[pid] for kind, pid in api.calls if kind == "begin"]
 
 

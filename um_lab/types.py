@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-class DataType(str, enum.Enum):
+class DataType(enum.StrEnum):
     """The kinds of training data that get a pool (and advice) of their own."""
 
     PARAM = "param"  #: weights and buffers

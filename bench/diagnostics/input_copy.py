@@ -26,9 +26,9 @@ res = {"native_pageable": median_ms(lambda: x.cuda()), "native_pinned": median_m
 with Session() as lab:
     res["managed_pageable"] = median_ms(lambda: lab.inputs(x))
     res["managed_pinned"] = median_ms(lambda: lab.inputs(xp))
-    keep = lab.inputs(x)
-    res["managed_d2d_read"] = median_ms(lambda: keep.sum())
-    del keep
+    keep = [lab.inputs(x)]
+    res["managed_d2d_read"] = median_ms(lambda: keep[0].sum())
+    keep.clear()
 y = x.cuda()
 res["native_d2d_read"] = median_ms(lambda: y.sum())
 print(json.dumps(res))

@@ -83,12 +83,11 @@ def test_every_tensor_lies_in_its_own_types_segments(name, backward_thread):
         src = lab._pools.source
         saved_kinds = [src.data_type_of(p) for p in saved]
         assert None not in saved_kinds, "a saved activation escaped the managed pools"
-        acts = [k for p, k in zip(saved, saved_kinds) if p not in param_ptrs and p not in input_ptrs]
+        acts = [k for p, k in zip(saved, saved_kinds, strict=True) if p not in param_ptrs and p not in input_ptrs]
         assert acts and set(acts) == {DataType.ACT}
         live = lab.live_bytes()
         assert all(live[t.value] > 0 for t in DataType), live
-        del batch, opt
-    assert lab.stats is not None
+        batch = opt = None
 
 
 def _train(case, steps, session=None):
@@ -112,7 +111,7 @@ def _train(case, steps, session=None):
         for _ in range(steps):
             batch = session.inputs(*batch_cpu)
             batch = batch if isinstance(batch, tuple) else (batch,)
-            rec = session.step(lambda: case.loss_fn(model, *batch), opt)
+            rec = session.step(lambda batch=batch: case.loss_fn(model, *batch), opt)
             losses.append(torch.tensor(rec.loss, dtype=torch.float64))
             del batch
     return torch.stack([torch.as_tensor(v, dtype=torch.float64).cpu() for v in losses])
@@ -152,8 +151,8 @@ def test_twenty_open_close_cycles_leave_zero_managed_bytes():
             lab.place(model)
             lab.attach(model, opt)
             x, y = lab.inputs(*case.batch(0))
-            lab.step(lambda: case.loss_fn(model, x, y), opt)
-            del x, y
+            lab.step(lambda x=x, y=y: case.loss_fn(model, x, y), opt)
+            x = y = None
         stats = source.stats()
         assert stats["live_total"] == 0
     end = source.stats()
@@ -199,14 +198,14 @@ def test_policy_change_mid_session_readvises_and_training_continues():
     with _session("um-default") as lab:
         lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
-        x, y = lab.inputs(*case.batch(0))
-        first = lab.step(lambda: case.loss_fn(model, x, y), opt)
+        batch = lab.inputs(*case.batch(0))
+        first = lab.step(lambda: case.loss_fn(model, *batch), opt)
         n = lab.set_policy("paper-3type")
         assert n == lab.stats()["segments"] > 0
-        second = lab.step(lambda: case.loss_fn(model, x, y), opt)
+        second = lab.step(lambda: case.loss_fn(model, *batch), opt)
         assert second.policy == "paper-3type" and second.loss < first.loss
         assert lab.stats()["advise_errors"] == 0
-        del x, y
+        batch = None
 
 
 def test_no_deadlock_backward_allocating_while_another_thread_frees():

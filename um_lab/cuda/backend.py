@@ -40,7 +40,7 @@ class CudaBackend:
             for i in range(spec.warmup_steps + spec.steps):
                 inputs = lab.inputs(*batch)
                 inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-                record = lab.step(lambda: case.loss_fn(model, *inputs), optimizer)
+                record = lab.step(lambda inputs=inputs: case.loss_fn(model, *inputs), optimizer)
                 record.warmup = i < spec.warmup_steps
                 record.step = i
                 del inputs

@@ -260,10 +260,10 @@ class Session:
         pools = self._require_open()
         params = [p for p in module.parameters() if p.requires_grad]
         index = _SegmentIndex(pools.source)
-        missing = [
-            p for p in params
-            if p.grad is None or (self._is_device(p.grad) and index.data_type_of(p.grad.data_ptr()) is not DataType.GRAD)
-        ]
+        def in_grad_pool(g: torch.Tensor) -> bool:
+            return not self._is_device(g) or index.data_type_of(g.data_ptr()) is DataType.GRAD
+
+        missing = [p for p in params if p.grad is None or not in_grad_pool(p.grad)]
         if not missing:
             return
         with pools.route(DataType.GRAD):
