@@ -2,6 +2,8 @@
 
     python bench/sim_fidelity.py                  # on the GPU machine: measure, simulate, compare
     python bench/sim_fidelity.py --simulate-only  # CPU only: the simulator's predictions
+    python bench/sim_fidelity.py --measured bench/results/sim_fidelity.json   # CPU only: re-simulate
+                                                  # an earlier measurement (measured values kept)
 
 Configurations: mlp, resnet50 (bs 32), gpt2-small (bs 8 x 1024) x um-default, zero-copy-params,
 prefetch-all, input-read-mostly (the 12 required), plus mlp gpu-first / offload-optimizer and
@@ -10,6 +12,15 @@ below the card (<= 35 GiB of live managed memory; safety cap on). The measured s
 ``um_lab.backend.get_backend("cuda").run(spec, case, policy)``; slow configurations (predicted
 > 1 s/step) use 1 warm-up + 3 timed steps, the rest 3 + 5. The simulator uses the packaged H200
 profile (or ``--profile``) with the GPU's capacity from the measured records.
+
+``--measured PATH`` re-runs only the simulator against the measured rows of an earlier run (no GPU):
+the measured values, device, versions and date are kept; simulated_ms, error and the summaries are
+recomputed and written to ``<out>/sim_fidelity.json``.
+
+Honest validation: the H200 profile's fitted constants were fitted only on the rows marked
+``"fitted": true`` (mlp and GPT-2 rows) plus the probe's numbers; ResNet rows and the NEW_HELDOUT
+configurations (predicted before they were measured) are held out. The summary reports all rows,
+the fitted rows (in-sample) and the held-out rows separately.
 
 Writes ``<out>/sim_fidelity.json`` ({"device", "versions", "date", "rows": [{"model", "policy", "ratio",
 "measured_ms", "simulated_ms", "error"}]}, error = simulated / measured - 1), or with
@@ -52,13 +63,28 @@ EXTRA = [
     ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "um-default"),
     ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "zero-copy-params"),
 ]
+#: New configurations whose predictions were committed (bench/results/sim_fidelity_predicted.json)
+#: before they were ever measured: pure held-out tests of the model.
+NEW_HELDOUT = [
+    ("resnet50", {"batch_size": 64}, "um-default"),
+    ("resnet50", {"batch_size": 64}, "zero-copy-params"),
+    ("gpt2-small", {"batch_size": 8, "seq_len": 1024}, "offload-optimizer"),
+    ("mlp", {"width": 8192}, "zero-copy-params"),
+]
+#: Models whose rows the H200 profile's constants were fitted on (with the probe's numbers).
+FIT_MODELS = ("mlp", "gpt2-small", "gpt2-medium")
 SLOW_MS = 1000.0
 
 
 def configurations() -> list[tuple[str, dict[str, Any], str]]:
     """(model, model_kwargs, policy) for every row."""
     rows = [(m, kw, p) for m, kw in MODELS.items() for p in REQUIRED_POLICIES]
-    return rows + EXTRA
+    return rows + EXTRA + NEW_HELDOUT
+
+
+def is_fitted(model: str, kwargs: dict[str, Any], policy: str) -> bool:
+    """True for rows the profile was fitted on (in-sample); ResNet and NEW_HELDOUT rows are held out."""
+    return model in FIT_MODELS and (model, kwargs, policy) not in NEW_HELDOUT
 
 
 def simulate(sim: SimBackend, model: str, kwargs: dict[str, Any], policy: str, capacity: int | None,
@@ -109,17 +135,73 @@ def versions() -> dict[str, str]:
     return v
 
 
-def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median / worst |error| and the zero-copy worst, against the bars."""
-    errs = [abs(r["error"]) for r in rows if r["error"] is not None]
+def _stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    errs = [abs(r["error"]) for r in rows if r.get("error") is not None]
     if not errs:
         return {}
-    zc = [abs(r["error"]) for r in rows if r["error"] is not None and r["policy"] == "zero-copy-params"]
-    s = {"median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
-         "zero_copy_worst_abs_error": max(zc) if zc else None}
+    zc = [abs(r["error"]) for r in rows if r.get("error") is not None and r["policy"] == "zero-copy-params"]
+    s = {"rows": len(errs), "median_abs_error": round(statistics.median(errs), 4),
+         "worst_abs_error": round(max(errs), 4), "zero_copy_worst_abs_error": round(max(zc), 4) if zc else None}
     s["passes"] = bool(s["median_abs_error"] <= 0.15 and s["worst_abs_error"] <= 0.35
                        and (not zc or max(zc) <= 0.25))
     return s
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median / worst |error| and the zero-copy worst against the bars: all rows, then the fitted
+    (in-sample) and the held-out rows separately."""
+    s = _stats(rows)
+    if not s:
+        return {}
+    s["in_sample"] = _stats([r for r in rows if r.get("fitted")])
+    s["held_out"] = _stats([r for r in rows if not r.get("fitted")])
+    new = [r for r in rows if r.get("new_heldout")]
+    if any(r.get("error") is not None for r in new):
+        s["new_held_out"] = _stats(new)
+    return s
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    tag = "fit " if row.get("fitted") else ("NEW " if row.get("new_heldout") else "held")
+    kw = ",".join(f"{k}={v}" for k, v in row["model_kwargs"].items() if k != "seq_len")
+    print(f"{tag} {row['model']:11s} {kw:14s} {row['policy']:18s} measured "
+          f"{row['measured_ms'] if row['measured_ms'] is not None else '-':>10}  simulated "
+          f"{row['simulated_ms']:10.2f} ms  error {row['error'] if row['error'] is not None else '-'}",
+          flush=True)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    for name, s in (("all", summary), ("in-sample (fitted)", summary.get("in_sample", {})),
+                    ("held-out", summary.get("held_out", {})), ("new held-out", summary.get("new_held_out", {}))):
+        if s:
+            print(f"{name:20s} n={s['rows']:2d}  median |error| {s['median_abs_error']:.3f} (bar 0.15),"
+                  f" worst {s['worst_abs_error']:.3f} (bar 0.35), zero-copy worst"
+                  f" {s['zero_copy_worst_abs_error']} (bar 0.25): {'PASS' if s['passes'] else 'FAIL'}")
+
+
+def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
+    """Re-run the simulator on the measured rows of an earlier result (no GPU); measured data kept."""
+    old = json.loads(Path(path).read_text())
+    rows = []
+    for r in old["rows"]:
+        row = dict(r)
+        model, kw, policy = r["model"], dict(r.get("model_kwargs", {})), r["policy"]
+        capacity = r.get("capacity") or sim.profile.gpu_memory_bytes
+        sim_ms, ratio, counters = simulate(sim, model, kw, policy, capacity, r.get("steps", 5),
+                                           r.get("warmup_steps", 3))
+        row.update(simulated_ms=round(sim_ms, 3), fitted=is_fitted(model, kw, policy),
+                   new_heldout=(model, kw, policy) in NEW_HELDOUT,
+                   sim={k: round(v, 4) for k, v in counters.items()})
+        row["error"] = (round(sim_ms / r["measured_ms"] - 1, 4) if r.get("measured_ms") else None)
+        rows.append(row)
+        _print_row(row)
+    summary = summarise(rows)
+    _print_summary(summary)
+    result = {k: old[k] for k in ("device", "versions", "date") if k in old}
+    result.update(profile=sim.profile.name, resimulated={
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": versions(), "from": str(path)}, summary=summary, rows=rows)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -128,32 +210,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--simulate-only", action="store_true", help="CPU only: predictions, no GPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--profile", default="h200", help="simulator profile name or JSON path")
+    ap.add_argument("--measured", metavar="PATH",
+                    help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
     args = ap.parse_args(argv)
     sim = SimBackend(args.profile)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.measured:
+        result = resimulate(sim, Path(args.measured))
+        (out / "sim_fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out / 'sim_fidelity.json'}")
+        return result
     measure_gpu = not args.simulate_only
     if measure_gpu and not torch.cuda.is_available():
         sys.exit("no CUDA GPU here: run with --simulate-only for the simulator's predictions")
 
     configs = configurations()
-    predicted = {}
+    predicted = []
     for model, kw, policy in configs:  # predictions first: they choose the step counts
-        ms, ratio, counters = simulate(sim, model, kw, policy, None, 3, 1)
-        predicted[(model, policy)] = (ms, ratio, counters)
+        predicted.append(simulate(sim, model, kw, policy, None, 3, 1))
     rows = []
     t_gpu = 0.0
-    for model, kw, policy in configs:
-        pred_ms, pred_ratio, counters = predicted[(model, policy)]
+    for (model, kw, policy), (pred_ms, pred_ratio, counters) in zip(configs, predicted, strict=True):
         warmup, steps = (1, 3) if pred_ms > SLOW_MS else (3, 5)
         row = {"model": model, "model_kwargs": kw, "policy": policy, "ratio": round(pred_ratio, 4),
                "measured_ms": None, "simulated_ms": round(pred_ms, 3), "error": None,
-               "steps": steps, "warmup_steps": warmup, "sim": {k: round(v, 4) for k, v in counters.items()}}
+               "steps": steps, "warmup_steps": warmup, "fitted": is_fitted(model, kw, policy),
+               "new_heldout": (model, kw, policy) in NEW_HELDOUT,
+               "sim": {k: round(v, 4) for k, v in counters.items()}}
         if measure_gpu:
             try:
                 m = measure(model, kw, policy, steps, warmup)
             except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the rest
                 row["measure_error"] = f"{type(e).__name__}: {e}"[:500]
                 rows.append(row)
-                print(f"{model:12s} {policy:18s} MEASUREMENT FAILED: {row['measure_error']}", flush=True)
+                print(f"{model:12s} {kw} {policy:18s} MEASUREMENT FAILED: {row['measure_error']}", flush=True)
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
@@ -162,24 +253,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row.update(measured_ms=round(m["measured_ms"], 3), simulated_ms=round(sim_ms, 3),
                        ratio=round(m["ratio"], 4), error=round(sim_ms / m["measured_ms"] - 1, 4),
                        measured_live_GiB=round(m["live_GiB"], 3), run_s=round(m["run_s"], 1),
+                       capacity=m["capacity"],
                        sim={k: round(v, 4) for k, v in counters.items()})
         rows.append(row)
-        print(f"{model:12s} {policy:18s} ratio {row['ratio']:.3f}  measured "
-              f"{row['measured_ms'] if row['measured_ms'] is not None else '-':>10}  simulated "
-              f"{row['simulated_ms']:10.2f} ms  error {row['error'] if row['error'] is not None else '-'}",
-              flush=True)
+        _print_row(row)
     summary = summarise(rows)
     if summary:
-        print(f"\nmedian |error| {summary['median_abs_error']:.3f} (bar 0.15),"
-              f" worst {summary['worst_abs_error']:.3f}"
-              f" (bar 0.35), zero-copy worst {summary['zero_copy_worst_abs_error']} (bar 0.25),"
-              f" passes: {summary['passes']}; GPU time {t_gpu:.0f} s")
+        _print_summary(summary)
+        print(f"GPU time {t_gpu:.0f} s")
     device = torch.cuda.get_device_name(0) if measure_gpu else f"simulated ({sim.profile.name} profile)"
     result = {"device": device, "versions": versions(),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "profile": sim.profile.name, "summary": summary, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / name}")
