@@ -1,0 +1,50 @@
+"""Plotly figures over the runner's tables and records (the UI layer; plotly is imported lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from um_lab.types import DATA_TYPES, StepRecord
+
+
+def _plotly() -> Any:
+    try:
+        import plotly.graph_objects as go
+    except ImportError as e:
+        raise ImportError("figures need plotly: pip install 'um_lab[notebook]'") from e
+    return go
+
+
+def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
+    """Grouped bars of ``metric`` per policy, one group per (model, ratio), from ``runner.compare``."""
+    go = _plotly()
+    missing = {"model", "policy", "ratio", metric} - set(table.columns)
+    if missing:
+        raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from runner.compare")
+    groups = [f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}" for m, r in zip(table["model"], table["ratio"],
+                                                                              strict=True)]
+    frame = table.assign(group=groups)
+    fig = go.Figure()
+    for policy, rows in frame.groupby("policy", sort=False):
+        fig.add_bar(name=str(policy), x=rows["group"], y=rows[metric])
+    fig.update_layout(barmode="group", xaxis_title="model @ oversubscription ratio",
+                      yaxis_title=metric.replace("_", " "), legend_title="policy",
+                      title=f"{metric.replace('_', ' ')} by policy")
+    return fig
+
+
+def residency_figure(records: Iterable[StepRecord], field: str = "live_bytes") -> Any:
+    """Stacked area of a per-type byte field (``live_bytes`` or ``resident_bytes``) over steps."""
+    go = _plotly()
+    records = list(records)
+    fig = go.Figure()
+    for dtype in DATA_TYPES:
+        values = [((getattr(r, field) or {}).get(dtype.value, 0)) / 2**30 for r in records]
+        fig.add_scatter(x=[r.step for r in records], y=values, name=dtype.value, stackgroup="one",
+                        mode="lines")
+    fig.update_layout(xaxis_title="step", yaxis_title=f"{field.replace('_', ' ')} (GiB)",
+                      legend_title="data type")
+    return fig
