@@ -17,14 +17,18 @@ class CudaBackend:
 
     Each step copies the (fixed, synthetic) batch to the GPU into the input pool, as a data loader
     would, then runs forward, backward and the optimizer step. The safety cap is always on unless
-    ``allow_oversubscription=True`` is passed (meant for one's own machine only).
+    ``allow_oversubscription=True`` is passed (meant for one's own machine only). ``telemetry``
+    (default ``"auto"``: on when CUPTI can be used, else each record says why not) is passed to the
+    :class:`Session`.
     """
 
     name = "cuda"
 
-    def __init__(self, *, cap_bytes: int | None = None, allow_oversubscription: bool = False) -> None:
+    def __init__(self, *, cap_bytes: int | None = None, allow_oversubscription: bool = False,
+                 telemetry: bool | str = "auto") -> None:
         self.cap_bytes = cap_bytes
         self.allow_oversubscription = allow_oversubscription
+        self.telemetry = telemetry
 
     def run(self, spec: RunSpec, case: ModelCase, policy: Policy) -> Iterator[StepRecord]:
         """Yield one record per step (warm-up steps first, flagged); closing early cleans up."""
@@ -32,7 +36,7 @@ class CudaBackend:
         model = case.build_model()
         batch = case.batch(spec.seed)
         lab = Session(policy, cap_bytes=self.cap_bytes, allow_oversubscription=self.allow_oversubscription,
-                      evacuate_on_close=False)
+                      evacuate_on_close=False, telemetry=self.telemetry)
         lab.open()
         try:
             model = lab.place(model)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
+from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
 from um_lab.errors import SessionStateError
 from um_lab.policy import Policy, get_policy
 from um_lab.types import DataType, StepRecord
@@ -74,6 +75,7 @@ class Session:
         allow_oversubscription: bool = False,
         evacuate_on_close: bool = True,
         backward_thread: str = "worker",
+        telemetry: bool | str | Telemetry = False,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
@@ -89,6 +91,8 @@ class Session:
         if backward_thread not in ("worker", "caller"):
             raise ValueError(f"backward_thread must be 'worker' or 'caller', got {backward_thread!r}")
         self.backward_thread = backward_thread
+        self._telemetry_mode = check_telemetry_mode(telemetry)
+        self.telemetry: Telemetry | None = None  # measured residency (CUPTI), see um_lab.cuda.telemetry
         self._requested_cap = cap_bytes
         self._requested_device = device
         self._pool_api = _pool_api
@@ -163,6 +167,7 @@ class Session:
         pools = ManagedPools(index, self._pool_api or TorchPoolAPI(), runtime, source)
         pools.open(self.policy, cap, self.allow_oversubscription)
         self._pools = pools
+        self.telemetry = open_telemetry(self._telemetry_mode, index)
 
     def close(self) -> int:
         """Release every pool and free every managed segment no tensor holds any more.
@@ -186,6 +191,8 @@ class Session:
                 torch._C._cuda_clearCublasWorkspaces()  # a workspace created in a pool would pin it
             pools.close()
         finally:
+            if self.telemetry is not None:
+                self.telemetry.close()
             self._pools = None
             with Session._open_lock:
                 if Session._open_session is self:
@@ -289,7 +296,9 @@ class Session:
         """One training step: ``closure()`` (forward, returns the loss), backward, ``optimizer.step()``.
 
         Timed with CUDA events; the policy's prefetches run at the phase boundaries. Returns the
-        step's :class:`StepRecord` (also passed to every callback in ``on_step``).
+        step's :class:`StepRecord` (also passed to every callback in ``on_step``). With
+        ``telemetry`` on, CUPTI is flushed and the measured fields filled after the end event has
+        synchronised, outside ``wall_ms`` (its cost: ``extra["telemetry_ms"]``).
         """
         pools = self._require_open()
         if optimizer not in self._optimizers:
@@ -335,6 +344,8 @@ class Session:
             loss=float(loss.detach()),
             telemetry="unavailable: telemetry not enabled",
         )
+        if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
+            self.telemetry.fill(record, pools.source.segments())
         self.steps_done += 1
         self.last_record = record
         for callback in self.on_step:
