@@ -215,3 +215,31 @@ def test_no_deadlock_backward_allocating_while_another_thread_frees():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["result"] == "ok" and result["iterations"] >= 10000
     assert result["segment_frees"] > 0 and result["live_after"] == 0
+
+
+def test_exceptions_mid_forward_and_mid_backward_leave_the_session_usable():
+    case = get_model("mlp", width=1024, depth=4, batch_size=64)
+    model = case.build_model()
+    with _session("um-default") as lab:
+        model = lab.place(model)
+        opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+        batch = lab.inputs(*case.batch(0))
+
+        def fails_in_forward():
+            model[0](batch[0])
+            raise KeyboardInterrupt
+
+        def fails_in_backward():
+            h = model[0](batch[0])
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+            return case.loss_fn(model[1:], h, batch[1])
+
+        with pytest.raises(KeyboardInterrupt):
+            lab.step(fails_in_forward, opt)
+        with pytest.raises(RuntimeError, match="hook failed"):
+            lab.step(fails_in_backward, opt)
+        pools = lab._pools
+        assert pools.active_routes == {} and pools.begins == pools.ends == pools.releases
+        rec = lab.step(lambda: case.loss_fn(model, *batch), opt)
+        assert rec.loss == rec.loss  # finite number, the step ran
+        batch = opt = None
