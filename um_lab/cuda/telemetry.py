@@ -331,9 +331,9 @@ class CuptiSource:
                 raise
             except Exception as e:  # noqa: BLE001 - cuptiError, NotSupportedError, ...
                 _Hub.sink = None
+                hint = "; another profiler may hold CUPTI" if isinstance(e, cupti.cuptiError) else ""
                 raise TelemetryUnavailable(
-                    f"CUPTI could not enable unified-memory counters ({_describe(cupti, e)}); "
-                    "another profiler may hold CUPTI"
+                    f"CUPTI could not enable unified-memory counters ({_describe(cupti, e)}){hint}"
                 ) from None
         self.enabled = _Hub.configured or frozenset()
         self._active = True
@@ -344,15 +344,21 @@ class CuptiSource:
             _Hub.registered = True
         if _Hub.configured is not None:
             return
-        accepted = [k for k in KINDS if self._configure_kinds(cupti, device, [k])]
+        errors = {k: self._configure_kinds(cupti, device, [k]) for k in KINDS}
+        accepted = [k for k, err in errors.items() if err is None]
         if not accepted:
-            raise TelemetryUnavailable("CUPTI rejected every unified-memory counter kind")
-        if not self._configure_kinds(cupti, device, accepted):
-            raise TelemetryUnavailable("CUPTI rejected the unified-memory counter configuration")
+            first = next(iter(errors.values()))
+            raise TelemetryUnavailable(
+                f"CUPTI rejected every unified-memory counter kind ({_describe(cupti, first)})")
+        err = self._configure_kinds(cupti, device, accepted)
+        if err is not None:
+            raise TelemetryUnavailable(
+                f"CUPTI rejected the unified-memory counter configuration ({_describe(cupti, err)})")
         _Hub.configured = frozenset(accepted)
 
     @staticmethod
-    def _configure_kinds(cupti: Any, device: int, kinds: list[Kind]) -> bool:
+    def _configure_kinds(cupti: Any, device: int, kinds: list[Kind]) -> Exception | None:
+        """Configure ``kinds`` for collection; returns the error when CUPTI refuses."""
         cfg = cupti.ActivityUnifiedMemoryCounterConfig(len(kinds))
         for i, k in enumerate(kinds):
             cfg[i].kind = getattr(cupti.ActivityUnifiedMemoryCounterKind, k.name)
@@ -361,9 +367,9 @@ class CuptiSource:
             cfg[i].enable = 1
         try:
             cupti.activity_configure_unified_memory_counter(cfg.ptr, len(kinds))
-        except Exception:  # noqa: BLE001 - a kind this runtime or device does not support
-            return False
-        return True
+        except Exception as e:  # noqa: BLE001 - a kind this runtime or device does not support
+            return e
+        return None
 
     def _push(self, records: list[Record]) -> None:
         with self._lock:
@@ -390,7 +396,7 @@ class CuptiSource:
             self._chunks = []
 
 
-def _describe(cupti: Any, error: BaseException) -> str:
+def _describe(cupti: Any, error: BaseException | None) -> str:
     status = getattr(error, "status", None)
     if status is not None:
         try:
