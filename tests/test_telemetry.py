@@ -514,3 +514,11 @@ def test_cuda_backend_passes_telemetry_to_the_session(monkeypatch):
         with pytest.raises(Stop):
             next(backend.run(RunSpec(), case, get_policy("um-default")))
         assert seen["telemetry"] == expected
+
+
+def test_every_kind_rejected_means_unavailable_with_the_reason(fake_cupti):
+    fake_cupti(reject=tuple(k.name for k in Kind))
+    tel = Telemetry(nvml=False)
+    status = tel.start(0)
+    assert status.startswith("unavailable: CUPTI rejected every unified-memory counter kind")
+    assert "status 27" in status and not tel.available and tm._Hub.sink is None

@@ -1,0 +1,154 @@
+"""Telemetry overhead on a real GPU: median step time with CUPTI telemetry on vs off (um-default).
+
+Each (model, mode) runs in a fresh process (CUPTI state is process-wide). Every step copies the batch
+to the GPU (input pool), runs forward, backward and the AdamW step inside ``lab.step``; the timed
+region is the whole ``lab.step`` call with a synchronise on each side, so the "on" time includes the
+CUPTI flush and the residency update that follow the step's CUDA-event timing.
+
+    python bench/telemetry_overhead.py [--steps 20] [--warmup 5] [--models resnet50 gpt2-medium]
+
+Prints a table and writes bench/results/telemetry_overhead.json. Bar: on / off <= 1.05. A row whose
+"on" run could not enable CUPTI says so in ``telemetry`` (its ratio then measures nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
+WORKER_TIMEOUT_S = 100
+
+
+def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
+    """Train ``model_name`` in this process with telemetry ``mode`` ("on"/"off"); median step times."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from um_lab.cuda.session import Session
+    from um_lab.models import get_model
+
+    case = get_model(model_name, **MODELS[model_name])
+    torch.manual_seed(0)
+    model = case.build_model()
+    batch_cpu = case.batch(0)
+    wall, event, tel_ms = [], [], []
+    with Session("um-default", evacuate_on_close=False, telemetry=(mode == "on")) as lab:
+        model = lab.place(model)
+        opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+        rec = None
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            batch = lab.inputs(*batch_cpu)
+            batch = batch if isinstance(batch, tuple) else (batch,)
+            rec = lab.step(lambda b=batch: case.loss_fn(model, *b), opt)
+            torch.cuda.synchronize()
+            if i >= warmup:
+                wall.append((time.perf_counter() - t0) * 1e3)
+                event.append(rec.wall_ms)
+                if "telemetry_ms" in rec.extra:
+                    tel_ms.append(rec.extra["telemetry_ms"])
+            batch = None
+        assert rec is not None
+        out = {
+            "mode": mode, "model": model_name, "median_ms": statistics.median(wall),
+            "median_event_ms": statistics.median(event), "telemetry": rec.telemetry,
+            "median_telemetry_ms": statistics.median(tel_ms) if tel_ms else None,
+            "live_GiB": round(sum(rec.live_bytes.values()) / 2**30, 3),
+            "resident_GiB": None if rec.resident_bytes is None else round(sum(rec.resident_bytes.values()) / 2**30, 3),
+            "last_step_gpu_page_faults": rec.gpu_page_faults,
+            "last_step_um_records": rec.extra.get("um_records"),
+            "versions": _versions(),
+        }
+        model = opt = None
+    return out
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name(0)}
+    for dist in ("cupti-python", "nvidia-cuda-cupti", "cuda-bindings", "nvidia-ml-py"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "telemetry_overhead.json")
+    parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 20:
+        parser.error("--steps must be >= 20")
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup)), flush=True)
+        return
+    rows, info = [], {}
+    for model_name in args.models:
+        results = {}
+        for mode in ("off", "on"):
+            cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"{mode} {model_name} took over {WORKER_TIMEOUT_S} s") from None
+            if out.returncode != 0:
+                raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
+            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            info = results[mode].pop("versions")
+            print(f"  {model_name:12s} {mode:3s} {results[mode]['median_ms']:9.2f} ms  "
+                  f"telemetry={results[mode]['telemetry']}", flush=True)
+        off, on = results["off"], results["on"]
+        rows.append({
+            "model": model_name,
+            "off_ms": round(off["median_ms"], 3),
+            "on_ms": round(on["median_ms"], 3),
+            "on_over_off": round(on["median_ms"] / off["median_ms"], 4),
+            "off_event_ms": round(off["median_event_ms"], 3),
+            "on_event_ms": round(on["median_event_ms"], 3),
+            "on_telemetry_ms": None if on["median_telemetry_ms"] is None else round(on["median_telemetry_ms"], 3),
+            "telemetry": on["telemetry"],
+            "live_GiB": on["live_GiB"],
+            "resident_GiB": on["resident_GiB"],
+            "last_step_gpu_page_faults": on["last_step_gpu_page_faults"],
+            "last_step_um_records": on["last_step_um_records"],
+        })
+    report = {
+        "device": info.get("device"),
+        "versions": {k: v for k, v in info.items() if k != "device"},
+        "date": datetime.date.today().isoformat(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "timed": "whole lab.step incl. batch copy and telemetry flush (synchronised); *_event_ms: CUDA events",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{'model':12s} {'off ms':>9s} {'on ms':>9s} {'on/off':>7s} {'flush ms':>9s}  telemetry")
+    for r in rows:
+        flush = "-" if r["on_telemetry_ms"] is None else f"{r['on_telemetry_ms']:.2f}"
+        print(f"{r['model']:12s} {r['off_ms']:9.2f} {r['on_ms']:9.2f} {r['on_over_off']:7.4f} {flush:>9s}  "
+              f"{r['telemetry']}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
