@@ -96,6 +96,7 @@ class FakePoolAPI:
         self.use_count: dict[tuple[int, int], int] = {}
         self.empty_caches = 0
         self.pools: list[FakePool] = []
+        self.interrupt_after_begin = False
 
     def new_pool(self, alloc_address: int, free_address: int) -> FakePool:
         pool = FakePool((0, next(self.ids)), alloc_address, free_address)
@@ -105,11 +106,14 @@ class FakePoolAPI:
         return pool
 
     def begin(self, device: int, pool_id: tuple[int, int]) -> None:
+        self.use_count[pool_id] += 1  # torch counts the reference before its check
         if self.recording.get(pool_id):
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
         self.recording[pool_id] = 1
-        self.use_count[pool_id] += 1
         self.calls.append(("begin", pool_id))
+        if self.interrupt_after_begin:
+            self.interrupt_after_begin = False
+            raise KeyboardInterrupt  # a Ctrl-C delivered as the C call returns
 
     def end(self, device: int, pool_id: tuple[int, int]) -> None:
         if not self.recording.get(pool_id):

@@ -93,6 +93,64 @@ def test_failure_inside_backward_still_pairs_every_begin(env, backward_thread):
     assert routed_types(api).count(DataType.ACT) == 4
 
 
+def test_ctrl_c_landing_right_after_begin_still_ends_the_routing(env):
+    source, driver, api, runtime = env
+    with make_session(env) as lab:
+        api.interrupt_after_begin = True
+        with pytest.raises(KeyboardInterrupt):
+            lab.inputs(torch.ones(2))
+        assert api.balanced() and lab._pools.active_routes == {}
+        lab.inputs(torch.ones(2))  # the input pool is usable again
+    assert api.balanced()
+
+
+def test_a_second_thread_cannot_enter_a_busy_pool(env):
+    import threading
+
+    source, driver, api, runtime = env
+    errors = []
+    with make_session(env) as lab:
+        inside, leave = threading.Event(), threading.Event()
+
+        def hold():
+            with lab.allocating("input"):
+                inside.set()
+                leave.wait(5)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        inside.wait(5)
+        try:
+            lab.inputs(torch.ones(2))
+        except SessionStateError as e:
+            errors.append(str(e))
+        leave.set()
+        t.join()
+        assert api.balanced()
+    assert errors and "another thread" in errors[0]
+
+
+def test_before_optimizer_runs_between_backward_and_the_optimizer(env):
+    source, driver, api, runtime = env
+    with make_session(env) as lab:
+        model, opt = tiny()
+        lab.attach(model, opt)
+        seen = []
+        lab.step(lambda: model(torch.randn(4, 8)).sum(), opt,
+                 before_optimizer=lambda: seen.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))))
+        assert seen and seen[0] > 0
+        assert api.balanced()
+
+
+def test_evacuation_failure_still_releases_every_pool(env, monkeypatch):
+    source, driver, api, runtime = env
+    lab = make_session(env).open()
+    monkeypatch.setattr(lab, "_evacuate", lambda: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("full")))
+    with pytest.warns(RuntimeWarning, match="could not move the model"):
+        lab.close()
+    assert not lab.is_open and api.empty_caches == 1 and Session._open_session is None
+
+
 def test_bad_closure_result_is_a_clear_type_error(env):
     with make_session(env) as lab:
         model, opt = tiny()

@@ -52,7 +52,7 @@ class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
         self.data_type = data_type
         kind = f" for {data_type}" if data_type else ""
         super().__init__(
-            f"um_lab refused a managed allocation{kind}: requested {requested} B ({_gib(requested)}), "
+            f"um_lab refused a managed segment{kind}: requested {requested} B ({_gib(requested)}), "
             f"live {live} B ({_gib(live)}), cap {cap} B ({_gib(cap)}). Nothing was allocated. "
             "The cap keeps managed memory below the GPU's free memory; asking for more can hang a "
             "shared GPU. Use a smaller model or batch, study oversubscription in the simulator "

@@ -61,15 +61,17 @@ def train():
 
 
 def watchdog():
-    last, since = -1, time.time()
+    """Exit 3 if either thread makes no progress for 30 s (each is watched on its own)."""
+    last = {"iterations": -1, "main_ops": -1}
+    since = {k: time.time() for k in last}
     while not stop.is_set():
         time.sleep(1)
-        now = state["iterations"] + state["main_ops"]
-        if now != last:
-            last, since = now, time.time()
-        elif time.time() - since > 30:
-            print(json.dumps({"result": "STALL", **state}), flush=True)
-            os._exit(3)
+        for key in last:
+            if state[key] != last[key]:
+                last[key], since[key] = state[key], time.time()
+            elif time.time() - since[key] > 30:
+                print(json.dumps({"result": f"STALL in {key}", **state}), flush=True)
+                os._exit(3)
 
 
 threading.Thread(target=watchdog, daemon=True).start()

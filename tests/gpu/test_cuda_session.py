@@ -64,13 +64,21 @@ def test_every_tensor_lies_in_its_own_types_segments(name, backward_thread):
         batch = lab.inputs(*case.batch(0))
         batch = batch if isinstance(batch, tuple) else (batch,)
 
+        backward_probe: list = []
+
+        def unpack(t):  # runs during backward, on autograd's thread: its allocations must go to act
+            if not backward_probe:
+                backward_probe.append(lab.data_type_of(torch.empty(1 << 20, device="cuda")))
+            return t
+
         def closure():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return case.loss_fn(model, *batch)
 
         for _ in range(2):
             saved.clear()
             lab.step(closure, opt)
+        assert backward_probe == [DataType.ACT], "a backward temporary escaped the act pool"
         kinds = lambda ts: {lab.data_type_of(t) for t in ts}  # noqa: E731
         assert kinds(model.parameters()) == {DataType.PARAM}
         assert kinds(list(model.buffers())) <= {DataType.PARAM}

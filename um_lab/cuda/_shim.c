@@ -26,6 +26,7 @@ typedef struct { int type; int id; } mem_location; /* layout of cudaMemLocation 
 typedef int (*malloc_managed_fn)(void **ptr, size_t size, unsigned int flags);
 typedef int (*free_fn)(void *ptr);
 typedef int (*advise_fn)(const void *ptr, size_t count, int advice, mem_location location);
+typedef int (*get_last_error_fn)(void);
 
 typedef struct { int advice; mem_location location; } advice_entry;
 typedef struct { uintptr_t ptr; size_t size; int tag; } segment;
@@ -34,6 +35,7 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static malloc_managed_fn g_malloc = NULL;
 static free_fn g_free = NULL;
 static advise_fn g_advise = NULL;
+static get_last_error_fn g_get_last_error = NULL;
 static unsigned long long g_cap = 0;
 static int g_allow_over = 0;
 static unsigned long long g_live[N_TAGS];
@@ -43,10 +45,17 @@ static unsigned long long g_free_errors = 0, g_unknown_frees = 0, g_advise_error
 static int g_last_error = 0, g_last_advise_error = 0;
 static unsigned long long g_last_refused_size = 0, g_last_refused_live = 0, g_last_refused_cap = 0;
 static int g_last_refused_tag = -1;
+static unsigned long long g_last_refused_thread = 0;
 static advice_entry g_advice[N_TAGS][MAX_ADVICE];
 static int g_n_advice[N_TAGS];
 static segment *g_segs = NULL;
 static size_t g_n_segs = 0, g_cap_segs = 0;
+
+/* A failed runtime call leaves a sticky "last error" that torch's next launch check would report
+ * against an unrelated kernel: consume it here, where it happened. */
+static void clear_last_error(void) {
+    if (g_get_last_error) g_get_last_error();
+}
 
 static int registry_add(uintptr_t ptr, size_t size, int tag) {
     if (g_n_segs == g_cap_segs) {
@@ -76,6 +85,7 @@ static void *alloc_tagged(size_t size, int tag) {
         g_last_refused_live = in_use;
         g_last_refused_cap = g_cap;
         g_last_refused_tag = tag;
+        g_last_refused_thread = (unsigned long long)pthread_self();
         pthread_mutex_unlock(&g_lock);
         return NULL; /* torch turns this into an OutOfMemoryError; Python names the refusal */
     }
@@ -89,6 +99,7 @@ static void *alloc_tagged(size_t size, int tag) {
         for (int i = 0; i < n_advice; i++) {
             int e = g_advise(ptr, size, advice[i].advice, advice[i].location);
             if (e) {
+                clear_last_error();
                 pthread_mutex_lock(&g_lock);
                 g_advise_errors++;
                 g_last_advise_error = e;
@@ -101,6 +112,7 @@ static void *alloc_tagged(size_t size, int tag) {
     g_reserved -= size;
     g_malloc_calls++;
     if (err != 0 || !ptr || registry_add((uintptr_t)ptr, size, tag) != 0) {
+        if (err != 0) clear_last_error();
         g_malloc_errors++;
         g_last_error = err ? err : -1;
         pthread_mutex_unlock(&g_lock);
@@ -132,6 +144,7 @@ static void shim_free(void *ptr, size_t size, int device, void *stream) {
     pthread_mutex_unlock(&g_lock);
     if (!found) return; /* never hand CUDA a pointer this shim did not allocate */
     int err = g_free(ptr);
+    if (err) clear_last_error();
     pthread_mutex_lock(&g_lock);
     g_free_calls++;
     if (err) { g_free_errors++; g_last_error = err; }
@@ -152,12 +165,13 @@ static void *(*const k_allocs[N_TAGS])(size_t, int, void *) = {
 /* ---- Python surface (control only; never on the allocation path) ---- */
 
 static PyObject *py_configure(PyObject *self, PyObject *args) {
-    unsigned long long m, f, a;
-    if (!PyArg_ParseTuple(args, "KKK", &m, &f, &a)) return NULL;
+    unsigned long long m, f, a, e = 0;
+    if (!PyArg_ParseTuple(args, "KKK|K", &m, &f, &a, &e)) return NULL;
     pthread_mutex_lock(&g_lock);
     g_malloc = (malloc_managed_fn)(uintptr_t)m;
     g_free = (free_fn)(uintptr_t)f;
     g_advise = (advise_fn)(uintptr_t)a;
+    g_get_last_error = (get_last_error_fn)(uintptr_t)e;
     pthread_mutex_unlock(&g_lock);
     Py_RETURN_NONE;
 }
@@ -210,18 +224,30 @@ static PyObject *py_addresses(PyObject *self, PyObject *noargs) {
 }
 
 static PyObject *py_stats(PyObject *self, PyObject *noargs) {
+    /* Copy under the lock, build Python objects after releasing it: building may run the garbage
+     * collector, whose finalizers may free segments (and need this lock). */
+    unsigned long long live[N_TAGS], live_total, peak, cap, mallocs, frees, refused, merr, ferr, unknown;
+    unsigned long long aerr, rsize, rlive, rcap, rthread, reserved;
+    int last_error, last_aerr, rtag, allow;
+    size_t nsegs;
     pthread_mutex_lock(&g_lock);
-    PyObject *r = Py_BuildValue(
-        "{s:K,s:(KKKKK),s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:(KKKi),s:K,s:i,s:n}",
-        "live_total", g_live_total, "live_by_tag", g_live[0], g_live[1], g_live[2], g_live[3], g_live[4],
-        "peak_total", g_peak, "cap", g_cap, "malloc_calls", g_malloc_calls, "free_calls", g_free_calls,
-        "refused", g_refused, "malloc_errors", g_malloc_errors, "free_errors", g_free_errors,
-        "unknown_frees", g_unknown_frees, "advise_errors", g_advise_errors, "last_error", g_last_error,
-        "last_advise_error", g_last_advise_error, "last_refusal", g_last_refused_size,
-        g_last_refused_live, g_last_refused_cap, g_last_refused_tag, "reserved", g_reserved,
-        "allow_oversubscription", g_allow_over, "segments", (Py_ssize_t)g_n_segs);
+    memcpy(live, g_live, sizeof(live));
+    live_total = g_live_total; peak = g_peak; cap = g_cap; mallocs = g_malloc_calls; frees = g_free_calls;
+    refused = g_refused; merr = g_malloc_errors; ferr = g_free_errors; unknown = g_unknown_frees;
+    aerr = g_advise_errors; last_error = g_last_error; last_aerr = g_last_advise_error;
+    rsize = g_last_refused_size; rlive = g_last_refused_live; rcap = g_last_refused_cap;
+    rtag = g_last_refused_tag; rthread = g_last_refused_thread; reserved = g_reserved;
+    allow = g_allow_over; nsegs = g_n_segs;
     pthread_mutex_unlock(&g_lock);
-    return r;
+    return Py_BuildValue(
+        "{s:K,s:(KKKKK),s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:(KKKi),s:K,s:K,s:i,s:n}",
+        "live_total", live_total, "live_by_tag", live[0], live[1], live[2], live[3], live[4],
+        "peak_total", peak, "cap", cap, "malloc_calls", mallocs, "free_calls", frees,
+        "refused", refused, "malloc_errors", merr, "free_errors", ferr,
+        "unknown_frees", unknown, "advise_errors", aerr, "last_error", last_error,
+        "last_advise_error", last_aerr, "last_refusal", rsize, rlive, rcap, rtag,
+        "last_refusal_thread", rthread, "reserved", reserved,
+        "allow_oversubscription", allow, "segments", (Py_ssize_t)nsegs);
 }
 
 static PyObject *py_segments(PyObject *self, PyObject *noargs) {
@@ -270,7 +296,7 @@ static PyObject *py_free(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"configure", py_configure, METH_VARARGS, "configure(malloc_managed, free, advise): CUDA function addresses."},
+    {"configure", py_configure, METH_VARARGS, "configure(malloc_managed, free, advise[, get_last_error]): CUDA function addresses."},
     {"set_cap", py_set_cap, METH_VARARGS, "set_cap(cap_bytes, allow_oversubscription)."},
     {"set_advice", py_set_advice, METH_VARARGS, "set_advice(tag, [(advice, location_type, location_id), ...])."},
     {"addresses", py_addresses, METH_NOARGS, "((alloc per tag...), free): C function addresses for torch."},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -149,9 +150,9 @@ class SegmentSource:
     def __init__(self) -> None:
         self._shim = _shim()
 
-    def configure(self, malloc_managed: int, free: int, advise: int) -> None:
+    def configure(self, malloc_managed: int, free: int, advise: int, get_last_error: int = 0) -> None:
         """Give the shim the CUDA runtime's function addresses (or a fake driver's)."""
-        self._shim.configure(malloc_managed, free, advise)
+        self._shim.configure(malloc_managed, free, advise, get_last_error)
 
     def set_cap(self, cap_bytes: int, allow_oversubscription: bool = False) -> None:
         """Live managed bytes may not exceed ``cap_bytes`` (unless oversubscription is allowed)."""
@@ -248,42 +249,56 @@ class ManagedPools:
         if not self._pools:
             raise SessionStateError("pools are closed")
         tid = threading.get_ident()
+        self._claim(tid, data_type)
+        pid = self.pool_id(data_type)
+        refused_before = self.source.stats()["refused"]
+        try:  # begin inside the try: a Ctrl-C landing just after begin still ends the routing
+            self.api.begin(self.device, pid)
+            self.begins += 1
+            yield
+        except torch.cuda.OutOfMemoryError as e:
+            self._raise_if_refused(e, refused_before, {tid})
+            raise
+        finally:
+            self._end(pid, tid)
+
+    def _claim(self, tid: int, data_type: DataType) -> None:
+        """Record that ``tid`` routes into ``data_type`` (refusing nesting and a second thread).
+
+        torch counts a pool reference *before* checking that the pool is not already being
+        recorded to, so a second begin on a busy pool would leak a reference: refuse it here first.
+        """
         with self._lock:
             if tid in self._routes:
                 raise SessionStateError(
                     f"this thread is already routed to {self._routes[tid].value}; routes do not nest"
                 )
+            if data_type in self._routes.values():
+                raise SessionStateError(
+                    f"another thread is allocating into the {data_type.value} pool; one pool takes one "
+                    "thread at a time (run steps and inputs from one thread)"
+                )
             self._routes[tid] = data_type
-        pid = self.pool_id(data_type)
-        refused_before = self.source.stats()["refused"]
-        try:
-            self.api.begin(self.device, pid)
-            self.begins += 1
-        except BaseException:
-            with self._lock:
-                self._routes.pop(tid, None)
-            raise
-        try:
-            yield
-        except torch.cuda.OutOfMemoryError as e:
-            self._raise_if_refused(e, refused_before)
-            raise
-        finally:
-            self._end(pid, tid)
 
     def _end(self, pid: tuple[int, int], tid: int) -> None:
+        """End and release a routing; a routing whose begin never took effect is only forgotten."""
         try:
-            self.api.end(self.device, pid)
+            try:
+                self.api.end(self.device, pid)
+            except RuntimeError:
+                return  # not recording: begin was interrupted before it took effect
             self.ends += 1
-        finally:
             self.api.release(self.device, pid)
             self.releases += 1
+        finally:
             with self._lock:
                 self._routes.pop(tid, None)
 
-    def _raise_if_refused(self, error: BaseException, refused_before: int) -> None:
+    def _raise_if_refused(self, error: BaseException, refused_before: int, threads: set[int]) -> None:
+        """Re-raise a torch OOM as :class:`OversubscriptionRefused` when the cap refused on ``threads``."""
         stats = self.source.stats()
-        if stats["refused"] > refused_before and not isinstance(error, OversubscriptionRefused):
+        refused_here = stats["refused"] > refused_before and stats["last_refusal_thread"] in threads
+        if refused_here and not isinstance(error, OversubscriptionRefused):
             size, live, cap, tag = stats["last_refusal"]
             name = DATA_TYPES[tag].value if 0 <= tag < len(DATA_TYPES) else None
             raise OversubscriptionRefused(size, live, cap, name) from error
@@ -300,11 +315,15 @@ class ManagedPools:
         if not self._pools:
             raise SessionStateError("pools are closed")
         pid = self.pool_id(data_type)
+        caller = threading.get_ident()
         begun: list[int] = []
+        threads = {caller}
+        state = {"done": False}
         guard = threading.Lock()
 
         def finish() -> None:
             with guard:
+                state["done"] = True
                 if not begun:
                     return
                 tid = begun.pop()
@@ -313,20 +332,19 @@ class ManagedPools:
         def begin_here(grad: torch.Tensor) -> torch.Tensor:
             tid = threading.get_ident()
             with guard:
-                if begun:
+                if begun or state["done"]:
                     return grad
-                with self._lock:
-                    if tid in self._routes:
-                        raise SessionStateError("the autograd thread is already routed")
-                    self._routes[tid] = data_type
+                self._claim(tid, data_type)
+                threads.add(tid)
+                begun.append(tid)
                 try:
                     self.api.begin(self.device, pid)
                 except BaseException:
+                    begun.pop()
                     with self._lock:
                         self._routes.pop(tid, None)
                     raise
                 self.begins += 1
-                begun.append(tid)
             torch.autograd.Variable._execution_engine.queue_callback(finish)
             return grad
 
@@ -335,7 +353,7 @@ class ManagedPools:
         try:
             yield
         except torch.cuda.OutOfMemoryError as e:
-            self._raise_if_refused(e, refused_before)
+            self._raise_if_refused(e, refused_before, threads)
             raise
         finally:
             handle.remove()
@@ -379,5 +397,15 @@ class ManagedPools:
         if self.active_routes:
             raise SessionStateError("cannot close while allocations are routed")
         pools, self._pools = self._pools, {}
+        for data_type, pool in pools.items():
+            extra = int(getattr(pool, "use_count", lambda: 1)()) - 1
+            if extra > 0:  # a reference leaked by an interrupted begin: give it back, or nothing frees
+                warnings.warn(f"releasing {extra} leaked reference(s) to the {data_type.value} pool",
+                              RuntimeWarning, stacklevel=2)
+                with contextlib.suppress(RuntimeError):
+                    self.api.end(self.device, pool.id)
+                for _ in range(extra):
+                    self.api.release(self.device, pool.id)
         pools.clear()  # MemPool destructors release the pools and free their idle segments
         self.api.empty_cache()
+        self.source.set_cap(0, False)  # nothing may allocate into a closed session's pools

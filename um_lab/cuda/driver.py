@@ -145,8 +145,8 @@ def runtime_version() -> int:
     return version.value
 
 
-def shim_function_addresses() -> tuple[int, int, int]:
-    """Addresses of cudaMallocManaged, cudaFree and the location-taking cudaMemAdvise."""
+def shim_function_addresses() -> tuple[int, int, int, int]:
+    """Addresses of cudaMallocManaged, cudaFree, the location-taking cudaMemAdvise, cudaGetLastError."""
     lib = runtime_library()
     advise_name = "cudaMemAdvise" if runtime_version() >= 13000 else "cudaMemAdvise_v2"
     try:
@@ -159,7 +159,7 @@ def shim_function_addresses() -> tuple[int, int, int]:
     def addr(fn: Any) -> int:
         return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
-    return addr(lib.cudaMallocManaged), addr(lib.cudaFree), addr(advise)
+    return addr(lib.cudaMallocManaged), addr(lib.cudaFree), addr(advise), addr(lib.cudaGetLastError)
 
 
 # ---- advice and prefetch from Python (re-applying a policy, phase prefetches) ----

@@ -182,21 +182,36 @@ class Session:
         assert pools is not None
         try:
             if self.evacuate_on_close:
-                self._evacuate()
+                try:
+                    self._evacuate()
+                except Exception as e:  # e.g. no room for the copies: still release the pools
+                    warnings.warn(f"could not move the model out of managed memory ({e}); its tensors "
+                                  "stay in managed segments until they are deleted", RuntimeWarning,
+                                  stacklevel=2)
             self._modules.clear()
             self._optimizers.clear()
             gc.collect()
             if self._real and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
                 torch.cuda.synchronize(self.device)
                 torch._C._cuda_clearCublasWorkspaces()  # a workspace created in a pool would pin it
-            pools.close()
         finally:
+            try:
+                pools.close()
+            finally:
+                self._close_bookkeeping()
+        return self._report_residual(pools)
+
+    def _close_bookkeeping(self) -> None:
+        try:
             if self.telemetry is not None:
                 self.telemetry.close()
+        finally:
             self._pools = None
             with Session._open_lock:
                 if Session._open_session is self:
                     Session._open_session = None
+
+    def _report_residual(self, pools: ManagedPools) -> int:
         residual = pools.source.stats()["live_total"] - self.baseline_live_bytes
         if residual > 0:
             warnings.warn(
@@ -224,14 +239,14 @@ class Session:
     def place(self, module: nn.Module) -> nn.Module:
         """Move ``module``'s parameters and buffers into the param pool; returns the module."""
         pools = self._require_open()
+        if module not in self._modules:  # registered first: a refused move is still evacuated on close
+            self._modules.append(module)
         with pools.route(DataType.PARAM):
             module.to(self.device)
             index = _SegmentIndex(pools.source)
             for tensor in _module_tensors(module):
                 if index.data_type_of(tensor.data_ptr()) is not DataType.PARAM and self._is_device(tensor):
                     tensor.data = tensor.data.clone()
-        if module not in self._modules:
-            self._modules.append(module)
         return module
 
     def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -292,8 +307,12 @@ class Session:
         optimizer: torch.optim.Optimizer,
         *,
         zero_grad: bool = True,
+        before_optimizer: Callable[[], object] | None = None,
     ) -> StepRecord:
         """One training step: ``closure()`` (forward, returns the loss), backward, ``optimizer.step()``.
+
+        ``before_optimizer`` runs between backward and the optimizer step (gradient clipping,
+        unscaling); its temporaries go to the act pool.
 
         Timed with CUDA events; the policy's prefetches run at the phase boundaries. Returns the
         step's :class:`StepRecord` (also passed to every callback in ``on_step``). With
@@ -326,6 +345,9 @@ class Session:
         else:
             with pools.route_backward(DataType.ACT, loss):
                 loss.backward()
+        if before_optimizer is not None:
+            with pools.route(DataType.ACT):
+                before_optimizer()
         self._prefetch_phase("before_optimizer")
         with pools.route(DataType.OPTIM):
             optimizer.step()
