@@ -69,7 +69,13 @@ def test_zero_copy_params_read_remotely_and_slower(backend: SimBackend) -> None:
     assert zc.remote_bytes > 2 * zc.live_bytes["param"]  # GEMMs re-read remote weights
     assert zc.resident_bytes["param"] == 0
     assert zc.htod_bytes["param"] == 0
-    assert zc.wall_ms > 3 * base.wall_ms
+    # this small model is host-bound when resident: its remote reads partly hide behind dispatch
+    assert zc.wall_ms > base.wall_ms and zc.wall_ms >= zc.extra["remote_ms"]
+    big = get_model("mlp", width=2048, depth=4, batch_size=256)  # GPU-bound: the link dominates
+    spec = RunSpec(model="mlp", backend="sim", steps=2, warmup_steps=1)
+    big_base = list(backend.run(spec, big, "um-default"))[-1]
+    big_zc = list(backend.run(spec, big, "zero-copy-params"))[-1]
+    assert big_zc.wall_ms > 3 * big_base.wall_ms
 
 
 def test_read_mostly_params_collapse_on_optimizer_writes(backend: SimBackend) -> None:
@@ -82,7 +88,9 @@ def test_read_mostly_params_collapse_on_optimizer_writes(backend: SimBackend) ->
 def test_prefetch_all_fits_close_to_default(backend: SimBackend) -> None:
     base = run(backend)[-1]
     pf = run(backend, "prefetch-all")[-1]
-    assert base.wall_ms <= pf.wall_ms < 1.2 * base.wall_ms
+    # nothing moves; only the prefetch calls' host time (the H200: mlp 8.99 -> 12.28 ms, +37%)
+    assert pf.htod_bytes == base.htod_bytes
+    assert base.wall_ms < pf.wall_ms < 1.6 * base.wall_ms
 
 
 def test_deterministic(backend: SimBackend) -> None:
@@ -113,3 +121,25 @@ def test_bad_input_raises_clear_errors(backend: SimBackend) -> None:
         backend.run(spec, CASE, "no-such-policy")
     with pytest.raises(PolicyError):
         backend.run(spec, CASE, 42)
+
+
+def test_prefetch_calls_wait_for_the_stream_and_cost_host_time() -> None:
+    """cudaMemPrefetchAsync returns once the stream's earlier kernels are done, so the host loses its
+    lead at each phase's prefetch; each call costs host time per segment and per 2 MiB block."""
+    base = dataclasses.replace(SimBackend().profile, prefetch_call_us=40.0, prefetch_call_us_per_block=1.0)
+    sync = SimBackend(dataclasses.replace(base, prefetch_host_sync=1.0))
+    free = SimBackend(dataclasses.replace(base, prefetch_host_sync=0.0))
+    costly = SimBackend(dataclasses.replace(base, prefetch_host_sync=1.0, prefetch_call_us=400.0))
+    case = get_model("mlp", width=2048, depth=4, batch_size=512)
+
+    def step_ms(b: SimBackend, policy: str) -> float:
+        return list(b.run(RunSpec(model="mlp", backend="sim", steps=2, warmup_steps=1), case, policy))[-1].wall_ms
+
+    default = step_ms(sync, "um-default")
+    assert step_ms(free, "um-default") == pytest.approx(default)  # no prefetch calls: no difference
+    t_sync, t_free = step_ms(sync, "prefetch-all"), step_ms(free, "prefetch-all")
+    t_costly = step_ms(costly, "prefetch-all")
+    assert t_free >= default and t_sync > t_free
+    layout = sync.prepare(case).placement.final
+    calls = sum(layout.segment_count.values())
+    assert t_costly - t_sync == pytest.approx(calls * 360.0 / 1e3, rel=0.05)

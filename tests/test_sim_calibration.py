@@ -90,3 +90,35 @@ def test_measure_on_gpu_needs_cuda() -> None:
 
     with pytest.raises(CudaUnavailableError):
         measure_on_gpu()
+
+
+def test_queue_time_takes_per_op_host_costs() -> None:
+    gpu = torch.tensor([1.0, 100.0, 1.0]).numpy()
+    assert queue_time_us(gpu, torch.tensor([50.0, 1.0, 1.0]).numpy()) == pytest.approx(152.0)
+
+
+def test_host_cost_per_op_class() -> None:
+    """Backward ops (C++ engine) are cheaper than Python-issued ones; cuDNN calls and foreach tensor
+    lists add host time; the batch copy is issued before the timer."""
+    from um_lab.sim.replicas import resnet_replica
+    from um_lab.sim.roofline import op_host_us
+
+    p = dataclasses.replace(Profile(), cpu_op_us=20.0, cpu_bwd_op_us=5.0, cpu_cudnn_call_us=30.0,
+                            cpu_foreach_tensor_us=2.0)
+    tr = cached_trace(resnet_replica(18, batch_size=2, image_size=32, classes=10))
+    host = op_host_us(tr, p)
+    names = tr.op_names
+    assert host[0] == 0.0  # the input copy
+    i_conv = names.index("aten.convolution")
+    i_cbwd = names.index("aten.convolution_backward")
+    i_relu_bwd = names.index("aten.threshold_backward")
+    i_foreach = names.index("aten._foreach_lerp_")
+    assert host[i_conv] == pytest.approx(20.0 + 30.0)
+    assert host[i_cbwd] == pytest.approx(5.0 + 2 * 30.0)  # data and filter gradients: two cuDNN calls
+    assert host[i_relu_bwd] == pytest.approx(5.0)
+    n_args = tr.acc_ptr[i_foreach + 1] - tr.acc_ptr[i_foreach]
+    assert host[i_foreach] == pytest.approx(20.0 + 2.0 * n_args) and n_args > 10
+    # a host-bound case gets slower with host costs, a GPU-bound one does not
+    fast = dataclasses.replace(p, cpu_op_us=1.0, cpu_bwd_op_us=1.0, cpu_cudnn_call_us=0.1,
+                               cpu_foreach_tensor_us=0.01)
+    assert native_step_ms(tr, p) > 2 * native_step_ms(tr, fast)

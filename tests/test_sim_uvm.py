@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from um_lab.policy import Advice, Policy
 from um_lab.sim.placement import BIG_PAGE, BLOCK
@@ -117,3 +118,19 @@ def test_accessed_by_keeps_evicted_data_mapped_remotely() -> None:
 
 def test_big_page_granularity() -> None:
     assert BLOCK // BIG_PAGE == 32
+
+
+def test_remote_link_is_full_duplex() -> None:
+    """An in-place update of host-resident data streams its read and write concurrently."""
+    zero_copy = Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))
+    model = make_model(Policy("zc", {DataType.ACT: zero_copy}), 8, 1)
+    b = np.array([0], np.int64)
+    m = np.array([FULL], np.uint32)
+    protect = np.ones(1, bool)
+    p = model.p
+    _, read_only = model.access(b, m, np.zeros(1, np.uint32), np.array([1e6]), protect)
+    _, in_place = model.access(b, m, m, np.array([1e6]), protect, np.array([1e6]))
+    assert read_only == pytest.approx(1e6 / (p.remote_GBps * 1e3))
+    assert in_place == pytest.approx(max(1e6 / (p.remote_GBps * 1e3), 1e6 / (p.remote_write_GBps * 1e3)))
+    assert in_place < 1.5 * read_only  # not read + write back to back
+    assert model.remote_bytes == pytest.approx(3e6)  # bytes still count both directions

@@ -27,8 +27,8 @@ class OpBlocks:
     mask: np.ndarray  #: uint32 big pages touched
     write_mask: np.ndarray  #: uint32 big pages written
     nbytes: np.ndarray  #: float64 bytes accessed in the block
-    remote_bytes: np.ndarray  #: float64 bytes moved over the host link if remote (with re-reads)
-    write_bytes: np.ndarray  #: float64 bytes written in the block
+    remote_bytes: np.ndarray  #: float64 bytes read over the host link if remote (with re-reads)
+    write_bytes: np.ndarray  #: float64 bytes written in the block (written over the link if remote)
 
 
 def page_mask(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -52,11 +52,16 @@ def reread_factor(reuse: np.ndarray, tile_min: float, tile_max: float) -> np.nda
     return np.maximum(1.0, np.ceil(reuse / tile))
 
 
-def expand(trace: StepTrace, layout: Layout, tile_min: float, tile_max: float) -> OpBlocks:
+def expand(trace: StepTrace, layout: Layout, tile_min: float, tile_max: float,
+           conv_tile: float | None = None) -> OpBlocks:
     """Expand ``trace``'s accesses under ``layout`` into per-op block accesses.
 
-    ``tile_min`` / ``tile_max``: GEMM output tile bounds (see :func:`reread_factor`); in-place
-    accesses move their bytes twice over the host link (read and write).
+    ``tile_min`` / ``tile_max``: GEMM output tile bounds (see :func:`reread_factor`); ``conv_tile``:
+    the output-pixel (N*P*Q) tile of implicit-GEMM convolutions, which re-read their filter once per
+    tile (cuDNN's convolution kernels use larger pixel tiles than cuBLAS's GEMM tiles along M; None:
+    as GEMMs). Remote reads
+    and remote writes are counted apart (``remote_bytes`` / ``write_bytes``): the host link is full
+    duplex, so an in-place kernel's read and write streams overlap (see ``UvmModel.access``).
     """
     n_ops = trace.n_ops
     acc_op = np.repeat(np.arange(n_ops, dtype=np.int64), np.diff(trace.acc_ptr))
@@ -66,8 +71,13 @@ def expand(trace: StepTrace, layout: Layout, tile_min: float, tile_max: float) -
     lo = base + trace.acc_lo[keep]
     hi = base + trace.acc_hi[keep]
     write = trace.acc_write[keep] > 0
-    in_place = np.where(trace.acc_write[keep] == 2, 2, 1)
-    reread = reread_factor(trace.acc_reuse[keep], tile_min, tile_max) * in_place
+    reads = trace.acc_write[keep] != 1  # write-only outputs are not read
+    reuse = trace.acc_reuse[keep]
+    reread = reread_factor(reuse, tile_min, tile_max)
+    if conv_tile is not None:
+        conv = trace.op_kind[acc_op] == 2
+        reread = np.where(conv, np.maximum(1.0, np.ceil(reuse / conv_tile)), reread)
+    reread = reread * reads
     first_block = lo // BLOCK
     n_blk = (hi - 1) // BLOCK - first_block + 1
     # one entry per (access, block)

@@ -23,7 +23,7 @@ from um_lab.policy import Policy, get_policy
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile
-from um_lab.sim.roofline import op_times_us
+from um_lab.sim.roofline import op_host_us, op_times_us
 from um_lab.sim.stepper import readmostly_write_us, run_step
 from um_lab.sim.trace import StepTrace, cached_trace
 from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
@@ -38,6 +38,7 @@ class PreparedCase:
     placement: Placement
     op_blocks: list[OpBlocks]
     base_us: np.ndarray
+    host_us: np.ndarray
 
     @property
     def footprint_bytes(self) -> int:
@@ -69,8 +70,9 @@ class SimBackend:
             return hit
         placement = place(trace)
         p = self.profile
-        blocks = [expand(trace, layout, p.gemm_tile_min, p.gemm_tile_max) for layout in placement.layouts]
-        prepared = PreparedCase(trace, placement, blocks, op_times_us(trace, self.profile))
+        blocks = [expand(trace, layout, p.gemm_tile_min, p.gemm_tile_max, p.conv_tile) for layout in placement.layouts]
+        prepared = PreparedCase(trace, placement, blocks, op_times_us(trace, self.profile),
+                                op_host_us(trace, self.profile))
         with self._lock:
             self._prepared[trace.key] = prepared
         return prepared
@@ -120,7 +122,8 @@ class SimBackend:
                 stats = last[2]  # same state, same layout: the step repeats exactly
             else:
                 stats = run_step(model, prepared.trace, prepared.placement.layouts[li],
-                                 prepared.op_blocks[li], prepared.base_us, rm_us[li], self.prefetch_stream)
+                                 prepared.op_blocks[li], prepared.base_us, rm_us[li], self.prefetch_stream,
+                                 prepared.host_us)
                 last = (digest, li, stats)
             yield _record(step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
 

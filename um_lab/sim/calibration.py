@@ -67,6 +67,7 @@ def profile_from_bandwidths(bw: Mapping[str, float], base: Profile | None = None
         prefetch_d2h_GBps=bw.get("prefetch_d2h_GBps", base.prefetch_d2h_GBps),
         evict_d2h_GBps=bw.get("prefetch_d2h_GBps", base.evict_d2h_GBps),
         remote_GBps=bw.get("remote_read_GBps", base.remote_GBps),
+        remote_write_GBps=bw.get("pinned_copy_d2h", base.remote_write_GBps),  # GPU -> host direction
     )
     if "fault_h2d_GBps" in bw:
         values["fault_block_us"] = max(1.0, block_us(bw["fault_h2d_GBps"]) - block_us(prefetch))
@@ -176,19 +177,35 @@ def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS,
                    and not any(a.read_mostly or a.preferred_location == "cpu" for a in p.advice.values())]
     profile = fit_field(profile, zero_copy, "gemm_tile_max", profile.gemm_tile_min, 1024.0)
     profile = fit_field(profile, read_mostly, "readmostly_write_fault_us", 1.0, 1000.0)
-    profile = fit_field(profile, prefetching, "prefetch_call_us", 0.1, 1000.0)
+    for _ in range(2):  # prefetch calls: a cost per call (segment) and per 2 MiB block it walks
+        profile = fit_field(profile, prefetching, "prefetch_call_us", 0.1, 1000.0)
+        profile = fit_field(profile, prefetching, "prefetch_call_us_per_block", 0.01, 100.0)
     return profile
 
 
-def build_h200_profile(probe_path: str | Path, out: str | Path | None = None) -> Profile:
-    """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``)."""
+def fidelity_targets(path: str | Path, fitted_only: bool = True) -> list[dict[str, Any]]:
+    """Step-time targets from a ``bench/sim_fidelity.py`` result: its measured rows (only those marked
+    ``"fitted": true`` by default, so the others stay held out)."""
+    data = json.loads(Path(path).read_text())
+    return [{"model": r["model"], "model_kwargs": r.get("model_kwargs", {}), "policy": r["policy"],
+             "ms": float(r["measured_ms"])}
+            for r in data["rows"] if r.get("measured_ms") and (r.get("fitted") or not fitted_only)]
+
+
+def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
+                       fidelity_path: str | Path | None = None) -> Profile:
+    """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``) and, when
+    given, the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out)."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
-    profile = calibrate(H200_TARGETS, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total,
+    targets = list(H200_TARGETS)
+    if fidelity_path is not None:
+        targets += fidelity_targets(fidelity_path)
+    profile = calibrate(targets, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total,
                         source=f"{probe['what']}; fitted by um_lab.sim.calibration.build_h200_profile")
     if out is not None:
-        measured = {"bandwidth_GBps": bw, "step_ms_targets": H200_TARGETS,
+        measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}
         profile.save(out, measured=measured)
     return profile

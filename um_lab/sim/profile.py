@@ -31,12 +31,20 @@ class Profile:
     conv_half_gflop: float = 1.0
     hbm_GBps: float = 3000.0  #: effective HBM bandwidth of memory-bound kernels
     kernel_us: float = 2.0  #: fixed GPU time per kernel
-    cpu_op_us: float = 12.0  #: host time to dispatch one op (the GPU starves when kernels are shorter)
+    #: host time to dispatch one forward/optimizer op from Python (the GPU starves when kernels are shorter)
+    cpu_op_us: float = 20.0
+    cpu_bwd_op_us: float = 12.0  #: host time of one backward op (autograd's C++ engine)
+    cpu_cudnn_call_us: float = 30.0  #: extra host time per cuDNN call (descriptors, execution-plan lookup)
+    cpu_foreach_tensor_us: float = 2.0  #: extra host time per tensor argument of a foreach op (Python lists)
     # host link
     pinned_h2d_GBps: float = 51.61
-    remote_GBps: float = 47.77  #: GPU reads/writes of host-resident managed memory (zero-copy)
+    remote_GBps: float = 47.77  #: GPU reads of host-resident managed memory (zero-copy)
+    remote_write_GBps: float = 51.5  #: GPU writes to host-resident managed memory (the other direction)
     gemm_tile_min: float = 64.0  #: GEMM output tile bounds: a remote GEMM operand is re-read per tile
     gemm_tile_max: float = 108.0
+    #: output-pixel tile of implicit-GEMM convolutions (cuDNN TF32 kernels: 256): a remote filter is
+    #: re-read once per tile. A prior, not fitted (no convolution row is in the fit set).
+    conv_tile: float = 256.0
     # Unified Memory driver
     prefetch_h2d_GBps: float = 47.4
     prefetch_d2h_GBps: float = 3.65
@@ -52,6 +60,8 @@ class Profile:
     prefetch_block_us: float = 5.0  #: per block moved by cudaMemPrefetchAsync, on top of the transfer
     prefetch_call_us: float = 15.0  #: host time per cudaMemPrefetchAsync call (one per segment)
     prefetch_call_us_per_block: float = 1.0  #: host time per block of a prefetch call (resident too)
+    #: 1: a cudaMemPrefetchAsync call returns only once the stream's earlier work is done; 0: at once
+    prefetch_host_sync: float = 1.0
     readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,7 +81,11 @@ class Profile:
         if extra:
             raise ValueError(f"unknown profile fields: {extra}; valid: {sorted(known)}")
         for key, value in data.items():
-            if key not in ("name", "source") and (not isinstance(value, int | float) or value <= 0):
+            if key in ("name", "source"):
+                continue
+            if key == "prefetch_host_sync" and isinstance(value, int | float) and value in (0, 1):
+                continue
+            if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"profile field {key} must be a positive number, got {value!r}")
         return cls(**data)
 

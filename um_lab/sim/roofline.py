@@ -32,25 +32,60 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     return t + profile.kernel_us
 
 
+#: ATen ops that go through cuDNN (descriptor set-up and an execution-plan lookup on the host per
+#: call) -> number of cuDNN calls (a convolution's backward runs data- and filter-gradient kernels).
+CUDNN_CALLS: dict[str, int] = {
+    "aten.convolution": 1, "aten._convolution": 1, "aten.cudnn_convolution": 1, "aten.convolution_backward": 2,
+    "aten.native_batch_norm": 1, "aten.native_batch_norm_backward": 1, "aten.cudnn_batch_norm": 1,
+    "aten.cudnn_batch_norm_backward": 1, "aten._native_batch_norm_legit": 1,
+    "aten._native_batch_norm_legit_functional": 1,
+}
+
+
+def op_host_us(trace: StepTrace, profile: Profile) -> np.ndarray:
+    """Host (CPU) time to dispatch each op: what bounds a step whose kernels are short.
+
+    Forward ops go through Python (module call, dispatcher, autograd recording): ``cpu_op_us``;
+    backward ops are issued by autograd's C++ engine: ``cpu_bwd_op_us``; optimizer-phase ops are
+    Python again (``cpu_op_us``), and a ``foreach`` op also walks its tensor lists in Python
+    (grouping by device and dtype, per-tensor scalars): ``cpu_foreach_tensor_us`` per tensor
+    argument. cuDNN calls (convolution, batch norm) add ``cpu_cudnn_call_us`` each. The batch copy
+    (op 0) is issued before the step's timer.
+    """
+    n = trace.n_ops
+    host = np.where(trace.op_phase == 1, profile.cpu_bwd_op_us, profile.cpu_op_us).astype(np.float64)
+    n_args = np.diff(trace.acc_ptr).astype(np.float64)
+    foreach = np.array([name.startswith("aten._foreach") for name in trace.op_names], bool)
+    host[foreach] += n_args[foreach] * profile.cpu_foreach_tensor_us
+    cudnn = np.array([CUDNN_CALLS.get(name, 0) for name in trace.op_names], np.float64)
+    host += cudnn * profile.cpu_cudnn_call_us
+    if n and trace.op_kind[0] == 3:
+        host[0] = 0.0
+    return host
+
+
 def native_step_ms(trace: StepTrace, profile: Profile) -> float:
     """Step time with everything resident: GPU kernels queued behind the host's op dispatch.
 
     The batch copy (op 0) happens before the timed step, as in the real backend.
     """
     times = op_times_us(trace, profile)
+    host = op_host_us(trace, profile)
     if trace.n_ops and trace.op_kind[0] == 3:
-        times = times[1:]
-    return float(queue_time_us(times, profile.cpu_op_us)) / 1e3
+        times, host = times[1:], host[1:]
+    return float(queue_time_us(times, host)) / 1e3
 
 
-def queue_time_us(gpu_us: np.ndarray, cpu_op_us: float) -> float:
-    """End time of a kernel queue where the host issues one op every ``cpu_op_us``.
+def queue_time_us(gpu_us: np.ndarray, cpu_op_us: float | np.ndarray) -> float:
+    """End time of a kernel queue where the host needs ``cpu_op_us`` to issue each op (a scalar, or
+    one value per op).
 
-    ``end = max_k (k * cpu_op_us + sum_{j >= k} gpu_us[j])`` (vectorised recurrence).
+    ``end = max_k (issue_k + sum_{j >= k} gpu_us[j])`` with ``issue_k`` the host's cumulative
+    dispatch time up to op k (vectorised recurrence).
     """
     n = len(gpu_us)
     if n == 0:
         return 0.0
     suffix = np.cumsum(gpu_us[::-1])[::-1]
-    issue = (np.arange(n) + 1) * cpu_op_us
+    issue = np.cumsum(np.broadcast_to(np.asarray(cpu_op_us, np.float64), (n,)))
     return float(np.max(issue + suffix))

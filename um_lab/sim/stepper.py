@@ -18,11 +18,13 @@ from um_lab.types import DATA_TYPES
 
 
 def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, base_us: np.ndarray,
-             rm_write_us: np.ndarray, prefetch_stream: str = "compute") -> StepStats:
+             rm_write_us: np.ndarray, prefetch_stream: str = "compute",
+             host_us: np.ndarray | None = None) -> StepStats:
     """Simulate one step: walk the ops, servicing faults, remote accesses and prefetches.
 
     ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
-    ``rm_write_us``: each op's read_mostly write-fault cost. Op 0 (the batch copy) happens before
+    ``rm_write_us``: each op's read_mostly write-fault cost; ``host_us``: each op's host dispatch time
+    (:func:`um_lab.sim.roofline.op_host_us`; default ``cpu_op_us`` each). Op 0 (the batch copy) happens before
     the step's timer starts, as in the real backend; its faults and bytes still count.
     """
     if prefetch_stream not in PREFETCH_STREAMS:
@@ -40,16 +42,20 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     pending = False
     model.arrival[:] = 0.0
     phase = -1
-    ptr, blk, msk, wmk, rbytes = ob.ptr, ob.block, ob.mask, ob.write_mask, ob.remote_bytes
+    ptr, blk, msk, wmk, rbytes, wbytes = ob.ptr, ob.block, ob.mask, ob.write_mask, ob.remote_bytes, ob.write_bytes
     gpu = model.gpu
     op_phase = trace.op_phase
-    cpu_op = p.cpu_op_us
+    if host_us is None:
+        host_us = np.full(trace.n_ops, p.cpu_op_us)
+    host = host_us.tolist()
     for i in range(trace.n_ops):
         if op_phase[i] != phase:
             phase = int(op_phase[i])
             for ti, t in enumerate(DATA_TYPES):
                 if a.prefetch_to_gpu[ti] and PREFETCH_PHASE[t] == phase:
                     tb = type_blocks[ti]
+                    if p.prefetch_host_sync >= 0.5 and now_gpu > now_cpu:
+                        now_cpu = now_gpu  # the call waits until the stream's earlier kernels are done
                     now_cpu += (len(tb) * p.prefetch_call_us_per_block
                                 + layout.segment_count[t.value] * p.prefetch_call_us)
                     moved, per_block, t_ev = model.prefetch_to_gpu(tb)
@@ -65,7 +71,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
                         copy_clock = start
                     if not on_copy_stream:
                         now_gpu = max(now_gpu, copy_clock)
-        now_cpu += cpu_op
+        now_cpu += host[i]
         start = now_gpu if now_gpu > now_cpu else now_cpu
         p0, p1 = ptr[i], ptr[i + 1]
         b = blk[p0:p1]
@@ -73,7 +79,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
         fault_us = remote_us = 0.0
         if ((m & ~gpu[b]) != 0).any():
             protect[b] = True
-            fault_us, remote_us = model.access(b, m, wmk[p0:p1], rbytes[p0:p1], protect)
+            fault_us, remote_us = model.access(b, m, wmk[p0:p1], rbytes[p0:p1], protect, wbytes[p0:p1])
             protect[b] = False
         if pending and len(b):
             ready = float(model.arrival[b].max())

@@ -217,10 +217,14 @@ class UvmModel:
 
     # -- GPU accesses ---------------------------------------------------------------------------
     def access(self, blocks: np.ndarray, mask: np.ndarray, wmask: np.ndarray, remote_bytes: np.ndarray,
-               protect: np.ndarray) -> tuple[float, float]:
+               protect: np.ndarray, remote_write_bytes: np.ndarray | None = None) -> tuple[float, float]:
         """A kernel touches ``mask`` pages of ``blocks``; return (fault stall us, remote access us).
 
-        ``protect``: a boolean array over all blocks, True for this op's blocks (not evicted for it).
+        ``remote_bytes`` / ``remote_write_bytes``: per block, the bytes the kernel would read / write
+        over the host link if the block were remote. The link is full duplex: a kernel's remote time
+        is the longer of its read and write streams (an in-place update of host-resident data costs
+        one pass, not two). ``protect``: a boolean array over all blocks, True for this op's blocks
+        (not evicted for it).
         """
         miss = mask & ~self.gpu[blocks]
         sel = miss != 0
@@ -260,8 +264,9 @@ class UvmModel:
         if remote.any():
             frac = popcount(remote) / np.maximum(popcount(mask[sel]), 1)
             rbytes = float((remote_bytes[sel] * frac).sum())
-            self.remote_bytes += rbytes
-            remote_us = rbytes / (self.p.remote_GBps * 1e3)
+            wbytes = float((remote_write_bytes[sel] * frac).sum()) if remote_write_bytes is not None else 0.0
+            self.remote_bytes += rbytes + wbytes
+            remote_us = max(rbytes / (self.p.remote_GBps * 1e3), wbytes / (self.p.remote_write_GBps * 1e3))
             self.remote_us += remote_us
         if not bring.any():
             return 0.0, remote_us
