@@ -1,7 +1,8 @@
 """One simulated training step: walk the traced ops through the UM driver model with a clock.
 
-Two clocks: the host issues one op every ``cpu_op_us`` (plus prefetch calls), the GPU runs each op
-for its roofline time, stretched by remote accesses (which overlap its compute) and delayed by fault
+Two clocks: the host issues each op in its dispatch time (:func:`um_lab.sim.roofline.op_host_us`)
+plus prefetch calls (which first wait for the stream's earlier kernels when ``prefetch_host_sync``
+is 1, and cost host time per call and per block), the GPU runs each op for its roofline time, stretched by remote accesses (which overlap its compute) and delayed by fault
 servicing and by prefetches it waits for. The step ends when the GPU and the copy engine are done.
 """
 
