@@ -2,8 +2,9 @@
 
 Two clocks: the host issues each op in its dispatch time (:func:`um_lab.sim.roofline.op_host_us`)
 plus prefetch calls (which first wait for the stream's earlier kernels when ``prefetch_host_sync``
-is 1, and cost host time per call and per block), the GPU runs each op for its roofline time, stretched by remote accesses (which overlap its compute) and delayed by fault
-servicing and by prefetches it waits for. The step ends when the GPU and the copy engine are done.
+is 1, and cost host time per call and per block); the GPU runs each op for its roofline time,
+stretched by remote accesses (which overlap its compute) and delayed by fault servicing and by
+prefetches it waits for. The step ends when the GPU and the copy engine are done.
 """
 
 from __future__ import annotations
