@@ -106,7 +106,7 @@ def measure(model: str, kwargs: dict[str, Any], policy: str, steps: int, warmup:
     from um_lab.backend import get_backend
     from um_lab.models import get_model
 
-    backend = get_backend("cuda")
+    backend = get_backend("cuda", telemetry=False)  # CUPTI collection would change what is timed
     case = get_model(model, **kwargs)
     spec = RunSpec(model=model, backend="cuda", steps=steps, warmup_steps=warmup)
     t = time.perf_counter()
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--simulate-only", action="store_true", help="CPU only: predictions, no GPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--profile", default="h200", help="simulator profile name or JSON path")
+    ap.add_argument("--subset", choices=("all", "new"), default="all",
+                    help="'new': only the new held-out configurations (written to sim_fidelity_new.json)")
     ap.add_argument("--measured", metavar="PATH",
                     help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
     args = ap.parse_args(argv)
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if measure_gpu and not torch.cuda.is_available():
         sys.exit("no CUDA GPU here: run with --simulate-only for the simulator's predictions")
 
-    configs = configurations()
+    configs = configurations() if args.subset == "all" else list(NEW_HELDOUT)
     predicted = []
     for model, kw, policy in configs:  # predictions first: they choose the step counts
         predicted.append(simulate(sim, model, kw, policy, None, 3, 1))
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "profile": sim.profile.name, "summary": summary, "rows": rows}
     name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
+    if args.subset == "new":
+        name = name.replace(".json", "_new.json")
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / name}")
     return result
