@@ -40,7 +40,14 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
     model = case.build_model()
     batch_cpu = case.batch(0)
     wall, event, tel_ms = [], [], []
-    with Session("um-default", evacuate_on_close=False, telemetry=(mode == "on")) as lab:
+    telemetry: object = False
+    if mode.startswith("on"):
+        from um_lab.cuda.telemetry import Telemetry
+
+        options = dict(part.split("=") for part in mode.split(":")[1:])  # e.g. on:buffer=1048576:period=5
+        telemetry = Telemetry(buffer_bytes=int(options.get("buffer", 8 << 20)),
+                              flush_period_ms=int(options["period"]) if "period" in options else None)
+    with Session("um-default", evacuate_on_close=False, telemetry=telemetry) as lab:
         model = lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
         rec = None
@@ -93,6 +100,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "telemetry_overhead.json")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="extra telemetry settings to time, e.g. on:buffer=1048576 on:period=5")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 20:
@@ -103,7 +112,7 @@ def main() -> None:
     rows, info = [], {}
     for model_name in args.models:
         results = {}
-        for mode in ("off", "on"):
+        for mode in ("off", "on", *args.variants):
             cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
                    "--warmup", str(args.warmup)]
             try:
@@ -130,6 +139,9 @@ def main() -> None:
             "resident_GiB": on["resident_GiB"],
             "last_step_gpu_page_faults": on["last_step_gpu_page_faults"],
             "last_step_um_records": on["last_step_um_records"],
+            "variants": {v: {"on_ms": round(results[v]["median_ms"], 3),
+                             "on_over_off": round(results[v]["median_ms"] / off["median_ms"], 4),
+                             "telemetry_ms": results[v]["median_telemetry_ms"]} for v in args.variants},
         })
     report = {
         "device": info.get("device"),

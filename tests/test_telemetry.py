@@ -256,6 +256,7 @@ def _fake_cupti(reject=(), enable_error=None):
         m.callbacks[1](acts)
 
     m.activity_flush_all = flush
+    m.activity_flush_period = lambda ms: m.calls.append(("period", ms))
     return m
 
 
@@ -298,7 +299,8 @@ def test_kinds_the_runtime_rejects_are_left_out(fake_cupti):
     m = fake_cupti(reject=("THROTTLING", "REMOTE_MAP"))
     tel = Telemetry(nvml=False)
     assert tel.start(0) == "cupti (not collected: REMOTE_MAP, THROTTLING)"
-    assert m.calls[-2][0] == "configure" and "THROTTLING" not in m.calls[-2][1]
+    configures = [c for c in m.calls if c[0] == "configure"]
+    assert "THROTTLING" not in configures[-1][1] and "BYTES_TRANSFER_HTOD" in configures[-1][1]
     r = _record()
     tel.fill(r, SEGS)
     assert r.resident_bytes is not None and "remote_map_bytes" not in r.extra
@@ -522,3 +524,19 @@ def test_every_kind_rejected_means_unavailable_with_the_reason(fake_cupti):
     status = tel.start(0)
     assert status.startswith("unavailable: CUPTI rejected every unified-memory counter kind")
     assert "status 27" in status and not tel.available and tm._Hub.sink is None
+
+
+def test_periodic_flush_mode_sets_the_period_and_drains_without_forcing(fake_cupti):
+    m = fake_cupti()
+    src = CuptiSource(buffer_bytes=1 << 16, flush_period_ms=5)
+    src.start(0)
+    try:
+        src.drain()
+        assert ("period", 5) in m.calls and ("flush", 0) in m.calls
+        assert m.callbacks[0]() == (1 << 16, 0)
+    finally:
+        src.stop()
+    with pytest.raises(ValueError):
+        CuptiSource(buffer_bytes=10)
+    with pytest.raises(ValueError):
+        CuptiSource(flush_period_ms=0)

@@ -35,14 +35,20 @@ def _source():
     return SegmentSource()
 
 
-def _collect(tel, settle_s=0.05):
-    """Flush twice (a late record lands in the second); residency from the last, migrations summed."""
+def _collect(tel, settle_s=0.1, max_s=3.0):
+    """Flush until two flushes in a row bring nothing new (UM records can trail the kernels that
+    caused them); residency from the last flush, migrations summed over all of them."""
     torch.cuda.synchronize()
-    first = tel.collect(_source().segments())
-    time.sleep(settle_s)
-    second = tel.collect(_source().segments())
+    parts = [tel.collect(_source().segments())]
+    quiet, t0 = 0, time.time()
+    while quiet < 2 and time.time() - t0 < max_s:
+        time.sleep(settle_s)
+        parts.append(tel.collect(_source().segments()))
+        assert parts[-1] is not None, tel.status
+        quiet = quiet + 1 if parts[-1].extra.get("um_records", 0) == 0 else 0
+    first, second = parts[0], parts[-1]
     assert first is not None and second is not None, tel.status
-    both = (first, second)
+    both = tuple(parts)
     return {
         "resident": second.resident_bytes,
         "htod": {t: sum(s.htod_bytes[t] for s in both) for t in TYPES},

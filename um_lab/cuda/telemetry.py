@@ -291,14 +291,27 @@ class _Hub:
     sink: CuptiSource | None = None
     registered = False
     configured: frozenset[int] | None = None
+    buffer_bytes = 8 << 20
 
 
 class CuptiSource:
-    """Unified-memory counter records from CUPTI (``cupti-python``), as compact tuples."""
+    """Unified-memory counter records from CUPTI (``cupti-python``), as compact tuples.
+
+    ``buffer_bytes``: size of each activity buffer CUPTI asks for. ``flush_period_ms``: ``None``
+    forces a flush of every buffer at each drain (records complete at every step end); a number lets
+    CUPTI's own thread flush that often and each drain only collects completed buffers (cheaper;
+    records may then be counted up to one period late, in the next step).
+    """
 
     BUFFER_BYTES = 8 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_bytes: int = BUFFER_BYTES, flush_period_ms: int | None = None) -> None:
+        if buffer_bytes < 4096:
+            raise ValueError(f"buffer_bytes must be >= 4096, got {buffer_bytes}")
+        if flush_period_ms is not None and flush_period_ms < 1:
+            raise ValueError(f"flush_period_ms must be >= 1 or None, got {flush_period_ms}")
+        self.buffer_bytes = buffer_bytes
+        self.flush_period_ms = flush_period_ms
         self.enabled: frozenset[int] = frozenset()
         self.cause_names: dict[int, str] = {}
         self._chunks: list[list[Record]] = []
@@ -325,6 +338,8 @@ class CuptiSource:
             try:
                 self._configure(cupti, device)
                 _Hub.sink = self
+                _Hub.buffer_bytes = self.buffer_bytes
+                cupti.activity_flush_period(self.flush_period_ms or 0)  # 0: CUPTI's default
                 cupti.activity_enable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
             except TelemetryUnavailable:
                 _Hub.sink = None
@@ -377,7 +392,7 @@ class CuptiSource:
 
     def drain(self) -> list[Record]:
         if self._active:
-            self._cupti.activity_flush_all(1)
+            self._cupti.activity_flush_all(0 if self.flush_period_ms else 1)
         with self._lock:
             chunks, self._chunks = self._chunks, []
         return [r for chunk in chunks for r in chunk]
@@ -407,7 +422,7 @@ def _describe(cupti: Any, error: BaseException | None) -> str:
 
 
 def _buffer_requested() -> tuple[int, int]:
-    return CuptiSource.BUFFER_BYTES, 0
+    return _Hub.buffer_bytes, 0
 
 
 _FIELDS = operator.attrgetter("counter_kind", "value", "address", "start", "end", "flags_")
@@ -469,8 +484,10 @@ class Telemetry:
     ``source`` defaults to :class:`CuptiSource`; ``nvml=False`` skips NVML (CPU tests).
     """
 
-    def __init__(self, *, source: RecordSource | None = None, nvml: bool = True) -> None:
-        self._source: RecordSource = source if source is not None else CuptiSource()
+    def __init__(self, *, source: RecordSource | None = None, nvml: bool = True,
+                 buffer_bytes: int = CuptiSource.BUFFER_BYTES, flush_period_ms: int | None = None) -> None:
+        self._source: RecordSource = (source if source is not None
+                                      else CuptiSource(buffer_bytes, flush_period_ms))
         self._use_nvml = nvml
         self._nvml: _Nvml | None = None
         self._tracker: ResidencyTracker | None = None
