@@ -540,3 +540,17 @@ def test_periodic_flush_mode_sets_the_period_and_drains_without_forcing(fake_cup
         CuptiSource(buffer_bytes=10)
     with pytest.raises(ValueError):
         CuptiSource(flush_period_ms=0)
+
+
+def test_fill_reports_where_the_telemetry_time_goes(fake_cupti):
+    fake_cupti()
+    tel = Telemetry(nvml=False)
+    tel.start(0)
+    try:
+        r = _record()
+        tel.fill(r, SEGS)
+        for key in ("telemetry_flush_ms", "telemetry_attribution_ms", "telemetry_ms"):
+            assert r.extra[key] >= 0
+        assert r.extra["telemetry_ms"] >= r.extra["telemetry_flush_ms"]
+    finally:
+        tel.close()

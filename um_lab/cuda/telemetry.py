@@ -520,7 +520,13 @@ class Telemetry:
         if self._tracker is None:
             return None
         try:
-            return self._tracker.update(segments, self._source.drain())
+            t0 = time.perf_counter()
+            records = self._source.drain()
+            t1 = time.perf_counter()
+            measured = self._tracker.update(segments, records)
+            measured.extra["telemetry_flush_ms"] = (t1 - t0) * 1e3
+            measured.extra["telemetry_attribution_ms"] = (time.perf_counter() - t1) * 1e3
+            return measured
         except Exception as e:  # noqa: BLE001 - degrade, never crash the training loop
             self.status = f"unavailable: telemetry failed ({type(e).__name__}: {e})"
             self._tracker = None
@@ -532,7 +538,9 @@ class Telemetry:
         t0 = time.perf_counter()
         measured = self.collect(segments)
         if self._nvml is not None:
+            t_nvml = time.perf_counter()
             record.extra.update(self._nvml.sample())
+            record.extra["telemetry_nvml_ms"] = (time.perf_counter() - t_nvml) * 1e3
         record.telemetry = self.status
         if measured is None:
             return
