@@ -15,6 +15,7 @@ import torch
 from test_runner import FakeBackend
 
 import um_lab.runner
+import um_lab.sweep
 from um_lab import cli
 from um_lab.cli import main, parse_bytes, parse_model_kwargs, parse_ratio
 from um_lab.runner import list_runs, load
@@ -33,7 +34,8 @@ def fake_backend(monkeypatch):
         created.append(backend)
         return backend
 
-    monkeypatch.setattr(um_lab.runner, "get_backend", make)
+    monkeypatch.setattr(um_lab.runner, "get_backend", make)  # Run
+    monkeypatch.setattr(um_lab.sweep, "get_backend", make)  # compare
     return created
 
 
@@ -200,6 +202,7 @@ def test_cuda_backend_without_a_gpu_is_a_clear_error(monkeypatch, tmp_path, caps
 
     monkeypatch.setattr(um_lab.backend, "cuda_available", lambda: False)
     monkeypatch.setattr(um_lab.runner, "cuda_available", lambda: False)
+    monkeypatch.setattr(um_lab.sweep, "cuda_available", lambda: False)
     for command in ("run", "compare"):
         assert main([command, "--backend", "cuda", "--out", str(tmp_path), "--no-progress"]) == 1
         assert "the cuda backend cannot run here" in capsys.readouterr().err

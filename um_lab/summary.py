@@ -1,0 +1,100 @@
+"""Summaries of step records: step-time statistics, traffic totals, DataFrames, speed-up columns.
+
+Re-exported by :mod:`um_lab.runner`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from um_lab.types import DATA_TYPES, StepRecord
+
+
+def _sum_per_type(values: Mapping[str, int] | None) -> int | None:
+    return None if values is None else int(sum(values.values()))
+
+
+def summarize(records: Iterable[StepRecord]) -> dict[str, Any]:
+    """Median, mean and p90 step time, traffic and fault totals over the non-warm-up records.
+
+    Streams (keeps only the step times). A quantity no record measured is ``None``, never 0.
+    """
+    times: list[float] = []
+    warmup = 0
+    totals: dict[str, int | None] = dict.fromkeys(
+        ("htod_bytes", "dtoh_bytes", "gpu_page_faults", "evictions", "remote_bytes"))
+    peak_live = 0
+    peak_ratio = 0.0
+    last_loss = None
+    capacity = None
+    for record in records:
+        if record.warmup:
+            warmup += 1
+            continue
+        times.append(float(record.wall_ms))
+        step_values = {"htod_bytes": _sum_per_type(record.htod_bytes),
+                       "dtoh_bytes": _sum_per_type(record.dtoh_bytes),
+                       "gpu_page_faults": record.gpu_page_faults, "evictions": record.evictions,
+                       "remote_bytes": record.remote_bytes}
+        for key, value in step_values.items():
+            if value is not None:
+                totals[key] = (totals[key] or 0) + int(value)
+        peak_live = max(peak_live, record.live_total)
+        peak_ratio = max(peak_ratio, record.oversubscription_ratio)
+        capacity = record.gpu_capacity_bytes
+        if record.loss is not None:
+            last_loss = record.loss
+    migrated = None
+    if totals["htod_bytes"] is not None or totals["dtoh_bytes"] is not None:
+        migrated = (totals["htod_bytes"] or 0) + (totals["dtoh_bytes"] or 0)
+    arr = np.asarray(times, dtype=float)
+    return {
+        "steps": len(times),
+        "warmup_steps": warmup,
+        "median_ms": float(np.median(arr)) if len(arr) else math.nan,
+        "mean_ms": float(arr.mean()) if len(arr) else math.nan,
+        "p90_ms": float(np.percentile(arr, 90)) if len(arr) else math.nan,
+        "migrated_bytes": migrated,
+        **totals,
+        "peak_live_bytes": peak_live,
+        "gpu_capacity_bytes": capacity,
+        "oversubscription": peak_ratio,
+        "last_loss": last_loss,
+    }
+
+
+def records_frame(records: Iterable[StepRecord]) -> pd.DataFrame:
+    """A DataFrame of records: scalar fields as they are, per-type dicts flattened to columns."""
+    rows = []
+    for record in records:
+        row: dict[str, Any] = {}
+        for key, value in record.to_dict().items():
+            if isinstance(value, dict) and key != "extra":
+                for dtype in DATA_TYPES:
+                    row[f"{key}.{dtype.value}"] = value.get(dtype.value)
+            elif key != "extra":
+                row[key] = value
+        row["live_total"] = record.live_total
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def with_speedup(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Insert ``speedup_vs_<baseline>`` after ``p90_ms``: the baseline policy's median / each row's median,
+    within each (model, ratio)."""
+    column = f"speedup_vs_{baseline}"
+    if table.empty:
+        table[column] = []
+        return table
+    key = table["ratio"].astype(object).where(table["ratio"].notna(), "none")
+    base = table[table["policy"] == baseline].assign(_key=key).set_index(["model", "_key"])["median_ms"]
+    base_for_row = [base.get((m, k), math.nan) for m, k in zip(table["model"], key, strict=True)]
+    speedup = np.asarray(base_for_row, dtype=float) / table["median_ms"].to_numpy(dtype=float)
+    position = table.columns.get_loc("p90_ms") + 1
+    table.insert(position, column, speedup)
+    return table
