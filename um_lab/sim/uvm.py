@@ -197,15 +197,20 @@ class UvmModel:
         v = np.unique(np.concatenate(victims)) if len(victims) > 1 else victims[0]
         if len(v) == 0:
             return 0, 0.0
-        only_gpu = self.gpu[v] & ~self.cpu[v]
-        nbytes = popcount(only_gpu).astype(np.int64) * BIG_PAGE
-        np.add.at(self.dtoh, self.block_type[v], nbytes)
-        self.cpu[v] |= self.gpu[v]
-        self.gpu[v] = 0
-        self.used -= len(v)
+        moved = self._move_to_host(v)
         self.evictions += len(v)
-        t = float(nbytes.sum()) / (self.p.evict_d2h_GBps * 1e3) + len(v) * self.p.evict_chunk_us
+        t = moved / (self.p.evict_d2h_GBps * 1e3) + len(v) * self.p.evict_chunk_us
         return len(v), t
+
+    def _move_to_host(self, blocks: np.ndarray) -> float:
+        """Move GPU-resident ``blocks`` to the host (their chunks freed); returns bytes copied."""
+        only_gpu = self.gpu[blocks] & ~self.cpu[blocks]
+        nbytes = popcount(only_gpu).astype(np.int64) * BIG_PAGE
+        np.add.at(self.dtoh, self.block_type[blocks], nbytes)
+        self.cpu[blocks] |= self.gpu[blocks]
+        self.gpu[blocks] = 0
+        self.used -= len(blocks)
+        return float(nbytes.sum())
 
     def _make_room(self, need: int, protect: np.ndarray) -> float:
         """Evict so that ``need`` more chunks fit; returns the time spent."""
@@ -334,13 +339,8 @@ class UvmModel:
         blocks = blocks[self.gpu[blocks] != 0]
         if len(blocks) == 0:
             return 0.0
-        only_gpu = self.gpu[blocks] & ~self.cpu[blocks]
-        nbytes = popcount(only_gpu).astype(np.int64) * BIG_PAGE
-        np.add.at(self.dtoh, self.block_type[blocks], nbytes)
-        self.cpu[blocks] |= self.gpu[blocks]
-        self.gpu[blocks] = 0
-        self.used -= len(blocks)
-        return float(nbytes.sum()) / (self.p.prefetch_d2h_GBps * 1e3) + len(blocks) * self.p.prefetch_block_us
+        moved = self._move_to_host(blocks)
+        return moved / (self.p.prefetch_d2h_GBps * 1e3) + len(blocks) * self.p.prefetch_block_us
 
     def resident_by_type(self) -> np.ndarray:
         """GPU-resident bytes per data type."""
