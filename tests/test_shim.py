@@ -31,6 +31,7 @@ def test_allocations_are_counted_per_type_and_freed(fake):
     assert source.data_type_of(a + 5 * MiB) is DataType.PARAM
     assert source.data_type_of(b) is DataType.ACT
     assert source.data_type_of(a + 20 * MiB + 10) is None
+    assert source.data_type_of(a + 20 * MiB - 1) is DataType.PARAM and source.data_type_of(a - 1) is None
     source.free(a)
     assert driver.frees == [a]
     assert source.live_bytes()["param"] == 0

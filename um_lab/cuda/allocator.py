@@ -12,6 +12,7 @@ or the pool never frees its segments. :meth:`ManagedPools.route` is the only pla
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import threading
@@ -53,25 +54,33 @@ class Runtime(Protocol):
 
     codes: AdviceCodes
 
-    def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None: ...
+    def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None:
+        """Apply one advice call to a range."""
 
-    def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None: ...
+    def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
+        """Prefetch a range to a location on ``stream``."""
 
-    def current_stream(self) -> int: ...
+    def current_stream(self) -> int:
+        """The raw handle of the stream prefetches go on."""
 
 
 class PoolAPI(Protocol):
     """torch's pool calls (a fake implements it in CPU tests)."""
 
-    def new_pool(self, alloc_address: int, free_address: int) -> Any: ...
+    def new_pool(self, alloc_address: int, free_address: int) -> Any:
+        """A pool (with ``.id``) whose segments come from the two C entry points."""
 
-    def begin(self, device: int, pool_id: tuple[int, int]) -> None: ...
+    def begin(self, device: int, pool_id: tuple[int, int]) -> None:
+        """Route the calling thread's allocations into the pool."""
 
-    def end(self, device: int, pool_id: tuple[int, int]) -> None: ...
+    def end(self, device: int, pool_id: tuple[int, int]) -> None:
+        """Stop routing into the pool."""
 
-    def release(self, device: int, pool_id: tuple[int, int]) -> None: ...
+    def release(self, device: int, pool_id: tuple[int, int]) -> None:
+        """Drop the reference a begin took."""
 
-    def empty_cache(self) -> None: ...
+    def empty_cache(self) -> None:
+        """Free idle cached segments."""
 
 
 class TorchPoolAPI:
@@ -144,6 +153,21 @@ class Segment:
         return self.ptr <= address < self.ptr + self.size
 
 
+class SegmentIndex:
+    """Address -> data type lookups over a snapshot of segments (bisect, not a scan)."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self._segs = sorted(segments, key=lambda seg: seg.ptr)
+        self._starts = [seg.ptr for seg in self._segs]
+
+    def data_type_of(self, address: int) -> DataType | None:
+        """The data type whose segment holds ``address`` (None: in no segment)."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0 and self._segs[i].contains(address):
+            return self._segs[i].data_type
+        return None
+
+
 class SegmentSource:
     """Python face of the process-wide shim: cap, advice table, counters, live segments."""
 
@@ -183,12 +207,13 @@ class SegmentSource:
         segs = [Segment(p, s, DATA_TYPES[t]) for p, s, t in self._shim.segments()]
         return [s for s in segs if data_type is None or s.data_type == data_type]
 
+    def index(self) -> SegmentIndex:
+        """A snapshot of the live segments for many address lookups."""
+        return SegmentIndex(self.segments())
+
     def data_type_of(self, address: int) -> DataType | None:
         """The data type whose segment holds ``address`` (None: not managed by um_lab)."""
-        for seg in self.segments():
-            if seg.contains(address):
-                return seg.data_type
-        return None
+        return self.index().data_type_of(address)
 
     def allocate(self, data_type: DataType, nbytes: int) -> int:
         """Allocate through the shim directly (probes and tests); 0 when refused or failed."""

@@ -20,10 +20,10 @@ in a step ends the routing. Gradients are pre-allocated in the grad pool and acc
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -43,21 +43,6 @@ PHASE_TYPES: dict[str, tuple[DataType, ...]] = {
     "before_backward": (DataType.GRAD,),
     "before_optimizer": (DataType.OPTIM,),
 }
-
-
-class _SegmentIndex:
-    """Address -> data type lookups over a snapshot of the live segments (bisect, not a scan)."""
-
-    def __init__(self, source: SegmentSource) -> None:
-        segs = sorted(source.segments(), key=lambda s: s.ptr)
-        self._starts = [s.ptr for s in segs]
-        self._segs = segs
-
-    def data_type_of(self, address: int) -> DataType | None:
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0 and self._segs[i].contains(address):
-            return self._segs[i].data_type
-        return None
 
 
 class Session:
@@ -243,7 +228,7 @@ class Session:
             self._modules.append(module)
         with pools.route(DataType.PARAM):
             module.to(self.device)
-            index = _SegmentIndex(pools.source)
+            index = pools.source.index()
             for tensor in _module_tensors(module):
                 if index.data_type_of(tensor.data_ptr()) is not DataType.PARAM and self._is_device(tensor):
                     tensor.data = tensor.data.clone()
@@ -258,7 +243,7 @@ class Session:
         existing = [v for st in optimizer.state.values() for v in st.values() if _is_tensor(v)]
         if existing:
             with pools.route(DataType.OPTIM):
-                index = _SegmentIndex(pools.source)
+                index = pools.source.index()
                 for state in optimizer.state.values():
                     for key, value in state.items():
                         if _is_tensor(value) and self._is_device(value):
@@ -281,7 +266,7 @@ class Session:
     def _ensure_grads(self, module: nn.Module) -> None:
         pools = self._require_open()
         params = [p for p in module.parameters() if p.requires_grad]
-        index = _SegmentIndex(pools.source)
+        index = pools.source.index()
         def in_grad_pool(g: torch.Tensor) -> bool:
             return not self._is_device(g) or index.data_type_of(g.data_ptr()) is DataType.GRAD
 
@@ -423,7 +408,7 @@ class Session:
         """Copy registered model and optimizer tensors out of managed memory (ordinary CUDA memory)."""
         pools = self._pools
         assert pools is not None
-        index = _SegmentIndex(pools.source)
+        index = pools.source.index()
 
         def managed(t: torch.Tensor) -> bool:
             return self._is_device(t) and index.data_type_of(t.data_ptr()) is not None
@@ -464,8 +449,6 @@ class _StepTimer:
             self._end = torch.cuda.Event(enable_timing=True)
             self._start.record()
         else:
-            import time
-
             self._t0 = time.perf_counter()
 
     def stop(self) -> float:
@@ -473,8 +456,6 @@ class _StepTimer:
             self._end.record()
             self._end.synchronize()
             return float(self._start.elapsed_time(self._end))
-        import time
-
         return (time.perf_counter() - self._t0) * 1e3
 
 
