@@ -176,13 +176,17 @@ def location_code(processor: str) -> int:
     return int(getattr(_cudart().cudaMemLocationType, f"cudaMemLocationType{kind}"))
 
 
-def location(processor: str, device: int) -> Any:
-    """A ``cudaMemLocation`` for the GPU ``device`` or the host."""
+def _memory_location(location_type: int, location_id: int) -> Any:
     rt = _cudart()
     loc = rt.cudaMemLocation()
-    loc.type = rt.cudaMemLocationType(location_code(processor))
-    loc.id = device if processor == GPU else 0
+    loc.type = rt.cudaMemLocationType(location_type)
+    loc.id = location_id
     return loc
+
+
+def location(processor: str, device: int) -> Any:
+    """A ``cudaMemLocation`` for the GPU ``device`` or the host."""
+    return _memory_location(location_code(processor), device if processor == GPU else 0)
 
 
 def _location_api(name: str) -> Any:
@@ -190,18 +194,27 @@ def _location_api(name: str) -> Any:
     return getattr(rt, f"{name}_v2", None) or getattr(rt, name)
 
 
-def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
-    """``cudaMemAdvise`` with a location (works for the host on CUDA 12 and 13)."""
-    rt = _cudart()
+def advise_raw(ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None:
+    """``cudaMemAdvise`` from enum values (the location-taking call on CUDA 12 and 13)."""
     fn = _location_api("cudaMemAdvise")
-    code = rt.cudaMemoryAdvise(advice_code(advice))
-    _check(fn(ptr, nbytes, code, location(processor, device)), f"cudaMemAdvise({advice}, {processor})")
+    loc = _memory_location(location_type, location_id)
+    _check(fn(ptr, nbytes, _cudart().cudaMemoryAdvise(code), loc), f"cudaMemAdvise(advice={code})")
+
+
+def prefetch_raw(ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
+    """``cudaMemPrefetchAsync`` from enum values on ``stream`` (a raw stream handle)."""
+    fn = _location_api("cudaMemPrefetchAsync")
+    _check(fn(ptr, nbytes, _memory_location(location_type, location_id), 0, stream), "cudaMemPrefetchAsync")
+
+
+def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
+    """``cudaMemAdvise`` by name, e.g. ``advise(p, n, "SetPreferredLocation", "cpu", 0)``."""
+    advise_raw(ptr, nbytes, advice_code(advice), location_code(processor), device if processor == GPU else 0)
 
 
 def prefetch(ptr: int, nbytes: int, processor: str, device: int, stream: int = 0) -> None:
-    """``cudaMemPrefetchAsync`` to the GPU or the host on ``stream`` (a raw stream handle)."""
-    fn = _location_api("cudaMemPrefetchAsync")
-    _check(fn(ptr, nbytes, location(processor, device), 0, stream), f"cudaMemPrefetchAsync({processor})")
+    """``cudaMemPrefetchAsync`` to ``"gpu"`` or ``"cpu"`` on ``stream`` (a raw stream handle)."""
+    prefetch_raw(ptr, nbytes, location_code(processor), device if processor == GPU else 0, stream)
 
 
 def synchronize() -> None:
@@ -248,26 +261,13 @@ class CudaRuntime:
             location_host=location_code(CPU),
         )
 
-    @staticmethod
-    def _location(location_type: int, location_id: int) -> Any:
-        rt = _cudart()
-        loc = rt.cudaMemLocation()
-        loc.type = rt.cudaMemLocationType(location_type)
-        loc.id = location_id
-        return loc
-
     def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None:
         """Raw ``cudaMemAdvise`` with a location."""
-        rt = _cudart()
-        fn = _location_api("cudaMemAdvise")
-        loc = self._location(location_type, location_id)
-        _check(fn(ptr, nbytes, rt.cudaMemoryAdvise(code), loc), f"cudaMemAdvise(advice={code})")
+        advise_raw(ptr, nbytes, code, location_type, location_id)
 
     def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
         """Raw ``cudaMemPrefetchAsync`` with a location."""
-        fn = _location_api("cudaMemPrefetchAsync")
-        loc = self._location(location_type, location_id)
-        _check(fn(ptr, nbytes, loc, 0, stream), "cudaMemPrefetchAsync")
+        prefetch_raw(ptr, nbytes, location_type, location_id, stream)
 
     def current_stream(self) -> int:
         """torch's current stream as a raw handle."""
