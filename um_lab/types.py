@@ -22,9 +22,6 @@ class DataType(enum.StrEnum):
     ACT = "act"  #: intermediate results: saved activations, activation gradients, temporaries
     INPUT = "input"  #: batches moved to the GPU
 
-    def __str__(self) -> str:
-        return self.value
-
     @classmethod
     def parse(cls, value: str | DataType) -> DataType:
         """Return the member named ``value``; raise ``ValueError`` listing the valid names."""
