@@ -3,7 +3,8 @@
 Each (model, mode) runs in a fresh process (CUPTI state is process-wide). Every step copies the batch
 to the GPU (input pool), runs forward, backward and the AdamW step inside ``lab.step``; the timed
 region is the whole ``lab.step`` call with a synchronise on each side, so the "on" time includes the
-CUPTI flush and the residency update that follow the step's CUDA-event timing.
+telemetry work done on the training thread after the step's CUDA-event timing (attribution; with
+``flush=step`` also the CUPTI flush and the NVML sample).
 
     python bench/telemetry_overhead.py [--steps 20] [--warmup 5] [--models resnet50 gpt2-medium]
 
@@ -25,6 +26,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
 WORKER_TIMEOUT_S = 100
+PARTS = ("telemetry_ms", "telemetry_flush_ms", "telemetry_attribution_ms", "telemetry_nvml_ms")
+
+
+def _flush_through_ctypes(telemetry) -> None:
+    """Diagnostic variant: call cuptiActivityFlushAll through ctypes (which drops the GIL)."""
+    import ctypes
+
+    import cupti.cupti  # noqa: F401 - loads libcupti
+
+    path = next(line.split()[-1] for line in open("/proc/self/maps") if "libcupti.so" in line)
+    flush_all = ctypes.CDLL(path).cuptiActivityFlushAll
+    source = telemetry._source
+
+    def flush() -> None:
+        if source._active:
+            flush_all(ctypes.c_uint32(1))
+
+    source.flush = flush
 
 
 def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
@@ -39,14 +58,19 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     model = case.build_model()
     batch_cpu = case.batch(0)
-    wall, event, tel_ms = [], [], []
+    wall, event = [], []
+    parts: dict[str, list[float]] = {k: [] for k in PARTS}
     telemetry: object = False
     if mode.startswith("on"):
         from um_lab.cuda.telemetry import Telemetry
 
-        options = dict(part.split("=") for part in mode.split(":")[1:])  # e.g. on:buffer=1048576:period=5
+        options = dict(part.split("=") for part in mode.split(":")[1:])  # e.g. on:flush=step:period=20
         telemetry = Telemetry(buffer_bytes=int(options.get("buffer", 8 << 20)),
-                              flush_period_ms=int(options["period"]) if "period" in options else None)
+                              flush=options.get("flush", "background"),
+                              flush_period_ms=float(options.get("period", 50)),
+                              nvml=options.get("nvml", "1") != "0")
+        if options.get("via") == "ctypes":
+            _flush_through_ctypes(telemetry)
     with Session("um-default", evacuate_on_close=False, telemetry=telemetry) as lab:
         model = lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
@@ -61,14 +85,16 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
             if i >= warmup:
                 wall.append((time.perf_counter() - t0) * 1e3)
                 event.append(rec.wall_ms)
-                if "telemetry_ms" in rec.extra:
-                    tel_ms.append(rec.extra["telemetry_ms"])
+                for k in PARTS:
+                    if k in rec.extra:
+                        parts[k].append(rec.extra[k])
             batch = None
         assert rec is not None
         out = {
             "mode": mode, "model": model_name, "median_ms": statistics.median(wall),
             "median_event_ms": statistics.median(event), "telemetry": rec.telemetry,
-            "median_telemetry_ms": statistics.median(tel_ms) if tel_ms else None,
+            "median_telemetry_ms": statistics.median(parts["telemetry_ms"]) if parts["telemetry_ms"] else None,
+            "median_parts_ms": {k: round(statistics.median(v), 3) for k, v in parts.items() if v},
             "live_GiB": round(sum(rec.live_bytes.values()) / 2**30, 3),
             "resident_GiB": None if rec.resident_bytes is None else round(sum(rec.resident_bytes.values()) / 2**30, 3),
             "last_step_gpu_page_faults": rec.gpu_page_faults,
@@ -101,7 +127,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "telemetry_overhead.json")
     parser.add_argument("--variants", nargs="*", default=[],
-                        help="extra telemetry settings to time, e.g. on:buffer=1048576 on:period=5")
+                        help="extra telemetry settings to time, e.g. on:flush=step on:period=20 on:nvml=0 "
+                             "on:via=ctypes")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 20:
@@ -109,9 +136,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup)), flush=True)
         return
-    rows, info = [], {}
+    results: dict[str, dict[str, dict]] = {}
+    info: dict = {}
     for model_name in args.models:
-        results = {}
+        results[model_name] = {}
         for mode in ("off", "on", *args.variants):
             cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
                    "--warmup", str(args.warmup)]
@@ -121,46 +149,63 @@ def main() -> None:
                 raise SystemExit(f"{mode} {model_name} took over {WORKER_TIMEOUT_S} s") from None
             if out.returncode != 0:
                 raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
-            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            info = results[mode].pop("versions")
-            print(f"  {model_name:12s} {mode:3s} {results[mode]['median_ms']:9.2f} ms  "
-                  f"telemetry={results[mode]['telemetry']}", flush=True)
-        off, on = results["off"], results["on"]
-        rows.append({
-            "model": model_name,
-            "off_ms": round(off["median_ms"], 3),
-            "on_ms": round(on["median_ms"], 3),
-            "on_over_off": round(on["median_ms"] / off["median_ms"], 4),
-            "off_event_ms": round(off["median_event_ms"], 3),
-            "on_event_ms": round(on["median_event_ms"], 3),
-            "on_telemetry_ms": None if on["median_telemetry_ms"] is None else round(on["median_telemetry_ms"], 3),
-            "telemetry": on["telemetry"],
-            "live_GiB": on["live_GiB"],
-            "resident_GiB": on["resident_GiB"],
-            "last_step_gpu_page_faults": on["last_step_gpu_page_faults"],
-            "last_step_um_records": on["last_step_um_records"],
-            "variants": {v: {"on_ms": round(results[v]["median_ms"], 3),
-                             "on_over_off": round(results[v]["median_ms"] / off["median_ms"], 4),
-                             "telemetry_ms": results[v]["median_telemetry_ms"]} for v in args.variants},
-        })
+            res = results[model_name][mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            info = res.pop("versions")
+            print(f"  {model_name:12s} {mode:18s} {res['median_ms']:9.2f} ms  parts={res['median_parts_ms']}  "
+                  f"telemetry={res['telemetry']}", flush=True)
+            _write(args, info, results)  # after every worker: a run cut short keeps what it measured
+    rows = _write(args, info, results)
+    print(f"\n{'model':12s} {'off ms':>9s} {'on ms':>9s} {'on/off':>7s} {'tel. ms':>8s}  telemetry")
+    for r in rows:
+        tel = "-" if r.get("on_telemetry_ms") is None else f"{r['on_telemetry_ms']:.2f}"
+        print(f"{r['model']:12s} {r['off_ms']:9.2f} {r['on_ms']:9.2f} {r['on_over_off']:7.4f} {tel:>8s}  "
+              f"{r['telemetry']}")
+        for name, v in r["variants"].items():
+            print(f"  {name:22s} {v['on_ms']:9.2f} {v['on_over_off']:7.4f}  {v['parts_ms']}")
+    print(f"wrote {args.out}")
+
+
+def _row(model_name: str, by_mode: dict[str, dict], variants: list[str]) -> dict:
+    off, on = by_mode["off"], by_mode["on"]
+    return {
+        "model": model_name,
+        "off_ms": round(off["median_ms"], 3),
+        "on_ms": round(on["median_ms"], 3),
+        "on_over_off": round(on["median_ms"] / off["median_ms"], 4),
+        "off_event_ms": round(off["median_event_ms"], 3),
+        "on_event_ms": round(on["median_event_ms"], 3),
+        "on_telemetry_ms": None if on["median_telemetry_ms"] is None else round(on["median_telemetry_ms"], 3),
+        "on_parts_ms": on["median_parts_ms"],
+        "telemetry": on["telemetry"],
+        "live_GiB": on["live_GiB"],
+        "resident_GiB": on["resident_GiB"],
+        "last_step_gpu_page_faults": on["last_step_gpu_page_faults"],
+        "last_step_um_records": on["last_step_um_records"],
+        "variants": {v: {"on_ms": round(by_mode[v]["median_ms"], 3),
+                         "on_over_off": round(by_mode[v]["median_ms"] / off["median_ms"], 4),
+                         "telemetry_ms": by_mode[v]["median_telemetry_ms"],
+                         "parts_ms": by_mode[v]["median_parts_ms"]} for v in variants if v in by_mode},
+    }
+
+
+def _write(args: argparse.Namespace, info: dict, results: dict[str, dict[str, dict]]) -> list[dict]:
+    rows = [_row(m, by_mode, args.variants) for m, by_mode in results.items() if {"off", "on"} <= set(by_mode)]
     report = {
         "device": info.get("device"),
         "versions": {k: v for k, v in info.items() if k != "device"},
         "date": datetime.date.today().isoformat(),
         "steps": args.steps,
         "warmup": args.warmup,
-        "timed": "whole lab.step incl. batch copy and telemetry flush (synchronised); *_event_ms: CUDA events",
+        "timed": "whole lab.step incl. batch copy and telemetry work after it (synchronised); "
+                 "*_event_ms: CUDA events around the step's GPU work",
+        "on": "Telemetry() defaults: background flush every 50 ms, NVML sampled on the same thread",
         "rows": rows,
+        "complete": all(len(by_mode) == 2 + len(args.variants) for by_mode in results.values())
+                    and len(results) == len(args.models),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{'model':12s} {'off ms':>9s} {'on ms':>9s} {'on/off':>7s} {'flush ms':>9s}  telemetry")
-    for r in rows:
-        flush = "-" if r["on_telemetry_ms"] is None else f"{r['on_telemetry_ms']:.2f}"
-        print(f"{r['model']:12s} {r['off_ms']:9.2f} {r['on_ms']:9.2f} {r['on_over_off']:7.4f} {flush:>9s}  "
-              f"{r['telemetry']}")
-    print(f"wrote {args.out}")
-
+    return rows
 
 if __name__ == "__main__":
     main()

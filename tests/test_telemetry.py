@@ -13,7 +13,7 @@ import torch
 from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
 
 from um_lab import DataType
-from um_lab.cuda import telemetry as tm
+from um_lab.cuda import cupti_source as tm
 from um_lab.cuda.allocator import Segment
 from um_lab.cuda.session import Session
 from um_lab.cuda.telemetry import BLOCK, CuptiSource, Kind, ResidencyTracker, Telemetry, TelemetryUnavailable
@@ -288,6 +288,9 @@ def test_cupti_source_collects_compact_tuples_and_skips_other_activity_kinds(fak
     assert src.enabled == frozenset(Kind) and src.cause_names[4] == "EVICTION"
     assert ("enable", 25) in m.calls
     m.pending = [_activity(H, 4096, 123, 7, flags=3), _activity(H, 1, 1, 1, activity_kind=10)]
+    assert src.drain() == []  # nothing delivered before a flush
+    src.flush()
+    assert ("flush", 1) in m.calls  # forced: incomplete buffers too
     assert src.drain() == [(1, 4096, 123, 7, 12, 3)]
     assert src.drain() == []
     src.stop()
@@ -364,6 +367,9 @@ class _FailingSource:
     def start(self, device):
         pass
 
+    def flush(self):
+        pass
+
     def drain(self):
         raise RuntimeError("boom")
 
@@ -402,10 +408,13 @@ class _ListSource:
 
     def __init__(self, make):
         self.make = make if callable(make) else (lambda: make)
-        self.started, self.stopped, self.drains = [], 0, 0
+        self.started, self.stopped, self.drains, self.flushes = [], 0, 0, 0
 
     def start(self, device):
         self.started.append(device)
+
+    def flush(self):
+        self.flushes += 1
 
     def drain(self):
         self.drains += 1
@@ -526,20 +535,76 @@ def test_every_kind_rejected_means_unavailable_with_the_reason(fake_cupti):
     assert "status 27" in status and not tel.available and tm._Hub.sink is None
 
 
-def test_periodic_flush_mode_sets_the_period_and_drains_without_forcing(fake_cupti):
+def _wait_for(condition, timeout_s=5.0):
+    t0 = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - t0 < timeout_s, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_background_mode_flushes_on_its_own_thread_and_fill_never_flushes(fake_cupti):
     m = fake_cupti()
-    src = CuptiSource(buffer_bytes=1 << 16, flush_period_ms=5)
-    src.start(0)
+    tel = Telemetry(nvml=False, flush_period_ms=5)
+    assert tel.start(0) == "cupti" and tel.flush_mode == "background"
     try:
-        src.drain()
-        assert ("period", 5) in m.calls and ("flush", 0) in m.calls
-        assert m.callbacks[0]() == (1 << 16, 0)
+        m.pending = [_activity(F, 3, BASE + 100, 1)]
+        _wait_for(lambda: tel._source._chunks)  # the collector thread flushed it and the callback ran
+        flushes = [c for c in m.calls if c[0] == "flush"]
+        assert flushes and all(flag == 1 for _, flag in flushes)
+        r = _record()
+        before = len(m.calls)
+        tel.fill(r, SEGS)
+        assert r.gpu_page_faults == 3 and r.resident_bytes["param"] == 2 * MiB
+        assert r.extra["telemetry_flush"] == "background" and "telemetry_nvml_ms" not in r.extra
+        caller_flushes = [c for c in m.calls[before:] if c[0] == "flush"]
+        assert len(caller_flushes) <= 2  # only the collector's own periodic flushes, never fill's
     finally:
-        src.stop()
-    with pytest.raises(ValueError):
+        tel.close()
+    assert ("disable", 25) in m.calls and tm._Hub.sink is None
+
+
+def test_collect_settle_flushes_on_the_caller_and_step_mode_flushes_every_fill(fake_cupti):
+    m = fake_cupti()
+    tel = Telemetry(nvml=False, flush_period_ms=60_000)  # the collector never wakes in this test
+    tel.start(0)
+    try:
+        m.pending = [_activity(H, 4096, BASE, 1)]
+        assert tel.collect(SEGS).htod_bytes["param"] == 0  # not flushed yet: nothing delivered
+        m.pending = [_activity(H, 4096, BASE, 1)]
+        assert tel.collect(SEGS, settle=True).htod_bytes["param"] == 4096
+    finally:
+        tel.close()
+    src = _ListSource([])
+    tel = Telemetry(source=src, nvml=False, flush="step")
+    tel.start(0)
+    for _ in range(3):
+        tel.fill(_record(), SEGS)
+    tel.close()
+    assert src.flushes == 3 and src.drains == 3 and src.stopped == 1
+
+
+def test_a_failure_on_the_collector_thread_degrades_at_the_next_step():
+    class FlushFails(_ListSource):
+        def flush(self):
+            raise OSError("flush failed")
+
+    src = FlushFails([])
+    tel = Telemetry(source=src, nvml=False, flush_period_ms=1)
+    tel.start(0)
+    _wait_for(lambda: tel._collector.error is not None)
+    r = _record()
+    tel.fill(r, SEGS)
+    assert r.telemetry == "unavailable: telemetry failed (OSError: flush failed)"
+    assert r.resident_bytes is None and src.stopped == 1 and not tel.available
+
+
+def test_bad_telemetry_settings_are_refused():
+    with pytest.raises(ValueError, match="buffer_bytes"):
         CuptiSource(buffer_bytes=10)
-    with pytest.raises(ValueError):
-        CuptiSource(flush_period_ms=0)
+    with pytest.raises(ValueError, match="flush must be"):
+        Telemetry(flush="sometimes")
+    with pytest.raises(ValueError, match="flush_period_ms"):
+        Telemetry(flush_period_ms=0)
 
 
 def test_fill_reports_where_the_telemetry_time_goes(fake_cupti):

@@ -39,11 +39,11 @@ def _collect(tel, settle_s=0.1, max_s=3.0):
     """Flush until two flushes in a row bring nothing new (UM records can trail the kernels that
     caused them); residency from the last flush, migrations summed over all of them."""
     torch.cuda.synchronize()
-    parts = [tel.collect(_source().segments())]
+    parts = [tel.collect(_source().segments(), settle=True)]
     quiet, t0 = 0, time.time()
     while quiet < 2 and time.time() - t0 < max_s:
         time.sleep(settle_s)
-        parts.append(tel.collect(_source().segments()))
+        parts.append(tel.collect(_source().segments(), settle=True))
         assert parts[-1] is not None, tel.status
         quiet = quiet + 1 if parts[-1].extra.get("um_records", 0) == 0 else 0
     first, second = parts[0], parts[-1]
@@ -155,7 +155,9 @@ def test_resnet50_step_resident_is_at_most_live_per_type():
                                                          "htod_bytes", "dtoh_bytes", "gpu_page_faults",
                                                          "evictions", "telemetry", "extra")}, default=str))
         first, last = records[0], records[-1]
-        assert first.telemetry.startswith("cupti") and first.gpu_page_faults > 0
+        # background flush (the default): a step's records may land in the next step's record
+        assert first.telemetry.startswith("cupti") and first.extra["telemetry_flush"] == "background"
+        assert sum(r.gpu_page_faults for r in records) > 0
         for r in records:
             assert all(r.resident_bytes[t] <= r.live_bytes[t] for t in TYPES), (r.resident_bytes, r.live_bytes)
         assert last.resident_bytes["act"] > 0 and last.extra["telemetry_ms"] >= 0

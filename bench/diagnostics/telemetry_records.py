@@ -1,0 +1,106 @@
+"""Diagnostic: which CUPTI unified-memory records arrive, and when, for known migrations.
+
+Runs the known-tensor sequence of tests/gpu/test_telemetry_gpu.py (two 32 MiB tensors per data type;
+first touch, prefetch half to the host, back, to the host again, then GPU demand faults) and prints,
+for every flush, the records per kind / cause / data type and how long after the action they came.
+After the last stage it waits, pokes the driver with an unrelated migration, and reads what CUPTI
+still holds at disable. About 0.4 GiB of managed memory, safety cap on (the session's).
+
+    python bench/diagnostics/telemetry_records.py > records.json
+"""
+
+import collections
+import json
+import time
+
+import torch
+
+from um_lab import DataType
+from um_lab.cuda import driver
+from um_lab.cuda.allocator import SegmentSource
+from um_lab.cuda.residency import Kind
+from um_lab.cuda.session import Session
+from um_lab.cuda.telemetry import Telemetry
+
+MiB = 1 << 20
+N = 32 * MiB
+LIMIT = 1 << 30  # this script's own ceiling on live managed bytes
+
+
+def summarise(records, segments, causes):
+    by_start = sorted(segments, key=lambda s: s.ptr)
+    out = collections.Counter()
+    for kind, value, address, _start, _end, flags in records:
+        owner = next((s.data_type.value for s in by_start if s.ptr <= address < s.ptr + s.size), "none")
+        k = Kind(kind).name
+        label = f"{k}/{causes.get(flags, flags)}" if kind in (1, 2) else k
+        out[f"{label}/{owner}"] += value if kind in (1, 2, 7) else 1
+    return dict(sorted(out.items()))
+
+
+def main():
+    tel = Telemetry(flush="step", nvml=False)
+    log = []
+    with Session("um-default", telemetry=tel) as lab:
+        assert tel.available, tel.status
+        src = tel._source
+        causes = src.cause_names
+        dev = lab.device.index
+        keep, away = {}, {}
+        for t in DataType:
+            with lab.allocating(t):
+                keep[t.value] = torch.empty(N // 4, dtype=torch.float32, device=lab.device)
+                away[t.value] = torch.empty(N // 4, dtype=torch.float32, device=lab.device)
+        live = sum(SegmentSource().live_bytes().values())
+        assert live < LIMIT, live
+        stream = torch.cuda.current_stream().cuda_stream
+
+        def to(where, tensors):
+            for x in tensors.values():
+                driver.prefetch(x.data_ptr(), N, where, dev, stream)
+
+        def watch(stage, seconds=1.5, period=0.1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                src.flush()
+                got = src.drain()
+                if got:
+                    log.append({"stage": stage, "after_ms": round((time.perf_counter() - t0) * 1e3, 1),
+                                "n": len(got), "summary": summarise(got, SegmentSource().segments(), causes)})
+                time.sleep(period)
+
+        watch("before")
+        for t in keep:
+            keep[t].fill_(1.0)
+            away[t].fill_(2.0)
+        watch("1 first touch")
+        to("cpu", away)
+        watch("1b prefetch away to cpu")
+        to("gpu", away)
+        watch("2 prefetch away to gpu")
+        to("cpu", away)
+        watch("3a prefetch away to cpu")
+        for t in away:
+            away[t].add_(1.0)
+        watch("3b demand faults on gpu", seconds=3.0)
+        for t in away:  # a second touch of the same pages: nothing should migrate
+            away[t].add_(1.0)
+        watch("3c second touch")
+        to("cpu", {"keep_input": keep["input"]})
+        to("gpu", {"keep_input": keep["input"]})
+        watch("4 poke: keep[input] to cpu and back")
+        cupti = src._cupti
+        cupti.activity_disable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
+        src.flush()
+        got = src.drain()
+        log.append({"stage": "5 at disable", "n": len(got), "summary": summarise(got, SegmentSource().segments(),
+                                                                                   causes)})
+        log.append({"values": {t: [float(away[t][0]), float(away[t][-1])] for t in away}})
+        del keep, away
+    for entry in log:
+        print(json.dumps(entry))
+
+
+if __name__ == "__main__":
+    main()
