@@ -29,21 +29,16 @@ WORKER_TIMEOUT_S = 100
 PARTS = ("telemetry_ms", "telemetry_flush_ms", "telemetry_attribution_ms", "telemetry_nvml_ms")
 
 
-def _flush_through_ctypes(telemetry) -> None:
-    """Diagnostic variant: call cuptiActivityFlushAll through ctypes (which drops the GIL)."""
-    import ctypes
-
-    import cupti.cupti  # noqa: F401 - loads libcupti
-
-    path = next(line.split()[-1] for line in open("/proc/self/maps") if "libcupti.so" in line)
-    flush_all = ctypes.CDLL(path).cuptiActivityFlushAll
+def _flush_through_cupti_python(telemetry) -> None:
+    """Comparison variant: flush through cupti-python's own wrapper instead of ctypes."""
     source = telemetry._source
+    original_start = source.start
 
-    def flush() -> None:
-        if source._active:
-            flush_all(ctypes.c_uint32(1))
+    def start(device: int) -> None:
+        original_start(device)
+        source._flush_all, source.flush_via = source._cupti.activity_flush_all, "cupti-python"
 
-    source.flush = flush
+    source.start = start
 
 
 def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
@@ -67,10 +62,10 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict:
         options = dict(part.split("=") for part in mode.split(":")[1:])  # e.g. on:flush=step:period=20
         telemetry = Telemetry(buffer_bytes=int(options.get("buffer", 8 << 20)),
                               flush=options.get("flush", "background"),
-                              flush_period_ms=float(options.get("period", 50)),
+                              flush_period_ms=float(options.get("period", 20)),
                               nvml=options.get("nvml", "1") != "0")
-        if options.get("via") == "ctypes":
-            _flush_through_ctypes(telemetry)
+        if options.get("via") == "cupti":
+            _flush_through_cupti_python(telemetry)
     with Session("um-default", evacuate_on_close=False, telemetry=telemetry) as lab:
         model = lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
@@ -127,8 +122,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "telemetry_overhead.json")
     parser.add_argument("--variants", nargs="*", default=[],
-                        help="extra telemetry settings to time, e.g. on:flush=step on:period=20 on:nvml=0 "
-                             "on:via=ctypes")
+                        help="extra telemetry settings to time, e.g. on:flush=step on:period=10 on:nvml=0 "
+                             "on:via=cupti")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 20:
@@ -198,7 +193,8 @@ def _write(args: argparse.Namespace, info: dict, results: dict[str, dict[str, di
         "warmup": args.warmup,
         "timed": "whole lab.step incl. batch copy and telemetry work after it (synchronised); "
                  "*_event_ms: CUDA events around the step's GPU work",
-        "on": "Telemetry() defaults: background flush every 50 ms, NVML sampled on the same thread",
+        "on": "Telemetry() defaults: background flush thread every 20 ms (CUPTI flush through ctypes), "
+              "NVML sampled on the same thread",
         "rows": rows,
         "complete": all(len(by_mode) == 2 + len(args.variants) for by_mode in results.values())
                     and len(results) == len(args.models),

@@ -90,6 +90,54 @@ def main():
         to("cpu", {"keep_input": keep["input"]})
         to("gpu", {"keep_input": keep["input"]})
         watch("4 poke: keep[input] to cpu and back")
+        def htod_per_type():
+            src.flush()
+            got = src.drain()
+            out = dict.fromkeys((t.value for t in DataType), 0)
+            for kind, value, address, *_ in got:
+                for s in SegmentSource().segments():
+                    if kind == 1 and s.ptr <= address < s.ptr + s.size:
+                        out[s.data_type.value] += value
+            return out, len(got)
+
+        def read_ms(x, reps=5):
+            times = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                x.sum()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            return round(sorted(times)[reps // 2], 4)
+
+        for trial in ("serial", "burst", "burst again", "serial again"):
+            to("cpu", away)
+            torch.cuda.synchronize()
+            time.sleep(0.2)
+            htod_per_type()  # the DtoH records of the prefetch
+            if trial.startswith("serial"):
+                moved, n = dict.fromkeys(keep, 0), 0
+                for t in away:
+                    away[t].add_(1.0)
+                    torch.cuda.synchronize()
+                    time.sleep(0.2)
+                    part, k = htod_per_type()
+                    moved = {u: moved[u] + part[u] for u in moved}
+                    n += k
+            else:
+                for t in away:
+                    away[t].add_(1.0)
+                torch.cuda.synchronize()
+                time.sleep(0.5)
+                moved, n = htod_per_type()
+                time.sleep(0.5)
+                late, k = htod_per_type()
+                moved = {u: moved[u] + late[u] for u in moved}
+                n += k
+            log.append({"trial": trial, "records": n, "htod_MiB": {t: round(v / MiB, 2) for t, v in moved.items()},
+                        "read_ms_away": {t: read_ms(away[t]) for t in away},
+                        "read_ms_keep": {t: read_ms(keep[t]) for t in keep}})
         cupti = src._cupti
         cupti.activity_disable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
         src.flush()

@@ -13,6 +13,7 @@ not used: it returns only *full* buffers, so a few records a step may wait indef
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import threading
 from typing import Any, Protocol
@@ -70,6 +71,8 @@ class CuptiSource:
         self._chunks: list[list[Record]] = []
         self._lock = threading.Lock()
         self._cupti: Any = None
+        self._flush_all: Any = None
+        self.flush_via = "cupti-python"
         self._active = False
 
     def start(self, device: int) -> None:
@@ -81,6 +84,7 @@ class CuptiSource:
                 "pip install 'um_lab[telemetry]' (cupti-python 13.0.x with torch cu130)"
             ) from None
         self._cupti = cupti
+        self._flush_all, self.flush_via = _flush_function(cupti)
         for k in KINDS:
             if int(getattr(cupti.ActivityUnifiedMemoryCounterKind, k.name)) != k:
                 raise TelemetryUnavailable(f"cupti-python's counter kind {k.name} has an unexpected value")
@@ -144,7 +148,7 @@ class CuptiSource:
 
     def flush(self) -> None:
         if self._active:
-            self._cupti.activity_flush_all(1)  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+            self._flush_all(1)  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
 
     def drain(self) -> list[Record]:
         with self._lock:
@@ -163,6 +167,28 @@ class CuptiSource:
                 if _Hub.sink is self:
                     _Hub.sink = None
             self._chunks = []
+
+
+def _flush_function(cupti: Any) -> tuple[Any, str]:
+    """``cuptiActivityFlushAll`` through ctypes when libcupti is found, else cupti-python's wrapper.
+
+    ctypes drops the GIL for the whole call, so a flush on the collector thread (milliseconds)
+    never holds up the training thread; CUPTI's buffer callbacks take the GIL back themselves.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "/libcupti.so" in line)
+        function = ctypes.CDLL(path).cuptiActivityFlushAll
+        function.argtypes, function.restype = [ctypes.c_uint32], ctypes.c_int
+    except (OSError, StopIteration, AttributeError):
+        return cupti.activity_flush_all, "cupti-python"
+
+    def flush_all(flag: int) -> None:
+        status = function(flag)
+        if status != 0:
+            raise cupti.cuptiError(status)
+
+    return flush_all, "ctypes"
 
 
 def _describe(cupti: Any, error: BaseException | None) -> str:

@@ -98,12 +98,23 @@ def _per_type(values: np.ndarray) -> dict[str, int]:
     return {t.value: int(v) for t, v in zip(DATA_TYPES, values, strict=True)}
 
 
+class _Seg:
+    __slots__ = ("ptr", "size", "data_type")
+
+    def __init__(self, ptr: int, size: int, data_type: DataType) -> None:
+        self.ptr, self.size, self.data_type = ptr, size, data_type
+
+
+def _keys(segments: Iterable[SegmentLike]) -> list[tuple[int, int, DataType]]:
+    return sorted((s.ptr, s.size, s.data_type) for s in segments)
+
+
 class _Table:
     """A snapshot of live segments as sorted arrays, with a flat index of their 2 MiB blocks."""
 
-    def __init__(self, segments: Iterable[SegmentLike]) -> None:
-        segs = sorted(segments, key=lambda s: s.ptr)
-        self.keys = [(s.ptr, s.size, s.data_type) for s in segs]
+    def __init__(self, keys: list[tuple[int, int, DataType]]) -> None:
+        segs = [_Seg(*k) for k in keys]
+        self.keys = keys
         self.starts = np.array([s.ptr for s in segs], dtype=np.int64)
         self.sizes = np.array([s.size for s in segs], dtype=np.int64)
         self.types = np.array([DATA_TYPES.index(s.data_type) for s in segs], dtype=np.int64)
@@ -154,7 +165,10 @@ class ResidencyTracker:
     def _sync_segments(self, segments: Iterable[SegmentLike]) -> _Table:
         """Install the new snapshot, carrying residency over for segments that did not change."""
         old = self._table
-        new = _Table(segments)
+        keys = _keys(segments)
+        if keys == old.keys:
+            return old  # the usual case in training: no segment came or went since the last step
+        new = _Table(keys)
         if old.keys and new.keys:
             where = {k: i for i, k in enumerate(old.keys)}
             for i, key in enumerate(new.keys):

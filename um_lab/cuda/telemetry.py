@@ -104,7 +104,7 @@ class Telemetry:
 
     def __init__(self, *, source: RecordSource | None = None, nvml: bool = True,
                  buffer_bytes: int = CuptiSource.BUFFER_BYTES, flush: FlushMode = "background",
-                 flush_period_ms: float = 50.0) -> None:
+                 flush_period_ms: float = 20.0) -> None:
         if flush not in ("background", "step"):
             raise ValueError(f"flush must be 'background' or 'step', got {flush!r}")
         if not flush_period_ms > 0:
@@ -187,6 +187,7 @@ class Telemetry:
         record.evictions = measured.evictions
         record.extra.update(measured.extra)
         record.extra["telemetry_flush"] = self.flush_mode
+        record.extra["telemetry_flush_via"] = getattr(self._source, "flush_via", None)
         record.extra["telemetry_ms"] = (time.perf_counter() - t0) * 1e3
 
     def _shut_down(self) -> None:
