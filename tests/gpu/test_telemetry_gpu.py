@@ -157,6 +157,7 @@ def test_resnet50_step_resident_is_at_most_live_per_type():
         first, last = records[0], records[-1]
         # background flush (the default): a step's records may land in the next step's record
         assert first.telemetry.startswith("cupti") and first.extra["telemetry_flush"] == "background"
+        assert first.extra["telemetry_flush_via"] == "ctypes"  # the GIL-free flush path was found
         assert sum(r.gpu_page_faults for r in records) > 0
         for r in records:
             assert all(r.resident_bytes[t] <= r.live_bytes[t] for t in TYPES), (r.resident_bytes, r.live_bytes)
