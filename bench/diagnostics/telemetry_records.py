@@ -11,6 +11,7 @@ still holds at disable. About 0.4 GiB of managed memory, safety cap on (the sess
 
 import collections
 import json
+import threading
 import time
 
 import torch
@@ -111,7 +112,20 @@ def main():
                 times.append(a.elapsed_time(b))
             return round(sorted(times)[reps // 2], 4)
 
-        for trial in ("serial", "burst", "burst again", "serial again"):
+        def flushing_every(period_s):
+            halt = threading.Event()
+
+            def loop():
+                while not halt.wait(period_s):
+                    src.flush()
+
+            thread = threading.Thread(target=loop, daemon=True)
+            thread.start()
+            return halt, thread
+
+        trials = ("serial", "burst", "burst, flushing every 5 ms", "burst, flushing every 20 ms", "burst again",
+                  "burst, flushing every 5 ms, again", "serial again")
+        for trial in trials:
             to("cpu", away)
             torch.cuda.synchronize()
             time.sleep(0.2)
@@ -126,16 +140,25 @@ def main():
                     moved = {u: moved[u] + part[u] for u in moved}
                     n += k
             else:
+                period_ms = int(trial.split("every ")[1].split(" ms")[0]) if "every" in trial else None
+                flusher = flushing_every(period_ms / 1e3) if period_ms else None
+                t_burst = time.perf_counter()
                 for t in away:
                     away[t].add_(1.0)
                 torch.cuda.synchronize()
+                burst_ms = (time.perf_counter() - t_burst) * 1e3
+                if flusher is not None:
+                    flusher[0].set()
+                    flusher[1].join()
                 time.sleep(0.5)
                 moved, n = htod_per_type()
                 time.sleep(0.5)
                 late, k = htod_per_type()
                 moved = {u: moved[u] + late[u] for u in moved}
                 n += k
-            log.append({"trial": trial, "records": n, "htod_MiB": {t: round(v / MiB, 2) for t, v in moved.items()},
+            burst = None if trial.startswith("serial") else round(burst_ms, 1)
+            log.append({"trial": trial, "records": n, "burst_ms": burst,
+                        "htod_MiB": {t: round(v / MiB, 2) for t, v in moved.items()},
                         "read_ms_away": {t: read_ms(away[t]) for t in away},
                         "read_ms_keep": {t: read_ms(keep[t]) for t in keep}})
         cupti = src._cupti
