@@ -137,40 +137,42 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allocator_overhead.json")
     parser.add_argument("--modes", nargs="+", default=list(MODES),
                         choices=list(MODES) + ["um_lab_caller"])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes per mode, interleaved; the row reports the median of their medians")
     parser.add_argument("--fixed-batch", action="store_true",
                         help="copy the batch to the GPU once (isolates the per-step input copy)")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.fixed_batch)), flush=True)
         return
     info = versions()
     rows = []
     for model_name in args.models:
-        results = {}
-        for mode in args.modes:
-            cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)] + (["--fixed-batch"] if args.fixed_batch else [])
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
-            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"  {model_name:12s} {mode:7s} {results[mode]['median_ms']:9.2f} ms", flush=True)
-        native = results["native"]["median_ms"]
-        if set(args.modes) != set(MODES):
-            rows.append({"model": model_name, **{f"{m}_ms": round(r["median_ms"], 3) for m, r in results.items()}})
-            continue
-        rows.append({
-            "model": model_name,
-            "native_ms": round(native, 3),
-            "um_lab_ms": round(results["um_lab"]["median_ms"], 3),
-            "naive_ms": round(results["naive"]["median_ms"], 3),
-            "um_lab_over_native": round(results["um_lab"]["median_ms"] / native, 4),
-            "naive_over_native": round(results["naive"]["median_ms"] / native, 4),
-            "losses_equal": results["um_lab"]["loss"] == results["native"]["loss"],
-            "um_lab_segments": results["um_lab"].get("segments"),
-            "um_lab_managed_GiB": results["um_lab"].get("managed_GiB"),
-        })
+        runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+        for _ in range(args.repeats):  # modes interleaved, so drift on the machine hits each alike
+            for mode in args.modes:
+                cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup)] + (["--fixed-batch"] if args.fixed_batch else [])
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"  {model_name:12s} {mode:7s} {runs[mode][-1]['median_ms']:9.2f} ms", flush=True)
+        ms = {m: statistics.median(r["median_ms"] for r in rs) for m, rs in runs.items()}
+        row: dict = {"model": model_name, **{f"{m}_ms": round(v, 3) for m, v in ms.items()}}
+        for m in ms:
+            if m != "native" and "native" in ms:
+                row[f"{m}_over_native"] = round(ms[m] / ms["native"], 4)
+        if args.repeats > 1:
+            row["runs_ms"] = {m: [round(r["median_ms"], 3) for r in rs] for m, rs in runs.items()}
+        if "um_lab" in runs and "native" in runs:
+            row["losses_equal"] = runs["um_lab"][0]["loss"] == runs["native"][0]["loss"]
+            row["um_lab_segments"] = runs["um_lab"][0].get("segments")
+            row["um_lab_managed_GiB"] = runs["um_lab"][0].get("managed_GiB")
+        rows.append(row)
     report = {
         "device": info["device"],
         "versions": {k: v for k, v in info.items() if k != "device"},
@@ -178,17 +180,16 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "batch": "copied once" if args.fixed_batch else "copied to the GPU every step (pageable source)",
+        "repeats": args.repeats,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{'model':12s} {'native ms':>10s} {'um_lab ms':>10s} {'naive ms':>10s} {'um_lab/native':>14s}")
+    print(f"\n{'model':12s} " + " ".join(f"{m + ' ms':>10s}" for m in args.modes) + f" {'um_lab/native':>14s}")
     for r in rows:
-        if "um_lab_over_native" not in r:
-            print(r)
-            continue
-        print(f"{r['model']:12s} {r['native_ms']:10.2f} {r['um_lab_ms']:10.2f} {r['naive_ms']:10.2f} "
-              f"{r['um_lab_over_native']:14.4f}")
+        ratio = r.get("um_lab_over_native")
+        print(f"{r['model']:12s} " + " ".join(f"{r[m + '_ms']:10.2f}" for m in args.modes)
+              + f" {'-' if ratio is None else f'{ratio:.4f}':>14s}")
     print(f"wrote {args.out}")
 
 
