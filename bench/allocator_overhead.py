@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
-MODES = ("native", "um_lab", "naive")  # also: um_lab_caller (backward on the calling thread)
+MODES = ("native", "um_lab", "naive")  # also: um_lab_caller (backward on the calling thread), um_lab@POLICY
 NAIVE_LIMIT = 60 << 30  # the naive pool's own abort counter: far below the card
 
 
@@ -74,8 +74,9 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
     if mode.startswith("um_lab"):
         from um_lab.cuda.session import Session
 
-        backward_thread = "caller" if mode == "um_lab_caller" else "worker"
-        with Session("um-default", evacuate_on_close=False, backward_thread=backward_thread) as lab:
+        backward_thread = "caller" if mode.startswith("um_lab_caller") else "worker"
+        policy = mode.split("@", 1)[1] if "@" in mode else "um-default"  # e.g. um_lab@gpu-first
+        with Session(policy, evacuate_on_close=False, backward_thread=backward_thread) as lab:
             model = lab.place(model)
             opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
             fixed = lab.inputs(*batch_cpu) if fixed_batch else None
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allocator_overhead.json")
     parser.add_argument("--modes", nargs="+", default=list(MODES),
-                        choices=list(MODES) + ["um_lab_caller"])
+                        help="native, um_lab, naive, um_lab_caller, or um_lab@POLICY (a preset name)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="fresh processes per mode, interleaved; the row reports the median of their medians")
     parser.add_argument("--fixed-batch", action="store_true",
