@@ -27,6 +27,10 @@ Limits (what the rule cannot see):
 * ``REMOTE_MAP`` is read as "the GPU maps host memory"; a CPU mapping GPU memory would under-count;
 * pages are freed with their segment: a segment that disappears drops out of the map; a segment
   freed and re-created at the same address, size and type between two steps is not noticed;
+* bursts of demand migrations can lose records: on the H200, 160 MiB of fault-driven migrations
+  in ~35 ms lost the newest 6-48 MiB of HtoD records (and the burst's fault records) in 8 of 10
+  trials, while the same migrations one 32 MiB tensor at a time were reported in full (README,
+  "Limits"); under heavy demand paging HtoD bytes and residency are lower bounds;
 * records arrive when CUPTI delivers them: a step's counters cover everything since the previous
   flush (including ``lab.inputs()`` copies made before the step), and a late record is counted in
   the next step;
