@@ -619,3 +619,56 @@ def test_fill_reports_where_the_telemetry_time_goes(fake_cupti):
         assert r.extra["telemetry_ms"] >= r.extra["telemetry_flush_ms"]
     finally:
         tel.close()
+
+
+FAKE_LIBCUPTI = r"""
+static unsigned int last = 0;
+int cuptiActivityFlushAll(unsigned int flag) { last = flag; return flag == 7 ? 5 : 0; }
+unsigned int last_flag(void) { return last; }
+"""
+
+CTYPES_PROBE = r"""
+import ctypes, json, sys, types
+lib = ctypes.CDLL(sys.argv[1])  # now mapped in this process under .../libcupti.so
+from um_lab.cuda.cupti_source import _flush_function
+
+class cuptiError(Exception):
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+fake = types.SimpleNamespace(activity_flush_all=lambda flag: None, cuptiError=cuptiError)
+flush, via = _flush_function(fake)
+flush(1)
+out = {"via": via, "last": lib.last_flag()}
+try:
+    flush(7)
+except cuptiError as e:
+    out["error"] = e.status
+print(json.dumps(out))
+"""
+
+
+def test_the_flush_goes_through_ctypes_when_libcupti_is_loaded(tmp_path):
+    import json
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in libcupti.so")
+    src = tmp_path / "fake.c"
+    src.write_text(FAKE_LIBCUPTI)
+    lib = tmp_path / "libcupti.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    # a fresh process: the stand-in library must not stay mapped in the test process
+    out = subprocess.run([sys.executable, "-c", CTYPES_PROBE, str(lib)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == {"via": "ctypes", "last": 1, "error": 5}
+
+
+def test_without_a_loaded_libcupti_the_flush_uses_cupti_pythons_wrapper():
+    calls = []
+    fake = types.SimpleNamespace(activity_flush_all=calls.append, cuptiError=RuntimeError)
+    flush, via = tm._flush_function(fake)
+    flush(1)
+    assert via == "cupti-python" and calls == [1]
