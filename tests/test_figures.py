@@ -28,3 +28,16 @@ def test_residency_figure_stacks_every_data_type():
     fig = residency_figure(recs)
     assert [t.name for t in fig.data] == ["param", "grad", "optim", "act", "input"]
     assert list(fig.data[0].y) == [1.0, 2.0, 3.0] and list(fig.data[3].y) == [0.5] * 3
+
+
+def test_unmeasured_residency_is_a_gap_with_the_reason_not_zeros():
+    live = {"param": 2**30}
+    recs = [StepRecord(step=0, wall_ms=1.0, live_bytes=live, cap_bytes=None, gpu_capacity_bytes=2**34,
+                       resident_bytes={"param": 2**29}, telemetry="cupti"),
+            StepRecord(step=1, wall_ms=1.0, live_bytes=live, cap_bytes=None, gpu_capacity_bytes=2**34,
+                       telemetry="unavailable: cupti-python is not importable")]
+    fig = residency_figure(recs, "resident_bytes")
+    assert list(fig.data[0].y) == [0.5, None]
+    notes = [a.text for a in fig.layout.annotations]
+    assert len(notes) == 1 and "1 of 2 steps" in notes[0] and "cupti-python is not importable" in notes[0]
+    assert not residency_figure(recs).layout.annotations  # live bytes are always known

@@ -37,14 +37,25 @@ def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
 
 
 def residency_figure(records: Iterable[StepRecord], field: str = "live_bytes") -> Any:
-    """Stacked area of a per-type byte field (``live_bytes`` or ``resident_bytes``) over steps."""
+    """Stacked area of a per-type byte field (``live_bytes`` or ``resident_bytes``) over steps.
+
+    Steps whose field was not measured (``None``: telemetry unavailable) are gaps, never zeros, and
+    the figure says why in an annotation (the records' ``telemetry`` status).
+    """
     go = _plotly()
     records = list(records)
     fig = go.Figure()
     for dtype in DATA_TYPES:
-        values = [((getattr(r, field) or {}).get(dtype.value, 0)) / 2**30 for r in records]
+        values = [None if getattr(r, field) is None else getattr(r, field).get(dtype.value, 0) / 2**30
+                  for r in records]
         fig.add_scatter(x=[r.step for r in records], y=values, name=dtype.value, stackgroup="one",
                         mode="lines")
     fig.update_layout(xaxis_title="step", yaxis_title=f"{field.replace('_', ' ')} (GiB)",
                       legend_title="data type")
+    unmeasured = [r for r in records if getattr(r, field) is None]
+    if unmeasured:
+        reasons = sorted({r.telemetry for r in unmeasured})
+        fig.add_annotation(text=f"{field.replace('_', ' ')} not measured in {len(unmeasured)} of {len(records)} "
+                                f"steps: {'; '.join(reasons)}",
+                           xref="paper", yref="paper", x=0, y=1.08, showarrow=False, align="left")
     return fig
