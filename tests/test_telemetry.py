@@ -598,6 +598,16 @@ def test_a_failure_on_the_collector_thread_degrades_at_the_next_step():
     assert r.resident_bytes is None and src.stopped == 1 and not tel.available
 
 
+def test_starting_twice_keeps_the_running_collection():
+    src = _ListSource([])
+    tel = Telemetry(source=src, nvml=False, flush_period_ms=60_000)
+    assert tel.start(0) == "cupti" and tel.start(0) == "cupti"
+    assert src.started == [0] and tel.available
+    collector = tel._collector
+    tel.close()
+    assert not collector.is_alive() and src.stopped == 1
+
+
 def test_bad_telemetry_settings_are_refused():
     with pytest.raises(ValueError, match="buffer_bytes"):
         CuptiSource(buffer_bytes=10)

@@ -124,7 +124,12 @@ class Telemetry:
         return self._tracker is not None
 
     def start(self, device: int = 0) -> str:
-        """Start collecting on GPU ``device``; returns the status (``"cupti..."`` or ``"unavailable: ..."``)."""
+        """Start collecting on GPU ``device``; returns the status (``"cupti..."`` or ``"unavailable: ..."``).
+
+        Starting a telemetry that is already collecting changes nothing.
+        """
+        if self._tracker is not None:
+            return self.status
         if self._use_nvml and self._nvml is None:
             self._nvml = _Nvml(device)
         try:
