@@ -30,14 +30,22 @@ def test_residency_figure_stacks_every_data_type():
     assert list(fig.data[0].y) == [1.0, 2.0, 3.0] and list(fig.data[3].y) == [0.5] * 3
 
 
-def test_unmeasured_residency_is_a_gap_with_the_reason_not_zeros():
+def test_unmeasured_residency_is_a_shaded_gap_with_the_reason_not_zeros():
     live = {"param": 2**30}
-    recs = [StepRecord(step=0, wall_ms=1.0, live_bytes=live, cap_bytes=None, gpu_capacity_bytes=2**34,
-                       resident_bytes={"param": 2**29}, telemetry="cupti"),
-            StepRecord(step=1, wall_ms=1.0, live_bytes=live, cap_bytes=None, gpu_capacity_bytes=2**34,
-                       telemetry="unavailable: cupti-python is not importable")]
+
+    def record(step, resident):
+        status = "cupti" if resident is not None else "unavailable: cupti-python is not importable"
+        return StepRecord(step=step, wall_ms=1.0, live_bytes=live, cap_bytes=None, gpu_capacity_bytes=2**34,
+                          resident_bytes=resident, telemetry=status)
+
+    recs = [record(0, {"param": 2**29}), record(1, {"param": 2**30}), record(2, None), record(3, {"param": 2**28})]
     fig = residency_figure(recs, "resident_bytes")
-    assert list(fig.data[0].y) == [0.5, None]
+    param = [t for t in fig.data if t.name == "param"]
+    assert [list(t.x) for t in param] == [[0, 1], [3]]  # two stacks: nothing drawn across step 2
+    assert [list(t.y) for t in param] == [[0.5, 1.0], [0.25]]
+    assert len({t.stackgroup for t in fig.data}) == 2 and sum(t.showlegend for t in fig.data) == 5
+    assert [(s.x0, s.x1) for s in fig.layout.shapes] == [(1.5, 2.5)]
     notes = [a.text for a in fig.layout.annotations]
-    assert len(notes) == 1 and "1 of 2 steps" in notes[0] and "cupti-python is not importable" in notes[0]
-    assert not residency_figure(recs).layout.annotations  # live bytes are always known
+    assert len(notes) == 1 and "1 of 4 steps" in notes[0] and "cupti-python is not importable" in notes[0]
+    plain = residency_figure(recs)  # live bytes are always known
+    assert not plain.layout.annotations and not plain.layout.shapes and len(plain.data) == 5

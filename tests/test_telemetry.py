@@ -3,6 +3,7 @@
 
 import enum
 import sys
+import threading
 import time
 import types
 import warnings
@@ -86,6 +87,16 @@ def test_events_apply_in_start_time_order_not_arrival_order():
     assert out.resident_bytes["param"] == BLOCK
 
 
+def test_a_record_arriving_a_step_late_does_not_undo_a_newer_one():
+    t = tracker()
+    p = SEGS[0].ptr
+    assert t.update(SEGS, [rec(F, 1, p, start=1)]).resident_bytes["param"] == 2 * MiB
+    assert t.update(SEGS, [rec(D, BLOCK, p, start=10)]).resident_bytes["param"] == 0
+    late = t.update(SEGS, [rec(F, 1, p, start=5)])  # happened before the DtoH, delivered after it
+    assert late.resident_bytes["param"] == 0 and late.gpu_page_faults == 1  # still counted as a fault
+    assert t.update(SEGS, [rec(H, BLOCK, p, start=10)]).resident_bytes["param"] == 2 * MiB  # ties: arrival
+
+
 def test_a_transfer_spanning_blocks_marks_each_and_is_clipped_to_its_segment():
     t = tracker()
     p, i = SEGS[0].ptr, SEGS[2].ptr
@@ -138,8 +149,9 @@ def test_fields_whose_counter_kind_was_not_collected_stay_none():
 
 
 def _reference(segments, steps):
-    """Brute force: per-block dicts, one record at a time."""
-    state, results = {}, []
+    """Brute force: per-block dicts, one record at a time; a block keeps its latest-starting event,
+    across steps too (a record that arrives a step late cannot undo a newer one)."""
+    state, when, results = {}, {}, []
     for records in steps:
         live = {}
         for s in segments:
@@ -147,14 +159,16 @@ def _reference(segments, steps):
                 key = (s.ptr, s.size, s.data_type, b)
                 live[key] = state.get(key, False)
         state = live
-        for kind, value, addr, _start, _end, _flags in sorted(records, key=lambda r: r[3]):
+        for kind, value, addr, start, _end, _flags in sorted(records, key=lambda r: r[3]):
             owner = next((s for s in segments if s.ptr <= addr < s.ptr + s.size), None)
             if owner is None or kind not in (H, D, F, R):
                 continue
             length = 1 if kind == F else max(value, 1)
             end = min(addr - owner.ptr + length, owner.size) - 1
             for b in range((addr - owner.ptr) // BLOCK, end // BLOCK + 1):
-                state[(owner.ptr, owner.size, owner.data_type, b)] = kind in (H, F)
+                key = (owner.ptr, owner.size, owner.data_type, b)
+                if start >= when.get(key, -1):
+                    state[key], when[key] = kind in (H, F), start
         res = {t.value: 0 for t in DataType}
         for (_ptr, size, dt, b), on in state.items():
             if on:
@@ -214,7 +228,7 @@ def _fake_cupti(reject=(), enable_error=None):
             self.status = status
 
     m.cuptiError = cuptiError
-    m.calls, m.pending, m.callbacks = [], [], None
+    m.calls, m.pending, m.callbacks, m.flush_threads = [], [], None, []
 
     class Config(list):
         def __init__(self, n):
@@ -250,6 +264,7 @@ def _fake_cupti(reject=(), enable_error=None):
 
     def flush(flag):
         m.calls.append(("flush", flag))
+        m.flush_threads.append(threading.get_ident())
         size, _ = m.callbacks[0]()
         assert size > 0
         acts, m.pending = m.pending, []
@@ -278,6 +293,8 @@ def fake_cupti(monkeypatch):
     monkeypatch.setattr(tm._Hub, "sink", None)
     monkeypatch.setattr(tm._Hub, "registered", False)
     monkeypatch.setattr(tm._Hub, "configured", None)
+    # flush through the fake module even where a real libcupti is loaded (CUDA torch)
+    monkeypatch.setattr(tm, "_flush_function", lambda cupti: (cupti.activity_flush_all, "cupti-python"))
     return install
 
 
@@ -552,12 +569,10 @@ def test_background_mode_flushes_on_its_own_thread_and_fill_never_flushes(fake_c
         flushes = [c for c in m.calls if c[0] == "flush"]
         assert flushes and all(flag == 1 for _, flag in flushes)
         r = _record()
-        before = len(m.calls)
         tel.fill(r, SEGS)
         assert r.gpu_page_faults == 3 and r.resident_bytes["param"] == 2 * MiB
         assert r.extra["telemetry_flush"] == "background" and "telemetry_nvml_ms" not in r.extra
-        caller_flushes = [c for c in m.calls[before:] if c[0] == "flush"]
-        assert len(caller_flushes) <= 2  # only the collector's own periodic flushes, never fill's
+        assert m.flush_threads and threading.get_ident() not in m.flush_threads  # fill never flushed
     finally:
         tel.close()
     assert ("disable", 25) in m.calls and tm._Hub.sink is None
@@ -606,6 +621,33 @@ def test_starting_twice_keeps_the_running_collection():
     collector = tel._collector
     tel.close()
     assert not collector.is_alive() and src.stopped == 1
+
+
+def test_a_collector_thread_that_cannot_start_gives_cupti_back(monkeypatch):
+    from um_lab.cuda import telemetry as tel_module
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(tel_module._Collector, "start", refuse)
+    src = _ListSource([])
+    tel = Telemetry(source=src, nvml=False)
+    assert tel.start(0) == "unavailable: telemetry thread failed (RuntimeError: can't start new thread)"
+    assert not tel.available and src.stopped == 1
+    r = _record()
+    tel.fill(r, SEGS)
+    assert r.resident_bytes is None and r.telemetry.startswith("unavailable: telemetry thread failed")
+
+
+def test_running_telemetries_are_closed_at_interpreter_exit():
+    from um_lab.cuda import telemetry as tel_module
+
+    src = _ListSource([])
+    tel = Telemetry(source=src, nvml=False, flush_period_ms=60_000)
+    tel.start(0)
+    collector = tel._collector
+    tel_module._close_at_exit()
+    assert not tel.available and src.stopped == 1 and not collector.is_alive()
 
 
 def test_bad_telemetry_settings_are_refused():
@@ -676,9 +718,15 @@ def test_the_flush_goes_through_ctypes_when_libcupti_is_loaded(tmp_path):
     assert json.loads(out.stdout) == {"via": "ctypes", "last": 1, "error": 5}
 
 
-def test_without_a_loaded_libcupti_the_flush_uses_cupti_pythons_wrapper():
+def test_without_exactly_one_libcupti_the_flush_uses_cupti_pythons_wrapper(tmp_path):
     calls = []
     fake = types.SimpleNamespace(activity_flush_all=calls.append, cuptiError=RuntimeError)
-    flush, via = tm._flush_function(fake)
-    flush(1)
-    assert via == "cupti-python" and calls == [1]
+    none = tmp_path / "maps_none"
+    none.write_text("7f00-7f01 r-xp 0 00:00 0 /usr/lib/libc.so.6\n")
+    two = tmp_path / "maps_two"
+    two.write_text("7f00-7f01 r-xp 0 00:00 0 /a/libcupti.so.13\n7f02-7f03 r-xp 0 00:00 0 /b/libcupti.so.12\n")
+    for maps in (none, two):
+        flush, via = tm._flush_function(fake, str(maps))
+        flush(1)
+        assert via == "cupti-python"
+    assert calls == [1, 1]

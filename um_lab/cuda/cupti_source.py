@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import os
 import threading
 from typing import Any, Protocol
 
@@ -84,7 +85,6 @@ class CuptiSource:
                 "pip install 'um_lab[telemetry]' (cupti-python 13.0.x with torch cu130)"
             ) from None
         self._cupti = cupti
-        self._flush_all, self.flush_via = _flush_function(cupti)
         for k in KINDS:
             if int(getattr(cupti.ActivityUnifiedMemoryCounterKind, k.name)) != k:
                 raise TelemetryUnavailable(f"cupti-python's counter kind {k.name} has an unexpected value")
@@ -106,6 +106,7 @@ class CuptiSource:
                 raise TelemetryUnavailable(
                     f"CUPTI could not enable unified-memory counters ({_describe(cupti, e)}){hint}"
                 ) from None
+        self._flush_all, self.flush_via = _flush_function(cupti)  # after cupti-python has loaded libcupti
         self.enabled = _Hub.configured or frozenset()
         self._active = True
 
@@ -166,21 +167,26 @@ class CuptiSource:
             with _Hub.lock:
                 if _Hub.sink is self:
                     _Hub.sink = None
-            self._chunks = []
+            with self._lock:
+                self._chunks = []
 
 
-def _flush_function(cupti: Any) -> tuple[Any, str]:
-    """``cuptiActivityFlushAll`` through ctypes when libcupti is found, else cupti-python's wrapper.
+def _flush_function(cupti: Any, maps: str = "/proc/self/maps") -> tuple[Any, str]:
+    """``cuptiActivityFlushAll`` through ctypes when exactly one libcupti is loaded, else cupti-python's.
 
     ctypes drops the GIL for the whole call, so a flush on the collector thread (milliseconds)
-    never holds up the training thread; CUPTI's buffer callbacks take the GIL back themselves.
+    never holds up the training thread; CUPTI's buffer callbacks take the GIL back themselves. With
+    two different libcupti copies in the process the one cupti-python uses is unknown, so its own
+    wrapper is used instead (``flush_via`` says which).
     """
     try:
-        with open("/proc/self/maps") as maps:
-            path = next(line.split()[-1] for line in maps if "/libcupti.so" in line)
-        function = ctypes.CDLL(path).cuptiActivityFlushAll
+        with open(maps) as lines:
+            paths = {os.path.realpath(line.split()[-1]) for line in lines if "/libcupti.so" in line}
+        if len(paths) != 1:
+            return cupti.activity_flush_all, "cupti-python"
+        function = ctypes.CDLL(paths.pop()).cuptiActivityFlushAll
         function.argtypes, function.restype = [ctypes.c_uint32], ctypes.c_int
-    except (OSError, StopIteration, AttributeError):
+    except (OSError, AttributeError):
         return cupti.activity_flush_all, "cupti-python"
 
     def flush_all(flag: int) -> None:

@@ -3,7 +3,8 @@
 Pure NumPy, no CUPTI: :class:`ResidencyTracker` takes the live segments and a batch of records
 ``(kind, value, address, start_ns, end_ns, flags)`` and returns one step's :class:`StepTelemetry`.
 
-Residency rule (per 2 MiB block of each live um_lab segment, applied in record start-time order):
+Residency rule (per 2 MiB block of each live um_lab segment, applied in record start-time order,
+across flushes too: a record delivered late never undoes a block's newer event):
 
 * a block becomes GPU-resident when the GPU faults on it (``GPU_PAGE_FAULT``) or it receives
   host-to-device bytes (``BYTES_TRANSFER_HTOD``);
@@ -57,6 +58,7 @@ import numpy as np
 from um_lab.types import DATA_TYPES, DataType
 
 BLOCK = 2 << 20  #: residency granularity: the UM driver's VA block
+NEVER = np.iinfo(np.int64).min
 Record = tuple[int, int, int, int, int, int]  #: (kind, value, address, start_ns, end_ns, flags)
 
 
@@ -130,6 +132,7 @@ class _Table:
         self.block_bytes = np.minimum(BLOCK, self.sizes[seg_of_block] - offset) if total else np.zeros(0, np.int64)
         self.block_type = self.types[seg_of_block] if total else np.zeros(0, np.int64)
         self.resident = np.zeros(total, dtype=bool)
+        self.changed_at = np.full(total, NEVER, dtype=np.int64)  # start time of each block's latest event
 
     def locate(self, address: np.ndarray) -> np.ndarray:
         """Segment index of each address, -1 where none holds it."""
@@ -181,6 +184,7 @@ class ResidencyTracker:
                     n = int((key[1] + BLOCK - 1) // BLOCK)
                     a, b = int(new.first_block[i]), int(old.first_block[j])
                     new.resident[a:a + n] = old.resident[b:b + n]
+                    new.changed_at[a:a + n] = old.changed_at[b:b + n]
         self._table = new
         return new
 
@@ -256,7 +260,10 @@ class ResidencyTracker:
             evicted = int(len(np.unique(block[ev])))
         if len(block):
             order = np.lexsort((np.arange(len(block)), start[src]))  # time order, arrival order on ties
-            block, state = block[order], on[src][order]
+            block, state, when = block[order], on[src][order], start[src][order]
             last = len(block) - 1 - np.unique(block[::-1], return_index=True)[1]  # final event per block
-            table.resident[block[last]] = state[last]
+            block, state, when = block[last], state[last], when[last]
+            newer = when >= table.changed_at[block]  # a record delivered late never undoes a newer one
+            table.resident[block[newer]] = state[newer]
+            table.changed_at[block[newer]] = when[newer]
         return evicted

@@ -301,8 +301,9 @@ class Session:
 
         Timed with CUDA events; the policy's prefetches run at the phase boundaries. Returns the
         step's :class:`StepRecord` (also passed to every callback in ``on_step``). With
-        ``telemetry`` on, CUPTI is flushed and the measured fields filled after the end event has
-        synchronised, outside ``wall_ms`` (its cost: ``extra["telemetry_ms"]``).
+        ``telemetry`` on, the measured fields are filled after the end event has synchronised,
+        outside ``wall_ms`` (their cost on this thread: ``extra["telemetry_ms"]``); by default CUPTI
+        is flushed by a background thread, so records still in flight count in the next step.
         """
         pools = self._require_open()
         if optimizer not in self._optimizers:

@@ -17,9 +17,11 @@ boundaries, slower); ``collect(settle=True)`` flushes once on demand.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -73,7 +75,7 @@ class _Collector(threading.Thread):
         super().__init__(name="um_lab-telemetry", daemon=True)
         self._source, self._nvml, self._period_s = source, nvml, period_s
         self._halt = threading.Event()
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self.nvml_sample: dict[str, Any] = {} if nvml is None else nvml.sample()
         self.flushes = 0
 
@@ -84,7 +86,7 @@ class _Collector(threading.Thread):
                 self.flushes += 1
                 if self._nvml is not None:
                     self.nvml_sample = self._nvml.sample()
-            except BaseException as e:  # noqa: BLE001 - reported to the training thread by collect()
+            except Exception as e:  # noqa: BLE001 - reported to the training thread by collect()
                 self.error = e
                 return
 
@@ -143,9 +145,16 @@ class Telemetry:
         self._tracker = ResidencyTracker(self._source.enabled, self._source.cause_names)
         missing = sorted(k.name for k in KINDS if k not in self._tracker.enabled)
         self.status = "cupti" + (f" (not collected: {', '.join(missing)})" if missing else "")
+        _RUNNING.add(self)
         if self.flush_mode == "background":
-            self._collector = _Collector(self._source, self._nvml, self.flush_period_ms / 1e3)
-            self._collector.start()
+            try:
+                collector = _Collector(self._source, self._nvml, self.flush_period_ms / 1e3)
+                collector.start()
+            except Exception as e:  # noqa: BLE001 - e.g. no thread can be started: give CUPTI back
+                self.status = f"unavailable: telemetry thread failed ({type(e).__name__}: {e})"
+                self._shut_down()
+                return self.status
+            self._collector = collector
         return self.status
 
     def collect(self, segments: Iterable[SegmentLike], *, settle: bool = False) -> StepTelemetry | None:
@@ -153,17 +162,18 @@ class Telemetry:
 
         Flushes CUPTI first in ``"step"`` mode, or when ``settle`` is true.
         """
-        if self._tracker is None:
+        tracker, collector = self._tracker, self._collector  # close() may run on another thread
+        if tracker is None:
             return None
         try:
-            if self._collector is not None and self._collector.error is not None:
-                raise self._collector.error
+            if collector is not None and collector.error is not None:
+                raise collector.error
             t0 = time.perf_counter()
             if settle or self.flush_mode == "step":
                 self._source.flush()
             records = self._source.drain()
             t1 = time.perf_counter()
-            measured = self._tracker.update(segments, records)
+            measured = tracker.update(segments, records)
             measured.extra["telemetry_flush_ms"] = (t1 - t0) * 1e3
             measured.extra["telemetry_attribution_ms"] = (time.perf_counter() - t1) * 1e3
             return measured
@@ -176,8 +186,9 @@ class Telemetry:
         """Write this step's measured fields (and NVML readings) into ``record``."""
         t0 = time.perf_counter()
         measured = self.collect(segments)
-        if self._collector is not None:
-            record.extra.update(self._collector.nvml_sample)
+        collector = self._collector
+        if collector is not None:
+            record.extra.update(collector.nvml_sample)
         elif self._nvml is not None:
             t_nvml = time.perf_counter()
             record.extra.update(self._nvml.sample())
@@ -196,6 +207,7 @@ class Telemetry:
         record.extra["telemetry_ms"] = (time.perf_counter() - t0) * 1e3
 
     def _shut_down(self) -> None:
+        _RUNNING.discard(self)
         self._tracker = None
         collector, self._collector = self._collector, None
         if collector is not None:
@@ -210,6 +222,16 @@ class Telemetry:
         self._shut_down()
         if not self.status.startswith("unavailable"):
             self.status = "unavailable: telemetry closed"
+
+
+_RUNNING: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Halt collector threads before the interpreter goes (one may be inside a CUPTI flush)."""
+    for telemetry in list(_RUNNING):
+        telemetry.close()
 
 
 def check_telemetry_mode(mode: bool | str | Telemetry) -> bool | str | Telemetry:
