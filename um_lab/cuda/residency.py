@@ -104,13 +104,6 @@ def _per_type(values: np.ndarray) -> dict[str, int]:
     return {t.value: int(v) for t, v in zip(DATA_TYPES, values, strict=True)}
 
 
-class _Seg:
-    __slots__ = ("ptr", "size", "data_type")
-
-    def __init__(self, ptr: int, size: int, data_type: DataType) -> None:
-        self.ptr, self.size, self.data_type = ptr, size, data_type
-
-
 def _keys(segments: Iterable[SegmentLike]) -> list[tuple[int, int, DataType]]:
     return sorted((s.ptr, s.size, s.data_type) for s in segments)
 
@@ -119,15 +112,14 @@ class _Table:
     """A snapshot of live segments as sorted arrays, with a flat index of their 2 MiB blocks."""
 
     def __init__(self, keys: list[tuple[int, int, DataType]]) -> None:
-        segs = [_Seg(*k) for k in keys]
         self.keys = keys
-        self.starts = np.array([s.ptr for s in segs], dtype=np.int64)
-        self.sizes = np.array([s.size for s in segs], dtype=np.int64)
-        self.types = np.array([DATA_TYPES.index(s.data_type) for s in segs], dtype=np.int64)
+        self.starts = np.array([ptr for ptr, _, _ in keys], dtype=np.int64)
+        self.sizes = np.array([size for _, size, _ in keys], dtype=np.int64)
+        self.types = np.array([DATA_TYPES.index(data_type) for _, _, data_type in keys], dtype=np.int64)
         nblocks = (self.sizes + BLOCK - 1) // BLOCK
         self.first_block = np.concatenate([[0], np.cumsum(nblocks)[:-1]]).astype(np.int64)
         total = int(nblocks.sum())
-        seg_of_block = np.repeat(np.arange(len(segs), dtype=np.int64), nblocks)
+        seg_of_block = np.repeat(np.arange(len(keys), dtype=np.int64), nblocks)
         offset = (np.arange(total, dtype=np.int64) - self.first_block[seg_of_block]) * BLOCK
         self.block_bytes = np.minimum(BLOCK, self.sizes[seg_of_block] - offset) if total else np.zeros(0, np.int64)
         self.block_type = self.types[seg_of_block] if total else np.zeros(0, np.int64)
