@@ -77,13 +77,11 @@ class _Collector(threading.Thread):
         self._halt = threading.Event()
         self.error: Exception | None = None
         self.nvml_sample: dict[str, Any] = {} if nvml is None else nvml.sample()
-        self.flushes = 0
 
     def run(self) -> None:
         while not self._halt.wait(self._period_s):
             try:
                 self._source.flush()
-                self.flushes += 1
                 if self._nvml is not None:
                     self.nvml_sample = self._nvml.sample()
             except Exception as e:  # noqa: BLE001 - reported to the training thread by collect()
