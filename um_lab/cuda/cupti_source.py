@@ -162,7 +162,7 @@ class CuptiSource:
         self._active = False
         try:
             self._cupti.activity_disable(self._cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
-            self._cupti.activity_flush_all(1)
+            self._flush_all(1)
         finally:
             with _Hub.lock:
                 if _Hub.sink is self:
