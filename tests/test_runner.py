@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pandas as pd
 import pytest
+from run_helpers import stop_in_background
 
 from um_lab.models import ModelCase, custom, mlp
 from um_lab.policy import Policy
@@ -452,16 +453,8 @@ def test_sim_compare_two_models_three_policies_two_ratios(tmp_path):
 
 
 def test_sim_background_stop_keeps_completed_steps(tmp_path):
-    active = Run(RunSpec(model="mlp", model_kwargs=SIM_MLP, backend="sim", steps=10_000_000,
-                         oversubscription_ratio=1.5), out_dir=tmp_path).start()
-    deadline = time.time() + 60
-    while active.steps_completed < 20 and time.time() < deadline:
-        time.sleep(0.01)
-    active.stop()
-    assert active.join(timeout=60)
-    loaded = load(active.path)
-    assert loaded.state == "stopped" and not loaded.complete
-    assert len(list(loaded.records())) == loaded.status["steps_completed"] >= 20
+    spec = RunSpec(model="mlp", model_kwargs=SIM_MLP, backend="sim", steps=10_000_000, oversubscription_ratio=1.5)
+    stop_in_background(spec, tmp_path, min_steps=20, timeout_s=60, poll_s=0.01)
 
 
 def test_thousand_sim_steps_do_not_grow_memory(tmp_path):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 import torch
+from run_helpers import stop_in_background
 
 from um_lab.models import SizeRefused
 from um_lab.runner import Run, compare, list_runs, load, run
@@ -92,15 +92,7 @@ def test_size_above_the_cap_is_refused_before_any_allocation(tmp_path):
 
 def test_background_stop_on_cuda_keeps_steps_and_next_run_works(tmp_path):
     spec = RunSpec(model="mlp", backend="cuda", steps=100_000, warmup_steps=1, model_kwargs=MODELS["mlp"])
-    active = Run(spec, out_dir=tmp_path).start()
-    deadline = time.time() + 120
-    while active.steps_completed < 5 and time.time() < deadline:
-        time.sleep(0.05)
-    active.stop()
-    assert active.join(timeout=120)
-    loaded = load(active.path)
-    assert loaded.state == "stopped" and not loaded.complete
-    assert len(list(loaded.records())) == loaded.status["steps_completed"] >= 5
+    stop_in_background(spec, tmp_path, min_steps=5, timeout_s=120, poll_s=0.05)
     after = run(RunSpec(model="mlp", backend="cuda", steps=2, warmup_steps=0, model_kwargs=MODELS["mlp"]),
                 out_dir=tmp_path)
     assert after.complete
