@@ -28,14 +28,18 @@ N = 32 * MiB
 LIMIT = 1 << 30  # this script's own ceiling on live managed bytes
 
 
-def summarise(records, segments, causes):
-    by_start = sorted(segments, key=lambda s: s.ptr)
+def owner(index, address):
+    """The data type name whose segment holds ``address``, or "none"."""
+    data_type = index.data_type_of(address)
+    return "none" if data_type is None else data_type.value
+
+
+def summarise(records, index, causes):
     out = collections.Counter()
     for kind, value, address, _start, _end, flags in records:
-        owner = next((s.data_type.value for s in by_start if s.ptr <= address < s.ptr + s.size), "none")
         k = Kind(kind).name
         label = f"{k}/{causes.get(flags, flags)}" if kind in (1, 2) else k
-        out[f"{label}/{owner}"] += value if kind in (1, 2, 7) else 1
+        out[f"{label}/{owner(index, address)}"] += value if kind in (1, 2, 7) else 1
     return dict(sorted(out.items()))
 
 
@@ -68,7 +72,7 @@ def main():
                 got = src.drain()
                 if got:
                     log.append({"stage": stage, "after_ms": round((time.perf_counter() - t0) * 1e3, 1),
-                                "n": len(got), "summary": summarise(got, SegmentSource().segments(), causes)})
+                                "n": len(got), "summary": summarise(got, SegmentSource().index(), causes)})
                 time.sleep(period)
 
         watch("before")
@@ -95,10 +99,11 @@ def main():
             src.flush()
             got = src.drain()
             out = dict.fromkeys((t.value for t in DataType), 0)
+            index = SegmentSource().index()
             for kind, value, address, *_ in got:
-                for s in SegmentSource().segments():
-                    if kind == 1 and s.ptr <= address < s.ptr + s.size:
-                        out[s.data_type.value] += value
+                name = owner(index, address)
+                if kind == 1 and name != "none":
+                    out[name] += value
             return out, len(got)
 
         def read_ms(x, reps=5):
@@ -165,7 +170,7 @@ def main():
         cupti.activity_disable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
         src.flush()
         got = src.drain()
-        log.append({"stage": "5 at disable", "n": len(got), "summary": summarise(got, SegmentSource().segments(),
+        log.append({"stage": "5 at disable", "n": len(got), "summary": summarise(got, SegmentSource().index(),
                                                                                    causes)})
         log.append({"values": {t: [float(away[t][0]), float(away[t][-1])] for t in away}})
         del keep, away
