@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("plotly")
 
 from um_lab.types import StepRecord  # noqa: E402
-from widgets.figures import comparison_figure, residency_figure  # noqa: E402
+from um_lab.widgets.figures import comparison_figure, residency_figure  # noqa: E402
 
 
 def test_comparison_figure_has_one_bar_series_per_policy():
