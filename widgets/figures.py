@@ -73,3 +73,145 @@ def residency_figure(records: Iterable[StepRecord], field: str = "live_bytes") -
                                 f"steps (shaded): {'; '.join(reasons)}",
                            xref="paper", yref="paper", x=0, y=1.08, showarrow=False, align="left")
     return fig
+
+
+# ------------------------------------------------------------------------------------ dashboard
+
+#: the dashboard's trace names, in the order :func:`dashboard_figure` adds them
+DASHBOARD_TRACES: tuple[str, ...] = (*[t.value for t in DATA_TYPES], "GPU capacity", "step time",
+                                     "oversubscription", "page faults", "migrated to GPU", "migrated to host",
+                                     "remote access")
+_GIB = 2**30
+_MIB = 2**20
+
+
+def residency_source(records: Iterable[StepRecord]) -> str:
+    """What the dashboard's residency panel shows: ``simulated``, ``measured`` or ``live`` (not measured)."""
+    records = list(records)
+    if not records:
+        return "pending"
+    last = records[-1]
+    if last.resident_bytes is None:
+        return "live"
+    return "simulated" if last.telemetry == "simulated" else "measured"
+
+
+_RESIDENCY_TITLES = {
+    "pending": "GPU-resident bytes per data type (waiting for the first step)",
+    "simulated": "GPU-resident bytes per data type (simulated)",
+    "measured": "GPU-resident bytes per data type (measured, CUPTI)",
+    "live": "live managed bytes per data type (residency not measured)",
+}
+
+
+def dashboard_series(records: Iterable[StepRecord]) -> dict[str, tuple[list[int], list[float]]]:
+    """``{trace name: (steps, values)}`` for the dashboard (see :data:`DASHBOARD_TRACES`).
+
+    Residency is GPU-resident bytes per type where measured or simulated, else live managed bytes
+    (the title says which). Quantities a record did not measure are left out, never drawn as zeros.
+    """
+    out: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in DASHBOARD_TRACES}
+
+    def put(name: str, step: int, value: float | None) -> None:
+        if value is not None:
+            out[name][0].append(step)
+            out[name][1].append(value)
+
+    for r in records:
+        per_type = r.resident_bytes if r.resident_bytes is not None else r.live_bytes
+        for dtype in DATA_TYPES:
+            put(dtype.value, r.step, per_type.get(dtype.value, 0) / _GIB)
+        put("GPU capacity", r.step, r.gpu_capacity_bytes / _GIB)
+        put("step time", r.step, r.wall_ms)
+        put("oversubscription", r.step, r.oversubscription_ratio)
+        put("page faults", r.step, r.gpu_page_faults)
+        put("migrated to GPU", r.step, None if r.htod_bytes is None else sum(r.htod_bytes.values()) / _MIB)
+        put("migrated to host", r.step, None if r.dtoh_bytes is None else sum(r.dtoh_bytes.values()) / _MIB)
+        put("remote access", r.step, None if r.remote_bytes is None else r.remote_bytes / _MIB)
+    return out
+
+
+def dashboard_figure(records: Iterable[StepRecord] = (), title: str = "") -> Any:
+    """The run dashboard as a static figure: residency per type (stacked) against the GPU capacity, step
+    time, oversubscription ratio, page faults, and migrated / remote bytes per step.
+
+    The live dashboard (:class:`um_lab.widgets.LiveDashboard`) is this figure in a ``FigureWidget``.
+    """
+    _plotly()  # a clear ImportError when plotly is missing
+    import plotly.colors
+    from plotly.subplots import make_subplots
+
+    records = list(records)
+    source = residency_source(records)
+    fig = make_subplots(rows=3, cols=2, specs=[[{"colspan": 2}, None], [{}, {}], [{}, {}]],
+                        vertical_spacing=0.11, horizontal_spacing=0.1,
+                        subplot_titles=(_RESIDENCY_TITLES[source], "step time (ms)",
+                                        "oversubscription (live / capacity)", "GPU page faults per step",
+                                        "migrated and remote MiB per step"))
+    series = dashboard_series(records)
+    palette = plotly.colors.DEFAULT_PLOTLY_COLORS
+    for i, dtype in enumerate(DATA_TYPES):
+        x, y = series[dtype.value]
+        fig.add_scatter(x=x, y=y, name=dtype.value, stackgroup="residency", mode="lines",
+                        line={"color": palette[i % len(palette)]}, legendgroup="types", row=1, col=1)
+    x, y = series["GPU capacity"]
+    fig.add_scatter(x=x, y=y, name="GPU capacity", mode="lines", line={"color": "black", "dash": "dash"},
+                    row=1, col=1)
+    for name, row, col, colour in (("step time", 2, 1, "#1f77b4"), ("oversubscription", 2, 2, "#9467bd"),
+                                   ("page faults", 3, 1, "#d62728"), ("migrated to GPU", 3, 2, "#2ca02c"),
+                                   ("migrated to host", 3, 2, "#ff7f0e"), ("remote access", 3, 2, "#8c564b")):
+        x, y = series[name]
+        fig.add_scatter(x=x, y=y, name=name, mode="lines+markers", marker={"size": 4},
+                        line={"color": colour}, row=row, col=col)
+    fig.update_yaxes(title_text="GiB", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=2)
+    fig.add_hline(y=1.0, line={"color": "grey", "dash": "dot"}, row=2, col=2)
+    fig.update_layout(height=720, title=title or None, legend={"orientation": "v"},
+                      margin={"l": 60, "r": 20, "t": 70 if title else 40, "b": 40})
+    return fig
+
+
+def residency_title(records: Iterable[StepRecord]) -> str:
+    """The residency panel's title for these records (which source the bytes come from)."""
+    return _RESIDENCY_TITLES[residency_source(records)]
+
+
+# ------------------------------------------------------------------------------------ comparison
+
+
+def speedup_figure(table: pd.DataFrame, baseline: str = "um-default", log_scale: bool = False) -> Any:
+    """Median step time per policy, grouped by (model, ratio), each bar labelled with its speed-up against
+    ``baseline`` (from :func:`um_lab.runner.compare`). ``log_scale`` puts step time on a log axis."""
+    go = _plotly()
+    column = f"speedup_vs_{baseline}"
+    missing = {"model", "policy", "ratio", "median_ms", column} - set(table.columns)
+    if missing:
+        raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from runner.compare")
+    groups = [f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}" for m, r in zip(table["model"], table["ratio"],
+                                                                              strict=True)]
+    frame = table.assign(group=groups)
+    fig = go.Figure()
+    for policy, rows in frame.groupby("policy", sort=False):
+        labels = ["" if pd.isna(s) else f"{s:.2f}x" for s in rows[column]]
+        fig.add_bar(name=str(policy), x=rows["group"], y=rows["median_ms"], text=labels, textposition="outside",
+                    hovertemplate="%{x}<br>%{y:.2f} ms<br>speed-up %{text}<extra>" + str(policy) + "</extra>")
+    fig.update_layout(barmode="group", xaxis_title="model @ oversubscription ratio",
+                      yaxis_title="median step time (ms)", legend_title="policy",
+                      title=f"Median step time; labels: speed-up against {baseline}")
+    if log_scale:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def step_time_overlay(runs: Iterable[tuple[str, Iterable[StepRecord]]]) -> Any:
+    """Step time per step, one line per run: ``runs`` is ``[(label, records), ...]`` (warm-up steps dashed)."""
+    go = _plotly()
+    fig = go.Figure()
+    for label, records in runs:
+        records = list(records)
+        fig.add_scatter(x=[r.step for r in records], y=[r.wall_ms for r in records], name=label,
+                        mode="lines+markers", marker={"size": 4})
+    fig.update_layout(xaxis_title="step", yaxis_title="step time (ms)", legend_title="run",
+                      title="Step time per step")
+    return fig

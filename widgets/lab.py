@@ -1,0 +1,222 @@
+"""``Lab()``: the notebook panel. Pick a model and its size, see its memory against the GPU, set advice per
+data type, press Run and watch the live dashboard; Stop ends the run after the current step.
+
+::
+
+    from um_lab.widgets import Lab
+    lab = Lab(model="gpt2-small", policy="gpu-first", backend="sim", ratio=1.5)
+    lab                      # the panel
+    lab.run(wait=True)       # the same as pressing Run, from code
+    lab.static_figure()      # the dashboard as a plain figure (kept by exported notebooks)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from um_lab.widgets.advice_grid import AdviceGrid
+from um_lab.widgets.dashboard import LiveDashboard
+from um_lab.widgets.workload import WorkloadPicker
+
+from um_lab.backend import get_backend
+from um_lab.policy import Policy
+from um_lab.runlog import LoadedRun
+from um_lab.runner import Run
+from um_lab.types import RunSpec, StepRecord
+
+_END_COLOURS = {"complete": "#080", "stopped": "#a60", "interrupted": "#a60", "failed": "#c00", "error": "#c00"}
+
+
+class Lab:
+    """The lab panel (ipywidgets). Display it as a cell's last expression; drive it by hand or from code.
+
+    ``pace_s`` waits that long after each step (simulator runs are fast; a pace lets a class watch them).
+    ``out_dir``: where runs are written (default: ``$UM_LAB_RUNS_DIR``, else ``runs/``). ``telemetry``
+    is passed to the cuda backend (``"auto"``: CUPTI residency where it can be measured).
+    """
+
+    def __init__(self, model: str = "mlp", policy: Policy | str = "um-default", backend: str = "auto",
+                 steps: int = 20, warmup_steps: int = 2, ratio: float | None = 1.5,
+                 capacity_gib: float | None = None, model_kwargs: dict[str, Any] | None = None,
+                 pace_s: float = 0.0, out_dir: str | os.PathLike[str] | None = None,
+                 telemetry: bool | str = "auto") -> None:
+        import ipywidgets as w
+
+        if steps < 1 or warmup_steps < 0:
+            raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
+        if pace_s < 0:
+            raise ValueError(f"pace_s must be >= 0, got {pace_s}")
+        self.out_dir = Path(out_dir) if out_dir is not None else Path(os.environ.get("UM_LAB_RUNS_DIR", "runs"))
+        self.telemetry = telemetry
+        self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib)
+        self.advice = AdviceGrid(policy)
+        self.steps = w.BoundedIntText(value=steps, min=1, max=10**7, description="steps",
+                                      layout=w.Layout(width="170px"))
+        self.steps.add_class("um-lab-steps")
+        self.warmup = w.BoundedIntText(value=warmup_steps, min=0, max=10**6, description="warm-up",
+                                       layout=w.Layout(width="170px"))
+        self.pace = w.BoundedFloatText(value=pace_s, min=0.0, max=60.0, step=0.05, description="pace (s/step)",
+                                       style={"description_width": "initial"}, layout=w.Layout(width="190px"))
+        self.pace.add_class("um-lab-pace")
+        self.run_button = w.Button(description="Run", icon="play", button_style="success")
+        self.run_button.add_class("um-lab-run")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
+        self.stop_button.add_class("um-lab-stop")
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="steps")
+        self.progress.add_class("um-lab-progress")
+        self.status = w.HTML("idle: press Run")
+        self.status.add_class("um-lab-status")
+        self.dashboard = LiveDashboard()
+        self.dashboard.on_draw = self._drawn
+        live = w.Box([self.dashboard.widget])
+        live.add_class("um-lab-live")
+        self.static_output = w.Output()
+        self.static_output.add_class("um-lab-static")
+        self.run_button.on_click(lambda _b: self.run())
+        self.stop_button.on_click(lambda _b: self.stop())
+        self.widget = w.VBox([
+            w.HTML("<h3 style='margin:4px 0'>um_lab</h3>"), self.workload.widget,
+            w.HTML("<b>Advice per data type</b>"), self.advice.widget,
+            w.HBox([self.steps, self.warmup, self.pace]),
+            w.HBox([self.run_button, self.stop_button, self.progress]), self.status, live, self.static_output])
+        self.widget.add_class("um-lab")
+        self.active: Run | None = None
+        self.state = "idle"  #: idle, running, complete, stopped, interrupted, failed or error (refused to start)
+        self.last_error: BaseException | None = None
+        self._backends: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # -- what would run ----------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the advice grid shows."""
+        return self.advice.policy
+
+    def spec(self) -> RunSpec:
+        """The :class:`RunSpec` the panel's controls describe."""
+        backend = self.workload.resolved_backend
+        capacity, ratio = self.workload.sim_capacity() if backend == "sim" else (None, None)
+        return RunSpec(model=self.workload.model.value, policy=self.policy.name, backend=backend,
+                       steps=int(self.steps.value), warmup_steps=int(self.warmup.value),
+                       model_kwargs=self.workload.model_kwargs(), capacity_bytes=capacity,
+                       oversubscription_ratio=ratio)
+
+    def _backend(self, name: str) -> Any:
+        if name not in self._backends:
+            self._backends[name] = get_backend(name, telemetry=self.telemetry) if name == "cuda" else get_backend(name)
+        return self._backends[name]
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def run(self, wait: bool = False, timeout: float | None = None) -> Run | None:
+        """Start a run with the panel's settings (what Run does); ``wait=True`` blocks until it ends.
+
+        Anything that stops it from starting (a size refused under the safety cap, bad knobs, no GPU)
+        is shown in the status line, never raised; ``lab.last_error`` keeps the exception.
+        """
+        if self.active is not None and not self.active.done:
+            self._say("a run is already going: press Stop first", "#a60")
+            return None
+        self._stop.clear()
+        self.last_error = None
+        self.static_output.clear_output()
+        self.dashboard.reset()
+        try:
+            spec = self.spec()
+            active = Run(spec, policy=self.policy, out_dir=self.out_dir, backend=self._backend(spec.backend))
+        except Exception as e:  # refused before any step: explain in the panel, not as a traceback
+            self.last_error = e
+            self.state = "error"
+            self._say(f"error: {type(e).__name__}: {e}", _END_COLOURS["error"])
+            return None
+        self.active = active
+        total = spec.warmup_steps + spec.steps
+        self.progress.max, self.progress.value, self.progress.bar_style = total, 0, ""
+        self.dashboard.attach(active)
+        if self.pace.value > 0:
+            active.add_listener(lambda _record: self._stop.wait(float(self.pace.value)))
+        self.state = "running"
+        self.run_button.disabled, self.stop_button.disabled = True, False
+        self._say(f"running {spec.model} under {self.policy.name} on {active.backend_note}: 0/{total} steps")
+        active.start()
+        self._watcher = threading.Thread(target=self._watch, args=(active,), daemon=True, name="um_lab-lab-watch")
+        self._watcher.start()
+        if wait:
+            self.wait(timeout)
+        return active
+
+    def stop(self) -> None:
+        """End the run after the step in progress (its completed steps stay on disk)."""
+        if self.active is None or self.active.done:
+            return
+        self.active.stop()
+        self._stop.set()
+        self._say("stopping after the current step…", "#a60")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the current run has ended and the panel shows it; True when it has."""
+        if self._watcher is None:
+            return True
+        self._watcher.join(timeout)
+        return not self._watcher.is_alive()
+
+    def _watch(self, active: Run) -> None:
+        try:
+            active.join()
+        except BaseException as e:  # the run's own error: shown in the status line
+            self.last_error = e
+        self.dashboard.finish()
+        self.state = active.status
+        spec = active.spec
+        done = f"{active.steps_completed}/{spec.warmup_steps + spec.steps} steps"
+        text = f"{active.status}: {spec.model} under {spec.policy} on {active.backend_note}, {done}"
+        if self.last_error is not None:
+            text += f" — error: {type(self.last_error).__name__}: {self.last_error}"
+        summary = active.summary()
+        if summary["steps"]:
+            text += f"; median step {summary['median_ms']:.2f} ms"
+        self._say(f"{text}. Run folder: {active.path}", _END_COLOURS.get(active.status, "#000"))
+        self.progress.bar_style = "success" if active.status == "complete" else "warning"
+        self.run_button.disabled, self.stop_button.disabled = False, True
+        if self.dashboard.records:
+            self.static_output.append_display_data(self.static_figure())
+
+    def _drawn(self, records: list[StepRecord]) -> None:
+        self.progress.value = len(records)
+        if self.active is not None and self.state == "running" and not self._stop.is_set():
+            spec = self.active.spec
+            self._say(f"running {spec.model} under {spec.policy} on {self.active.backend_note}: "
+                      f"{len(records)}/{spec.warmup_steps + spec.steps} steps")
+
+    def _say(self, text: str, colour: str = "#000") -> None:
+        self.status.value = f"<span style='color:{colour}'>{text}</span>"
+
+    # -- results -----------------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """The current (or last) run's records so far."""
+        return list(self.dashboard.records)
+
+    @property
+    def result(self) -> LoadedRun:
+        """The last run as read from its folder (once it ended)."""
+        if self.active is None:
+            raise RuntimeError("no run yet: press Run or call lab.run()")
+        return self.active.result()
+
+    def static_figure(self) -> Any:
+        """The last run's dashboard as a plain plotly figure (an exported notebook keeps it)."""
+        title = ""
+        if self.active is not None:
+            spec = self.active.spec
+            title = f"{spec.model} · {spec.policy} · {self.active.backend_note} · {self.active.status}"
+        return self.dashboard.static_figure(title)

@@ -1,0 +1,213 @@
+"""What to train and where: model and size knobs, backend, simulated capacity or the safety cap, and a live
+memory estimate per data type with its oversubscription ratio (before anything runs)."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from um_lab import models
+from um_lab.backend import cuda_available
+from um_lab.sizing import MemoryEstimate, estimate_memory, format_bytes
+from um_lab.types import DATA_TYPES
+
+#: config fields worth a knob for the transformer families (the rest stay at the size's defaults)
+_CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd"), "bert": ("num_hidden_layers", "hidden_size")}
+CAPACITY_MODES = ("ratio", "capacity GiB", "card")
+
+
+def model_knobs(name: str) -> dict[str, int]:
+    """The integer size knobs of zoo model ``name`` with their defaults, e.g. ``{"width": 4096, ...}``."""
+    if name not in models.ZOO:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(models.ZOO)}")
+    base = getattr(models, "_ZOO_BASE", {}).get(name, models.ZOO[name])
+    fixed = getattr(models, "_FIXED_BY_NAME", {}).get(base, set())
+    knobs = {p.name: p.default for p in inspect.signature(base).parameters.values()
+             if p.name not in fixed and isinstance(p.default, int) and not isinstance(p.default, bool)}
+    family, _, size = name.partition("-")
+    sizes = {"gpt2": models.GPT2_SIZES, "bert": models.BERT_SIZES}.get(family, {})
+    for field in _CONFIG_KNOBS.get(family, ()):
+        if size in sizes:
+            knobs[field] = sizes[size][field]
+    return knobs
+
+
+def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity_label: str) -> str:
+    """A small table: bytes per data type, total, and the ratio to the capacity."""
+    cells = "".join(f"<td style='padding:0 8px'>{t.value}<br><b>{format_bytes(estimate.bytes_per_type.get(t.value, 0))}"
+                    f"</b></td>" for t in DATA_TYPES)
+    total = format_bytes(estimate.total_bytes)
+    ratio = ""
+    if capacity_bytes:
+        r = estimate.total_bytes / capacity_bytes
+        colour = "#c00" if r > 1 else "#080"
+        ratio = (f"<td style='padding:0 8px'>{capacity_label}<br><b>{format_bytes(capacity_bytes)}</b></td>"
+                 f"<td style='padding:0 8px'>ratio<br><b style='color:{colour}'>{r:.2f}x</b></td>")
+    return (f"<table><tr>{cells}<td style='padding:0 8px'>total<br><b>{total}</b></td>{ratio}</tr></table>"
+            f"<small>estimate: {estimate.method}; a lower bound (2 MiB segment rounding and temporaries come "
+            "on top)</small>")
+
+
+class WorkloadPicker:
+    """Model dropdown, size knobs, backend and capacity controls, and the live memory estimate."""
+
+    def __init__(self, model: str = "mlp", model_kwargs: dict[str, Any] | None = None, backend: str = "auto",
+                 ratio: float | None = 1.5, capacity_gib: float | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
+        import ipywidgets as w
+
+        if model not in models.ZOO:
+            raise ValueError(f"unknown model {model!r}; valid: {', '.join(models.ZOO)}")
+        if backend not in ("auto", "cuda", "sim"):
+            raise ValueError(f"unknown backend {backend!r}; valid: auto, cuda, sim")
+        self._on_change = on_change
+        self.model = w.Dropdown(options=list(models.ZOO), value=model, description="model")
+        self.model.add_class("um-lab-model")
+        self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
+        self.knobs: dict[str, Any] = {}
+        self.backend = w.Dropdown(options=["auto", "cuda", "sim"], value=backend, description="backend",
+                                  layout=w.Layout(width="200px"))
+        self.backend.add_class("um-lab-backend")
+        mode = "card" if ratio is None and capacity_gib is None else ("capacity GiB" if capacity_gib else "ratio")
+        self.capacity_mode = w.ToggleButtons(options=CAPACITY_MODES, value=mode,
+                                             tooltips=["oversubscription ratio: footprint / simulated capacity",
+                                                       "simulated GPU capacity in GiB", "the profile's whole card"])
+        self.capacity_value = w.BoundedFloatText(value=capacity_gib or ratio or 1.0, min=0.01, max=1e6, step=0.25,
+                                                 layout=w.Layout(width="90px"))
+        self.capacity_value.add_class("um-lab-capacity")
+        self.capacity_box = w.HBox([w.HTML("simulated GPU:"), self.capacity_mode, self.capacity_value])
+        self.cap_note = w.HTML()
+        self.estimate = w.HTML("estimating…")
+        self.estimate.add_class("um-lab-estimate")
+        self.last_estimate: MemoryEstimate | None = None
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._cap_bytes: int | None = None
+        self.model.observe(lambda _c: self._model_changed(), names="value")
+        for control in (self.backend, self.capacity_mode, self.capacity_value):
+            control.observe(lambda _c: self._settings_changed(), names="value")
+        self.widget = w.VBox([w.HBox([self.model, self.backend]), self.knob_box, self.capacity_box,
+                              self.cap_note, self.estimate])
+        self._build_knobs(dict(model_kwargs or {}))
+        self._settings_changed()
+
+    # -- what the controls say ---------------------------------------------------------------------
+
+    @property
+    def resolved_backend(self) -> str:
+        """``cuda`` or ``sim`` (``auto`` resolved here)."""
+        if self.backend.value == "auto":
+            return "cuda" if cuda_available() else "sim"
+        return str(self.backend.value)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The knob values."""
+        return {name: int(control.value) for name, control in self.knobs.items()}
+
+    def sim_capacity(self) -> tuple[int | None, float | None]:
+        """``(capacity_bytes, oversubscription_ratio)`` for the RunSpec (sim backend only)."""
+        mode, value = self.capacity_mode.value, float(self.capacity_value.value)
+        if mode == "ratio":
+            return None, value
+        if mode == "capacity GiB":
+            return int(value * 2**30), None
+        return None, None
+
+    def capacity_bytes(self, estimate: MemoryEstimate | None) -> tuple[int | None, str]:
+        """The capacity the estimate is compared with, and its label."""
+        if self.resolved_backend == "cuda":
+            return self._cap_bytes, "safety cap"
+        capacity, ratio = self.sim_capacity()
+        if capacity is not None:
+            return capacity, "simulated GPU"
+        if ratio is not None:
+            return (int(estimate.total_bytes / ratio) if estimate else None), "simulated GPU"
+        from um_lab.sim.profile import load_profile
+
+        return int(load_profile("h200").gpu_memory_bytes), "simulated H200"
+
+    # -- reacting ----------------------------------------------------------------------------------
+
+    def _build_knobs(self, values: dict[str, Any]) -> None:
+        import ipywidgets as w
+
+        defaults = model_knobs(self.model.value)
+        unknown = sorted(set(values) - set(defaults))
+        if unknown:
+            raise ValueError(f"model {self.model.value!r} has no knob(s) {unknown}; its knobs: {', '.join(defaults)}")
+        self.knobs = {}
+        for name, default in defaults.items():
+            control = w.BoundedIntText(value=int(values.get(name, default)), min=1, max=10**7, description=name,
+                                       style={"description_width": "initial"}, layout=w.Layout(width="190px"))
+            control.add_class(f"um-lab-knob-{name}")
+            control.observe(lambda _c: self._refresh_estimate(), names="value")
+            self.knobs[name] = control
+        self.knob_box.children = list(self.knobs.values())
+
+    def _model_changed(self) -> None:
+        self._build_knobs({})
+        self._refresh_estimate()
+
+    def _settings_changed(self) -> None:
+        cuda = self.resolved_backend == "cuda"
+        self.capacity_box.layout.display = "none" if cuda else None
+        self.capacity_value.disabled = self.capacity_mode.value == "card"
+        if cuda:
+            self._cap_bytes = _safety_cap()
+            self.cap_note.value = (f"cuda: managed bytes are capped at <b>{format_bytes(self._cap_bytes)}</b> "
+                                   "(free GPU memory minus a reserve); a run above it is refused before anything "
+                                   "is allocated" if self._cap_bytes else
+                                   "<span style='color:#c00'>cuda: no CUDA GPU in this process; use sim</span>")
+        else:
+            self.cap_note.value = ""
+        self._refresh_estimate()
+
+    def _refresh_estimate(self) -> None:
+        """Recompute the estimate in the background; the newest request wins."""
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+        self.estimate.value = "estimating…"
+        name, kwargs = self.model.value, self.model_kwargs()
+        threading.Thread(target=self._estimate, args=(generation, name, kwargs), daemon=True,
+                         name="um_lab-estimate").start()
+        if self._on_change is not None:
+            self._on_change()
+
+    def _estimate(self, generation: int, name: str, kwargs: dict[str, Any]) -> None:
+        try:
+            estimate: MemoryEstimate | None = estimate_memory(models.get_model(name, **kwargs))
+            text = ""
+        except Exception as e:  # shown in the panel; a bad size is the user's to fix
+            estimate, text = None, f"<span style='color:#c00'>cannot size {name}: {e}</span>"
+        with self._lock:
+            if generation != self._generation:
+                return
+            self.last_estimate = estimate
+        if estimate is not None:
+            capacity, label = self.capacity_bytes(estimate)
+            text = estimate_html(estimate, capacity, label)
+        self.estimate.value = text
+
+    def wait_estimate(self, timeout: float = 120.0) -> MemoryEstimate | None:
+        """Block until the current estimate is shown (for scripts and tests)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.estimate.value == "estimating…" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.last_estimate
+
+
+def _safety_cap() -> int | None:
+    """The cuda backend's default safety cap here (None without a GPU)."""
+    if not cuda_available():
+        return None
+    import torch
+
+    from um_lab.cuda.allocator import default_cap
+
+    free, total = torch.cuda.mem_get_info()
+    return int(default_cap(free, total))
