@@ -1,0 +1,128 @@
+"""UM basics on the simulator: each experiment shows the direction the teaching notebook explains."""
+
+from __future__ import annotations
+
+import pytest
+
+from um_lab import UmLabError, basics
+from um_lab.basics import MAX_ARRAY_BYTES, BasicsSafetyError, ManagedBudget
+
+SIZE = 16  # MiB
+MiB = 1 << 20
+
+
+def rows(df):
+    """(case, step) -> row dict (gpu_memory added to the key when present)."""
+    key = ["case", "gpu_memory", "step"] if "gpu_memory" in df else ["case", "step"]
+    return {tuple(r[k] for k in key): r for r in df.to_dict("records")}
+
+
+def test_pick_backend_says_which_and_why():
+    assert basics.pick_backend("sim") == ("sim", "the simulator (asked for), H200 profile")
+    name, why = basics.pick_backend("auto")
+    assert name in ("sim", "cuda") and why
+    with pytest.raises(ValueError, match="backend must be one of"):
+        basics.pick_backend("tpu")
+
+
+def test_every_experiment_reports_the_simulator_and_its_size():
+    for df in (basics.page_faults(SIZE, "sim"), basics.prefetch(SIZE, "sim"), basics.read_mostly(SIZE, "sim"),
+               basics.zero_copy(SIZE, 2, "sim"), basics.preferred_location(SIZE, "sim")):
+        assert df.attrs == {"backend": "sim", "size_mib": SIZE}
+        assert {"case", "step", "time_ms", "GBps", "faults", "htod_MiB", "remote_MiB"} <= set(df.columns)
+        assert (df["time_ms"] > 0).all()
+
+
+def test_first_touch_faults_and_the_second_pass_is_free():
+    r = rows(basics.page_faults(SIZE, "sim"))
+    fresh1, fresh2 = r["fresh memory", "GPU write 1"], r["fresh memory", "GPU write 2"]
+    host1, host2 = r["CPU-written data", "GPU read 1"], r["CPU-written data", "GPU read 2"]
+    assert fresh1["faults"] > 0 and fresh1["htod_MiB"] == 0  # populated on the GPU: nothing to copy
+    assert host1["faults"] > 0 and host1["htod_MiB"] == SIZE  # migrated from the host
+    assert host1["on_gpu_MiB"] == SIZE
+    for second, first in ((fresh2, fresh1), (host2, host1)):
+        assert second["faults"] == 0 and second["htod_MiB"] == 0
+        assert second["time_ms"] * 50 < first["time_ms"]  # resident: HBM speed
+    assert 5 < host1["GBps"] < 20  # fault-driven migration: ~10 GB/s on the H200 profile
+
+
+def test_prefetch_removes_the_faults_and_is_faster_in_total():
+    r = rows(basics.prefetch(SIZE, "sim"))
+    demand = r["demand faults", "GPU read"]
+    pre, after = r["prefetch first", "prefetch to GPU"], r["prefetch first", "GPU read"]
+    assert demand["faults"] > 0
+    assert pre["faults"] == 0 and after["faults"] == 0
+    assert pre["htod_MiB"] == SIZE and after["htod_MiB"] == 0  # the prefetch moved it all
+    assert pre["time_ms"] + after["time_ms"] < demand["time_ms"]
+    assert after["time_ms"] * 50 < demand["time_ms"]
+
+
+def test_read_mostly_duplicates_on_read_and_a_write_collapses_the_copies_at_a_cost():
+    r = rows(basics.read_mostly(SIZE, "sim"))
+    assert r["read_mostly", "GPU read 1"]["duplicated_MiB"] == SIZE  # host copy kept
+    assert r["no advice", "GPU read 1"]["duplicated_MiB"] == 0  # migrated: one copy only
+    assert r["read_mostly", "GPU write"]["duplicated_MiB"] == 0
+    rm_write, plain_write = r["read_mostly", "GPU write"]["time_ms"], r["no advice", "GPU write"]["time_ms"]
+    assert rm_write > 100 * plain_write
+    # reads cost the same either way
+    assert r["read_mostly", "GPU read 2"]["time_ms"] == pytest.approx(r["no advice", "GPU read 2"]["time_ms"])
+
+
+def test_zero_copy_reads_remotely_every_pass_and_migrates_nothing():
+    df = basics.zero_copy(SIZE, 3, "sim")
+    zc = df[df["case"] == "preferred cpu + accessed_by gpu"]
+    plain = df[df["case"] == "no advice"]
+    assert len(zc) == 3 and len(plain) == 3
+    assert (zc["remote_MiB"] == SIZE).all() and (zc["htod_MiB"] == 0).all()
+    assert (zc["faults"] == 0).all() and (zc["on_gpu_MiB"] == 0).all()
+    assert zc["time_ms"].nunique() == 1  # every pass pays the host link again
+    assert 30 < zc["GBps"].iloc[0] < 60  # the link, not HBM
+    # no advice: one slow migrating pass, then resident
+    assert plain["htod_MiB"].tolist() == [SIZE, 0, 0] and (plain["remote_MiB"] == 0).all()
+    assert zc["time_ms"].iloc[0] < plain["time_ms"].iloc[0]  # once: remote beats fault + migrate
+    assert zc["time_ms"].sum() > plain["time_ms"].iloc[1:].sum()  # repeated: resident wins
+
+
+def test_preferred_gpu_is_like_no_advice_and_eviction_ignores_it():
+    r = rows(basics.preferred_location(SIZE, "sim", ratio=2))
+    over = "buffer / 2 (simulated)"
+    for memory in ("fits", over):
+        for step in ("GPU read 1", "GPU read 2"):
+            none, gpu = r["no advice", memory, step], r["preferred gpu", memory, step]
+            assert {k: gpu[k] for k in ("time_ms", "faults", "evictions", "htod_MiB")} == \
+                   {k: none[k] for k in ("time_ms", "faults", "evictions", "htod_MiB")}
+    assert r["preferred gpu", over, "GPU read 2"]["evictions"] > 0  # not protected from eviction
+    assert r["preferred gpu", "fits", "GPU read 2"]["evictions"] == 0
+    for memory in ("fits", over):
+        cpu = r["preferred cpu", memory, "GPU read 2"]
+        assert cpu["remote_MiB"] == SIZE and cpu["htod_MiB"] == 0 and cpu["evictions"] == 0
+
+
+def test_sizes_are_refused_outside_the_limits():
+    with pytest.raises(BasicsSafetyError, match="limit per buffer"):
+        basics.page_faults(MAX_ARRAY_BYTES // MiB + 2, "sim")
+    assert issubclass(BasicsSafetyError, UmLabError)
+    with pytest.raises(ValueError, match="size_mib"):
+        basics.prefetch(1, "sim")
+    with pytest.raises(ValueError, match="passes"):
+        basics.zero_copy(SIZE, 0, "sim")
+    with pytest.raises(ValueError, match="ratio"):
+        basics.preferred_location(SIZE, "sim", ratio=1)
+    with pytest.raises(ValueError, match="below one 2 MiB chunk"):
+        basics.preferred_location(2, "sim", ratio=4)
+
+
+def test_budget_counts_and_refuses_far_below_the_card():
+    budget = ManagedBudget(free_bytes=8 << 30)
+    assert budget.limit == 1 << 30  # an eighth of the free memory, below the 2 GiB ceiling
+    assert ManagedBudget(free_bytes=100 << 30).limit == 2 << 30
+    for _ in range(4):
+        budget.take(256 * MiB)
+    assert budget.live == 1 << 30
+    with pytest.raises(BasicsSafetyError, match="refused"):
+        budget.take(2 * MiB)
+    assert budget.live == 1 << 30  # a refusal counts nothing
+    with pytest.raises(BasicsSafetyError, match="must hold"):
+        ManagedBudget().take(MAX_ARRAY_BYTES + 1)
+    budget.give(1 << 30)
+    assert budget.live == 0
