@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,6 +74,18 @@ def residency_figure(records: Iterable[StepRecord], field: str = "live_bytes") -
                                 f"steps (shaded): {'; '.join(reasons)}",
                            xref="paper", yref="paper", x=0, y=1.08, showarrow=False, align="left")
     return fig
+
+
+def display_bundle(fig: Any, text: str = "") -> dict[str, Any]:
+    """A ``display_data`` output holding ``fig`` as plotly JSON (what JupyterLab draws), for Output widgets:
+    built here rather than through IPython's formatters, so it is the same inside and outside a kernel."""
+    import plotly.io as pio
+
+    data = json.loads(pio.to_json(fig, validate=False))
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": {"data": data.get("data", []),
+                                                         "layout": data.get("layout", {}), "config": {}},
+                     "text/plain": text or f"<plotly figure: {fig.layout.title.text or 'untitled'}>"}}
 
 
 # ------------------------------------------------------------------------------------ dashboard

@@ -19,9 +19,11 @@ from typing import Any
 
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
+from um_lab.widgets.figures import display_bundle
 from um_lab.widgets.workload import WorkloadPicker
 
-from um_lab.backend import get_backend
+from um_lab.backend import cuda_available, get_backend
+from um_lab.errors import CudaUnavailableError
 from um_lab.policy import Policy
 from um_lab.runlog import LoadedRun
 from um_lab.runner import Run
@@ -110,6 +112,8 @@ class Lab:
                        oversubscription_ratio=ratio)
 
     def _backend(self, name: str) -> Any:
+        if name == "cuda" and not cuda_available():
+            raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
         if name not in self._backends:
             self._backends[name] = get_backend(name, telemetry=self.telemetry) if name == "cuda" else get_backend(name)
         return self._backends[name]
@@ -187,7 +191,7 @@ class Lab:
         self.progress.bar_style = "success" if active.status == "complete" else "warning"
         self.run_button.disabled, self.stop_button.disabled = False, True
         if self.dashboard.records:
-            self.static_output.append_display_data(self.static_figure())
+            self.static_output.outputs = (display_bundle(self.static_figure()),)
 
     def _drawn(self, records: list[StepRecord]) -> None:
         self.progress.value = len(records)

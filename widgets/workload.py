@@ -3,8 +3,10 @@ memory estimate per data type with its oversubscription ratio (before anything r
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +16,17 @@ from um_lab.sizing import MemoryEstimate, estimate_memory, format_bytes
 from um_lab.types import DATA_TYPES
 
 #: config fields worth a knob for the transformer families (the rest stay at the size's defaults)
-_CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd"), "bert": ("num_hidden_layers", "hidden_size")}
+_CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd", "n_head"),
+                 "bert": ("num_hidden_layers", "hidden_size", "num_attention_heads")}
 CAPACITY_MODES = ("ratio", "capacity GiB", "card")
+_ESTIMATORS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_estimators() -> None:
+    """Let estimates still tracing a model finish before the interpreter tears torch down under them."""
+    for thread in list(_ESTIMATORS):
+        thread.join(timeout=30)
 
 
 def model_knobs(name: str) -> dict[str, int]:
@@ -171,8 +182,10 @@ class WorkloadPicker:
             generation = self._generation
         self.estimate.value = "estimating…"
         name, kwargs = self.model.value, self.model_kwargs()
-        threading.Thread(target=self._estimate, args=(generation, name, kwargs), daemon=True,
-                         name="um_lab-estimate").start()
+        thread = threading.Thread(target=self._estimate, args=(generation, name, kwargs), daemon=True,
+                                  name="um_lab-estimate")
+        _ESTIMATORS.add(thread)
+        thread.start()
         if self._on_change is not None:
             self._on_change()
 

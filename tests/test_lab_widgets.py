@@ -1,0 +1,222 @@
+"""The notebook lab without a browser: panel controls, runs on the simulator, live dashboard, comparison view."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+from um_lab.widgets import AdviceGrid, CompareView, Lab, LiveDashboard  # noqa: E402
+from um_lab.widgets.compare_view import parse_ratios, readable  # noqa: E402
+from um_lab.widgets.figures import DASHBOARD_TRACES  # noqa: E402
+from um_lab.widgets.workload import model_knobs  # noqa: E402
+
+from um_lab.backend import cuda_available  # noqa: E402
+from um_lab.policy import Advice, presets  # noqa: E402
+from um_lab.types import StepRecord  # noqa: E402
+
+TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 2, "batch_size": 2, "seq_len": 32}
+TINY_MLP = {"width": 256, "depth": 2, "batch_size": 32}
+
+
+def _trace(fig, name):
+    return next(t for t in fig.data if t.name == name)
+
+
+def _wait(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def test_um_lab_widgets_installs_under_um_lab_not_as_a_top_level_widgets_module(tmp_path):
+    code = ("import importlib.util, um_lab.widgets; "
+            "print(importlib.util.find_spec('widgets') is None, um_lab.widgets.Lab.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "um_lab.widgets.lab"]
+
+
+def test_model_knobs_come_from_the_zoo_signatures():
+    assert model_knobs("mlp") == {"width": 4096, "depth": 8, "batch_size": 256, "classes": 10}
+    gpt2 = model_knobs("gpt2-medium")
+    assert gpt2["n_layer"] == 24 and gpt2["n_embd"] == 1024 and gpt2["seq_len"] == 1024
+    assert "size" not in gpt2
+    with pytest.raises(ValueError, match="unknown model"):
+        model_knobs("nope")
+
+
+def test_panel_shows_the_estimate_and_ratio_before_running(tmp_path):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=2.0, out_dir=tmp_path)
+    estimate = lab.workload.wait_estimate()
+    assert estimate is not None and estimate.total_bytes > 0
+    assert "2.00x" in lab.workload.estimate.value and "param" in lab.workload.estimate.value
+    lab.workload.capacity_mode.value = "capacity GiB"
+    lab.workload.capacity_value.value = 1.0
+    lab.workload.wait_estimate()
+    ratio = estimate.total_bytes / 2**30
+    assert f"{ratio:.2f}x" in lab.workload.estimate.value
+    lab.workload.model.value = "gpt2-small"  # new knobs, new estimate
+    assert "n_layer" in lab.workload.knobs and "width" not in lab.workload.knobs
+    assert not list(tmp_path.iterdir()), "nothing runs before Run is pressed"
+
+
+def test_run_button_streams_records_into_the_live_dashboard_then_a_static_figure(tmp_path):
+    lab = Lab(model="gpt2-small", model_kwargs=TINY_GPT2, backend="sim", steps=6, warmup_steps=1, ratio=1.5,
+              out_dir=tmp_path)
+    lab.advice.preset.value = "gpu-first"
+    assert lab.policy == presets["gpu-first"]
+    lab.run_button.click()
+    assert lab.wait(120)
+    assert lab.state == "complete" and "complete" in lab.status.value
+    fig = lab.dashboard.widget
+    assert len(_trace(fig, "step time").x) == 7 and len(_trace(fig, "param").x) == 7
+    assert _trace(fig, "oversubscription").y[-1] == pytest.approx(lab.records[-1].oversubscription_ratio)
+    assert "simulated" in fig.layout.annotations[0].text
+    assert lab.progress.value == lab.progress.max == 7
+    assert lab.static_output.outputs, "a static figure follows the run"
+    assert "application/vnd.plotly.v1+json" in lab.static_output.outputs[0]["data"]
+    loaded = lab.result
+    assert loaded.spec.policy == "gpu-first" and loaded.complete
+    assert [t.name for t in lab.static_figure().data] == list(DASHBOARD_TRACES)
+
+
+def test_stop_ends_the_run_after_the_current_step_and_the_panel_says_so(tmp_path):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=500, warmup_steps=0, pace_s=0.05,
+              out_dir=tmp_path)
+    lab.run()
+    _wait(lambda: len(_trace(lab.dashboard.widget, "step time").x) >= 3)
+    first = len(_trace(lab.dashboard.widget, "step time").x)
+    _wait(lambda: len(_trace(lab.dashboard.widget, "step time").x) > first)  # it grows while running
+    assert "running" in lab.status.value and lab.stop_button.disabled is False
+    lab.stop_button.click()
+    assert lab.wait(30)
+    assert lab.state == "stopped" and "stopped" in lab.status.value
+    done = lab.active.steps_completed
+    assert 3 <= done < 500
+    assert len(_trace(lab.dashboard.widget, "step time").x) == done, "the last state is drawn"
+    assert lab.run_button.disabled is False and lab.stop_button.disabled is True
+    status = json.loads((lab.active.path / "status.json").read_text())
+    assert status["status"] == "stopped" and status["steps_completed"] == done
+
+
+def test_engine_errors_show_in_the_panel_not_as_tracebacks(tmp_path):
+    if cuda_available():
+        pytest.skip("this machine has a GPU: the no-GPU error cannot happen")  # pragma: no cover
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="cuda", out_dir=tmp_path)
+    assert lab.run() is None
+    assert lab.state == "error" and "CudaUnavailableError" in lab.status.value
+    assert "no CUDA GPU" in lab.workload.cap_note.value
+    # a failure inside the run (a simulated GPU smaller than one 2 MiB chunk) ends it as failed
+    lab.workload.backend.value = "sim"
+    lab.workload.capacity_mode.value = "capacity GiB"
+    lab.workload.capacity_value.value = 0.001
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "failed" and "below one 2 MiB chunk" in lab.status.value
+    assert lab.run_button.disabled is False
+
+
+def test_advice_grid_presets_custom_edits_three_type_view_and_notes():
+    changes = []
+    grid = AdviceGrid("um-default", on_change=changes.append)
+    grid.preset.value = "zero-copy-params"
+    assert grid.policy == presets["zero-copy-params"]
+    row = grid._rows5[0]  # param
+    assert row.preferred.value == "cpu" and row.by_gpu.value is True
+    row.read_mostly.value = True
+    assert grid.preset.value == "custom" and grid.policy.name == "custom"
+    assert grid.policy["param"].read_mostly and not grid.policy["grad"].read_mostly
+    assert "read-mostly on param" in grid.notes.value
+    grid.three_types.value = True
+    assert len(grid.rows.children) == 3
+    params = grid._rows3[0]
+    assert "differ" in params.note.value  # param is zero-copy, grad and optim are not
+    params.preferred.value = "gpu"
+    assert {grid.policy[t].preferred_location for t in ("param", "grad", "optim")} == {"gpu"}
+    assert grid.policy["act"] == Advice()
+    assert changes and changes[-1] == grid.policy
+    grid.set_policy("gpu-first")
+    assert grid.preset.value == "gpu-first" and grid.notes.value == ""
+
+
+def test_advice_grid_saves_and_loads_json_and_explains_a_bad_file(tmp_path):
+    grid = AdviceGrid("offload-optimizer")
+    path = tmp_path / "mine.json"
+    assert grid.save(path) == path
+    grid.set_policy("um-default")
+    assert grid.load(path) == presets["offload-optimizer"] and grid.preset.value == "offload-optimizer"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "x", "advice": {"param": {"preferred_location": "moon"}}}))
+    assert grid.load(bad) is None
+    assert "not a valid policy" in grid.file_status.value and "moon" in grid.file_status.value
+    assert grid.policy == presets["offload-optimizer"], "a bad file leaves the grid as it was"
+    assert grid.load(tmp_path / "missing.json") is None and "cannot read" in grid.file_status.value
+
+
+def _record(step):
+    return StepRecord(step=step, wall_ms=1.0 + step, live_bytes={"param": 2**30}, cap_bytes=None,
+                      gpu_capacity_bytes=2**31, backend="sim", resident_bytes={"param": 2**29},
+                      gpu_page_faults=step, htod_bytes={"param": 2**20}, dtoh_bytes=None, telemetry="simulated")
+
+
+def test_live_dashboard_redraws_at_most_four_times_a_second_and_always_draws_the_last_state():
+    board = LiveDashboard(max_redraws_per_s=4)
+    board.start()
+    start = time.monotonic()
+    for step in range(200):
+        board.feed(_record(step))
+        time.sleep(0.005)
+    board.finish()
+    elapsed = time.monotonic() - start
+    assert board.redraws <= 4 * elapsed + 2
+    assert board.redraws >= 2, "it draws while records arrive, not only at the end"
+    fig = board.widget
+    assert list(_trace(fig, "step time").x) == list(range(200))
+    assert _trace(fig, "page faults").y[-1] == 199
+    assert len(_trace(fig, "migrated to host").x) == 0, "unmeasured quantities are not drawn as zeros"
+    with pytest.raises(ValueError):
+        LiveDashboard(max_redraws_per_s=0)
+
+
+def test_dashboard_labels_live_bytes_when_residency_is_not_measured():
+    board = LiveDashboard()
+    record = _record(0)
+    record.resident_bytes, record.telemetry = None, "unavailable: no CUPTI"
+    board.feed(record)
+    board.finish()
+    assert "residency not measured" in board.widget.layout.annotations[0].text
+    assert _trace(board.widget, "param").y[0] == 1.0  # live bytes, GiB
+
+
+def test_parse_ratios():
+    assert parse_ratios("0.8, 1.5x; none") == [0.8, 1.5, None]
+    for bad in ("", "abc", "-1"):
+        with pytest.raises(ValueError):
+            parse_ratios(bad)
+
+
+def test_compare_view_runs_policies_by_ratios_and_shows_figures_and_a_readable_table(tmp_path):
+    view = CompareView(models={"mlp": TINY_MLP}, policies=["gpu-first"], ratios=[0.8, 1.5], steps=2,
+                       out_dir=tmp_path)
+    view.ratios.value = "oops"
+    view.run(wait=True)
+    assert "not a ratio" in view.status.value and view.table is None
+    view.ratios.value = "0.8, 1.5"
+    view.run(wait=True, timeout=120)
+    assert "done: 4 runs" in view.status.value and view.progress.value == view.progress.max == 4
+    table = readable(view.table)
+    assert list(table["ratio"]) == ["0.8x", "0.8x", "1.5x", "1.5x"]
+    assert all(s.endswith("x") for s in table["speed-up vs um-default"])
+    assert table["speed-up vs um-default"][0] == "1.00x"
+    assert all(len(v.split(".")[-1]) == 2 for v in table["median ms"])
+    bars, overlay = view.figures()
+    assert {t.name for t in bars.data} == {"um-default", "gpu-first"} and len(overlay.data) == 4
+    view.log_scale.value = True
+    assert view.figures()[0].layout.yaxis.type == "log"
+    assert len(view.output.outputs) == 3  # bars, overlay, table

@@ -1,0 +1,226 @@
+"""``CompareView()``: pick policies x ratios (x models), run them in the background with progress, then see
+median step time with speed-up against ``um-default`` (log scale optional), step-time overlays and a table.
+
+::
+
+    from um_lab.widgets import CompareView
+    view = CompareView(models={"mlp": {"width": 1024}}, policies=["gpu-first", "prefetch-all"], ratios=[0.8, 1.5])
+    view                    # the panel; press Compare
+    view.run(wait=True)     # or from code
+    view.figure()           # static figures and the table for exported notebooks
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
+
+from um_lab.models import ZOO
+from um_lab.policy import presets
+from um_lab.runlog import load
+from um_lab.sweep import BASELINE_POLICY, compare
+
+_TABLE_COLUMNS = {"model": "model", "policy": "policy", "ratio": "ratio", "median_ms": "median ms",
+                  "p90_ms": "p90 ms", f"speedup_vs_{BASELINE_POLICY}": "speed-up", "migrated_bytes": "migrated",
+                  "gpu_page_faults": "faults", "evictions": "evictions", "remote_bytes": "remote", "status": "status"}
+
+
+def parse_ratios(text: str) -> list[float | None]:
+    """``"0.8, 1.5, none"`` -> ``[0.8, 1.5, None]``; raises ``ValueError`` naming the bad entry."""
+    out: list[float | None] = []
+    for part in text.replace(";", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.lower() in ("none", "card"):
+            out.append(None)
+            continue
+        try:
+            value = float(part.rstrip("xX"))
+        except ValueError:
+            raise ValueError(f"not a ratio: {part!r} (numbers > 0, or 'none' for the whole card)") from None
+        if not value > 0:
+            raise ValueError(f"ratio must be > 0, got {part!r}")
+        out.append(value)
+    if not out:
+        raise ValueError("give at least one ratio, e.g. 0.8, 1.5")
+    return out
+
+
+def _bytes(n: Any) -> str:
+    from um_lab.sizing import format_bytes
+
+    return "—" if n is None or pd.isna(n) else format_bytes(float(n))
+
+
+def readable(table: pd.DataFrame, baseline: str = BASELINE_POLICY) -> pd.DataFrame:
+    """The comparison table with rounded, readable columns (ms to 2 decimals, speed-ups as ``1.23x``,
+    bytes in KiB/MiB/GiB, ``—`` where a quantity was not measured)."""
+    columns = {k: v for k, v in _TABLE_COLUMNS.items() if not k.startswith("speedup")}
+    columns = {**dict(list(columns.items())[:5]), f"speedup_vs_{baseline}": f"speed-up vs {baseline}",
+               **dict(list(columns.items())[5:])}
+    out = pd.DataFrame()
+    for key, label in columns.items():
+        if key not in table.columns:
+            continue
+        col = table[key]
+        if key == "ratio":
+            out[label] = ["card" if pd.isna(v) else f"{v:g}x" for v in col]
+        elif key.endswith("_ms"):
+            out[label] = ["—" if pd.isna(v) else f"{v:,.2f}" for v in col]
+        elif key.startswith("speedup"):
+            out[label] = ["—" if pd.isna(v) else f"{v:.2f}x" for v in col]
+        elif key.endswith("bytes"):
+            out[label] = [_bytes(v) for v in col]
+        elif key in ("gpu_page_faults", "evictions"):
+            out[label] = ["—" if v is None or pd.isna(v) else f"{int(v):,}" for v in col]
+        else:
+            out[label] = col.astype(str)
+    return out
+
+
+class _Progress:
+    """The tqdm-like object ``compare`` drives: moves the panel's progress bar and status."""
+
+    def __init__(self, view: CompareView) -> None:
+        self.view = view
+
+    def update(self, n: int = 1) -> None:
+        self.view.progress.value += n
+
+    def set_postfix_str(self, text: str) -> None:
+        self.view._say(f"running {self.view.progress.value + 1}/{self.view.progress.max}: {text}")
+
+
+class CompareView:
+    """The comparison panel: policies x ratios x models on one backend, results as figures and a table."""
+
+    def __init__(self, models: Sequence[str] | Mapping[str, Mapping[str, Any]] = ("mlp",),
+                 policies: Sequence[str] = ("gpu-first", "prefetch-all", "zero-copy-params"),
+                 ratios: Sequence[float | None] = (0.8, 1.5), backend: str = "sim", steps: int = 5,
+                 warmup_steps: int = 1, out_dir: str | os.PathLike[str] | None = None) -> None:
+        import ipywidgets as w
+
+        self.model_kwargs = {m: dict(kw) for m, kw in models.items()} if isinstance(models, Mapping) else {}
+        names = list(models)
+        unknown = [m for m in names if m not in ZOO] + [p for p in policies if p not in presets]
+        if unknown:
+            raise ValueError(f"unknown model or policy {unknown}; models: {', '.join(ZOO)}; "
+                             f"policies: {', '.join(presets)}")
+        self.out_dir = Path(out_dir) if out_dir is not None else Path(os.environ.get("UM_LAB_RUNS_DIR", "runs"))
+        self.models = w.SelectMultiple(options=list(ZOO), value=names, description="models", rows=5)
+        self.policies = w.SelectMultiple(options=list(presets), value=list(policies), description="policies", rows=7)
+        self.ratios = w.Text(value=", ".join("none" if r is None else f"{r:g}" for r in ratios),
+                             description="ratios", placeholder="0.8, 1.5, none")
+        self.backend = w.Dropdown(options=["sim", "cuda", "auto"], value=backend, description="backend")
+        self.steps = w.BoundedIntText(value=steps, min=1, max=10**6, description="steps")
+        self.warmup = warmup_steps
+        self.log_scale = w.Checkbox(value=False, description="log scale", indent=False)
+        self.run_button = w.Button(description="Compare", icon="play", button_style="success")
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="runs")
+        self.status = w.HTML("pick policies and ratios, then press Compare")
+        self.output = w.Output()
+        for name, control in (("models", self.models), ("policies", self.policies), ("ratios", self.ratios),
+                              ("run", self.run_button), ("status", self.status), ("progress", self.progress)):
+            control.add_class(f"um-lab-compare-{name}")
+        self.run_button.on_click(lambda _b: self.run())
+        self.log_scale.observe(lambda _c: self._show(), names="value")
+        self.widget = w.VBox([w.HTML("<h3 style='margin:4px 0'>Compare policies</h3>"),
+                              w.HBox([self.models, self.policies]),
+                              w.HBox([self.ratios, self.backend, self.steps, self.log_scale]),
+                              w.HBox([self.run_button, self.progress]), self.status, self.output])
+        self.widget.add_class("um-lab-compare")
+        self.table: pd.DataFrame | None = None
+        self.last_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _say(self, text: str, colour: str = "#000") -> None:
+        self.status.value = f"<span style='color:{colour}'>{text}</span>"
+
+    def run(self, wait: bool = False, timeout: float | None = None) -> None:
+        """Run the comparison in the background (what Compare does); bad input is explained in the panel."""
+        if self._thread is not None and self._thread.is_alive():
+            self._say("a comparison is already running", "#a60")
+            return
+        self.last_error = None
+        try:
+            ratios = parse_ratios(self.ratios.value)
+            models = list(self.models.value)
+            if not models or not self.policies.value:
+                raise ValueError("pick at least one model and one policy")
+        except ValueError as e:
+            self.last_error = e
+            self._say(f"error: {e}", "#c00")
+            return
+        policies = list(self.policies.value)
+        n_policies = len(policies) + (BASELINE_POLICY not in policies)
+        self.progress.max, self.progress.value, self.progress.bar_style = len(models) * len(ratios) * n_policies, 0, ""
+        self.run_button.disabled = True
+        models_arg = {m: self.model_kwargs.get(m, {}) for m in models}
+        self._thread = threading.Thread(target=self._compare, args=(models_arg, policies, ratios), daemon=True,
+                                        name="um_lab-compare")
+        self._thread.start()
+        if wait:
+            self.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the comparison ended; True when it has."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
+    def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
+        try:
+            self.table = compare(models, policies, ratios, backend=self.backend.value, steps=int(self.steps.value),
+                                 warmup_steps=self.warmup, out_dir=self.out_dir, progress=_Progress(self),
+                                 keep_going=True)
+            failed = int((self.table["status"] != "complete").sum())
+            note = f"; {failed} run(s) failed (see the table)" if failed else ""
+            self._say(f"done: {len(self.table)} runs{note}. Folder: {self.table.attrs.get('sweep_dir')}",
+                      "#a60" if failed else "#080")
+            self.progress.bar_style = "warning" if failed else "success"
+            self._show()
+        except Exception as e:  # shown in the panel, never a traceback
+            self.last_error = e
+            self._say(f"error: {type(e).__name__}: {e}", "#c00")
+            self.progress.bar_style = "danger"
+        finally:
+            self.run_button.disabled = False
+
+    def _show(self) -> None:
+        if self.table is None:
+            return
+        bars, overlay = self.figures()
+        table = readable(self.table)
+        self.output.outputs = (display_bundle(bars), display_bundle(overlay),
+                               {"output_type": "display_data", "metadata": {},
+                                "data": {"text/html": table.to_html(index=False), "text/plain": table.to_string()}})
+
+    def figures(self) -> tuple[Any, Any]:
+        """(speed-up bars, step-time overlay) of the last comparison, as plain plotly figures."""
+        if self.table is None:
+            raise RuntimeError("no comparison yet: press Compare or call view.run(wait=True)")
+        bars = speedup_figure(self.table, BASELINE_POLICY, self.log_scale.value)
+        runs = []
+        for row in self.table.itertuples():
+            ratio = "card" if pd.isna(row.ratio) else f"{row.ratio:g}x"
+            runs.append((f"{row.model} {row.policy} @ {ratio}", load(row.run_dir).records()))
+        overlay = step_time_overlay(runs)
+        if self.log_scale.value:
+            overlay.update_yaxes(type="log")
+        return bars, overlay
+
+    def readable_table(self) -> pd.DataFrame:
+        """The last comparison's table, rounded and readable."""
+        if self.table is None:
+            raise RuntimeError("no comparison yet: press Compare or call view.run(wait=True)")
+        return readable(self.table)
