@@ -115,8 +115,8 @@ def test_engine_errors_show_in_the_panel_not_as_tracebacks(tmp_path):
     assert "no CUDA GPU" in lab.workload.cap_note.value
     # a failure inside the run (a simulated GPU smaller than one 2 MiB chunk) ends it as failed
     lab.workload.backend.value = "sim"
-    lab.workload.capacity_mode.value = "capacity GiB"
-    lab.workload.capacity_value.value = 0.001
+    lab.workload.capacity_mode.value = "ratio"
+    lab.workload.capacity_value.value = 10_000.0
     lab.run(wait=True, timeout=60)
     assert lab.state == "failed" and "below one 2 MiB chunk" in lab.status.value
     assert lab.run_button.disabled is False
