@@ -174,6 +174,17 @@ def test_interrupted_run_keeps_its_steps(monkeypatch, tmp_path, capsys):
     assert loaded.state == "interrupted" and not loaded.complete and len(list(loaded.records())) == 3
 
 
+def test_without_out_runs_go_to_the_runs_dir_variable(fake_backend, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("UM_LAB_RUNS_DIR", str(tmp_path / "lab-runs"))
+    assert main(["run", "--steps", "1", "--no-progress", *TINY]) == 0
+    assert main(["compare", "--steps", "1", "--no-progress", *TINY]) == 0
+    assert len(run_dirs(tmp_path / "lab-runs")) == 3 and not (tmp_path / "runs").exists()
+    monkeypatch.delenv("UM_LAB_RUNS_DIR")
+    assert main(["run", "--steps", "1", "--no-progress", *TINY]) == 0
+    assert len(run_dirs(tmp_path / "runs")) == 1  # the fallback: runs/ in the current folder
+
+
 def test_show_prints_state_and_summary(fake_backend, tmp_path, capsys):
     main(["run", "--backend", "sim", "--steps", "4", "--out", str(tmp_path), "--no-progress", *TINY])
     capsys.readouterr()
@@ -227,13 +238,13 @@ def test_lab_without_jupyterlab_is_a_clear_error(monkeypatch, capsys):
 
 def test_lab_binds_localhost_and_keeps_token_auth(monkeypatch, tmp_path, capsys):
     calls = []
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: object())
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_has_jupyterlab", lambda: True)
+    monkeypatch.setattr(cli, "serve_lab", lambda cmd, env: calls.append((cmd, env)) or 0)
     assert main(["lab", "--notebooks", str(tmp_path), "--port", "8899", "--no-browser"]) == 0
-    (cmd,) = calls
+    ((cmd, _),) = calls
     assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
     assert "--ServerApp.ip=127.0.0.1" in cmd and f"--ServerApp.root_dir={tmp_path.resolve()}" in cmd
-    assert "--ServerApp.port=8899" in cmd
+    assert "--ServerApp.port=8899" in cmd and "--no-browser" in cmd
     assert not any("token" in part.lower() or "password" in part.lower() for part in cmd)
     assert main(["lab", "--notebooks", str(tmp_path / "missing")]) == 2
     assert "not found" in capsys.readouterr().err

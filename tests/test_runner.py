@@ -14,6 +14,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -253,6 +254,24 @@ def test_a_run_runs_once(tmp_path):
         active.start()
 
 
+def test_runs_go_to_the_default_folder_read_when_called(tmp_path, monkeypatch):
+    from um_lab.runlog import DEFAULT_OUT_DIR, default_out_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UM_LAB_RUNS_DIR", raising=False)
+    assert default_out_dir() == DEFAULT_OUT_DIR == Path("runs")
+    first = run(spec(steps=1), backend=FakeBackend())  # no out_dir: runs/ in the current folder
+    assert first.path.parent == Path("runs") and (tmp_path / "runs" / first.path.name).is_dir()
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setenv("UM_LAB_RUNS_DIR", str(elsewhere))  # set after import: still honoured
+    active = Run(spec(steps=1), backend=FakeBackend())
+    assert active.path.parent == elsewhere
+    table = compare({"mlp": TINY_MLP}, ["um-default"], steps=1, warmup_steps=0, backend_instance=FakeBackend())
+    assert Path(table.attrs["sweep_dir"]).parent == elsewhere
+    assert {p.name for p in list_runs()} == {active.path.name, Path(table["run_dir"][0]).name}
+    assert Run(spec(steps=1), out_dir=tmp_path / "given", backend=FakeBackend()).path.parent == tmp_path / "given"
+
+
 # ------------------------------------------------------------------------------------- bad input
 
 
@@ -450,6 +469,36 @@ def test_sim_compare_two_models_three_policies_two_ratios(tmp_path):
     assert table[table["ratio"] == 1.5]["migrated_bytes"].gt(0).any()
     assert table[table["ratio"].isna()]["migrated_bytes"].eq(0).all()
     assert len(list_runs(tmp_path)) == 12
+
+
+def test_gpt2_build_and_loss_log_no_loss_type_warning():
+    import logging
+    import warnings
+
+    pytest.importorskip("transformers")
+    from um_lab.models import gpt2
+
+    once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(once, "cache_clear"):
+        once.cache_clear()  # transformers says it once per process: let an earlier test not hide it
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers")  # transformers' loggers do not propagate to the root
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            case = gpt2("small", 2, 32, n_layer=2, n_embd=64, n_head=2, vocab_size=1000)
+            model = case.build_model()
+            loss = case.loss_fn(model, *case.batch(0))
+            logging.getLogger("transformers.modeling_utils").warning("another transformers warning")
+    finally:
+        logger.removeHandler(handler)
+    assert loss.ndim == 0 and math.isfinite(loss.item())
+    messages = seen + [str(w.message) for w in caught]
+    assert not [m for m in messages if "loss_type" in m], messages
+    assert "another transformers warning" in seen  # only that message is silenced, not transformers' logging
 
 
 def test_sim_background_stop_keeps_completed_steps(tmp_path):

@@ -6,10 +6,12 @@
     um-lab compare --models mlp gpt2-small --policies um-default gpu-first --ratios 0.8 1.5 --csv out.csv
     um-lab calibrate --out calibration/my-gpu.json        # needs a CUDA GPU
     um-lab lab                                            # JupyterLab on notebooks/, 127.0.0.1, token on
+    um-lab lab --allow-root -- --ServerApp.port=9999      # other arguments go to Jupyter as they are
     um-lab show runs/<run folder>                         # a run's status and summary
     um-lab models | um-lab policies                       # what can be named
 
 ``--backend auto`` (the default) picks cuda when a GPU is available, else sim; the choice is printed.
+Runs go to ``--out``, else ``$UM_LAB_RUNS_DIR``, else ``runs/`` in the current folder.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,18 @@ from um_lab.errors import UmLabError
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
                    "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
+
+
+LAB_EPILOG = """\
+Any other argument is passed to Jupyter as it is; everything after `--` is passed unread:
+  um-lab lab --allow-root                    (as root, e.g. in a container)
+  um-lab lab -- --ServerApp.port=9999 --ServerApp.open_browser=False
+
+Runs made from the notebooks go to $UM_LAB_RUNS_DIR: um-lab lab sets it to runs/ in the folder it was
+started from (absolute), unless it is already set. Ctrl-C (or SIGTERM to um-lab) stops the Jupyter
+server it started, and its kernels.
+"""
+LAB_STOP_GRACE_S = 10.0  #: seconds Jupyter gets to shut down (kernels included) before it is killed
 
 
 class CliError(UmLabError):
@@ -105,7 +122,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="simulator calibration profile: a packaged name (h200) or a profile JSON (sim only)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs", help="folder for run logs (default: runs/)")
+    p.add_argument("--out", default=None,
+                   help="folder for run logs (default: $UM_LAB_RUNS_DIR if set, else runs/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -136,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("calibration/profile.json"), help="profile JSON path")
     p.add_argument("--name", default=None, help="profile name (default: the GPU's name)")
 
-    p = sub.add_parser("lab", help="start JupyterLab on the notebooks (127.0.0.1, token auth on)")
+    p = sub.add_parser(
+        "lab", help="start JupyterLab on the notebooks (127.0.0.1, token auth on)", allow_abbrev=False,
+        usage="um-lab lab [--notebooks DIR] [--port PORT] [--no-browser] [JUPYTER_ARG ...] [-- JUPYTER_ARG ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start JupyterLab on the notebooks, bound to 127.0.0.1 with Jupyter's token authentication.",
+        epilog=LAB_EPILOG)
     p.add_argument("--notebooks", type=Path, default=None, help="notebook folder (default: notebooks/)")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--no-browser", action="store_true")
@@ -287,28 +310,107 @@ def default_notebooks_dir() -> Path:
     return beside if beside.is_dir() else Path.cwd() / "notebooks"
 
 
-def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = False) -> list[str]:
-    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on."""
+def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = False,
+                extra: Sequence[str] = ()) -> list[str]:
+    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on;
+    ``extra`` arguments come last, as given (so they can override ours)."""
     cmd = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.root_dir={notebooks}"]
     if port is not None:
         cmd.append(f"--ServerApp.port={port}")
     if no_browser:
         cmd.append("--no-browser")
-    return cmd
+    return [*cmd, *extra]
+
+
+def lab_environment(start_dir: Path | None = None) -> tuple[dict[str, str], Path]:
+    """The Jupyter server's environment and where its notebooks' runs go: ``UM_LAB_RUNS_DIR`` as set,
+    else ``<start_dir>/runs`` (absolute; ``start_dir`` defaults to the current folder)."""
+    from um_lab.runlog import RUNS_DIR_ENV
+
+    env = dict(os.environ)
+    if env.get(RUNS_DIR_ENV, "").strip():
+        return env, Path(env[RUNS_DIR_ENV]).expanduser().resolve()
+    runs = ((start_dir or Path.cwd()) / "runs").resolve()
+    env[RUNS_DIR_ENV] = str(runs)
+    return env, runs
+
+
+def _has_jupyterlab() -> bool:
+    return importlib.util.find_spec("jupyterlab") is not None
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)  # the server leads its own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def serve_lab(cmd: Sequence[str], env: Mapping[str, str], grace_s: float | None = None) -> int:
+    """Run the Jupyter server in its own session and wait for it; returns its exit status.
+
+    SIGINT, SIGTERM or SIGHUP to this process sends SIGTERM to the server's process group (Jupyter shuts its
+    kernels down); after ``grace_s`` seconds (default :data:`LAB_STOP_GRACE_S`), or at a second
+    signal, the group is killed. Then returns 128 + the signal's number (130 for Ctrl-C).
+    """
+    grace = LAB_STOP_GRACE_S if grace_s is None else grace_s
+    received: list[int] = []
+    deadline: list[float] = []
+    proc: subprocess.Popen[bytes] | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        if proc is None:
+            return  # Popen has not returned yet; handled right after it does
+        if len(received) == 1:
+            deadline.append(time.monotonic() + grace)
+            _signal_group(proc, signal.SIGTERM)
+        else:
+            _signal_group(proc, signal.SIGKILL)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+        if received:
+            deadline.append(time.monotonic() + grace)
+            _signal_group(proc, signal.SIGTERM)
+        while True:
+            try:
+                status = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if deadline and time.monotonic() > deadline[0]:
+                    _say(f"JupyterLab did not stop within {grace:g} s: killing it")
+                    _signal_group(proc, signal.SIGKILL)
+        if received:
+            _signal_group(proc, signal.SIGKILL)  # anything of the server's group still left
+            return 128 + received[0]
+        return status
+    finally:
+        if proc is not None and proc.poll() is None:  # an unexpected error while waiting
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
     """``um-lab lab``."""
-    if importlib.util.find_spec("jupyterlab") is None:
+    if not _has_jupyterlab():
         raise CliError("jupyterlab is not installed: `pip install 'um_lab[notebook]'` (or pip install "
                        "jupyterlab), then run `um-lab lab` again")
     notebooks = (args.notebooks or default_notebooks_dir()).resolve()
     if not notebooks.is_dir():
         raise CliError(f"notebook folder {notebooks} not found (pass --notebooks DIR)")
-    cmd = lab_command(notebooks, args.port, args.no_browser)
+    cmd = lab_command(notebooks, args.port, args.no_browser, getattr(args, "jupyter_args", ()))
+    env, runs = lab_environment()
     _say(f"starting JupyterLab on {notebooks} (127.0.0.1 only; open the URL with the token it prints)")
-    return subprocess.call(cmd)
+    _say(f"runs from the notebooks go to {runs} (UM_LAB_RUNS_DIR)")
+    status = serve_lab(cmd, env)
+    if status > 128:
+        _say(f"JupyterLab stopped ({signal.Signals(status - 128).name})")
+    return status
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -348,9 +450,22 @@ COMMANDS = {"run": cmd_run, "compare": cmd_compare, "calibrate": cmd_calibrate, 
             "show": cmd_show, "models": cmd_models, "policies": cmd_policies}
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a command line. ``lab`` keeps the arguments it does not know, and every one after ``--``,
+    in ``jupyter_args`` (for Jupyter); other commands reject unknown arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] != "lab":
+        return parser.parse_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, unknown = parser.parse_known_args(argv[:cut])
+    args.jupyter_args = [*unknown, *argv[cut + 1:]]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``um-lab``; returns the exit status (errors print ``um-lab: error: ...``)."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

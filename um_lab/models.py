@@ -183,6 +183,19 @@ GPT2_SIZES = {
 }
 
 
+def _with_causal_lm_loss(model: nn.Module) -> nn.Module:
+    """Name GPT-2's loss for transformers: ``GPT2LMHeadModel`` matches no ``LOSS_MAPPING`` key, so its
+    ``loss_type`` is None and every loss call logs "`loss_type=None` was set in the config but it is
+    unrecognized" (a red box in notebooks). It computes the causal-LM loss either way; saying so silences
+    that one message and nothing else."""
+    if getattr(model, "loss_type", "") is None:  # transformers 5.x reads the model's attribute
+        model.loss_type = "ForCausalLM"
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "loss_type", None) is None:  # some versions read the config's
+        config.loss_type = "ForCausalLM"
+    return model
+
+
 def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overrides: Any) -> ModelCase:
     """Hugging Face GPT-2 built from a config (no weights downloaded), language-model loss.
 
@@ -203,7 +216,7 @@ def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overr
 
     def build() -> nn.Module:
         transformers = _require("transformers", name)  # lazy
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
+        return _with_causal_lm_loss(transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)))
 
     def batch(g: torch.Generator) -> Batch:
         return (torch.randint(0, vocab, (batch_size, seq_len), generator=g),)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import html
 import importlib.metadata
 import json
 import os
@@ -31,10 +32,11 @@ import pandas as pd
 from um_lab.backend import Backend
 from um_lab.errors import UmLabError
 from um_lab.policy import Policy
-from um_lab.summary import records_frame, summarize
+from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summarize
 from um_lab.types import RunSpec, StepRecord
 
-DEFAULT_OUT_DIR = Path("runs")
+DEFAULT_OUT_DIR = Path("runs")  #: the fallback of :func:`default_out_dir` (relative to the current folder)
+RUNS_DIR_ENV = "UM_LAB_RUNS_DIR"
 FILES = ("spec.json", "policy.json", "model.json", "environment.json", "records.jsonl", "status.json")
 
 
@@ -43,6 +45,18 @@ class RunDirError(UmLabError, OSError):
 
 
 # ----------------------------------------------------------------------------------- run folders
+
+
+def default_out_dir() -> Path:
+    """Where runs go when no ``out_dir`` is given: ``$UM_LAB_RUNS_DIR`` if set, else ``runs/`` in the
+    current folder. Read at call time (``um-lab lab`` sets the variable for its notebooks' kernels)."""
+    value = os.environ.get(RUNS_DIR_ENV, "").strip()
+    return Path(value).expanduser() if value else DEFAULT_OUT_DIR
+
+
+def resolve_out_dir(out_dir: str | os.PathLike[str] | None) -> Path:
+    """``out_dir`` as a Path, or :func:`default_out_dir` when it is None."""
+    return default_out_dir() if out_dir is None else Path(out_dir)
 
 
 def timestamp() -> str:
@@ -228,9 +242,30 @@ class LoadedRun:
         """Step-time statistics and traffic totals over the measured (non-warm-up) steps."""
         return summarize(self.records())
 
+    @property
+    def steps_text(self) -> str:
+        """Completed / planned steps (warm-up included), e.g. ``22/22``."""
+        return f"{self.status.get('steps_completed', '?')}/{self.status.get('steps_planned', '?')}"
+
     def __repr__(self) -> str:
         return (f"LoadedRun('{self.path}', model={self.spec.model!r}, policy={self.spec.policy!r}, "
-                f"backend={self.environment.get('backend')!r}, state={self.state!r})")
+                f"backend={self.environment.get('backend')!r}, state={self.state!r}, steps={self.steps_text})")
+
+    def _repr_html_(self) -> str:
+        """Jupyter display: what ran, how it ended, and the summary with rounded, unit-bearing values."""
+        esc = html.escape
+        head = (f"<b>{esc(str(self.spec.model))}</b> under <b>{esc(str(self.spec.policy))}</b> on "
+                f"<b>{esc(str(self.environment.get('backend', '?')))}</b>: {esc(self.state)}, "
+                f"{esc(self.steps_text)} steps")
+        error = self.status.get("error")
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{esc(key)}</th><td style='text-align:right'>{esc(text)}</td></tr>"
+            for key, text in format_summary(self.summary()).items())
+        return (f"<div class='um-lab-run'><div>{head}</div>"
+                + (f"<div style='color:#b00'>error: {esc(str(error))}</div>" if error else "")
+                + f"<table>{rows}</table>"
+                + f"<div style='font-size:smaller'><code>{esc(str(self.path))}</code> "
+                f"({NOT_MEASURED} = not measured)</div></div>")
 
 
 def _process_alive(status: Mapping[str, Any]) -> bool:
@@ -266,6 +301,7 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
     )
 
 
-def list_runs(out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR) -> list[Path]:
-    """Run folders under ``out_dir`` (recursively: sweeps keep theirs in a subfolder), oldest first."""
-    return sorted((p.parent for p in Path(out_dir).rglob("spec.json")), key=lambda p: p.name)
+def list_runs(out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Run folders under ``out_dir`` (default: :func:`default_out_dir`; recursively: sweeps keep theirs
+    in a subfolder), oldest first."""
+    return sorted((p.parent for p in resolve_out_dir(out_dir).rglob("spec.json")), key=lambda p: p.name)

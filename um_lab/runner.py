@@ -37,6 +37,7 @@ from um_lab.runlog import (  # noqa: F401  (re-exported: importable from um_lab.
     RunDirError,
     backend_note,
     check_writable,
+    default_out_dir,
     environment_info,
     iter_records,
     jsonable,
@@ -44,6 +45,7 @@ from um_lab.runlog import (  # noqa: F401  (re-exported: importable from um_lab.
     load,
     now_iso,
     prepare_run_dir,
+    resolve_out_dir,
     safe_name,
     timestamp,
     write_json,
@@ -101,8 +103,10 @@ class Run:
     :class:`Policy`); ``backend`` is a backend instance (default: ``get_backend(spec.backend)``).
     Records are not kept in memory unless ``keep_records=True``: the last ``tail`` records are
     (a bounded deque), and all are on disk. ``on_record(record)`` is called after each step is
-    written. The folder and its ``spec.json`` are written here, so an unwritable ``out_dir`` fails
-    before anything runs; on the cuda backend the memory estimate is checked against the safety cap.
+    written. The folder goes under ``out_dir`` (default: :func:`~um_lab.runlog.default_out_dir`,
+    ``$UM_LAB_RUNS_DIR`` or ``runs/``); it and its ``spec.json`` are written here, so an unwritable
+    ``out_dir`` fails before anything runs; on the cuda backend the memory estimate is checked against
+    the safety cap.
     """
 
     def __init__(
@@ -110,7 +114,7 @@ class Run:
         spec: RunSpec | None = None,
         case: ModelCase | None = None,
         policy: Policy | str | None = None,
-        out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR,
+        out_dir: str | os.PathLike[str] | None = None,
         *,
         backend: Backend | None = None,
         keep_records: bool = False,
@@ -151,7 +155,7 @@ class Run:
             model_info["preflight"] = preflight_cuda(self.case, self.backend)  # raises before any run
         folder = name or f"{timestamp()}-{safe_name(self.case.name)}-{safe_name(self.policy.name)}-" \
                          f"{self.backend_name}-{uuid.uuid4().hex[:6]}"
-        self.path = prepare_run_dir(out_dir, folder)
+        self.path = prepare_run_dir(resolve_out_dir(out_dir), folder)
         write_json(self.path / "spec.json", self.spec.to_dict())
         write_json(self.path / "policy.json", self.policy.to_dict())
         write_json(self.path / "model.json", model_info)
@@ -305,7 +309,7 @@ class Run:
 
 
 def run(spec: RunSpec | None = None, case: ModelCase | None = None, policy: Policy | str | None = None,
-        out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR, **run_options: Any) -> LoadedRun:
+        out_dir: str | os.PathLike[str] | None = None, **run_options: Any) -> LoadedRun:
     """Run ``spec`` to the end in the foreground and return it as loaded from disk."""
     active = Run(spec, case, policy, out_dir, **run_options)
     for _ in active:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from um_lab.sizing import format_bytes
 from um_lab.types import DATA_TYPES, StepRecord
 
 
@@ -98,3 +99,62 @@ def with_speedup(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
     position = table.columns.get_loc("p90_ms") + 1
     table.insert(position, column, speedup)
     return table
+
+
+# ------------------------------------------------------------------------------- readable values
+
+NOT_MEASURED = "—"  #: shown for a quantity no record measured (None, never 0) or an undefined statistic
+_COUNT_KEYS = frozenset({"steps", "warmup_steps", "gpu_page_faults", "evictions", "steps_completed"})
+_RATIO_KEYS = frozenset({"oversubscription", "ratio", "oversubscription_ratio"})
+
+
+def _missing(value: Any) -> bool:
+    if value is None or value is pd.NA or value is pd.NaT:
+        return True
+    return isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
+def format_value(key: str, value: Any) -> str:
+    """One summary/table value as text, by what its key names.
+
+    ``*_ms``: 2 decimals and ``ms``; ``speedup*``: 2 decimals and ``x``; ``*_bytes``: KiB/MiB/GiB;
+    ratios: 2 decimals; counts: whole numbers with thousands separators; other numbers: 4 significant
+    digits. An unmeasured value (None or NaN) is ``—`` (``ratio`` None is the profile's ``card``; a
+    missing text value is empty).
+    """
+    numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if _missing(value):
+        if key == "ratio":
+            return "card"
+        if key.endswith(("_ms", "_bytes")) or key.startswith("speedup") or key in _COUNT_KEYS | _RATIO_KEYS \
+                or key == "last_loss":
+            return NOT_MEASURED
+        return ""
+    if not numeric:
+        return str(value)
+    if key.endswith("_ms"):
+        return f"{float(value):,.2f} ms"
+    if key.startswith("speedup"):
+        return f"{float(value):.2f}x"
+    if key.endswith("_bytes"):
+        return format_bytes(float(value))
+    if key in _RATIO_KEYS:
+        return f"{float(value):.2f}"
+    if isinstance(value, (int, np.integer)) or (key in _COUNT_KEYS and float(value).is_integer()):
+        return f"{int(value):,}"
+    return f"{float(value):.4g}"
+
+
+def format_summary(summary: Mapping[str, Any]) -> dict[str, str]:
+    """A :func:`summarize` dict with every value as readable text (see :func:`format_value`)."""
+    return {key: format_value(key, value) for key, value in summary.items()}
+
+
+def readable_table(table: pd.DataFrame, keep_paths: bool = False) -> pd.DataFrame:
+    """A copy of a ``compare()`` table for reading: times in ms with 2 decimals, speed-ups as ``1.23x``,
+    bytes in KiB/MiB/GiB, unmeasured values as ``—``. ``run_dir`` is dropped unless ``keep_paths``."""
+    readable = table.drop(columns=[] if keep_paths else [c for c in ("run_dir",) if c in table.columns])
+    readable = readable.astype(object)
+    for column in readable.columns:
+        readable[column] = [format_value(str(column), value) for value in readable[column]]
+    return readable

@@ -16,7 +16,7 @@ from um_lab.backend import Backend, cuda_available, get_backend, resolve_backend
 from um_lab.errors import CudaUnavailableError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, get_policy
-from um_lab.runlog import DEFAULT_OUT_DIR, check_writable, prepare_run_dir, timestamp
+from um_lab.runlog import check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.summary import with_speedup
 from um_lab.types import RunSpec
 
@@ -60,7 +60,7 @@ def compare(
     model_kwargs: Mapping[str, Any] | None = None,
     capacity_bytes: int | None = None,
     seed: int = 0,
-    out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR,
+    out_dir: str | os.PathLike[str] | None = None,
     baseline: str = BASELINE_POLICY,
     progress: bool | Any = False,
     keep_going: bool = False,
@@ -72,7 +72,8 @@ def compare(
     :class:`ModelCase` objects. ``ratios``: simulated oversubscription ratios (``None`` = the
     profile's card; sim only). The ``baseline`` policy is added when missing, and
     ``speedup_vs_<baseline>`` = baseline median / run median within each (model, ratio). Every name is
-    checked before the first run. Runs go to ``out_dir/compare-<time>/``, with ``summary.csv``.
+    checked before the first run. Runs go to ``out_dir/compare-<time>/`` (default ``out_dir``:
+    ``$UM_LAB_RUNS_DIR``, else ``runs/``), with ``summary.csv``.
     ``progress=True`` shows a tqdm bar (or pass a tqdm-like object with ``update``/``set_postfix_str``).
     ``keep_going=True`` records a failed run as a row (status ``failed``, ``error``) and goes on.
     Columns: model, policy, ratio, backend, steps, median_ms, mean_ms, p90_ms, speedup_vs_<baseline>,
@@ -91,7 +92,7 @@ def compare(
                          "instead (um_lab.models.size_for_ratio) and keep it under the safety cap")
     if backend_name == "cuda" and backend_instance is None and not cuda_available():
         raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
-    check_writable(out_dir)
+    out_dir = check_writable(resolve_out_dir(out_dir))
     sweep_dir = prepare_run_dir(out_dir, f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
     shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
     spec_backend = backend_name if backend_name in ("cuda", "sim") else backend
