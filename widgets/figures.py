@@ -16,7 +16,18 @@ def _plotly() -> Any:
         import plotly.graph_objects as go
     except ImportError as e:
         raise ImportError("figures need plotly: pip install 'um_lab[notebook]'") from e
+    keep_plots_in_exports()
     return go
+
+
+def keep_plots_in_exports() -> None:
+    """In a Jupyter kernel whose plotly renderer is the bare mimetype (JupyterLab, nbclient), add the
+    ``notebook`` renderer: figures then also carry HTML with plotly.js inlined, so an exported notebook
+    (nbconvert HTML) keeps its plots. Other renderer choices (VS Code, Colab, a user's own) are left alone."""
+    import plotly.io as pio
+
+    if pio.renderers.default == "plotly_mimetype":
+        pio.renderers.default = "plotly_mimetype+notebook"
 
 
 def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
