@@ -1,0 +1,145 @@
+"""The simulator's fidelity results (``bench/results/sim_fidelity*.json``) as tables.
+
+Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and the README define them:
+
+* ``fitted``: the H200 profile's constants were fitted on these rows (MLP, GPT-2 small/medium): in-sample.
+* ``hand-set``: ResNet-50 bs 32; not fitted, but host costs and the convolution tile were set by hand
+  after seeing them, so they are not a clean test either.
+* ``held-out-new``: configurations whose predictions were committed (``sim_fidelity_predicted.json``)
+  before they were measured: the only true out-of-sample test.
+
+error = simulated / measured - 1.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from um_lab.errors import UmLabError
+
+SETS = ("fitted", "hand-set", "held-out-new")
+FILES = ("sim_fidelity.json", "sim_fidelity_new.json")
+PREDICTED = "sim_fidelity_predicted.json"
+BAND = 0.15  #: the bar on the median |error| (issue 3); also the band drawn around y = x
+
+
+class FidelityResultsMissing(UmLabError, FileNotFoundError):
+    """The fidelity JSON files are not where they should be (e.g. an installed package without bench/)."""
+
+
+def results_dir() -> Path:
+    """``bench/results`` of the source tree um_lab was imported from."""
+    import um_lab
+
+    return Path(um_lab.__file__).resolve().parents[1] / "bench" / "results"
+
+
+def config_label(kwargs: dict[str, Any]) -> str:
+    """A short label for a model's size knobs, e.g. ``bs 8 × 1024`` or ``width 8192``."""
+    kw = dict(kwargs or {})
+    parts = []
+    if "batch_size" in kw:
+        seq = kw.pop("seq_len", None)
+        parts.append(f"bs {kw.pop('batch_size')}" + (f" × {seq}" if seq else ""))
+    parts += [f"{k} {v}" for k, v in sorted(kw.items())]
+    return ", ".join(parts) or "default"
+
+
+def _set_of(row: dict[str, Any]) -> str:
+    if row.get("new_heldout"):
+        return "held-out-new"
+    return "fitted" if row.get("fitted") else "hand-set"
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str, str]:
+    return row["model"], json.dumps(row.get("model_kwargs") or {}, sort_keys=True), row["policy"]
+
+
+def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
+    """Every measured row of the fidelity files, one per configuration (the newest file wins).
+
+    Columns: set, model, config, policy, ratio, measured_ms, simulated_ms, error, abs_error,
+    committed_prediction_ms (the prediction written before measuring, held-out-new rows), the simulator's
+    counters of a timed step (sim_faults, sim_evictions, sim_htod_GB, sim_remote_GB), label, short_label,
+    source, date.
+    Raises :class:`FidelityResultsMissing` when ``sim_fidelity.json`` is absent.
+    """
+    folder = Path(folder) if folder is not None else results_dir()
+    if not (folder / FILES[0]).is_file():
+        raise FidelityResultsMissing(f"no {FILES[0]} in {folder}: the fidelity results live in the source tree's "
+                                     "bench/results/ (run bench/sim_fidelity.py on a GPU to make them)")
+    predicted: dict[tuple[str, str, str], float] = {}
+    if (folder / PREDICTED).is_file():
+        for r in json.loads((folder / PREDICTED).read_text())["rows"]:
+            predicted[_key(r)] = r["simulated_ms"]
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for name in FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        for r in data["rows"]:
+            if r.get("measured_ms") is None:
+                continue
+            sim = r.get("sim") or {}
+            row = {"set": _set_of(r), "model": r["model"], "config": config_label(r.get("model_kwargs")),
+                   "policy": r["policy"], "ratio": r.get("ratio"), "measured_ms": r["measured_ms"],
+                   "simulated_ms": r["simulated_ms"], "error": r["simulated_ms"] / r["measured_ms"] - 1,
+                   "committed_prediction_ms": predicted.get(_key(r)) if r.get("new_heldout") else None,
+                   "sim_faults": sim.get("faults"), "sim_evictions": sim.get("evictions"),
+                   "sim_htod_GB": sim.get("htod_GB"), "sim_remote_GB": sim.get("remote_GB"),
+                   "source": name, "date": data.get("date", "")}
+            old = best.get(_key(r))
+            if old is None or row["date"] >= old["date"]:
+                best[_key(r)] = row
+    df = pd.DataFrame(list(best.values()))
+    df["abs_error"] = df["error"].abs()
+    df["label"] = df["model"] + " " + df["config"] + " · " + df["policy"]
+    several = (df.groupby("model")["config"].transform("nunique") > 1) & (df["config"] != "default")
+    df["short_label"] = df["model"] + (" " + df["config"]).where(several, "") + " " + df["policy"]
+    order = {s: i for i, s in enumerate(SETS)}
+    return df.sort_values(["set", "model", "config", "policy"], key=lambda c: c.map(order) if c.name == "set"
+                          else c).reset_index(drop=True)
+
+
+def summary(df: pd.DataFrame, band: float = BAND) -> pd.DataFrame:
+    """Per set and for all rows: count, median and worst |error|, zero-copy worst, share within ±band,
+    largest oversubscription ratio measured."""
+    out = []
+    groups = [(s, df[df["set"] == s]) for s in SETS if (df["set"] == s).any()] + [("all", df)]
+    for name, g in groups:
+        zc = g.loc[g["policy"] == "zero-copy-params", "abs_error"]
+        out.append({"set": name, "rows": len(g), "median |error|": statistics.median(g["abs_error"]),
+                    "worst |error|": g["abs_error"].max(), "zero-copy worst": zc.max() if len(zc) else None,
+                    f"within ±{band:.0%}": f"{int((g['abs_error'] <= band).sum())} of {len(g)}",
+                    "largest ratio": g["ratio"].max()})
+    return pd.DataFrame(out)
+
+
+def readable(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows for reading: milliseconds to 1 decimal, errors in percent, no internal columns."""
+    t = pd.DataFrame({
+        "set": df["set"], "model": df["model"], "config": df["config"], "policy": df["policy"],
+        "ratio": df["ratio"].map("{:.3f}".format),
+        "measured ms": df["measured_ms"].map("{:,.1f}".format),
+        "simulated ms": df["simulated_ms"].map("{:,.1f}".format),
+        "error": df["error"].map("{:+.1%}".format),
+    })
+    committed = df["committed_prediction_ms"]
+    if committed.notna().any():
+        t["predicted before measuring, ms"] = committed.map(lambda v: "" if pd.isna(v) else f"{v:,.1f}")
+    return t
+
+
+def readable_summary(s: pd.DataFrame) -> pd.DataFrame:
+    """:func:`summary` with percentages and ratios formatted."""
+    t = s.copy()
+    for col in ("median |error|", "worst |error|", "zero-copy worst"):
+        t[col] = t[col].map(lambda v: "–" if v is None or pd.isna(v) else f"{v:.1%}")
+    t["largest ratio"] = t["largest ratio"].map("{:.3f}".format)
+    return t
