@@ -1,0 +1,214 @@
+"""The quick start in a real browser: JupyterLab + headless Chromium, the panel's Run / Stop, live Plotly.
+
+Opens ``notebooks/01_quickstart.ipynb`` (CI parameters plus a long, paced run) in a test-only JupyterLab,
+runs all cells from the Run menu, picks a preset in the panel, clicks Run and checks that the live
+dashboard's traces are drawn and gain points, that Stop stops the run (on screen and on disk), and that a
+short run completes with its last state drawn and a static figure. Screenshots go to the test's tmp dir,
+and ``lab.png`` / ``lab-stopped.png`` also to ``$UM_LAB_SCREENSHOTS`` when set (the README's picture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from browser_helpers import JupyterLab, prepare_notebook, publish_screenshots, wait_until
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(480)]
+
+QUICKSTART = Path(os.environ.get("UM_LAB_BROWSER_NOTEBOOK", "")
+                  or Path(__file__).parents[2] / "notebooks" / "01_quickstart.ipynb")
+LONG_STEPS = 400  #: the Run that gets stopped: far more steps than it can finish before Stop
+PACE_S = 0.2  #: seconds the panel waits after each simulated step (so the run can be watched)
+SHORT_STEPS = 3  #: the Run that completes by itself
+PREFERRED_PRESETS = ("gpu-first", "prefetch-all", "paper-3type")
+
+# Kernel status, execution prompts and error outputs of the open notebook.
+NOTEBOOK_STATE_JS = """() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const ctx = panel && panel.sessionContext;
+  const kernel = ctx && ctx.session && ctx.session.kernel;
+  const root = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)') || document;
+  const prompts = [...root.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent.trim());
+  const errors = [...root.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]')]
+    .map(e => e.textContent.slice(0, 3000));
+  return {kernel: kernel ? kernel.status : null, prompts, errors};
+}"""
+
+# Every Plotly graph under `selector`: its traces' point counts (gd.data) and what the SVG draws per trace.
+PLOTS_JS = """(selector) => [...document.querySelectorAll(selector + ' .js-plotly-plot')].map(gd => ({
+  data: (gd.data || []).map(t => ({name: String(t.name || ''), n: t.x ? t.x.length : 0})),
+  drawn: [...gd.querySelectorAll('g.trace')].map(g => {
+    const cd = g.__data__, tr = cd && cd[0] && cd[0].trace;
+    const line = g.querySelector('path.js-line');
+    return {name: String((tr && tr.name) || ''),
+            size: (line ? (line.getAttribute('d') || '').length : 0) + g.querySelectorAll('path.point').length};
+  }),
+}))"""
+
+
+def notebook_state(page: Any) -> dict[str, Any]:
+    """Kernel status, prompts and error outputs of the open notebook."""
+    return page.evaluate(NOTEBOOK_STATE_JS)
+
+
+def step_time(page: Any, selector: str = ".um-lab-live") -> tuple[int, int]:
+    """(points in the longest trace named "step time", size of what the SVG draws for it) under ``selector``."""
+    points = drawn = 0
+    for plot in page.evaluate(PLOTS_JS, selector):
+        points = max([points] + [t["n"] for t in plot["data"] if "step time" in t["name"].lower()])
+        drawn = max([drawn] + [t["size"] for t in plot["drawn"] if "step time" in t["name"].lower()])
+    return points, drawn
+
+
+def status_text(page: Any) -> str:
+    """The panel's status line."""
+    return page.locator(".um-lab-status").first.inner_text().strip()
+
+
+def run_folders(lab: JupyterLab) -> dict[str, dict[str, Any]]:
+    """``{folder name: {"status": status.json, "spec": spec.json, "records": n}}`` for the runs on disk."""
+    found = {}
+    for status in sorted(lab.runs_dir.rglob("status.json")):
+        folder = status.parent
+        records = folder / "records.jsonl"
+        found[folder.name] = {
+            "status": json.loads(status.read_text()), "spec": json.loads((folder / "spec.json").read_text()),
+            "records": len(records.read_text().splitlines()) if records.exists() else 0,
+            "warmup": sum(json.loads(line).get("warmup", False) for line in records.read_text().splitlines())
+            if records.exists() else 0,
+        }
+    return found
+
+
+def run_all_cells(page: Any, n_code_cells: int, timeout_s: float = 240.0) -> None:
+    """Run > Run All Cells, then wait until every code cell has run and the kernel is idle."""
+    wait_until(lambda: notebook_state(page)["kernel"] == "idle", 120, "the kernel to start (idle)",
+               describe=lambda: str(notebook_state(page)))
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+    def finished() -> bool:
+        state = notebook_state(page)
+        if state["errors"]:
+            raise AssertionError("a notebook cell failed:\n" + "\n---\n".join(state["errors"]))
+        numbered = [p for p in state["prompts"] if p[:1] == "[" and p[1:2].isdigit()]
+        return state["kernel"] == "idle" and len(numbered) == n_code_cells == len(state["prompts"])
+
+    wait_until(finished, timeout_s, f"all {n_code_cells} code cells to run",
+               interval_s=0.5, describe=lambda: str(notebook_state(page)))
+
+
+def panel_screenshot(page: Any, path: Path) -> Path:
+    """Screenshot of the panel and its live dashboard (the union of ``.um-lab`` and ``.um-lab-live``)."""
+    page.locator(".um-lab").first.scroll_into_view_if_needed()
+    boxes = [b for b in (page.locator(s).first.bounding_box() for s in (".um-lab", ".um-lab-live")) if b]
+    x0, y0 = min(b["x"] for b in boxes), min(b["y"] for b in boxes)
+    x1 = max(b["x"] + b["width"] for b in boxes)
+    y1 = max(b["y"] + b["height"] for b in boxes)
+    pad = 8
+    clip = {"x": max(0, x0 - pad), "y": max(0, y0 - pad), "width": x1 - x0 + 2 * pad, "height": y1 - y0 + 2 * pad}
+    page.screenshot(path=str(path), clip=clip)
+    return path
+
+
+def test_quickstart_panel_run_live_stop(jupyter_lab: JupyterLab, page: Any, tmp_path: Path) -> None:
+    lab = jupyter_lab
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    n_code = prepare_notebook(QUICKSTART, lab.root / "quickstart.ipynb", {"STEPS": LONG_STEPS, "PACE_S": PACE_S})
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+
+    page.goto(lab.url("/lab/tree/quickstart.ipynb"), wait_until="domcontentloaded", timeout=90_000)
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+    timings["lab open"] = time.monotonic() - t0
+
+    run_all_cells(page, n_code)
+    timings["all cells"] = time.monotonic() - t0
+    page.screenshot(path=str(shots / "notebook-after-run-all.png"))
+
+    panel = page.locator(".um-lab").first
+    panel.wait_for(state="visible", timeout=30_000)
+    for part in (".um-lab-preset select", ".um-lab-model", ".um-lab-steps", ".um-lab-run", ".um-lab-stop",
+                 ".um-lab-status", ".um-lab-progress", ".um-lab-live"):
+        assert page.locator(part).count() >= 1, f"the panel has no {part}"
+    assert not run_folders(lab), "nothing should have run before Run is clicked"
+
+    # -- a policy: pick a preset other than the current one
+    preset = page.locator(".um-lab-preset select").first
+    options = preset.evaluate("s => [...s.options].map(o => o.value)")
+    current = preset.input_value()
+    choice = next((p for p in PREFERRED_PRESETS if p in options and p != current),
+                  next((o for o in options if o != current), None))
+    assert choice, f"the preset dropdown offers nothing but {current!r}: {options}"
+    preset.select_option(choice)
+    assert preset.input_value() == choice
+
+    steps = page.locator(".um-lab-steps input").first
+    steps.fill(str(LONG_STEPS))
+    steps.press("Tab")  # ipywidgets commits a number field on change (blur)
+
+    # -- Run: the live traces are drawn and gain points
+    page.locator(".um-lab-run").first.click()
+    wait_until(lambda: "running" in status_text(page).lower(), 60, "the status to say running",
+               describe=lambda: f"status: {status_text(page)!r}")
+    timings["running"] = time.monotonic() - t0
+    first = wait_until(lambda: (s := step_time(page))[0] >= 3 and s[1] > 0 and s, 60,
+                       "the live 'step time' trace to be drawn with 3 points",
+                       describe=lambda: json.dumps(page.evaluate(PLOTS_JS, ".um-lab-live"))[:3000])
+    later = wait_until(lambda: (s := step_time(page))[0] >= first[0] + 5 and s, 60,
+                       "the live 'step time' trace to gain 5 more points",
+                       describe=lambda: f"first {first}, now {step_time(page)}")
+    assert later[1] > first[1], f"the drawn step-time trace did not grow: {first} -> {later}"
+    assert "running" in status_text(page).lower()
+    live = panel_screenshot(page, shots / "lab.png")
+
+    # -- Stop: the status says stopped, the traces stop growing, the run on disk is stopped early
+    page.locator(".um-lab-stop").first.click()
+    wait_until(lambda: "stopped" in status_text(page).lower(), 60, "the status to say stopped",
+               describe=lambda: f"status: {status_text(page)!r}")
+    timings["stopped"] = time.monotonic() - t0
+    runs = run_folders(lab)
+    assert len(runs) == 1, f"expected one run on disk, found {list(runs)}"
+    (name, stopped), = runs.items()
+    assert stopped["status"]["status"] == "stopped", stopped["status"]
+    assert stopped["spec"]["policy"] == choice, f"the run used {stopped['spec']['policy']!r}, not {choice!r}"
+    assert stopped["spec"]["steps"] == LONG_STEPS, stopped["spec"]
+    assert stopped["records"] < stopped["status"]["steps_planned"], stopped["status"]
+    # the last state is drawn: one point per step on disk (warm-up steps drawn or not)
+    wait_until(lambda: step_time(page)[0] in (stopped["records"], stopped["records"] - stopped["warmup"]), 10,
+               "the step-time trace to show every step of the stopped run",
+               describe=lambda: f"trace {step_time(page)}, on disk {stopped['records']} ({stopped['warmup']} warm-up)")
+    at_stop = step_time(page)
+    time.sleep(1.5)  # the paced run would add ~7 points in this time
+    assert step_time(page) == at_stop, "the live trace kept growing after Stop"
+    assert run_folders(lab)[name]["records"] == stopped["records"], "the run kept writing steps after Stop"
+    stopped_shot = panel_screenshot(page, shots / "lab-stopped.png")
+
+    # -- a short run ends by itself: complete, its last state drawn, a static figure below
+    steps.fill(str(SHORT_STEPS))
+    steps.press("Tab")
+    page.locator(".um-lab-run").first.click()
+    wait_until(lambda: "complete" in status_text(page).lower(), 90, "the short run to complete",
+               describe=lambda: f"status: {status_text(page)!r}")
+    timings["complete"] = time.monotonic() - t0
+    short = {k: v for k, v in run_folders(lab).items() if k != name}
+    assert len(short) == 1, f"expected one more run on disk, found {list(short)}"
+    (done,) = short.values()
+    assert done["status"]["status"] == "complete" and done["spec"]["steps"] == SHORT_STEPS, done
+    assert done["spec"]["policy"] == choice, done["spec"]
+    wait_until(lambda: step_time(page)[0] in (done["records"], done["records"] - done["warmup"]), 10,
+               "the step-time trace to show exactly the short run's steps",
+               describe=lambda: f"trace {step_time(page)}, on disk {done['records']} ({done['warmup']} warm-up)")
+    wait_until(lambda: page.locator(".um-lab-static .js-plotly-plot, .um-lab-static svg, .um-lab-static img").count(),
+               30, "a static figure in .um-lab-static")
+    assert "error" not in status_text(page).lower()
+    panel_screenshot(page, shots / "lab-complete.png")
+
+    published = publish_screenshots({"lab.png": live, "lab-stopped.png": stopped_shot})
+    print(f"browser test timings (s from page load): {timings}; screenshots: {shots} {published}")
