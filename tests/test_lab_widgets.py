@@ -10,14 +10,13 @@ import pytest
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
+from um_lab.backend import cuda_available  # noqa: E402
+from um_lab.policy import Advice, presets  # noqa: E402
+from um_lab.types import StepRecord  # noqa: E402
 from um_lab.widgets import AdviceGrid, CompareView, Lab, LiveDashboard  # noqa: E402
 from um_lab.widgets.compare_view import parse_ratios, readable  # noqa: E402
 from um_lab.widgets.figures import DASHBOARD_TRACES  # noqa: E402
 from um_lab.widgets.workload import model_knobs  # noqa: E402
-
-from um_lab.backend import cuda_available  # noqa: E402
-from um_lab.policy import Advice, presets  # noqa: E402
-from um_lab.types import StepRecord  # noqa: E402
 
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 2, "batch_size": 2, "seq_len": 32}
 TINY_MLP = {"width": 256, "depth": 2, "batch_size": 32}
@@ -211,10 +210,10 @@ def test_compare_view_runs_policies_by_ratios_and_shows_figures_and_a_readable_t
     view.run(wait=True, timeout=120)
     assert "done: 4 runs" in view.status.value and view.progress.value == view.progress.max == 4
     table = readable(view.table)
-    assert list(table["ratio"]) == ["0.8x", "0.8x", "1.5x", "1.5x"]
+    assert list(table["ratio"]) == ["0.80", "0.80", "1.50", "1.50"]
     assert all(s.endswith("x") for s in table["speed-up vs um-default"])
     assert table["speed-up vs um-default"][0] == "1.00x"
-    assert all(len(v.split(".")[-1]) == 2 for v in table["median ms"])
+    assert all(v.endswith(" ms") and len(v[:-3].split(".")[-1]) == 2 for v in table["median ms"])
     bars, overlay = view.figures()
     assert {t.name for t in bars.data} == {"um-default", "gpu-first"} and len(overlay.data) == 4
     view.log_scale.value = True

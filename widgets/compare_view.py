@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
 
 from um_lab.models import ZOO
 from um_lab.policy import presets
 from um_lab.runlog import load
+from um_lab.summary import readable_table
 from um_lab.sweep import BASELINE_POLICY, compare
+from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
 
 _TABLE_COLUMNS = {"model": "model", "policy": "policy", "ratio": "ratio", "median_ms": "median ms",
                   "p90_ms": "p90 ms", f"speedup_vs_{BASELINE_POLICY}": "speed-up", "migrated_bytes": "migrated",
@@ -53,36 +54,14 @@ def parse_ratios(text: str) -> list[float | None]:
     return out
 
 
-def _bytes(n: Any) -> str:
-    from um_lab.sizing import format_bytes
-
-    return "—" if n is None or pd.isna(n) else format_bytes(float(n))
-
-
 def readable(table: pd.DataFrame, baseline: str = BASELINE_POLICY) -> pd.DataFrame:
-    """The comparison table with rounded, readable columns (ms to 2 decimals, speed-ups as ``1.23x``,
-    bytes in KiB/MiB/GiB, ``—`` where a quantity was not measured)."""
+    """The comparison's main columns, renamed and formatted by :func:`um_lab.summary.readable_table`
+    (ms to 2 decimals, speed-ups as ``1.23x``, bytes in KiB/MiB/GiB, ``—`` where not measured)."""
     columns = {k: v for k, v in _TABLE_COLUMNS.items() if not k.startswith("speedup")}
     columns = {**dict(list(columns.items())[:5]), f"speedup_vs_{baseline}": f"speed-up vs {baseline}",
                **dict(list(columns.items())[5:])}
-    out = pd.DataFrame()
-    for key, label in columns.items():
-        if key not in table.columns:
-            continue
-        col = table[key]
-        if key == "ratio":
-            out[label] = ["card" if pd.isna(v) else f"{v:g}x" for v in col]
-        elif key.endswith("_ms"):
-            out[label] = ["—" if pd.isna(v) else f"{v:,.2f}" for v in col]
-        elif key.startswith("speedup"):
-            out[label] = ["—" if pd.isna(v) else f"{v:.2f}x" for v in col]
-        elif key.endswith("bytes"):
-            out[label] = [_bytes(v) for v in col]
-        elif key in ("gpu_page_faults", "evictions"):
-            out[label] = ["—" if v is None or pd.isna(v) else f"{int(v):,}" for v in col]
-        else:
-            out[label] = col.astype(str)
-    return out
+    present = [c for c in columns if c in table.columns]
+    return readable_table(table[present]).rename(columns=columns)
 
 
 class _Progress:

@@ -22,9 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_series, residency_title
-
 from um_lab.types import StepRecord
+from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_series, residency_title
 
 
 class LiveDashboard:

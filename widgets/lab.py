@@ -17,17 +17,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from um_lab.widgets.advice_grid import AdviceGrid
-from um_lab.widgets.dashboard import LiveDashboard
-from um_lab.widgets.figures import display_bundle
-from um_lab.widgets.workload import WorkloadPicker
-
 from um_lab.backend import cuda_available, get_backend
 from um_lab.errors import CudaUnavailableError
 from um_lab.policy import Policy
 from um_lab.runlog import LoadedRun
 from um_lab.runner import Run
 from um_lab.types import RunSpec, StepRecord
+from um_lab.widgets.advice_grid import AdviceGrid
+from um_lab.widgets.dashboard import LiveDashboard
+from um_lab.widgets.figures import display_bundle
+from um_lab.widgets.workload import WorkloadPicker
 
 _END_COLOURS = {"complete": "#080", "stopped": "#a60", "interrupted": "#a60", "failed": "#c00", "error": "#c00"}
 
