@@ -65,8 +65,11 @@ def test_lab_sets_runs_dir_to_start_folder_unless_set(served, monkeypatch, tmp_p
     assert f"runs from the notebooks go to {expected}" in capsys.readouterr().out
     monkeypatch.setenv("UM_LAB_RUNS_DIR", str(tmp_path / "mine"))
     assert main(["lab", "--notebooks", "nb"]) == 0
-    assert served[1][1]["UM_LAB_RUNS_DIR"] == str(tmp_path / "mine")
+    assert served[1][1]["UM_LAB_RUNS_DIR"] == str((tmp_path / "mine").resolve())
     assert f"go to {(tmp_path / 'mine').resolve()}" in capsys.readouterr().out
+    monkeypatch.setenv("UM_LAB_RUNS_DIR", "rel")  # relative to where um-lab lab started, not to notebooks/
+    assert main(["lab", "--notebooks", "nb"]) == 0
+    assert served[2][1]["UM_LAB_RUNS_DIR"] == str((tmp_path / "rel").resolve())
 
 
 def test_serve_lab_returns_the_servers_own_exit_status():

@@ -42,8 +42,8 @@ Any other argument is passed to Jupyter as it is; everything after `--` is passe
   um-lab lab -- --ServerApp.port=9999 --ServerApp.open_browser=False
 
 Runs made from the notebooks go to $UM_LAB_RUNS_DIR: um-lab lab sets it to runs/ in the folder it was
-started from (absolute), unless it is already set. Ctrl-C (or SIGTERM to um-lab) stops the Jupyter
-server it started, and its kernels.
+started from, unless it is already set (a relative path is taken from that folder too).
+Ctrl-C (or SIGTERM to um-lab) stops the Jupyter server it started, and its kernels.
 """
 LAB_STOP_GRACE_S = 10.0  #: seconds Jupyter gets to shut down (kernels included) before it is killed
 
@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start JupyterLab on the notebooks, bound to 127.0.0.1 with Jupyter's token authentication.",
         epilog=LAB_EPILOG)
-    p.add_argument("--notebooks", type=Path, default=None, help="notebook folder (default: notebooks/)")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--no-browser", action="store_true")
+    p.add_argument("--notebooks", type=Path, default=None, metavar="DIR",
+                   help="notebook folder (default: notebooks/)")
+    p.add_argument("--port", type=int, default=None, help="the server's port (default: Jupyter's, 8888)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
     p = sub.add_parser("show", help="status and summary of a run folder")
     p.add_argument("path", type=Path)
@@ -325,13 +326,12 @@ def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = Fal
 
 def lab_environment(start_dir: Path | None = None) -> tuple[dict[str, str], Path]:
     """The Jupyter server's environment and where its notebooks' runs go: ``UM_LAB_RUNS_DIR`` as set,
-    else ``<start_dir>/runs`` (absolute; ``start_dir`` defaults to the current folder)."""
+    else ``runs``; made absolute against ``start_dir`` (default: the current folder), since the kernels
+    run in the notebook folder."""
     from um_lab.runlog import RUNS_DIR_ENV
 
     env = dict(os.environ)
-    if env.get(RUNS_DIR_ENV, "").strip():
-        return env, Path(env[RUNS_DIR_ENV]).expanduser().resolve()
-    runs = ((start_dir or Path.cwd()) / "runs").resolve()
+    runs = ((start_dir or Path.cwd()) / Path(env.get(RUNS_DIR_ENV, "").strip() or "runs").expanduser()).resolve()
     env[RUNS_DIR_ENV] = str(runs)
     return env, runs
 
@@ -350,9 +350,9 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
 def serve_lab(cmd: Sequence[str], env: Mapping[str, str], grace_s: float | None = None) -> int:
     """Run the Jupyter server in its own session and wait for it; returns its exit status.
 
-    SIGINT, SIGTERM or SIGHUP to this process sends SIGTERM to the server's process group (Jupyter shuts its
-    kernels down); after ``grace_s`` seconds (default :data:`LAB_STOP_GRACE_S`), or at a second
-    signal, the group is killed. Then returns 128 + the signal's number (130 for Ctrl-C).
+    SIGINT, SIGTERM or SIGHUP to this process sends SIGTERM to the server's process group (Jupyter
+    shuts its kernels down); after ``grace_s`` seconds (default :data:`LAB_STOP_GRACE_S`), or at a
+    second signal, the group is killed. Then returns 128 + the signal's number (130 for Ctrl-C).
     """
     grace = LAB_STOP_GRACE_S if grace_s is None else grace_s
     received: list[int] = []
@@ -382,6 +382,7 @@ def serve_lab(cmd: Sequence[str], env: Mapping[str, str], grace_s: float | None 
             except subprocess.TimeoutExpired:
                 if deadline and time.monotonic() > deadline[0]:
                     _say(f"JupyterLab did not stop within {grace:g} s: killing it")
+                    deadline.clear()
                     _signal_group(proc, signal.SIGKILL)
         if received:
             _signal_group(proc, signal.SIGKILL)  # anything of the server's group still left
