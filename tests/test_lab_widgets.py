@@ -183,6 +183,20 @@ def test_live_dashboard_redraws_at_most_four_times_a_second_and_always_draws_the
         LiveDashboard(max_redraws_per_s=0)
 
 
+def test_live_dashboard_thins_long_series_but_keeps_the_last_step():
+    board = LiveDashboard(max_points=50)
+    for step in range(1000):
+        board.feed(_record(step))
+    board.draw()
+    x = list(_trace(board.widget, "step time").x)
+    assert len(x) <= 51 and x[0] == 0 and x[-1] == 999
+    board.feed(_record(1000))
+    board.draw()
+    assert list(_trace(board.widget, "step time").x)[-1] == 1000
+    board.reset()
+    assert len(_trace(board.widget, "step time").x) == 0
+
+
 def test_dashboard_labels_live_bytes_when_residency_is_not_measured():
     board = LiveDashboard()
     record = _record(0)

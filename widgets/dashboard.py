@@ -26,10 +26,19 @@ from um_lab.types import StepRecord
 from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_series, residency_title
 
 
+def _thin(values: list[Any], max_points: int) -> list[Any]:
+    """Every k-th value, so that at most about ``max_points`` remain; the last value is always kept."""
+    if len(values) <= max_points:
+        return values
+    stride = -(-len(values) // max_points)
+    thinned = values[::stride]
+    return thinned if (len(values) - 1) % stride == 0 else [*thinned, values[-1]]
+
+
 class LiveDashboard:
     """A live, throttled view of step records (residency, step time, oversubscription, faults, traffic)."""
 
-    def __init__(self, max_redraws_per_s: float = 4.0, title: str = "") -> None:
+    def __init__(self, max_redraws_per_s: float = 4.0, title: str = "", max_points: int = 2000) -> None:
         if not max_redraws_per_s > 0:
             raise ValueError(f"max_redraws_per_s must be > 0, got {max_redraws_per_s}")
         import plotly.graph_objects as go
@@ -42,9 +51,11 @@ class LiveDashboard:
         self._dirty = threading.Event()
         self._closing = threading.Event()
         self._drawn = 0  # records drawn so far
+        self.max_points = max_points
+        self._series: dict[str, tuple[list[Any], list[Any]]] = {name: ([], []) for name in DASHBOARD_TRACES}
         self._drawer: threading.Thread | None = None
-        #: called as ``on_draw(records)`` after each redraw (the panel updates its progress bar from it)
-        self.on_draw: Callable[[list[StepRecord]], None] | None = None
+        #: called as ``on_draw(number of records drawn)`` after each redraw (the panel's progress bar)
+        self.on_draw: Callable[[int], None] | None = None
 
     # -- feeding -----------------------------------------------------------------------------------
 
@@ -99,22 +110,34 @@ class LiveDashboard:
             last = time.monotonic()
 
     def draw(self) -> None:
-        """Redraw the figure from the records so far (skipped when nothing new arrived)."""
+        """Redraw the figure with the records that arrived since the last draw (skipped when none did).
+
+        Series grow incrementally; a trace longer than ``max_points`` is drawn thinned to every k-th step
+        (its last step always kept), so a redraw costs the same at step 100 and at step 100,000.
+        """
         with self._lock:
-            records = list(self.records)
-            if len(records) == self._drawn:
+            if len(self.records) == self._drawn:
                 return
-            self._drawn = len(records)
-        series = dashboard_series(records)
+            if self._drawn < 0 or len(self.records) < self._drawn:  # reset: start the series again
+                self._series = {name: ([], []) for name in DASHBOARD_TRACES}
+                self._drawn = 0
+            new = self.records[self._drawn:]
+            self._drawn = len(self.records)
+            last_records = self.records[-1:]
+        for name, (x, y) in dashboard_series(new).items():
+            self._series[name][0].extend(x)
+            self._series[name][1].extend(y)
         fig = self.widget
         with fig.batch_update():
             for trace, name in zip(fig.data, DASHBOARD_TRACES, strict=True):
-                x, y = series[name]
-                trace.x, trace.y = x, y
-            fig.layout.annotations[0].text = residency_title(records)
+                x, y = self._series[name]
+                trace.x, trace.y = _thin(x, self.max_points), _thin(y, self.max_points)
+            title = residency_title(last_records) if last_records else residency_title(())
+            if fig.layout.annotations[0].text != title:
+                fig.layout.annotations[0].text = title
         self.redraws += 1
         if self.on_draw is not None:
-            self.on_draw(records)
+            self.on_draw(self._drawn)
 
     def static_figure(self, title: str = "") -> Any:
         """The records so far as a plain ``go.Figure`` (kept by an exported notebook, unlike the widget)."""

@@ -192,12 +192,12 @@ class Lab:
         if self.dashboard.records:
             self.static_output.outputs = (display_bundle(self.static_figure()),)
 
-    def _drawn(self, records: list[StepRecord]) -> None:
-        self.progress.value = len(records)
+    def _drawn(self, steps: int) -> None:
+        self.progress.value = steps
         if self.active is not None and self.state == "running" and not self._stop.is_set():
             spec = self.active.spec
             self._say(f"running {spec.model} under {spec.policy} on {self.active.backend_note}: "
-                      f"{len(records)}/{spec.warmup_steps + spec.steps} steps")
+                      f"{steps}/{spec.warmup_steps + spec.steps} steps")
 
     def _say(self, text: str, colour: str = "#000") -> None:
         self.status.value = f"<span style='color:{colour}'>{text}</span>"
