@@ -126,3 +126,43 @@ def test_budget_counts_and_refuses_far_below_the_card():
         ManagedBudget().take(MAX_ARRAY_BYTES + 1)
     budget.give(1 << 30)
     assert budget.live == 0
+
+
+# ---- the fidelity results behind notebooks/05_sim_vs_gpu ----------------------------------------------
+
+def test_fidelity_rows_fall_into_the_three_sets_and_match_the_committed_summaries():
+    import json
+
+    from um_lab import fidelity
+
+    df = fidelity.load_fidelity()
+    assert df["set"].value_counts().to_dict() == {"fitted": 12, "hand-set": 4, "held-out-new": 4}
+    assert df["measured_ms"].notna().all() and (df["ratio"] < 1).all()
+    main = json.loads((fidelity.results_dir() / "sim_fidelity.json").read_text())["summary"]
+    new = json.loads((fidelity.results_dir() / "sim_fidelity_new.json").read_text())["summary"]["new_held_out"]
+    s = fidelity.summary(df).set_index("set")
+    assert s.loc["fitted", "median |error|"] == pytest.approx(main["in_sample"]["median_abs_error"], abs=1e-4)
+    assert s.loc["hand-set", "worst |error|"] == pytest.approx(main["held_out"]["worst_abs_error"], abs=1e-4)
+    assert s.loc["held-out-new", "median |error|"] == pytest.approx(new["median_abs_error"], abs=1e-4)
+    # the held-out-new predictions were committed before measuring, and are what the comparison used
+    held = df[df["set"] == "held-out-new"]
+    assert (held["committed_prediction_ms"] == held["simulated_ms"]).all()
+    table = fidelity.readable(df)
+    assert table["error"].str.endswith("%").all() and "predicted before measuring, ms" in table
+
+
+def test_fidelity_missing_results_and_the_newest_file_wins(tmp_path):
+    import json
+
+    from um_lab import fidelity
+
+    with pytest.raises(fidelity.FidelityResultsMissing, match="sim_fidelity.json"):
+        fidelity.load_fidelity(tmp_path)
+    row = {"model": "mlp", "model_kwargs": {}, "policy": "um-default", "ratio": 0.02, "measured_ms": 10.0,
+           "simulated_ms": 11.0, "fitted": True, "new_heldout": False}
+    (tmp_path / "sim_fidelity.json").write_text(json.dumps({"date": "2026-01-01", "rows": [row]}))
+    newer = {**row, "measured_ms": 20.0, "fitted": False, "new_heldout": True}
+    (tmp_path / "sim_fidelity_new.json").write_text(json.dumps({"date": "2026-02-01", "rows": [newer]}))
+    df = fidelity.load_fidelity(tmp_path)
+    assert len(df) == 1 and df["measured_ms"].iloc[0] == 20.0 and df["set"].iloc[0] == "held-out-new"
+    assert df["error"].iloc[0] == pytest.approx(11 / 20 - 1)
