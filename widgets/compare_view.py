@@ -22,7 +22,7 @@ import pandas as pd
 
 from um_lab.models import ZOO
 from um_lab.policy import presets
-from um_lab.runlog import load
+from um_lab.runlog import default_out_dir, load
 from um_lab.summary import readable_table
 from um_lab.sweep import BASELINE_POLICY, compare
 from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
@@ -92,7 +92,7 @@ class CompareView:
         if unknown:
             raise ValueError(f"unknown model or policy {unknown}; models: {', '.join(ZOO)}; "
                              f"policies: {', '.join(presets)}")
-        self.out_dir = Path(out_dir) if out_dir is not None else Path(os.environ.get("UM_LAB_RUNS_DIR", "runs"))
+        self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.models = w.SelectMultiple(options=list(ZOO), value=names, description="models", rows=5)
         self.policies = w.SelectMultiple(options=list(presets), value=list(policies), description="policies", rows=7)
         self.ratios = w.Text(value=", ".join("none" if r is None else f"{r:g}" for r in ratios),

@@ -11,8 +11,9 @@
     active.start()
 
 ``feed(record)`` is all the training thread does (an append under a lock); a drawer thread redraws the
-figure in one ``batch_update`` when records arrived, never more often than ``max_redraws_per_s``, and
-``finish()`` always draws the last state.
+figure in one ``batch_update`` when records arrived, never more often than ``max_redraws_per_s`` and
+never taking more than ``max_share`` of the time (a redraw that took 5 ms waits at least 0.5 s at the
+default 1%: the drawer shares the GIL with the training thread). ``finish()`` always draws the last state.
 """
 
 from __future__ import annotations
@@ -22,37 +23,60 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from um_lab.types import StepRecord
-from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_series, residency_title
+from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_row, residency_title, series_from_rows
 
 
-def _thin(values: list[Any], max_points: int) -> list[Any]:
-    """Every k-th value, so that at most about ``max_points`` remain; the last value is always kept."""
-    if len(values) <= max_points:
-        return values
-    stride = -(-len(values) // max_points)
-    thinned = values[::stride]
-    return thinned if (len(values) - 1) % stride == 0 else [*thinned, values[-1]]
+class _Rows:
+    """A numeric table that grows by appending rows (capacity doubles; no copy of the whole per append)."""
+
+    def __init__(self, width: int) -> None:
+        self._data = np.empty((256, width))
+        self._n = 0
+
+    def extend(self, rows: list[tuple[float, ...]]) -> None:
+        if not rows:
+            return
+        need = self._n + len(rows)
+        if need > len(self._data):
+            grown = np.empty((max(need, 2 * len(self._data)), self._data.shape[1]))
+            grown[: self._n] = self._data[: self._n]
+            self._data = grown
+        self._data[self._n : need] = rows
+        self._n = need
+
+    def view(self) -> np.ndarray:
+        return self._data[: self._n]
 
 
 class LiveDashboard:
-    """A live, throttled view of step records (residency, step time, oversubscription, faults, traffic)."""
+    """A live, throttled view of step records (residency, step time, oversubscription, faults, traffic).
 
-    def __init__(self, max_redraws_per_s: float = 4.0, title: str = "", max_points: int = 2000) -> None:
+    ``max_points``: longer series are drawn thinned to every k-th step (the last always kept).
+    """
+
+    def __init__(self, max_redraws_per_s: float = 4.0, title: str = "", max_points: int = 1000,
+                 max_share: float = 0.01) -> None:
         if not max_redraws_per_s > 0:
             raise ValueError(f"max_redraws_per_s must be > 0, got {max_redraws_per_s}")
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+        self.max_share = max_share
         import plotly.graph_objects as go
 
         self.min_interval_s = 1.0 / max_redraws_per_s
         self.widget: Any = go.FigureWidget(dashboard_figure((), title))
         self.records: list[StepRecord] = []
         self.redraws = 0  #: how many times the figure was redrawn (for tests and the overhead benchmark)
+        self.draw_seconds = 0.0  #: time spent redrawing, on the drawer thread
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._closing = threading.Event()
         self._drawn = 0  # records drawn so far
         self.max_points = max_points
-        self._series: dict[str, tuple[list[Any], list[Any]]] = {name: ([], []) for name in DASHBOARD_TRACES}
+        self._rows = _Rows(len(DASHBOARD_TRACES) + 1)
         self._drawer: threading.Thread | None = None
         #: called as ``on_draw(number of records drawn)`` after each redraw (the panel's progress bar)
         self.on_draw: Callable[[int], None] | None = None
@@ -99,43 +123,48 @@ class LiveDashboard:
         self.draw()
 
     def _draw_loop(self) -> None:
-        last = 0.0
+        next_at = 0.0
         while not self._closing.is_set():
             self._dirty.wait()
-            wait = last + self.min_interval_s - time.monotonic()
+            wait = next_at - time.monotonic()
             if wait > 0 and self._closing.wait(wait):
                 break
             self._dirty.clear()
+            started = time.monotonic()
             self.draw()
-            last = time.monotonic()
+            took = time.monotonic() - started
+            # at most max_redraws_per_s, and redrawing takes at most max_share of the time (the training
+            # thread shares the GIL with this one)
+            next_at = started + max(self.min_interval_s, took / self.max_share)
 
     def draw(self) -> None:
         """Redraw the figure with the records that arrived since the last draw (skipped when none did).
 
-        Series grow incrementally; a trace longer than ``max_points`` is drawn thinned to every k-th step
-        (its last step always kept), so a redraw costs the same at step 100 and at step 100,000.
+        New records are converted once into a growing numeric table; a series longer than ``max_points``
+        is drawn thinned to every k-th step (its last step always kept), so a redraw stays cheap at any
+        step count.
         """
+        started = time.perf_counter()
         with self._lock:
             if len(self.records) == self._drawn:
                 return
-            if self._drawn < 0 or len(self.records) < self._drawn:  # reset: start the series again
-                self._series = {name: ([], []) for name in DASHBOARD_TRACES}
+            if self._drawn < 0 or len(self.records) < self._drawn:  # reset: start the table again
+                self._rows = _Rows(len(DASHBOARD_TRACES) + 1)
                 self._drawn = 0
             new = self.records[self._drawn:]
             self._drawn = len(self.records)
             last_records = self.records[-1:]
-        for name, (x, y) in dashboard_series(new).items():
-            self._series[name][0].extend(x)
-            self._series[name][1].extend(y)
+        self._rows.extend([dashboard_row(r) for r in new])
+        series = series_from_rows(self._rows.view(), self.max_points)
         fig = self.widget
         with fig.batch_update():
             for trace, name in zip(fig.data, DASHBOARD_TRACES, strict=True):
-                x, y = self._series[name]
-                trace.x, trace.y = _thin(x, self.max_points), _thin(y, self.max_points)
-            title = residency_title(last_records) if last_records else residency_title(())
+                trace.x, trace.y = series[name]  # float arrays: plotly sends them as binary buffers
+            title = residency_title(last_records)
             if fig.layout.annotations[0].text != title:
                 fig.layout.annotations[0].text = title
         self.redraws += 1
+        self.draw_seconds += time.perf_counter() - started
         if self.on_draw is not None:
             self.on_draw(self._drawn)
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from um_lab.types import DATA_TYPES, StepRecord
@@ -128,31 +129,50 @@ _RESIDENCY_TITLES = {
 }
 
 
-def dashboard_series(records: Iterable[StepRecord]) -> dict[str, tuple[list[int], list[float]]]:
+_TYPE_NAMES = tuple(t.value for t in DATA_TYPES)
+_NAN = float("nan")
+
+
+def _sum_mib(values: dict[str, int] | None) -> float:
+    return _NAN if values is None else sum(values.values()) / _MIB
+
+
+def dashboard_row(r: StepRecord) -> tuple[float, ...]:
+    """One record as the dashboard's numbers: step, then one value per :data:`DASHBOARD_TRACES` entry
+    (NaN where the record did not measure it). Cheap: the live dashboard converts thousands a second."""
+    per_type = r.resident_bytes if r.resident_bytes is not None else r.live_bytes
+    get = per_type.get
+    faults = r.gpu_page_faults
+    return (r.step, *[get(name, 0) / _GIB for name in _TYPE_NAMES], r.gpu_capacity_bytes / _GIB, r.wall_ms,
+            r.oversubscription_ratio, _NAN if faults is None else faults, _sum_mib(r.htod_bytes),
+            _sum_mib(r.dtoh_bytes), _NAN if r.remote_bytes is None else r.remote_bytes / _MIB)
+
+
+def series_from_rows(rows: np.ndarray, max_points: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{trace name: (steps, values)}`` from :func:`dashboard_row` rows; unmeasured (NaN) points are left
+    out, and a series longer than ``max_points`` is thinned to every k-th point (its last point kept)."""
+    rows = np.asarray(rows, dtype=float).reshape(-1, len(DASHBOARD_TRACES) + 1)
+    out = {}
+    for i, name in enumerate(DASHBOARD_TRACES, start=1):
+        keep = ~np.isnan(rows[:, i])
+        x, y = rows[keep, 0], rows[keep, i]
+        if max_points is not None and len(x) > max_points:
+            stride = -(-len(x) // max_points)
+            index = np.arange(0, len(x), stride)
+            if index[-1] != len(x) - 1:
+                index = np.append(index, len(x) - 1)
+            x, y = x[index], y[index]
+        out[name] = (x, y)
+    return out
+
+
+def dashboard_series(records: Iterable[StepRecord]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{trace name: (steps, values)}`` for the dashboard (see :data:`DASHBOARD_TRACES`).
 
     Residency is GPU-resident bytes per type where measured or simulated, else live managed bytes
     (the title says which). Quantities a record did not measure are left out, never drawn as zeros.
     """
-    out: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in DASHBOARD_TRACES}
-
-    def put(name: str, step: int, value: float | None) -> None:
-        if value is not None:
-            out[name][0].append(step)
-            out[name][1].append(value)
-
-    for r in records:
-        per_type = r.resident_bytes if r.resident_bytes is not None else r.live_bytes
-        for dtype in DATA_TYPES:
-            put(dtype.value, r.step, per_type.get(dtype.value, 0) / _GIB)
-        put("GPU capacity", r.step, r.gpu_capacity_bytes / _GIB)
-        put("step time", r.step, r.wall_ms)
-        put("oversubscription", r.step, r.oversubscription_ratio)
-        put("page faults", r.step, r.gpu_page_faults)
-        put("migrated to GPU", r.step, None if r.htod_bytes is None else sum(r.htod_bytes.values()) / _MIB)
-        put("migrated to host", r.step, None if r.dtoh_bytes is None else sum(r.dtoh_bytes.values()) / _MIB)
-        put("remote access", r.step, None if r.remote_bytes is None else r.remote_bytes / _MIB)
-    return out
+    return series_from_rows(np.array([dashboard_row(r) for r in records], dtype=float))
 
 
 def dashboard_figure(records: Iterable[StepRecord] = (), title: str = "") -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 from um_lab.backend import cuda_available, get_backend
 from um_lab.errors import CudaUnavailableError
 from um_lab.policy import Policy
-from um_lab.runlog import LoadedRun
+from um_lab.runlog import LoadedRun, default_out_dir
 from um_lab.runner import Run
 from um_lab.types import RunSpec, StepRecord
 from um_lab.widgets.advice_grid import AdviceGrid
@@ -50,7 +50,7 @@ class Lab:
             raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
         if pace_s < 0:
             raise ValueError(f"pace_s must be >= 0, got {pace_s}")
-        self.out_dir = Path(out_dir) if out_dir is not None else Path(os.environ.get("UM_LAB_RUNS_DIR", "runs"))
+        self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.telemetry = telemetry
         self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib)
         self.advice = AdviceGrid(policy)
