@@ -38,16 +38,23 @@ NOTEBOOK_STATE_JS = """() => {
   return {kernel: kernel ? kernel.status : null, prompts, errors};
 }"""
 
-# Every Plotly graph under `selector`: its traces' point counts (gd.data) and what the SVG draws per trace.
-PLOTS_JS = """(selector) => [...document.querySelectorAll(selector + ' .js-plotly-plot')].map(gd => ({
-  data: (gd.data || []).map(t => ({name: String(t.name || ''), n: t.x ? t.x.length : 0})),
+# Every Plotly graph under `selector`: its traces' point counts (gd.data; x a plain or typed array, or plotly's
+# base64 form {dtype, bdata}) and what the SVG draws per trace.
+PLOTS_JS = """(selector) => {
+  const size = {i1: 1, u1: 1, i2: 2, u2: 2, i4: 4, u4: 4, f4: 4, f8: 8, int8: 1, uint8: 1, int16: 2, uint16: 2,
+                int32: 4, uint32: 4, float32: 4, float64: 8};
+  const count = x => x == null ? 0 : typeof x.length === 'number' ? x.length
+    : x.bdata && size[x.dtype] ? Math.round(atob(x.bdata).length / size[x.dtype]) : -1;  // -1: unreadable
+  return [...document.querySelectorAll(selector + ' .js-plotly-plot')].map(gd => ({
+  data: (gd.data || []).map(t => ({name: String(t.name || ''), n: count(t.x)})),
   drawn: [...gd.querySelectorAll('g.trace')].map(g => {
     const cd = g.__data__, tr = cd && cd[0] && cd[0].trace;
     const line = g.querySelector('path.js-line');
     return {name: String((tr && tr.name) || ''),
             size: (line ? (line.getAttribute('d') || '').length : 0) + g.querySelectorAll('path.point').length};
   }),
-}))"""
+}));
+}"""
 
 
 def notebook_state(page: Any) -> dict[str, Any]:
