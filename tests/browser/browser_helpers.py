@@ -31,6 +31,7 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 SCREENSHOTS_ENV = "UM_LAB_SCREENSHOTS"  #: folder that receives lab.png / lab-stopped.png when set
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never goes through a proxy
 
 
 def missing_tools() -> str | None:
@@ -179,7 +180,7 @@ def _wait_for_server(lab: JupyterLab, timeout_s: float) -> None:
         if lab.proc.poll() is not None:
             raise RuntimeError(f"JupyterLab exited with {lab.proc.returncode}:\n{lab.log_tail()}")
         try:
-            with urllib.request.urlopen(lab.url("/api/status"), timeout=5) as reply:
+            with _DIRECT.open(lab.url("/api/status"), timeout=5) as reply:
                 if reply.status == 200:
                     return
         except (urllib.error.URLError, OSError):
@@ -219,7 +220,7 @@ def stop_jupyterlab(lab: JupyterLab, grace_s: float = 15.0) -> None:
     if lab.proc.poll() is None:
         try:
             req = urllib.request.Request(lab.url("/api/shutdown"), method="POST", data=b"")
-            urllib.request.urlopen(req, timeout=5).close()
+            _DIRECT.open(req, timeout=5).close()
         except (urllib.error.URLError, OSError):
             pass
         try:
