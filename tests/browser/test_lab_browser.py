@@ -1,7 +1,7 @@
 """The quick start in a real browser: JupyterLab + headless Chromium, the panel's Run / Stop, live Plotly.
 
-Opens ``notebooks/01_quickstart.ipynb`` (CI parameters plus a long, paced run) in a test-only JupyterLab,
-runs all cells from the Run menu, picks a preset in the panel, clicks Run and checks that the live
+Opens ``notebooks/01_quickstart.ipynb`` (its CI parameters plus a per-step pace) in a test-only JupyterLab,
+runs all cells from the Run menu, picks a preset and a long run in the panel, clicks Run and checks that the live
 dashboard's traces are drawn and gain points, that Stop stops the run (on screen and on disk), and that a
 short run completes with its last state drawn and a static figure. Screenshots go to the test's tmp dir,
 and ``lab.png`` / ``lab-stopped.png`` also to ``$UM_LAB_SCREENSHOTS`` when set (the README's picture).
