@@ -1,9 +1,11 @@
 """The notebook lab without a browser: panel controls, runs on the simulator, live dashboard, comparison view."""
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,11 +37,25 @@ def _wait(condition, timeout=60.0):
 
 
 def test_um_lab_widgets_installs_under_um_lab_not_as_a_top_level_widgets_module(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package, not the tree
+    if subprocess.run([sys.executable, "-c", "import um_lab"], cwd=tmp_path, env=env).returncode:
+        pytest.skip("um_lab is not installed here (used from the source tree on PYTHONPATH)")
     code = ("import importlib.util, um_lab.widgets; "
             "print(importlib.util.find_spec('widgets') is None, um_lab.widgets.Lab.__module__)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "um_lab.widgets.lab"]
+
+
+def test_um_lab_widgets_is_found_in_a_source_tree_that_is_not_installed(tmp_path):
+    root = Path(__file__).parents[1]
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            "import um_lab.widgets.figures as f; print(f.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(root / "widgets" / "figures.py")
 
 
 def test_model_knobs_come_from_the_zoo_signatures():
