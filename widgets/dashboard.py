@@ -29,32 +29,10 @@ from um_lab.types import StepRecord
 from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_row, residency_title, series_from_rows
 
 
-class _Rows:
-    """A numeric table that grows by appending rows (capacity doubles; no copy of the whole per append)."""
-
-    def __init__(self, width: int) -> None:
-        self._data = np.empty((256, width))
-        self._n = 0
-
-    def extend(self, rows: list[tuple[float, ...]]) -> None:
-        if not rows:
-            return
-        need = self._n + len(rows)
-        if need > len(self._data):
-            grown = np.empty((max(need, 2 * len(self._data)), self._data.shape[1]))
-            grown[: self._n] = self._data[: self._n]
-            self._data = grown
-        self._data[self._n : need] = rows
-        self._n = need
-
-    def view(self) -> np.ndarray:
-        return self._data[: self._n]
-
-
 class LiveDashboard:
     """A live, throttled view of step records (residency, step time, oversubscription, faults, traffic).
 
-    ``max_points``: longer series are drawn thinned to every k-th step (the last always kept).
+    ``max_points``: longer runs are drawn thinned to every k-th step (the newest always kept).
     """
 
     def __init__(self, max_redraws_per_s: float = 4.0, title: str = "", max_points: int = 1000,
@@ -76,7 +54,9 @@ class LiveDashboard:
         self._closing = threading.Event()
         self._drawn = 0  # records drawn so far
         self.max_points = max_points
-        self._rows = _Rows(len(DASHBOARD_TRACES) + 1)
+        self._rows: list[tuple[float, ...]] = []  # the steps kept for drawing: every stride-th
+        self._stride = 1
+        self._next = 0  # index of the next record to keep
         self._drawer: threading.Thread | None = None
         #: called as ``on_draw(number of records drawn)`` after each redraw (the panel's progress bar)
         self.on_draw: Callable[[int], None] | None = None
@@ -91,9 +71,9 @@ class LiveDashboard:
 
     def feed(self, record: StepRecord) -> None:
         """Take one record (called from the thread that runs the steps: cheap, never draws)."""
-        with self._lock:
-            self.records.append(record)
-        self._dirty.set()
+        self.records.append(record)  # one atomic append; the drawer only reads a prefix of the list
+        if not self._dirty.is_set():
+            self._dirty.set()
 
     def reset(self) -> None:
         """Forget every record and clear the figure (for the next run)."""
@@ -140,33 +120,40 @@ class LiveDashboard:
     def draw(self) -> None:
         """Redraw the figure with the records that arrived since the last draw (skipped when none did).
 
-        New records are converted once into a growing numeric table; a series longer than ``max_points``
-        is drawn thinned to every k-th step (its last step always kept), so a redraw stays cheap at any
-        step count.
+        Only the steps that will be drawn are converted: every ``stride``-th step (``stride`` doubles
+        whenever more than ``max_points`` steps would be kept) plus always the newest one, so a redraw
+        costs about the same at step 100 and at step 100,000. Thinned steps are in the static figure.
         """
         started = time.perf_counter()
         with self._lock:
-            if len(self.records) == self._drawn:
+            n = len(self.records)
+            if n == self._drawn:
                 return
-            if self._drawn < 0 or len(self.records) < self._drawn:  # reset: start the table again
-                self._rows = _Rows(len(DASHBOARD_TRACES) + 1)
-                self._drawn = 0
-            new = self.records[self._drawn:]
-            self._drawn = len(self.records)
-            last_records = self.records[-1:]
-        self._rows.extend([dashboard_row(r) for r in new])
-        series = series_from_rows(self._rows.view(), self.max_points)
+            if self._drawn < 0 or n < self._drawn:  # reset: start again
+                self._rows, self._stride, self._next = [], 1, 0
+            picked = self.records[self._next:n:self._stride]
+            last = self.records[n - 1] if n else None
+            self._drawn = n
+        self._rows.extend(dashboard_row(r) for r in picked)
+        self._next += len(picked) * self._stride
+        while len(self._rows) > self.max_points:
+            self._rows, self._stride = self._rows[::2], self._stride * 2
+            self._next = -(-self._next // self._stride) * self._stride
+        rows = self._rows
+        if last is not None and not (rows and rows[-1][0] == last.step):
+            rows = [*rows, dashboard_row(last)]
+        series = series_from_rows(np.asarray(rows, dtype=float))
         fig = self.widget
         with fig.batch_update():
             for trace, name in zip(fig.data, DASHBOARD_TRACES, strict=True):
                 trace.x, trace.y = series[name]  # float arrays: plotly sends them as binary buffers
-            title = residency_title(last_records)
+            title = residency_title([last] if last is not None else [])
             if fig.layout.annotations[0].text != title:
                 fig.layout.annotations[0].text = title
         self.redraws += 1
         self.draw_seconds += time.perf_counter() - started
         if self.on_draw is not None:
-            self.on_draw(self._drawn)
+            self.on_draw(n)
 
     def static_figure(self, title: str = "") -> Any:
         """The records so far as a plain ``go.Figure`` (kept by an exported notebook, unlike the widget)."""
