@@ -16,7 +16,7 @@ from test_runner import FakeBackend
 
 import um_lab.runner
 import um_lab.sweep
-from um_lab import cli
+from um_lab import cli, labserver
 from um_lab.cli import main, parse_bytes, parse_model_kwargs, parse_ratio
 from um_lab.runner import list_runs, load
 
@@ -239,7 +239,7 @@ def test_lab_without_jupyterlab_is_a_clear_error(monkeypatch, capsys):
 def test_lab_binds_localhost_and_keeps_token_auth(monkeypatch, tmp_path, capsys):
     calls = []
     monkeypatch.setattr(cli, "_has_jupyterlab", lambda: True)
-    monkeypatch.setattr(cli, "serve_lab", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(labserver, "serve_lab", lambda cmd, env: calls.append((cmd, env)) or 0)
     assert main(["lab", "--notebooks", str(tmp_path), "--port", "8899", "--no-browser"]) == 0
     ((cmd, _),) = calls
     assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]

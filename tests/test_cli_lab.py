@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from um_lab import cli
+from um_lab import cli, labserver
 from um_lab.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def served(monkeypatch):
     """Capture what ``um-lab lab`` would start instead of starting it."""
     calls: list[tuple[list[str], dict[str, str]]] = []
     monkeypatch.setattr(cli, "_has_jupyterlab", lambda: True)
-    monkeypatch.setattr(cli, "serve_lab", lambda cmd, env: calls.append((list(cmd), dict(env))) or 0)
+    monkeypatch.setattr(labserver, "serve_lab", lambda cmd, env: calls.append((list(cmd), dict(env))) or 0)
     return calls
 
 
@@ -73,7 +73,7 @@ def test_lab_sets_runs_dir_to_start_folder_unless_set(served, monkeypatch, tmp_p
 
 
 def test_serve_lab_returns_the_servers_own_exit_status():
-    assert cli.serve_lab([sys.executable, "-c", "import sys; sys.exit(3)"], os.environ) == 3
+    assert labserver.serve_lab([sys.executable, "-c", "import sys; sys.exit(3)"], os.environ) == 3
 
 
 # ------------------------------------------------------------------------------- stopping the server
@@ -96,9 +96,10 @@ DRIVER = textwrap.dedent("""
     import sys
     from um_lab import cli
     fake, out, mode, grace, notebooks = sys.argv[1:6]
-    cli.LAB_STOP_GRACE_S = float(grace)
+    from um_lab import labserver
+    labserver.LAB_STOP_GRACE_S = float(grace)
     cli._has_jupyterlab = lambda: True
-    cli.lab_command = lambda nb, port=None, no_browser=False, extra=(): [sys.executable, fake, out, mode, *extra]
+    labserver.lab_command = lambda nb, port=None, no_browser=False, extra=(): [sys.executable, fake, out, mode, *extra]
     sys.exit(cli.main(["lab", "--notebooks", notebooks]))
 """)
 
