@@ -67,6 +67,29 @@ def test_model_knobs_come_from_the_zoo_signatures():
         model_knobs("nope")
 
 
+def test_registered_custom_models_are_in_the_dropdown_with_their_knobs(tmp_path):
+    import torch
+
+    from um_lab import models
+
+    def tiny(width: int = 32, batch_size: int = 8):
+        def batch(g):
+            return torch.randn(batch_size, width, generator=g), torch.randint(0, 4, (batch_size,))
+
+        return models.custom("tiny-net", lambda: torch.nn.Linear(width, 4), batch)
+
+    models.register("tiny-net", tiny)
+    try:
+        lab = Lab(model="tiny-net", model_kwargs={"width": 16}, backend="sim", steps=2, out_dir=tmp_path)
+        assert "tiny-net" in lab.workload.model.options
+        assert set(lab.workload.knobs) == {"width", "batch_size"} and lab.workload.knobs["width"].value == 16
+        assert lab.workload.wait_estimate().bytes_per_type["param"] == (16 * 4 + 4) * 4
+        lab.run(wait=True, timeout=60)
+        assert lab.state == "complete" and lab.result.spec.model == "tiny-net"
+    finally:
+        models.ZOO.pop("tiny-net", None)
+
+
 def test_panel_shows_the_estimate_and_ratio_before_running(tmp_path):
     lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=2.0, out_dir=tmp_path)
     estimate = lab.workload.wait_estimate()
