@@ -144,6 +144,27 @@ def test_stop_ends_the_run_after_the_current_step_and_the_panel_says_so(tmp_path
     assert status["status"] == "stopped" and status["steps_completed"] == done
 
 
+def test_an_interrupt_while_waiting_stops_the_run_and_leaves_the_panel_usable(tmp_path):
+    import _thread
+    import threading
+
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=10_000, warmup_steps=0, pace_s=0.02,
+              out_dir=tmp_path)
+    def interrupt_once_running():
+        deadline = time.monotonic() + 60
+        while len(lab.records) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _thread.interrupt_main()  # as Ctrl-C (or the notebook's stop button) would, while run() waits
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        lab.run(wait=True)
+    assert lab.state == "stopped" and 0 < lab.active.steps_completed < 10_000
+    lab.steps.value = 2
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete"
+
+
 def test_engine_errors_show_in_the_panel_not_as_tracebacks(tmp_path):
     if cuda_available():
         pytest.skip("this machine has a GPU: the no-GPU error cannot happen")  # pragma: no cover

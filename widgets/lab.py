@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,10 +166,20 @@ class Lab:
         self._say("stopping after the current step…", "#a60")
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the current run has ended and the panel shows it; True when it has."""
+        """Block until the current run has ended and the panel shows it; True when it has.
+
+        An interrupt while waiting (Ctrl-C, the notebook's stop button) stops the run after its current
+        step, waits for that, and is raised again."""
         if self._watcher is None:
             return True
-        self._watcher.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self._watcher.is_alive() and (deadline is None or time.monotonic() < deadline):
+                self._watcher.join(0.1)  # short joins: an interrupt is seen at once
+        except KeyboardInterrupt:  # Ctrl-C / the notebook's stop button: end the run too, then say so
+            self.stop()
+            self._watcher.join(60)
+            raise
         return not self._watcher.is_alive()
 
     def _watch(self, active: Run) -> None:
