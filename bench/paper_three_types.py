@@ -78,7 +78,7 @@ def summarise(choice: paper.Choice) -> dict:
     return {
         "rule": ("highest geometric-mean speed-up over um-default across every (model, ratio) cell; "
                  f"scores within {paper.TIE_TOLERANCE:.1%} tie and go to the mapping with fewer advice settings"),
-        "best_overall": {"mapping": paper.Mapping3.parse(best["mapping"]).to_dict(), "name": best["mapping"],
+        "best_overall": {"mapping": paper.PaperMapping.parse(best["mapping"]).to_dict(), "name": best["mapping"],
                          **{k: float(best[k]) for k in ("geomean_speedup", "time_saved", "oversubscribed_speedup",
                                                         "fits_speedup", "worst_speedup", "best_speedup")}},
         "paper_time_saved": paper.PAPER_TIME_SAVED,

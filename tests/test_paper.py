@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from um_lab import paper
-from um_lab.paper import GROUPS, Mapping3, PaperExperimentError
+from um_lab.paper import GROUPS, PaperExperimentError, PaperMapping
 from um_lab.policy import presets
 from um_lab.types import PAPER_GROUPS, DataType
 
@@ -17,9 +17,10 @@ def test_grid_is_every_combination_with_the_baseline_first():
     grid = paper.mappings()
     sizes = [len(paper.GROUP_OPTIONS[g]) for g in GROUPS]
     assert len(grid) == math.prod(sizes) == len(set(grid))
-    assert grid[0] == Mapping3("none", "none", "none")
+    assert grid[0] == PaperMapping("none", "none", "none")
     small = paper.mappings({"model parameters": ["none", "pin-gpu"], "input data": ["prefetch"]})
-    assert small == [Mapping3(), Mapping3("none", "none", "prefetch"), Mapping3("pin-gpu", "none", "prefetch")]
+    assert small == [PaperMapping(), PaperMapping("none", "none", "prefetch"),
+                     PaperMapping("pin-gpu", "none", "prefetch")]
 
 
 def test_read_mostly_only_for_input_data():
@@ -34,29 +35,29 @@ def test_grid_rejects_unknown_groups_options_and_empty_groups():
     with pytest.raises(PaperExperimentError, match="unknown group"):
         paper.mappings({"weights": ["none"]})
     with pytest.raises(PaperExperimentError, match="unknown option"):
-        Mapping3("pinned", "none", "none")
+        PaperMapping("pinned", "none", "none")
     with pytest.raises(PaperExperimentError, match="at least one option"):
         paper.mappings({"input data": []})
 
 
 def test_mapping_names_round_trip_and_policy_follows_the_paper_groups():
-    m = Mapping3("pin-gpu+prefetch", "zero-copy", "read-mostly+prefetch")
-    assert Mapping3.parse(m.name) == m
-    assert Mapping3.from_dict(m.to_dict()) == m
+    m = PaperMapping("pin-gpu+prefetch", "zero-copy", "read-mostly+prefetch")
+    assert PaperMapping.parse(m.name) == m
+    assert PaperMapping.from_dict(m.to_dict()) == m
     with pytest.raises(PaperExperimentError):
-        Mapping3.parse("pin-gpu / none")
+        PaperMapping.parse("pin-gpu / none")
     policy = m.policy()
     for group, option in zip(GROUPS, m.options, strict=True):
         for dtype in PAPER_GROUPS[group]:
             assert policy[dtype] == paper.OPTIONS[option], (group, dtype)
-    assert Mapping3().policy() is presets["um-default"]
+    assert PaperMapping().policy() is presets["um-default"]
     assert m.complexity == 3 + 2 + 2  # preferred+accessed+prefetch, preferred+accessed, read_mostly+prefetch
 
 
 def test_neighbourhood_changes_one_group_at_a_time():
-    center = Mapping3("pin-gpu", "pin-gpu", "none")
+    center = PaperMapping("pin-gpu", "pin-gpu", "none")
     near = paper.neighbourhood(center)
-    assert near[0] == center and Mapping3() in near
+    assert near[0] == center and PaperMapping() in near
     for m in near[2:]:
         assert sum(a != b for a, b in zip(m.options, center.options, strict=True)) <= 1
     expected = 1 + sum(len(paper.GROUP_OPTIONS[g]) - 1 for g in GROUPS) + 1  # + the baseline
@@ -72,7 +73,7 @@ def _table(times: dict[tuple[str, float], dict[str, float]]) -> pd.DataFrame:
     return paper.add_speedup(pd.DataFrame(rows))
 
 
-BASE = Mapping3().name
+BASE = PaperMapping().name
 A = "pin-gpu / none / none"
 B = "none / pin-gpu / none"
 C = "pin-gpu+prefetch / pin-gpu+prefetch / read-mostly+prefetch"
@@ -104,7 +105,7 @@ def test_ranking_is_by_geometric_mean_and_splits_the_regimes():
 def test_ties_go_to_the_simpler_mapping():
     # C is 0.05% faster than A in every cell: inside the tie tolerance, and A makes fewer advice settings
     t = _table({("m", 1.5): {BASE: 100.0, C: 49.975, A: 50.0}})
-    assert Mapping3.parse(A).complexity < Mapping3.parse(C).complexity
+    assert PaperMapping.parse(A).complexity < PaperMapping.parse(C).complexity
     assert paper.best_overall(t)["mapping"] == A
     cell = paper.best_per_cell(t).iloc[0]
     assert cell["best_mapping"] == A and cell["tied"] == 2
@@ -112,7 +113,7 @@ def test_ties_go_to_the_simpler_mapping():
     # outside the tolerance the faster one wins
     t = _table({("m", 1.5): {BASE: 100.0, C: 49.0, A: 50.0}})
     assert paper.best_overall(t)["mapping"] == C
-    assert paper.choose(t).mapping == Mapping3.parse(C)
+    assert paper.choose(t).mapping == PaperMapping.parse(C)
 
 
 def test_ranking_refuses_a_mapping_missing_cells():
@@ -125,7 +126,7 @@ def test_ranking_refuses_a_mapping_missing_cells():
 
 
 def test_preset_is_the_mapping_its_provenance_names():
-    chosen = Mapping3.from_dict(paper.PRESET_PROVENANCE["mapping"])
+    chosen = PaperMapping.from_dict(paper.PRESET_PROVENANCE["mapping"])
     preset = presets["paper-3type"]
     for dtype in DataType:
         assert preset[dtype] == chosen.policy()[dtype], dtype
@@ -179,7 +180,7 @@ def test_preset_still_wins_a_reduced_version_of_its_own_experiment():
     neighbour clearly better, or the preset no better than plain UM, fails here: re-run the experiment."""
     from um_lab.sim import SimBackend
 
-    center = Mapping3.from_dict(paper.PRESET_PROVENANCE["mapping"])
+    center = PaperMapping.from_dict(paper.PRESET_PROVENANCE["mapping"])
     table = paper.run_grid(SMALL_MODEL, SMALL_RATIOS, paper.neighbourhood(center), steps=3, warmup_steps=2,
                            backend=SimBackend(paper.PRESET_PROVENANCE["profile"]))
     rank = paper.ranking(table).set_index("mapping")

@@ -90,7 +90,7 @@ class PaperExperimentError(UmLabError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class Mapping3:
+class PaperMapping:
     """One option name per paper group: a candidate answer to "which advice for which type"."""
 
     params: str = "none"  #: model parameters (param + grad + optim)
@@ -129,7 +129,7 @@ class Mapping3:
         return dict(zip(GROUPS, self.options, strict=True))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, str]) -> Mapping3:
+    def from_dict(cls, data: Mapping[str, str]) -> PaperMapping:
         """Inverse of :meth:`to_dict`."""
         missing = [g for g in GROUPS if g not in data]
         if missing:
@@ -137,7 +137,7 @@ class Mapping3:
         return cls(*(data[g] for g in GROUPS))
 
     @classmethod
-    def parse(cls, name: str) -> Mapping3:
+    def parse(cls, name: str) -> PaperMapping:
         """Inverse of :attr:`name` (``"pin-gpu / none / prefetch"``)."""
         parts = [p.strip() for p in name.split("/")]
         if len(parts) != 3:
@@ -150,7 +150,7 @@ def _advice_count(advice: Advice) -> int:
             + (advice.prefetch != "none"))
 
 
-def mappings(group_options: Mapping[str, Sequence[str]] | None = None) -> list[Mapping3]:
+def mappings(group_options: Mapping[str, Sequence[str]] | None = None) -> list[PaperMapping]:
     """Every combination of the options per group (default :data:`GROUP_OPTIONS`), baseline first."""
     opts = dict(GROUP_OPTIONS if group_options is None else group_options)
     unknown = sorted(set(opts) - set(GROUPS))
@@ -159,20 +159,20 @@ def mappings(group_options: Mapping[str, Sequence[str]] | None = None) -> list[M
     per_group = [list(dict.fromkeys(opts.get(g, ("none",)))) for g in GROUPS]
     if any(not o for o in per_group):
         raise PaperExperimentError("every group needs at least one option")
-    grid = [Mapping3(*combo) for combo in itertools.product(*per_group)]
-    base = Mapping3()
+    grid = [PaperMapping(*combo) for combo in itertools.product(*per_group)]
+    base = PaperMapping()
     return [base, *(m for m in grid if m != base)]
 
 
-def neighbourhood(center: Mapping3, group_options: Mapping[str, Sequence[str]] | None = None) -> list[Mapping3]:
+def neighbourhood(center: PaperMapping, group_options: Mapping[str, Sequence[str]] | None = None) -> list[PaperMapping]:
     """``center``, the baseline, and every mapping that changes one group of ``center`` to another option."""
     opts = GROUP_OPTIONS if group_options is None else group_options
-    out = [center, Mapping3()]
+    out = [center, PaperMapping()]
     for i, group in enumerate(GROUPS):
         for option in opts.get(group, ()):
             changed = list(center.options)
             changed[i] = option
-            out.append(Mapping3(*changed))
+            out.append(PaperMapping(*changed))
     return list(dict.fromkeys(out))
 
 
@@ -182,7 +182,7 @@ def neighbourhood(center: Mapping3, group_options: Mapping[str, Sequence[str]] |
 def run_grid(
     models: Mapping[str, Mapping[str, Any]],
     ratios: Sequence[float | None],
-    grid: Iterable[Mapping3],
+    grid: Iterable[PaperMapping],
     *,
     steps: int = 4,
     warmup_steps: int = 2,
@@ -201,8 +201,8 @@ def run_grid(
     from um_lab.summary import summarize
 
     grid = list(dict.fromkeys(grid))
-    if Mapping3() not in grid:
-        grid.insert(0, Mapping3())
+    if PaperMapping() not in grid:
+        grid.insert(0, PaperMapping())
     if not models or not list(ratios):
         raise PaperExperimentError("run_grid needs at least one model and one ratio")
     backend = backend if backend is not None else SimBackend()
@@ -246,7 +246,7 @@ def add_speedup(table: pd.DataFrame) -> pd.DataFrame:
     within each (model, ratio); the baseline is the all-``none`` mapping."""
     table = table.copy()
     key = table["ratio"].astype(object).where(table["ratio"].notna(), "none")
-    base_rows = table[table["mapping"] == Mapping3().name]
+    base_rows = table[table["mapping"] == PaperMapping().name]
     base = dict(zip(zip(base_rows["model"], key[base_rows.index], strict=True), base_rows["median_ms"],
                     strict=True))
     missing = {(m, k) for m, k in zip(table["model"], key, strict=True)} - set(base)
@@ -271,7 +271,7 @@ def _simplest_of_ties(frame: pd.DataFrame, column: str, higher_is_better: bool) 
     else:
         tied = values <= best * (1 + TIE_TOLERANCE)
     candidates = frame[tied]
-    complexity = [Mapping3.parse(m).complexity for m in candidates["mapping"]]
+    complexity = [PaperMapping.parse(m).complexity for m in candidates["mapping"]]
     return candidates.iloc[int(np.argmin(complexity))]
 
 
@@ -308,12 +308,12 @@ def ranking(table: pd.DataFrame) -> pd.DataFrame:
         if len(group) != n_cells:
             raise PaperExperimentError(f"mapping {name!r} has {len(group)} of {n_cells} (model, ratio) cells")
         g = geomean(group["speedup"])
-        rows.append({"mapping": name, **dict(zip(GROUPS, Mapping3.parse(name).options, strict=True)),
+        rows.append({"mapping": name, **dict(zip(GROUPS, PaperMapping.parse(name).options, strict=True)),
                      "geomean_speedup": g, "time_saved": 1 - 1 / g,
                      "oversubscribed_speedup": geomean(group.loc[over[group.index], "speedup"]),
                      "fits_speedup": geomean(group.loc[~over[group.index], "speedup"]),
                      "worst_speedup": group["speedup"].min(), "best_speedup": group["speedup"].max(),
-                     "complexity": Mapping3.parse(name).complexity})
+                     "complexity": PaperMapping.parse(name).complexity})
     out = pd.DataFrame(rows).sort_values(["geomean_speedup", "complexity"], ascending=[False, True],
                                          kind="stable")
     return out.reset_index(drop=True)
@@ -334,9 +334,9 @@ class Choice:
     best: pd.Series
 
     @property
-    def mapping(self) -> Mapping3:
+    def mapping(self) -> PaperMapping:
         """The best overall mapping."""
-        return Mapping3.parse(self.best["mapping"])
+        return PaperMapping.parse(self.best["mapping"])
 
 
 def choose(table: pd.DataFrame) -> Choice:
@@ -383,7 +383,7 @@ def rows_to_json(table: pd.DataFrame) -> dict[str, Any]:
 def rows_from_json(rows: Mapping[str, Any]) -> pd.DataFrame:
     """Inverse of :func:`rows_to_json`: the table with the group columns, ``speedup`` and ``time_saved``."""
     table = pd.DataFrame(rows["data"], columns=rows["columns"])
-    groups = pd.DataFrame([Mapping3.parse(m).options for m in table["mapping"]], columns=list(GROUPS),
+    groups = pd.DataFrame([PaperMapping.parse(m).options for m in table["mapping"]], columns=list(GROUPS),
                           index=table.index)
     table = pd.concat([table.iloc[:, :3], groups, table.iloc[:, 3:]], axis=1)
     return add_speedup(table)
