@@ -91,6 +91,8 @@ class Lab:
         self._backends: dict[str, Any] = {}
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._ended = threading.Event()  # set by the watcher once the panel shows the run's end
+        self._ended.set()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -151,6 +153,7 @@ class Lab:
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._say(f"running {spec.model} under {self.policy.name} on {active.backend_note}: 0/{total} steps")
         active.start()
+        self._ended.clear()
         self._watcher = threading.Thread(target=self._watch, args=(active,), daemon=True, name="um_lab-lab-watch")
         self._watcher.start()
         if wait:
@@ -170,19 +173,24 @@ class Lab:
 
         An interrupt while waiting (Ctrl-C, the notebook's stop button) stops the run after its current
         step, waits for that, and is raised again."""
-        if self._watcher is None:
-            return True
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while self._watcher.is_alive() and (deadline is None or time.monotonic() < deadline):
-                self._watcher.join(0.1)  # short joins: an interrupt is seen at once
+            # an Event, not Thread.join: an interrupted join can leave the thread reported as ended
+            while not self._ended.wait(0.1) and (deadline is None or time.monotonic() < deadline):
+                pass
         except KeyboardInterrupt:  # Ctrl-C / the notebook's stop button: end the run too, then say so
             self.stop()
-            self._watcher.join(60)
+            self._ended.wait(60)
             raise
-        return not self._watcher.is_alive()
+        return self._ended.is_set()
 
     def _watch(self, active: Run) -> None:
+        try:
+            self._show_end(active)
+        finally:
+            self._ended.set()
+
+    def _show_end(self, active: Run) -> None:
         try:
             active.join()
         except BaseException as e:  # the run's own error: shown in the status line
