@@ -31,15 +31,20 @@ def keep_plots_in_exports() -> None:
         pio.renderers.default = "plotly_mimetype+notebook"
 
 
-def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
-    """Grouped bars of ``metric`` per policy, one group per (model, ratio), from ``runner.compare``."""
-    go = _plotly()
-    missing = {"model", "policy", "ratio", metric} - set(table.columns)
+def _grouped(table: pd.DataFrame, needed: set[str]) -> pd.DataFrame:
+    """``table`` with a ``group`` column ``"<model> @ <ratio>x"`` (``card`` for no ratio), checked for columns."""
+    missing = {"model", "policy", "ratio", *needed} - set(table.columns)
     if missing:
         raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from runner.compare")
     groups = [f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}" for m, r in zip(table["model"], table["ratio"],
                                                                               strict=True)]
-    frame = table.assign(group=groups)
+    return table.assign(group=groups)
+
+
+def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
+    """Grouped bars of ``metric`` per policy, one group per (model, ratio), from ``runner.compare``."""
+    go = _plotly()
+    frame = _grouped(table, {metric})
     fig = go.Figure()
     for policy, rows in frame.groupby("policy", sort=False):
         fig.add_bar(name=str(policy), x=rows["group"], y=rows[metric])
@@ -229,12 +234,7 @@ def speedup_figure(table: pd.DataFrame, baseline: str = "um-default", log_scale:
     ``baseline`` (from :func:`um_lab.runner.compare`). ``log_scale`` puts step time on a log axis."""
     go = _plotly()
     column = f"speedup_vs_{baseline}"
-    missing = {"model", "policy", "ratio", "median_ms", column} - set(table.columns)
-    if missing:
-        raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from runner.compare")
-    groups = [f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}" for m, r in zip(table["model"], table["ratio"],
-                                                                              strict=True)]
-    frame = table.assign(group=groups)
+    frame = _grouped(table, {"median_ms", column})
     fig = go.Figure()
     for policy, rows in frame.groupby("policy", sort=False):
         labels = ["" if pd.isna(s) else f"{s:.2f}x" for s in rows[column]]
