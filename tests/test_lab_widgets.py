@@ -152,7 +152,7 @@ def test_an_interrupt_while_waiting_stops_the_run_and_leaves_the_panel_usable(tm
               out_dir=tmp_path)
     def interrupt_once_running():
         deadline = time.monotonic() + 60
-        while len(lab.records) < 3 and time.monotonic() < deadline:
+        while lab.dashboard.count < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         _thread.interrupt_main()  # as Ctrl-C (or the notebook's stop button) would, while run() waits
 
@@ -293,3 +293,89 @@ def test_compare_view_runs_policies_by_ratios_and_shows_figures_and_a_readable_t
     view.log_scale.value = True
     assert view.figures()[0].layout.yaxis.type == "log"
     assert len(view.output.outputs) == 3  # bars, overlay, table
+
+
+def test_editing_one_paper_group_leaves_the_other_types_advice_alone():
+    grid = AdviceGrid("offload-optimizer")
+    grid.three_types.value = True
+    results = grid._rows3[1]  # intermediate results
+    results.prefetch.value = "to-gpu-before-use"
+    assert grid.policy["act"].prefetch == "to-gpu-before-use"
+    assert grid.policy["optim"] == presets["offload-optimizer"]["optim"], "optimizer offload kept"
+    assert grid.policy["param"] == Advice() and grid.policy["grad"] == Advice()
+
+
+def test_a_loaded_policy_with_a_presets_name_but_other_advice_is_not_recorded_as_that_preset(tmp_path):
+    from um_lab.policy import Policy
+
+    fake = Policy("gpu-first", {"param": Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))})
+    path = fake.save(tmp_path / "fake.json")
+    grid = AdviceGrid()
+    grid.load(path)
+    assert grid.preset.value == "custom" and grid.policy.name == "gpu-first (edited)"
+    assert grid.policy["param"].preferred_location == "cpu"
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00\x81")
+    assert grid.load(binary) is None and "not a valid policy" in grid.file_status.value
+
+
+def test_a_second_run_waits_until_the_panel_has_shown_the_first_ones_end(tmp_path, monkeypatch):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=2, warmup_steps=0, out_dir=tmp_path)
+    original = lab.static_figure
+
+    def slow_static_figure(*args, **kwargs):
+        time.sleep(1.0)  # a big run's static figure takes a while to build
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lab, "static_figure", slow_static_figure)
+    first = lab.run()
+    _wait(lambda: first.done)
+    assert lab.run() is None and "already going" in lab.status.value
+    assert lab.wait(30) and lab.state == "complete"
+    second = lab.run(wait=True, timeout=60)
+    assert second is not None and second is not first and lab.state == "complete"
+
+
+def test_a_run_refused_at_start_leaves_the_last_run_on_show(tmp_path):
+    if cuda_available():
+        pytest.skip("this machine has a GPU: the no-GPU refusal cannot happen")  # pragma: no cover
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=3, warmup_steps=0, out_dir=tmp_path)
+    lab.run(wait=True, timeout=60)
+    shown = lab.result.path
+    lab.workload.backend.value = "cuda"
+    assert lab.run() is None and lab.state == "error"
+    assert lab.result.path == shown and lab.static_output.outputs
+    assert len(_trace(lab.dashboard.widget, "step time").x) == 3
+
+
+def test_a_failure_while_showing_the_end_never_leaves_the_panel_stuck(tmp_path, monkeypatch):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=2, warmup_steps=0, out_dir=tmp_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("figure trouble")
+
+    monkeypatch.setattr(lab, "static_figure", broken)
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete" and "figure trouble" in lab.status.value
+    assert lab.run_button.disabled is False and lab.stop_button.disabled is True
+
+
+def test_live_dashboard_incremental_thinning_keeps_a_regular_grid_and_the_newest_step():
+    import random
+
+    rng = random.Random(0)
+    board = LiveDashboard(max_points=7)
+    fed = 0
+    for _ in range(60):
+        for _ in range(rng.randrange(0, 40)):
+            board.feed(_record(fed))
+            fed += 1
+        board.draw()
+        x = [int(v) for v in _trace(board.widget, "step time").x]
+        if not fed:
+            assert x == []
+            continue
+        assert x[-1] == fed - 1, "the newest step is always drawn"
+        body = x[:-1] if len(x) > 1 and (x[-1] - x[-2]) % board._stride else x
+        assert body == list(range(0, body[-1] + 1, board._stride)), "every stride-th step from 0, none twice"
+        assert len(x) <= board.max_points + 1

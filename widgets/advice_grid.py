@@ -18,7 +18,7 @@ CUSTOM = "custom"
 class _Row:
     """One row of controls editing the advice of one or more data types."""
 
-    def __init__(self, label: str, dtypes: tuple[DataType, ...], on_change: Callable[[], None]) -> None:
+    def __init__(self, label: str, dtypes: tuple[DataType, ...], on_change: Callable[[_Row], None]) -> None:
         import ipywidgets as w
 
         self.dtypes = dtypes
@@ -33,7 +33,7 @@ class _Row:
                            self.note])
         self.box.add_class(f"um-lab-advice-{label.replace(' ', '-')}")
         for control in self.controls:
-            control.observe(lambda _change: on_change(), names="value")
+            control.observe(lambda _change: on_change(self), names="value")
 
     @property
     def controls(self) -> tuple[Any, ...]:
@@ -102,8 +102,12 @@ class AdviceGrid:
         return self._policy
 
     def set_policy(self, policy: Policy | str) -> None:
-        """Show ``policy`` (a preset name or a :class:`Policy`) in the grid."""
-        self._policy = get_policy(policy)
+        """Show ``policy`` (a preset name or a :class:`Policy`) in the grid. A policy that carries a preset's
+        name but other advice is shown as custom and renamed, so runs never record it as that preset."""
+        policy = get_policy(policy)
+        if policy.name in presets and policy != presets[policy.name]:
+            policy = Policy(f"{policy.name} (edited)", policy.advice, policy.description)
+        self._policy = policy
         self._quiet = True
         try:
             self.preset.value = self._policy.name if self._policy.name in presets else CUSTOM
@@ -112,11 +116,12 @@ class AdviceGrid:
             self._quiet = False
         self._changed()
 
-    def _show(self) -> None:
+    def _show(self, keep_description: bool = False) -> None:
         for row in self._rows5 + self._rows3:
             values = {self._policy[t] for t in row.dtypes}
             row.show(self._policy[row.dtypes[0]], mixed=len(values) > 1)
-        self.description.value = f"<small>{self._policy.description}</small>" if self._policy.description else ""
+        if not keep_description:
+            self.description.value = f"<small>{self._policy.description}</small>" if self._policy.description else ""
 
     def _layout_rows(self) -> None:
         self.rows.children = [r.box for r in (self._rows3 if self.three_types.value else self._rows5)]
@@ -126,33 +131,25 @@ class AdviceGrid:
             return
         self.set_policy(change["new"])
 
-    def _edited(self) -> None:
+    def _edited(self, row: _Row) -> None:
+        """One row was edited: only that row's data types change (a paper group sets all of its types)."""
         if self._quiet:
             return
-        rows = self._rows3 if self.three_types.value else self._rows5
         advice = dict(self._policy.advice)
         try:
-            for row in rows:
-                for dtype in row.dtypes:
-                    advice[dtype] = row.advice()
+            for dtype in row.dtypes:
+                advice[dtype] = row.advice()
         except PolicyError as e:  # the dropdowns only offer valid values; kept for safety
             self.notes.value = f"<span style='color:#c00'>{e}</span>"
             return
         if advice == dict(self._policy.advice):
             return
-        name = self._policy.name if self._policy.name not in presets else CUSTOM
-        self._policy = Policy(name, advice, "edited in the panel" if name == CUSTOM else self._policy.description)
+        name = CUSTOM if self._policy.name in presets else self._policy.name  # a loaded policy keeps its name
+        self._policy = Policy(name, advice, "edited in the panel")
         self._quiet = True
         try:
             self.preset.value = CUSTOM
-            other = self._rows5 if self.three_types.value else self._rows3
-            for row in other:
-                values = {self._policy[t] for t in row.dtypes}
-                row.show(self._policy[row.dtypes[0]], mixed=len(values) > 1)
-            for row in rows:
-                values = {self._policy[t] for t in row.dtypes}
-                row.note.value = ("<span style='color:#a60'>these types differ; editing sets all of them</span>"
-                                  if len(values) > 1 else "")
+            self._show(keep_description=True)
             self.description.value = "<small>edited: not a preset</small>"
         finally:
             self._quiet = False
@@ -187,7 +184,7 @@ class AdviceGrid:
         except OSError as e:
             self.file_status.value = f"<span style='color:#c00'>cannot read {source}: {e.strerror or e}</span>"
             return None
-        except PolicyError as e:
+        except (PolicyError, ValueError) as e:  # ValueError: not text (UnicodeDecodeError)
             self.file_status.value = f"<span style='color:#c00'>{source} is not a valid policy: {e}</span>"
             return None
         self.set_policy(policy)

@@ -13,7 +13,9 @@
 ``feed(record)`` is all the training thread does (an append under a lock); a drawer thread redraws the
 figure in one ``batch_update`` when records arrived, never more often than ``max_redraws_per_s`` and
 never taking more than ``max_share`` of the time (a redraw that took 5 ms waits at least 0.5 s at the
-default 1%: the drawer shares the GIL with the training thread). ``finish()`` always draws the last state.
+default 1%: the drawer shares the GIL with the training thread, so a fast simulated run is redrawn
+about once a second). ``finish()`` always draws the last state. The board keeps only the steps it
+draws (every k-th of a long run, and the newest), never the whole run: that is on disk.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from typing import Any
 import numpy as np
 
 from um_lab.types import StepRecord
-from um_lab.widgets.figures import DASHBOARD_TRACES, dashboard_figure, dashboard_row, residency_title, series_from_rows
+from um_lab.widgets.figures import (
+    DASHBOARD_TRACES,
+    dashboard_figure,
+    dashboard_figure_from_rows,
+    dashboard_row,
+    residency_title,
+    series_from_rows,
+)
 
 
 class LiveDashboard:
@@ -41,25 +50,34 @@ class LiveDashboard:
             raise ValueError(f"max_redraws_per_s must be > 0, got {max_redraws_per_s}")
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
-        self.max_share = max_share
+        if max_points < 2:
+            raise ValueError(f"max_points must be >= 2, got {max_points}")
         import plotly.graph_objects as go
 
         self.min_interval_s = 1.0 / max_redraws_per_s
+        self.max_share = max_share
+        self.max_points = max_points
         self.widget: Any = go.FigureWidget(dashboard_figure((), title))
-        self.records: list[StepRecord] = []
+        self.count = 0  #: records fed since the last reset
+        self.last: StepRecord | None = None  #: the newest record drawn
         self.redraws = 0  #: how many times the figure was redrawn (for tests and the overhead benchmark)
         self.draw_seconds = 0.0  #: time spent redrawing, on the drawer thread
-        self._lock = threading.Lock()
+        #: called as ``on_draw(number of records drawn)`` after each redraw (the panel's progress bar)
+        self.on_draw: Callable[[int], None] | None = None
+        self._pending: list[StepRecord] = []  # fed, not yet looked at by draw()
+        self._feed_lock = threading.Lock()
+        self._draw_lock = threading.Lock()  # one draw (or reset) at a time, whoever calls it
         self._dirty = threading.Event()
         self._closing = threading.Event()
-        self._drawn = 0  # records drawn so far
-        self.max_points = max_points
+        self._drawer: threading.Thread | None = None
+        self._clear_state()
+
+    def _clear_state(self) -> None:
         self._rows: list[tuple[float, ...]] = []  # the steps kept for drawing: every stride-th
         self._stride = 1
         self._next = 0  # index of the next record to keep
-        self._drawer: threading.Thread | None = None
-        #: called as ``on_draw(number of records drawn)`` after each redraw (the panel's progress bar)
-        self.on_draw: Callable[[int], None] | None = None
+        self._seen = 0  # records draw() has looked at
+        self._drawn_count = -1  # count at the last redraw (-1: the figure must be redrawn)
 
     # -- feeding -----------------------------------------------------------------------------------
 
@@ -71,16 +89,19 @@ class LiveDashboard:
 
     def feed(self, record: StepRecord) -> None:
         """Take one record (called from the thread that runs the steps: cheap, never draws)."""
-        self.records.append(record)  # one atomic append; the drawer only reads a prefix of the list
+        with self._feed_lock:
+            self._pending.append(record)
+            self.count += 1
         if not self._dirty.is_set():
             self._dirty.set()
 
     def reset(self) -> None:
         """Forget every record and clear the figure (for the next run)."""
         self.finish()
-        with self._lock:
-            self.records = []
-            self._drawn = -1  # force a redraw of the empty state
+        with self._draw_lock:
+            with self._feed_lock:
+                self._pending, self.count, self.last = [], 0, None
+            self._clear_state()
         self.draw()
 
     # -- drawing -----------------------------------------------------------------------------------
@@ -117,46 +138,59 @@ class LiveDashboard:
             # thread shares the GIL with this one)
             next_at = started + max(self.min_interval_s, took / self.max_share)
 
+    def _take(self) -> int:
+        """Move fed records into the kept rows (every stride-th step; the stride doubles past max_points)."""
+        with self._feed_lock:
+            pending, self._pending = self._pending, []
+            count = self.count
+        if pending:
+            start = self._next - self._seen  # position of the next kept step inside this chunk
+            self._rows.extend(dashboard_row(r) for r in pending[start::self._stride])
+            self._seen += len(pending)
+            kept = max(0, -(-(len(pending) - start) // self._stride))
+            self._next += kept * self._stride
+            self.last = pending[-1]
+        while len(self._rows) > self.max_points:
+            self._rows, self._stride = self._rows[::2], self._stride * 2
+            self._next = -(-self._next // self._stride) * self._stride
+        return count
+
+    def _rows_to_draw(self) -> np.ndarray:
+        rows = self._rows
+        if self.last is not None and not (rows and rows[-1][0] == self.last.step):
+            rows = [*rows, dashboard_row(self.last)]
+        return np.asarray(rows, dtype=float)
+
     def draw(self) -> None:
         """Redraw the figure with the records that arrived since the last draw (skipped when none did).
 
         Only the steps that will be drawn are converted: every ``stride``-th step (``stride`` doubles
         whenever more than ``max_points`` steps would be kept) plus always the newest one, so a redraw
-        costs about the same at step 100 and at step 100,000. Thinned steps are in the static figure.
+        costs about the same at step 100 and at step 100,000.
         """
         started = time.perf_counter()
-        with self._lock:
-            n = len(self.records)
-            if n == self._drawn:
+        with self._draw_lock:
+            count = self._take()
+            if count == self._drawn_count:
                 return
-            if self._drawn < 0 or n < self._drawn:  # reset: start again
-                self._rows, self._stride, self._next = [], 1, 0
-            picked = self.records[self._next:n:self._stride]
-            last = self.records[n - 1] if n else None
-            self._drawn = n
-        self._rows.extend(dashboard_row(r) for r in picked)
-        self._next += len(picked) * self._stride
-        while len(self._rows) > self.max_points:
-            self._rows, self._stride = self._rows[::2], self._stride * 2
-            self._next = -(-self._next // self._stride) * self._stride
-        rows = self._rows
-        if last is not None and not (rows and rows[-1][0] == last.step):
-            rows = [*rows, dashboard_row(last)]
-        series = series_from_rows(np.asarray(rows, dtype=float))
-        fig = self.widget
-        with fig.batch_update():
-            for trace, name in zip(fig.data, DASHBOARD_TRACES, strict=True):
-                trace.x, trace.y = series[name]  # float arrays: plotly sends them as binary buffers
-            title = residency_title([last] if last is not None else [])
-            if fig.layout.annotations[0].text != title:
-                fig.layout.annotations[0].text = title
-        self.redraws += 1
-        self.draw_seconds += time.perf_counter() - started
+            self._drawn_count = count
+            series = series_from_rows(self._rows_to_draw())
+            fig = self.widget
+            with fig.batch_update():
+                for trace, name in zip(fig.data, DASHBOARD_TRACES, strict=True):
+                    trace.x, trace.y = series[name]  # float arrays: plotly sends them as binary buffers
+                title = residency_title([self.last] if self.last is not None else [])
+                if fig.layout.annotations[0].text != title:
+                    fig.layout.annotations[0].text = title
+            self.redraws += 1
+            self.draw_seconds += time.perf_counter() - started
         if self.on_draw is not None:
-            self.on_draw(n)
+            self.on_draw(count)
 
     def static_figure(self, title: str = "") -> Any:
-        """The records so far as a plain ``go.Figure`` (kept by an exported notebook, unlike the widget)."""
-        with self._lock:
-            records = list(self.records)
-        return dashboard_figure(records, title)
+        """What the board shows, as a plain ``go.Figure`` (kept by an exported notebook, unlike the widget)."""
+        with self._draw_lock:
+            self._take()
+            rows = self._rows_to_draw()
+            last = [self.last] if self.last is not None else []
+        return dashboard_figure_from_rows(rows, last, title)

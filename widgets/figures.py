@@ -171,33 +171,36 @@ def series_from_rows(rows: np.ndarray, max_points: int | None = None) -> dict[st
     return out
 
 
-def dashboard_series(records: Iterable[StepRecord]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """``{trace name: (steps, values)}`` for the dashboard (see :data:`DASHBOARD_TRACES`).
-
-    Residency is GPU-resident bytes per type where measured or simulated, else live managed bytes
-    (the title says which). Quantities a record did not measure are left out, never drawn as zeros.
-    """
-    return series_from_rows(np.array([dashboard_row(r) for r in records], dtype=float))
-
-
-def dashboard_figure(records: Iterable[StepRecord] = (), title: str = "") -> Any:
+def dashboard_figure(records: Iterable[StepRecord] = (), title: str = "", max_points: int | None = None) -> Any:
     """The run dashboard as a static figure: residency per type (stacked) against the GPU capacity, step
     time, oversubscription ratio, page faults, and migrated / remote bytes per step.
 
-    The live dashboard (:class:`um_lab.widgets.LiveDashboard`) is this figure in a ``FigureWidget``.
+    ``records`` are streamed (a run's ``records()`` from disk is fine); with ``max_points`` longer series
+    are thinned to every k-th step (the last kept). The live dashboard
+    (:class:`um_lab.widgets.LiveDashboard`) is this figure in a ``FigureWidget``.
     """
+    rows, last = [], None
+    for last in records:
+        rows.append(dashboard_row(last))
+    return dashboard_figure_from_rows(np.asarray(rows, dtype=float), [last] if last is not None else [], title,
+                                      max_points)
+
+
+def dashboard_figure_from_rows(rows: np.ndarray, last: list[StepRecord], title: str = "",
+                               max_points: int | None = None) -> Any:
+    """:func:`dashboard_figure` from :func:`dashboard_row` rows; ``last`` (the newest record, or none) names
+    the residency source."""
     _plotly()  # a clear ImportError when plotly is missing
     import plotly.colors
     from plotly.subplots import make_subplots
 
-    records = list(records)
-    source = residency_source(records)
+    source = residency_source(last)
     fig = make_subplots(rows=3, cols=2, specs=[[{"colspan": 2}, None], [{}, {}], [{}, {}]],
                         vertical_spacing=0.11, horizontal_spacing=0.1,
                         subplot_titles=(_RESIDENCY_TITLES[source], "step time (ms)",
                                         "oversubscription (live / capacity)", "GPU page faults per step",
                                         "migrated and remote MiB per step"))
-    series = dashboard_series(records)
+    series = series_from_rows(rows, max_points)
     palette = plotly.colors.DEFAULT_PLOTLY_COLORS
     for i, dtype in enumerate(DATA_TYPES):
         x, y = series[dtype.value]

@@ -21,12 +21,12 @@ from typing import Any
 from um_lab.backend import cuda_available, get_backend
 from um_lab.errors import CudaUnavailableError
 from um_lab.policy import Policy
-from um_lab.runlog import LoadedRun, default_out_dir
+from um_lab.runlog import LoadedRun, default_out_dir, iter_records
 from um_lab.runner import Run
 from um_lab.types import RunSpec, StepRecord
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
-from um_lab.widgets.figures import display_bundle
+from um_lab.widgets.figures import dashboard_figure, display_bundle
 from um_lab.widgets.workload import WorkloadPicker
 
 _END_COLOURS = {"complete": "#080", "stopped": "#a60", "interrupted": "#a60", "failed": "#c00", "error": "#c00"}
@@ -128,13 +128,10 @@ class Lab:
         Anything that stops it from starting (a size refused under the safety cap, bad knobs, no GPU)
         is shown in the status line, never raised; ``lab.last_error`` keeps the exception.
         """
-        if self.active is not None and not self.active.done:
+        if not self._ended.is_set():  # a run is going, or the panel is still showing its end
             self._say("a run is already going: press Stop first", "#a60")
             return None
-        self._stop.clear()
         self.last_error = None
-        self.static_output.clear_output()
-        self.dashboard.reset()
         try:
             spec = self.spec()
             active = Run(spec, policy=self.policy, out_dir=self.out_dir, backend=self._backend(spec.backend))
@@ -142,7 +139,11 @@ class Lab:
             self.last_error = e
             self.state = "error"
             self._say(f"error: {type(e).__name__}: {e}", _END_COLOURS["error"])
-            return None
+            return None  # the last run (if any) stays on show, and lab.result still is that run
+        self._stop.clear()
+        self._ended.clear()
+        self.static_output.clear_output()
+        self.dashboard.reset()
         self.active = active
         total = spec.warmup_steps + spec.steps
         self.progress.max, self.progress.value, self.progress.bar_style = total, 0, ""
@@ -153,7 +154,6 @@ class Lab:
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._say(f"running {spec.model} under {self.policy.name} on {active.backend_note}: 0/{total} steps")
         active.start()
-        self._ended.clear()
         self._watcher = threading.Thread(target=self._watch, args=(active,), daemon=True, name="um_lab-lab-watch")
         self._watcher.start()
         if wait:
@@ -187,7 +187,13 @@ class Lab:
     def _watch(self, active: Run) -> None:
         try:
             self._show_end(active)
+        except Exception as e:  # never leave the panel stuck on "running"
+            self.last_error = self.last_error or e
+            self._say(f"{active.status}: the panel could not show the run's end ({type(e).__name__}: {e}). "
+                      f"Run folder: {active.path}", _END_COLOURS["error"])
         finally:
+            self.state = active.status if active.done else "failed"
+            self.run_button.disabled, self.stop_button.disabled = False, True
             self._ended.set()
 
     def _show_end(self, active: Run) -> None:
@@ -196,7 +202,6 @@ class Lab:
         except BaseException as e:  # the run's own error: shown in the status line
             self.last_error = e
         self.dashboard.finish()
-        self.state = active.status
         spec = active.spec
         done = f"{active.steps_completed}/{spec.warmup_steps + spec.steps} steps"
         text = f"{active.status}: {spec.model} under {spec.policy} on {active.backend_note}, {done}"
@@ -205,11 +210,10 @@ class Lab:
         summary = active.summary()
         if summary["steps"]:
             text += f"; median step {summary['median_ms']:.2f} ms"
-        self._say(f"{text}. Run folder: {active.path}", _END_COLOURS.get(active.status, "#000"))
         self.progress.bar_style = "success" if active.status == "complete" else "warning"
-        self.run_button.disabled, self.stop_button.disabled = False, True
-        if self.dashboard.records:
+        if self.dashboard.count:
             self.static_output.outputs = (display_bundle(self.static_figure()),)
+        self._say(f"{text}. Run folder: {active.path}", _END_COLOURS.get(active.status, "#000"))
 
     def _drawn(self, steps: int) -> None:
         self.progress.value = steps
@@ -225,8 +229,11 @@ class Lab:
 
     @property
     def records(self) -> list[StepRecord]:
-        """The current (or last) run's records so far."""
-        return list(self.dashboard.records)
+        """The current (or last) run's records so far, read from its folder (the panel keeps only what it
+        draws)."""
+        if self.active is None:
+            return []
+        return list(iter_records(self.active.path / "records.jsonl"))
 
     @property
     def result(self) -> LoadedRun:
@@ -235,10 +242,11 @@ class Lab:
             raise RuntimeError("no run yet: press Run or call lab.run()")
         return self.active.result()
 
-    def static_figure(self) -> Any:
-        """The last run's dashboard as a plain plotly figure (an exported notebook keeps it)."""
-        title = ""
-        if self.active is not None:
-            spec = self.active.spec
-            title = f"{spec.model} · {spec.policy} · {self.active.backend_note} · {self.active.status}"
-        return self.dashboard.static_figure(title)
+    def static_figure(self, max_points: int = 5000) -> Any:
+        """The last run's dashboard as a plain plotly figure (an exported notebook keeps it), read from the
+        run's folder; runs longer than ``max_points`` steps are drawn thinned to every k-th step."""
+        if self.active is None:
+            return self.dashboard.static_figure()
+        spec = self.active.spec
+        title = f"{spec.model} · {spec.policy} · {self.active.backend_note} · {self.active.status}"
+        return dashboard_figure(iter_records(self.active.path / "records.jsonl"), title, max_points)

@@ -58,7 +58,7 @@ def test_stop_on_the_gpu_ends_after_the_current_step(tmp_path):
               out_dir=tmp_path)
     lab.run()
     deadline = time.monotonic() + 120
-    while len(lab.records) < 5 and time.monotonic() < deadline:
+    while lab.dashboard.count < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
     lab.stop()
     assert lab.wait(120)
