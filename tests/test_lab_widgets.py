@@ -90,19 +90,27 @@ def test_registered_custom_models_are_in_the_dropdown_with_their_knobs(tmp_path)
         models.ZOO.pop("tiny-net", None)
 
 
-def test_panel_shows_the_estimate_and_ratio_before_running(tmp_path):
-    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=2.0, out_dir=tmp_path)
+def test_panel_shows_the_ratio_the_simulated_run_will_have_before_running(tmp_path):
+    from um_lab.models import get_model
+    from um_lab.sim import SimBackend
+
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=2.0, steps=2, warmup_steps=0,
+              out_dir=tmp_path)
     estimate = lab.workload.wait_estimate()
-    assert estimate is not None and estimate.total_bytes > 0
-    assert "2.00x" in lab.workload.estimate.value and "param" in lab.workload.estimate.value
+    assert estimate is not None and estimate.total_bytes > 0 and "param" in lab.workload.estimate.value
+    footprint = SimBackend().prepare(get_model("mlp", **TINY_MLP)).footprint_bytes
+    assert lab.workload.last_footprint == footprint
+    assert not list(tmp_path.iterdir()), "nothing runs before Run is pressed"
     lab.workload.capacity_mode.value = "capacity GiB"
-    lab.workload.capacity_value.value = 1.0
+    lab.workload.capacity_value.value = 0.005  # 5 MiB: below the footprint of the tiny MLP
     lab.workload.wait_estimate()
-    ratio = estimate.total_bytes / 2**30
-    assert f"{ratio:.2f}x" in lab.workload.estimate.value
+    shown = footprint / (int(0.005 * 2**30) // (2 << 20) * (2 << 20))  # whole 2 MiB chunks: 4 MiB
+    assert f"{shown:.2f}x" in lab.workload.estimate.value
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete"
+    assert lab.records[-1].oversubscription_ratio == pytest.approx(shown, rel=0.02), "shown before = measured after"
     lab.workload.model.value = "gpt2-small"  # new knobs, new estimate
     assert "n_layer" in lab.workload.knobs and "width" not in lab.workload.knobs
-    assert not list(tmp_path.iterdir()), "nothing runs before Run is pressed"
 
 
 def test_run_button_streams_records_into_the_live_dashboard_then_a_static_figure(tmp_path):

@@ -53,7 +53,9 @@ class Lab:
             raise ValueError(f"pace_s must be >= 0, got {pace_s}")
         self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.telemetry = telemetry
-        self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib)
+        self._backends: dict[str, Any] = {}
+        self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib,
+                                       sim_backend=lambda: self._backend("sim"))
         self.advice = AdviceGrid(policy)
         self.steps = w.BoundedIntText(value=steps, min=1, max=10**7, description="steps",
                                       layout=w.Layout(width="170px"))
@@ -88,7 +90,6 @@ class Lab:
         self.active: Run | None = None
         self.state = "idle"  #: idle, running, complete, stopped, interrupted, failed or error (refused to start)
         self.last_error: BaseException | None = None
-        self._backends: dict[str, Any] = {}
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._ended = threading.Event()  # set by the watcher once the panel shows the run's end

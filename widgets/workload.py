@@ -19,6 +19,7 @@ from um_lab.types import DATA_TYPES
 _CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd", "n_head"),
                  "bert": ("num_hidden_layers", "hidden_size", "num_attention_heads")}
 CAPACITY_MODES = ("ratio", "capacity GiB", "card")
+_CHUNK = 2 << 20  # the simulated GPU's memory comes in 2 MiB chunks
 _ESTIMATORS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
@@ -45,20 +46,23 @@ def model_knobs(name: str) -> dict[str, int]:
     return knobs
 
 
-def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity_label: str) -> str:
-    """A small table: bytes per data type, total, and the ratio to the capacity."""
-    cells = "".join(f"<td style='padding:0 8px'>{t.value}<br><b>{format_bytes(estimate.bytes_per_type.get(t.value, 0))}"
-                    f"</b></td>" for t in DATA_TYPES)
-    total = format_bytes(estimate.total_bytes)
-    ratio = ""
+def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity_label: str,
+                  footprint_bytes: int | None = None) -> str:
+    """A small table: bytes per data type, total, and the ratio to the capacity. With ``footprint_bytes``
+    (the simulator's managed segments, what a simulated run oversubscribes) the ratio is of that."""
+    cell = "<td style='padding:0 8px'>{}<br><b>{}</b></td>"
+    cells = "".join(cell.format(t.value, format_bytes(estimate.bytes_per_type.get(t.value, 0))) for t in DATA_TYPES)
+    cells += cell.format("total", format_bytes(estimate.total_bytes))
+    if footprint_bytes is not None:
+        cells += cell.format("segments", format_bytes(footprint_bytes))
     if capacity_bytes:
-        r = estimate.total_bytes / capacity_bytes
+        r = (footprint_bytes if footprint_bytes is not None else estimate.total_bytes) / capacity_bytes
         colour = "#c00" if r > 1 else "#080"
-        ratio = (f"<td style='padding:0 8px'>{capacity_label}<br><b>{format_bytes(capacity_bytes)}</b></td>"
-                 f"<td style='padding:0 8px'>ratio<br><b style='color:{colour}'>{r:.2f}x</b></td>")
-    return (f"<table><tr>{cells}<td style='padding:0 8px'>total<br><b>{total}</b></td>{ratio}</tr></table>"
-            f"<small>estimate: {estimate.method}; a lower bound (2 MiB segment rounding and temporaries come "
-            "on top)</small>")
+        cells += cell.format(capacity_label, format_bytes(capacity_bytes))
+        cells += cell.format("ratio", f"<span style='color:{colour}'>{r:.2f}x</span>")
+    basis = ("the ratio is of the simulator's 2 MiB segments (what a run oversubscribes)" if footprint_bytes
+             is not None else "a lower bound (2 MiB segment rounding and temporaries come on top)")
+    return f"<table><tr>{cells}</tr></table><small>estimate per type: {estimate.method}; {basis}</small>"
 
 
 class WorkloadPicker:
@@ -66,7 +70,9 @@ class WorkloadPicker:
 
     def __init__(self, model: str = "mlp", model_kwargs: dict[str, Any] | None = None, backend: str = "auto",
                  ratio: float | None = 1.5, capacity_gib: float | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, sim_backend: Callable[[], Any] | None = None) -> None:
+        """``sim_backend()`` returns the simulator the runs will use: its segment footprint is what the
+        panel's ratio is of (and its prepared trace is then reused by the run)."""
         import ipywidgets as w
 
         if model not in models.ZOO:
@@ -74,6 +80,8 @@ class WorkloadPicker:
         if backend not in ("auto", "cuda", "sim"):
             raise ValueError(f"unknown backend {backend!r}; valid: auto, cuda, sim")
         self._on_change = on_change
+        self._sim_backend = sim_backend
+        self.last_footprint: int | None = None
         self.model = w.Dropdown(options=list(models.ZOO), value=model, description="model")
         self.model.add_class("um-lab-model")
         self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
@@ -85,7 +93,7 @@ class WorkloadPicker:
         self.capacity_mode = w.ToggleButtons(options=CAPACITY_MODES, value=mode,
                                              tooltips=["oversubscription ratio: footprint / simulated capacity",
                                                        "simulated GPU capacity in GiB", "the profile's whole card"])
-        self.capacity_value = w.BoundedFloatText(value=capacity_gib or ratio or 1.0, min=0.01, max=1e6, step=0.25,
+        self.capacity_value = w.BoundedFloatText(value=capacity_gib or ratio or 1.0, min=0.001, max=1e6, step=0.25,
                                                  layout=w.Layout(width="90px"))
         self.capacity_value.add_class("um-lab-capacity")
         self.capacity_box = w.HBox([w.HTML("simulated GPU:"), self.capacity_mode, self.capacity_value])
@@ -126,18 +134,20 @@ class WorkloadPicker:
             return int(value * 2**30), None
         return None, None
 
-    def capacity_bytes(self, estimate: MemoryEstimate | None) -> tuple[int | None, str]:
-        """The capacity the estimate is compared with, and its label."""
+    def capacity_bytes(self, footprint: int | None) -> tuple[int | None, str]:
+        """The capacity the footprint is compared with (the simulated GPU, in whole 2 MiB chunks as the
+        simulator takes it; or the safety cap), and its label."""
         if self.resolved_backend == "cuda":
             return self._cap_bytes, "safety cap"
         capacity, ratio = self.sim_capacity()
-        if capacity is not None:
-            return capacity, "simulated GPU"
-        if ratio is not None:
-            return (int(estimate.total_bytes / ratio) if estimate else None), "simulated GPU"
-        from um_lab.sim.profile import load_profile
+        label = "simulated GPU"
+        if capacity is None and ratio is not None:
+            capacity = int(footprint / ratio) if footprint else None
+        elif capacity is None:
+            from um_lab.sim.profile import load_profile
 
-        return int(load_profile("h200").gpu_memory_bytes), "simulated H200"
+            capacity, label = int(load_profile("h200").gpu_memory_bytes), "simulated H200"
+        return (None if capacity is None else capacity // _CHUNK * _CHUNK), label
 
     # -- reacting ----------------------------------------------------------------------------------
 
@@ -150,7 +160,7 @@ class WorkloadPicker:
             raise ValueError(f"model {self.model.value!r} has no knob(s) {unknown}; its knobs: {', '.join(defaults)}")
         self.knobs = {}
         for name, default in defaults.items():
-            control = w.BoundedIntText(value=int(values.get(name, default)), min=1, max=10**7, description=name,
+            control = w.BoundedIntText(value=int(values.get(name, default)), min=0, max=10**9, description=name,
                                        style={"description_width": "initial"}, layout=w.Layout(width="190px"))
             control.add_class(f"um-lab-knob-{name}")
             control.observe(lambda _c: self._refresh_estimate(), names="value")
@@ -190,18 +200,22 @@ class WorkloadPicker:
             self._on_change()
 
     def _estimate(self, generation: int, name: str, kwargs: dict[str, Any]) -> None:
+        footprint = None
         try:
-            estimate: MemoryEstimate | None = estimate_memory(models.get_model(name, **kwargs))
+            case = models.get_model(name, **kwargs)
+            estimate: MemoryEstimate | None = estimate_memory(case)
+            if self.resolved_backend == "sim" and self._sim_backend is not None:
+                footprint = self._sim_backend().prepare(case).footprint_bytes  # what the run will oversubscribe
             text = ""
         except Exception as e:  # shown in the panel; a bad size is the user's to fix
             estimate, text = None, f"<span style='color:#c00'>cannot size {name}: {e}</span>"
         with self._lock:
             if generation != self._generation:
                 return
-            self.last_estimate = estimate
+            self.last_estimate, self.last_footprint = estimate, footprint
         if estimate is not None:
-            capacity, label = self.capacity_bytes(estimate)
-            text = estimate_html(estimate, capacity, label)
+            capacity, label = self.capacity_bytes(footprint if footprint is not None else estimate.total_bytes)
+            text = estimate_html(estimate, capacity, label, footprint)
         self.estimate.value = text
 
     def wait_estimate(self, timeout: float = 120.0) -> MemoryEstimate | None:
