@@ -2,7 +2,8 @@
 
 The policy vocabulary (:mod:`um_lab.policy`) rejects what CUDA cannot do; these notes explain what it
 can do but should not, from the measured facts and the UM driver's semantics (e.g. ``read_mostly`` on
-data that is written every step collapses its copies on every write: 100-1,500x slower on the H200).
+data that is written every step collapses its copies on every write: parameters read-mostly made
+training steps 100-1,500x slower on the H200).
 The notebook panel shows them inline next to the advice grid.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 from um_lab.policy import Advice, Policy
 from um_lab.types import DATA_TYPES, DataType
 
-#: data types the training step writes every step (so read-duplication collapses on every write)
+#: data types a training step writes and reads again on the GPU, so a read-duplicated copy collapses on
+#: every write. Input is left out: the batch copy writes it once a step, before the GPU only reads it.
 WRITTEN_EVERY_STEP = frozenset({DataType.PARAM, DataType.GRAD, DataType.OPTIM, DataType.ACT})
 
 
@@ -21,7 +23,7 @@ def advice_notes(dtype: DataType | str, advice: Advice) -> list[str]:
     notes = []
     if advice.read_mostly and dtype in WRITTEN_EVERY_STEP:
         notes.append(f"read-mostly on {dtype.value}, which training writes every step: each write collapses "
-                     "the duplicated pages (measured 100-1,500x slower on the H200)")
+                     "the duplicated pages (on parameters the H200 measured 100-1,500x slower steps)")
     if advice.preferred_location == "cpu" and advice.prefetch == "to-gpu-before-use":
         notes.append("prefetching to the GPU overrides preferred location cpu (a prefetch migrates whatever "
                      "the preferred location): choose one of the two")
