@@ -76,10 +76,14 @@ def test_notebook_executes_on_the_simulator(path, tmp_path):
 def test_quickstart_runs_are_logged_and_its_html_export_keeps_the_plots(tmp_path):
     nbconvert = pytest.importorskip("nbconvert")
     nb = execute(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path)
-    runs = list((tmp_path / "runs").rglob("records.jsonl"))
-    assert len(runs) >= 3, "the lab's run and the comparison's runs are written under UM_LAB_RUNS_DIR"
+    statuses = {p.parent.name: json.loads(p.read_text())["status"] for p in (tmp_path / "runs").rglob("status.json")}
+    lab_runs = [name for name in statuses if not name.startswith("compare-")]
+    assert lab_runs and all(statuses[n] == "complete" for n in lab_runs), statuses
+    compared = [p for p in (tmp_path / "runs").glob("compare-*/*/status.json")]
+    assert len(compared) >= 3 and all(json.loads(p.read_text())["status"] == "complete" for p in compared)
     html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
     plots = html.count('class="plotly-graph-div"')
     assert plots >= 3, f"static dashboard, bars and overlay should be in the export, found {plots}"
     assert "Plotly.newPlot" in html
-    assert "median step" in html or "median" in html
+    assert "GPU-resident bytes per data type" in html, "the static dashboard (not only the comparison) is kept"
+    assert "speed-up vs um-default" in html, "the readable comparison table is in the export"
