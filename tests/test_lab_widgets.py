@@ -387,3 +387,18 @@ def test_live_dashboard_incremental_thinning_keeps_a_regular_grid_and_the_newest
         body = x[:-1] if len(x) > 1 and (x[-1] - x[-2]) % board._stride else x
         assert body == list(range(0, body[-1] + 1, board._stride)), "every stride-th step from 0, none twice"
         assert len(x) <= board.max_points + 1
+
+
+def test_compare_view_stop_ends_after_the_current_run(tmp_path):
+    view = CompareView(models={"mlp": TINY_MLP}, policies=["gpu-first", "prefetch-all", "zero-copy-params"],
+                       ratios=[0.8, 1.5, 2.0], steps=200, out_dir=tmp_path)
+    view.run()
+    _wait(lambda: view.progress.value >= 1, timeout=120)
+    view.stop_button.click()
+    assert view.wait(120)
+    assert "stopped after" in view.status.value and view.table is None
+    done = view.progress.value
+    assert 1 <= done < view.progress.max == 12
+    runs = list(tmp_path.glob("compare-*/*/status.json"))
+    assert len(runs) in (done, done + 1)  # the run in progress when Stop was pressed ends too
+    assert view.run_button.disabled is False and view.stop_button.disabled is True

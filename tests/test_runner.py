@@ -547,3 +547,17 @@ def test_killed_process_leaves_a_crashed_run_with_its_completed_steps(tmp_path):
     assert loaded.state == "crashed" and not loaded.complete
     steps = [r.step for r in loaded.records()]
     assert len(steps) >= 50 and steps == list(range(len(steps)))
+
+
+def test_compare_keep_going_records_a_run_refused_at_start_and_goes_on(tmp_path):
+    from um_lab.runner import compare
+
+    tiny = {"n_layer": 1, "n_embd": 32, "n_head": 2, "batch_size": 1, "seq_len": 16, "vocab_size": 100}
+    table = compare({"mlp": {"width": 0}, "gpt2-small": tiny}, ["gpu-first"], backend="sim", steps=1,
+                    warmup_steps=0, out_dir=tmp_path, keep_going=True)
+    bad = table[table["model"] == "mlp"]
+    assert list(bad["status"]) == ["refused", "refused"] and bad["error"].str.contains("width").all()
+    assert bad["run_dir"].isna().all()
+    assert list(table[table["model"] == "gpt2-small"]["status"]) == ["complete", "complete"]
+    with pytest.raises(ValueError, match="width"):
+        compare({"mlp": {"width": 0}}, ["gpu-first"], backend="sim", steps=1, out_dir=tmp_path)

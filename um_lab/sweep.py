@@ -17,7 +17,7 @@ from um_lab.errors import CudaUnavailableError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, get_policy
 from um_lab.runlog import check_writable, prepare_run_dir, resolve_out_dir, timestamp
-from um_lab.summary import with_speedup
+from um_lab.summary import summarize, with_speedup
 from um_lab.types import RunSpec
 
 BASELINE_POLICY = "um-default"
@@ -75,7 +75,8 @@ def compare(
     checked before the first run. Runs go to ``out_dir/compare-<time>/`` (default ``out_dir``:
     ``$UM_LAB_RUNS_DIR``, else ``runs/``), with ``summary.csv``.
     ``progress=True`` shows a tqdm bar (or pass a tqdm-like object with ``update``/``set_postfix_str``).
-    ``keep_going=True`` records a failed run as a row (status ``failed``, ``error``) and goes on.
+    ``keep_going=True`` records a failed run as a row (status ``failed``, or ``refused`` when it could not
+    start, with ``error``) and goes on.
     Columns: model, policy, ratio, backend, steps, median_ms, mean_ms, p90_ms, speedup_vs_<baseline>,
     migrated_bytes, htod_bytes, dtoh_bytes, gpu_page_faults, evictions, remote_bytes, ..., status, run_dir.
     """
@@ -113,7 +114,16 @@ def compare(
                     case = model if isinstance(model, ModelCase) else None
                     row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
                                            "backend": backend_name}
-                    active = Run(spec, case, policy, sweep_dir, backend=shared_backend)
+                    try:
+                        active = Run(spec, case, policy, sweep_dir, backend=shared_backend)
+                    except Exception as e:  # refused before any step (bad size, over the safety cap)
+                        if not keep_going:
+                            raise
+                        rows.append({**row, **summarize(()), "status": "refused",
+                                     "error": f"{type(e).__name__}: {e}", "run_dir": None})
+                        if bar is not None:
+                            bar.update(1)
+                        continue
                     try:
                         for _ in active:
                             pass

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from um_lab.errors import UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import presets
 from um_lab.runlog import default_out_dir, load
@@ -74,7 +76,13 @@ class _Progress:
         self.view.progress.value += n
 
     def set_postfix_str(self, text: str) -> None:
+        if self.view._stop.is_set():  # compare() asks before each run: stop between runs
+            raise ComparisonStopped(f"stopped after {self.view.progress.value} of {self.view.progress.max} runs")
         self.view._say(f"running {self.view.progress.value + 1}/{self.view.progress.max}: {text}")
+
+
+class ComparisonStopped(UmLabError):
+    """Stop was pressed: the comparison ended after the run in progress (finished runs stay on disk)."""
 
 
 class CompareView:
@@ -102,22 +110,28 @@ class CompareView:
         self.warmup = warmup_steps
         self.log_scale = w.Checkbox(value=False, description="log scale", indent=False)
         self.run_button = w.Button(description="Compare", icon="play", button_style="success")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
+        self.stop_button.on_click(lambda _b: self.stop())
         self.progress = w.IntProgress(value=0, min=0, max=1, description="runs")
         self.status = w.HTML("pick policies and ratios, then press Compare")
         self.output = w.Output()
         for name, control in (("models", self.models), ("policies", self.policies), ("ratios", self.ratios),
-                              ("run", self.run_button), ("status", self.status), ("progress", self.progress)):
+                              ("run", self.run_button), ("stop", self.stop_button), ("status", self.status),
+                              ("progress", self.progress)):
             control.add_class(f"um-lab-compare-{name}")
         self.run_button.on_click(lambda _b: self.run())
         self.log_scale.observe(lambda _c: self._show(), names="value")
         self.widget = w.VBox([w.HTML("<h3 style='margin:4px 0'>Compare policies</h3>"),
                               w.HBox([self.models, self.policies]),
                               w.HBox([self.ratios, self.backend, self.steps, self.log_scale]),
-                              w.HBox([self.run_button, self.progress]), self.status, self.output])
+                              w.HBox([self.run_button, self.stop_button, self.progress]), self.status, self.output])
         self.widget.add_class("um-lab-compare")
         self.table: pd.DataFrame | None = None
         self.last_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ended = threading.Event()  # set when no comparison is running
+        self._ended.set()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -127,10 +141,11 @@ class CompareView:
 
     def run(self, wait: bool = False, timeout: float | None = None) -> None:
         """Run the comparison in the background (what Compare does); bad input is explained in the panel."""
-        if self._thread is not None and self._thread.is_alive():
+        if not self._ended.is_set():
             self._say("a comparison is already running", "#a60")
             return
         self.last_error = None
+        self._stop.clear()
         try:
             ratios = parse_ratios(self.ratios.value)
             models = list(self.models.value)
@@ -143,7 +158,8 @@ class CompareView:
         policies = list(self.policies.value)
         n_policies = len(policies) + (BASELINE_POLICY not in policies)
         self.progress.max, self.progress.value, self.progress.bar_style = len(models) * len(ratios) * n_policies, 0, ""
-        self.run_button.disabled = True
+        self.run_button.disabled, self.stop_button.disabled = True, False
+        self._ended.clear()
         models_arg = {m: self.model_kwargs.get(m, {}) for m in models}
         self._thread = threading.Thread(target=self._compare, args=(models_arg, policies, ratios), daemon=True,
                                         name="um_lab-compare")
@@ -151,29 +167,46 @@ class CompareView:
         if wait:
             self.wait(timeout)
 
+    def stop(self) -> None:
+        """End the comparison after the run in progress (what Stop does)."""
+        if not self._ended.is_set():
+            self._stop.set()
+            self._say("stopping after the current run…", "#a60")
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the comparison ended; True when it has."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self._thread is None or not self._thread.is_alive()
+        """Block until the comparison ended; True when it has. An interrupt while waiting stops it too."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._ended.wait(0.1) and (deadline is None or time.monotonic() < deadline):
+                pass
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        return self._ended.is_set()
 
     def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
+        before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
         try:
             self.table = compare(models, policies, ratios, backend=self.backend.value, steps=int(self.steps.value),
                                  warmup_steps=self.warmup, out_dir=self.out_dir, progress=_Progress(self),
                                  keep_going=True)
             failed = int((self.table["status"] != "complete").sum())
-            note = f"; {failed} run(s) failed (see the table)" if failed else ""
+            note = f"; {failed} run(s) failed or were refused (see the table)" if failed else ""
             self._say(f"done: {len(self.table)} runs{note}. Folder: {self.table.attrs.get('sweep_dir')}",
                       "#a60" if failed else "#080")
             self.progress.bar_style = "warning" if failed else "success"
             self._show()
+        except ComparisonStopped as e:
+            folders = sorted(set(self.out_dir.glob("compare-*")) - before)
+            self._say(f"{e}; their folders are in {folders[-1] if folders else self.out_dir}", "#a60")
+            self.progress.bar_style = "warning"
         except Exception as e:  # shown in the panel, never a traceback
             self.last_error = e
             self._say(f"error: {type(e).__name__}: {e}", "#c00")
             self.progress.bar_style = "danger"
         finally:
-            self.run_button.disabled = False
+            self.run_button.disabled, self.stop_button.disabled = False, True
+            self._ended.set()
 
     def _show(self) -> None:
         if self.table is None:
@@ -191,6 +224,8 @@ class CompareView:
         bars = speedup_figure(self.table, BASELINE_POLICY, self.log_scale.value)
         runs = []
         for row in self.table.itertuples():
+            if not isinstance(row.run_dir, str):  # refused before it started: nothing to draw
+                continue
             ratio = "card" if pd.isna(row.ratio) else f"{row.ratio:g}x"
             runs.append((f"{row.model} {row.policy} @ {ratio}", load(row.run_dir).records()))
         overlay = step_time_overlay(runs)
