@@ -30,7 +30,7 @@ timeout 200 python3 -m pytest tests/gpu/test_lab_gpu.py tests/test_lab_widgets.p
   --timeout 180 2>&1 | tee "$OUT/lab_gpu_tests.log" | tail -25
 
 stage dashboard-overhead-cuda
-timeout 200 python3 bench/dashboard_overhead.py --backend cuda --repeats ${REPEATS:-3} \
+timeout 200 python3 bench/dashboard_overhead.py --config cuda --repeats ${REPEATS:-3} \
   --out "$OUT/dashboard_overhead.json" 2>&1 | tee "$OUT/dashboard_overhead_cuda.log" | grep -v WARNING
 
 stage quickstart-on-gpu

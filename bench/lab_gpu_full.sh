@@ -21,8 +21,10 @@ stage gpu-tests
 timeout 330 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --timeout 150 > "$OUT/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
 stage dashboard-overhead-cuda
-timeout 150 python3 bench/dashboard_overhead.py --backend cuda --repeats 3 --out "$OUT/dashboard_overhead.json" 2>&1 \
-  | grep -v WARNING
+for config in ${DASH_CONFIGS:-cuda cuda-small}; do
+  timeout 150 python3 bench/dashboard_overhead.py --config $config --repeats 3 --out "$OUT/dashboard_overhead.json" 2>&1 \
+    | grep -v WARNING
+done
 stage notebook-04-on-gpu
 timeout 120 python3 - <<'PY' > "$OUT/notebook04_gpu.log" 2>&1
 import json, sys

@@ -64,7 +64,8 @@ class LiveDashboard:
         self.draw_seconds = 0.0  #: time spent redrawing, on the drawer thread
         #: called as ``on_draw(number of records drawn)`` after each redraw (the panel's progress bar)
         self.on_draw: Callable[[int], None] | None = None
-        self._pending: list[StepRecord] = []  # fed, not yet looked at by draw()
+        self._pending: list[tuple[int, StepRecord]] = []  # (index, record) fed, not yet looked at by draw()
+        self._newest: tuple[int, StepRecord | None] = (-1, None)  # (index, record) of the newest fed
         self._feed_lock = threading.Lock()
         self._draw_lock = threading.Lock()  # one draw (or reset) at a time, whoever calls it
         self._dirty = threading.Event()
@@ -73,10 +74,9 @@ class LiveDashboard:
         self._clear_state()
 
     def _clear_state(self) -> None:
-        self._rows: list[tuple[float, ...]] = []  # the steps kept for drawing: every stride-th
+        self._rows: list[tuple[int, tuple[float, ...]]] = []  # (record index, row) of every stride-th step
         self._stride = 1
-        self._next = 0  # index of the next record to keep
-        self._seen = 0  # records draw() has looked at
+        self._last_index = -1
         self._drawn_count = -1  # count at the last redraw (-1: the figure must be redrawn)
 
     # -- feeding -----------------------------------------------------------------------------------
@@ -88,10 +88,20 @@ class LiveDashboard:
         return self
 
     def feed(self, record: StepRecord) -> None:
-        """Take one record (called from the thread that runs the steps: cheap, never draws)."""
-        with self._feed_lock:
-            self._pending.append(record)
-            self.count += 1
+        """Take one record (called from the thread that runs the steps: cheap, never draws).
+
+        Only every stride-th record is kept until the next draw (and the newest): holding thousands of
+        records between redraws would make every garbage collection on the training thread slower.
+        """
+        index = self.count
+        self._newest = (index, record)
+        self.count = index + 1
+        if index % self._stride == 0:  # stride may double meanwhile: _take() filters again
+            with self._feed_lock:
+                self._pending.append((index, record))
+                if len(self._pending) > self.max_points:  # a fast run between two redraws: thin here too
+                    self._stride *= 2
+                    self._pending = [(i, r) for i, r in self._pending if i % self._stride == 0]
         if not self._dirty.is_set():
             self._dirty.set()
 
@@ -100,7 +110,7 @@ class LiveDashboard:
         self.finish()
         with self._draw_lock:
             with self._feed_lock:
-                self._pending, self.count, self.last = [], 0, None
+                self._pending, self.count, self.last, self._newest = [], 0, None, (-1, None)
             self._clear_state()
         self.draw()
 
@@ -142,23 +152,23 @@ class LiveDashboard:
         """Move fed records into the kept rows (every stride-th step; the stride doubles past max_points)."""
         with self._feed_lock:
             pending, self._pending = self._pending, []
-            count = self.count
-        if pending:
-            start = self._next - self._seen  # position of the next kept step inside this chunk
-            self._rows.extend(dashboard_row(r) for r in pending[start::self._stride])
-            self._seen += len(pending)
-            kept = max(0, -(-(len(pending) - start) // self._stride))
-            self._next += kept * self._stride
-            self.last = pending[-1]
-        while len(self._rows) > self.max_points:
-            self._rows, self._stride = self._rows[::2], self._stride * 2
-            self._next = -(-self._next // self._stride) * self._stride
-        return count
+            stride = self._stride
+        newest_index, newest = self._newest  # one tuple, set by feed() in one assignment
+        rows = [(i, row) for i, row in self._rows if i % stride == 0]  # feed() may have doubled the stride
+        rows.extend((i, dashboard_row(r)) for i, r in pending if i % stride == 0)
+        while len(rows) > self.max_points:
+            stride *= 2
+            rows = [(i, row) for i, row in rows if i % stride == 0]
+        self._rows = rows
+        with self._feed_lock:
+            self._stride = max(self._stride, stride)
+        self.last, self._last_index = newest, newest_index
+        return newest_index + 1
 
     def _rows_to_draw(self) -> np.ndarray:
-        rows = self._rows
-        if self.last is not None and not (rows and rows[-1][0] == self.last.step):
-            rows = [*rows, dashboard_row(self.last)]
+        rows = [row for _, row in self._rows]
+        if self.last is not None and not (self._rows and self._rows[-1][0] == self._last_index):
+            rows.append(dashboard_row(self.last))
         return np.asarray(rows, dtype=float)
 
     def draw(self) -> None:
