@@ -24,7 +24,7 @@ QUICKSTART = Path(__file__).parents[2] / "notebooks" / "01_quickstart.ipynb"
 LONG_STEPS = 400  #: the Run that gets stopped (typed into the steps field): far more than it runs before Stop
 PACE_S = 0.2  #: seconds the panel waits after each simulated step (so the run can be watched)
 SHORT_STEPS = 3  #: the Run that completes by itself
-PREFERRED_PRESETS = ("gpu-first", "prefetch-all", "paper-3type")
+PREFERRED_PRESETS = ("prefetch-all", "gpu-first", "paper-3type")
 
 # Kernel status, execution prompts and error outputs of the open notebook.
 NOTEBOOK_STATE_JS = """() => {
