@@ -21,7 +21,7 @@ timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cach
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} JUPYTER_PATH=/tmp/site/share/jupyter UM_LAB_RUNS_DIR=/tmp/um_lab_runs
 timeout 60 python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { cat /tmp/build.log; exit 1; }
 stage paper-resnet-start
-for r in ${RATIOS:-0.8 1.25 1.5 2.0}; do
+for r in ${RATIOS-0.8 1.25 1.5 2.0}; do
   (OMP_NUM_THREADS=2 timeout ${PAPER_TIMEOUT:-540} python3 bench/paper_three_types.py --models resnet50 --ratios $r \
      --out "$OUT/paper_resnet_$r.json" > /tmp/paper_$r.log 2>&1; echo "ratio $r rc=$?" >> "$OUT/stages.log") &
 done
