@@ -54,6 +54,7 @@ class Lab:
         self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.telemetry = telemetry
         self._backends: dict[str, Any] = {}
+        self._backends_lock = threading.Lock()
         self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib,
                                        sim_backend=lambda: self._backend("sim"))
         self.advice = AdviceGrid(policy)
@@ -117,9 +118,11 @@ class Lab:
     def _backend(self, name: str) -> Any:
         if name == "cuda" and not cuda_available():
             raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
-        if name not in self._backends:
-            self._backends[name] = get_backend(name, telemetry=self.telemetry) if name == "cuda" else get_backend(name)
-        return self._backends[name]
+        with self._backends_lock:  # the estimate thread and Run may ask at once: one simulator, one trace cache
+            if name not in self._backends:
+                self._backends[name] = (get_backend(name, telemetry=self.telemetry) if name == "cuda"
+                                        else get_backend(name))
+            return self._backends[name]
 
     # -- running -----------------------------------------------------------------------------------
 
