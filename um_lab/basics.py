@@ -27,20 +27,25 @@ import numpy as np
 import pandas as pd
 import torch
 
+from um_lab.basics_sim import (
+    NO_ADVICE,
+    ZERO_COPY,
+    MiB,
+    result_row,
+    sim_page_faults,
+    sim_preferred,
+    sim_prefetch,
+    sim_read_mostly,
+    sim_zero_copy,
+)
 from um_lab.errors import CudaUnavailableError, UmLabError
-from um_lab.policy import Advice, Policy
-from um_lab.sim.placement import BIG_PAGE, BLOCK
-from um_lab.sim.profile import Profile, load_profile
-from um_lab.sim.uvm import FULL_MASK, PAGE, AdviceTable, UvmModel, popcount
-from um_lab.types import DATA_TYPES, DataType
+from um_lab.policy import Advice
+from um_lab.sim.placement import BLOCK
+from um_lab.sim.uvm import PAGE
 
-MiB = 1 << 20
 MAX_ARRAY_BYTES = 256 * MiB  #: largest managed buffer one experiment may ask for
 MAX_LIVE_BYTES = 2 << 30  #: live managed bytes of all experiments together, at most
-BUFFER_TYPE = DataType.INPUT  #: the data type the simulated buffer is filed under (its advice slot)
 BACKENDS = ("auto", "cuda", "sim")
-NO_ADVICE = Advice()
-ZERO_COPY = Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))
 
 
 class BasicsSafetyError(UmLabError, ValueError):
@@ -105,123 +110,6 @@ def _frame(rows: list[dict[str, Any]], backend: str, nbytes: int) -> pd.DataFram
         df.insert(1, "gpu_memory", df.pop("gpu_memory"))
     df.attrs.update(backend=backend, size_mib=nbytes // MiB)
     return df
-
-
-def _row(case: str, step: str, ms: float, nbytes: int | None, **extra: Any) -> dict[str, Any]:
-    gbps = nbytes / (ms * 1e6) if nbytes and ms > 0 else float("nan")
-    return {"case": case, "step": step, "time_ms": round(ms, 4), "GBps": round(gbps, 2), **extra}
-
-
-# ---- the simulator's counterpart -------------------------------------------------------------------
-
-
-class SimBuffer:
-    """One managed buffer in the simulator's UM driver model, with one :class:`Advice`."""
-
-    def __init__(self, nbytes: int, advice: Advice = NO_ADVICE, *, cpu_written: bool = True,
-                 capacity_bytes: int | None = None, profile: str | Profile = "h200") -> None:
-        """``cpu_written``: the CPU filled the buffer first (its pages start on the host); else never touched.
-        ``capacity_bytes``: the simulated GPU's memory (default: the profile's card)."""
-        self.p = load_profile(profile)
-        self.advice = advice
-        self.n = max(1, -(-nbytes // BLOCK))
-        self.nbytes = self.n * BLOCK
-        table = AdviceTable.from_policy(Policy("basics", {BUFFER_TYPE: advice}))
-        self.m = UvmModel(self.p, table, capacity_bytes or self.p.gpu_memory_bytes, self.n)
-        self.m.block_type[:] = DATA_TYPES.index(BUFFER_TYPE)
-        if cpu_written:
-            self.m.cpu[:] = FULL_MASK
-        self.blocks = np.arange(self.n, dtype=np.int64)
-
-    def gpu_pass(self, write: bool = False) -> float:
-        """A kernel reads (or overwrites) the whole buffer; returns its time in microseconds.
-
-        Like the training stepper: roofline time or remote time (they overlap), plus fault servicing, plus
-        one fault per written 4 KiB page of read_mostly data. Waves of half the GPU memory at most.
-        """
-        p, m = self.p, self.m
-        wave = max(1, min(self.n, m.capacity_chunks // 2))
-        protect = np.zeros(self.n, bool)
-        t = p.kernel_us
-        for lo in range(0, self.n, wave):
-            b = self.blocks[lo:lo + wave]
-            k = len(b)
-            mask = np.full(k, FULL_MASK, np.uint32)
-            wmask = mask if write else np.zeros(k, np.uint32)
-            per_block = np.full(k, float(BLOCK))
-            protect[b] = True
-            fault, remote = m.access(b, mask, wmask, per_block * (not write), protect, per_block * write)
-            protect[b] = False
-            rm_us = 0.0
-            if write and self.advice.read_mostly:
-                m.invalidate_host_copies(b, wmask)
-                rm_us = k * BLOCK / PAGE * p.readmostly_write_fault_us
-            t += max(k * BLOCK / (p.hbm_GBps * 1e3), remote) + fault + rm_us
-        return t
-
-    def prefetch_to_gpu(self) -> float:
-        """``cudaMemPrefetchAsync`` of the buffer to the GPU; returns the call + copy time in microseconds."""
-        _, per_block, t_evict = self.m.prefetch_to_gpu(self.blocks)
-        return self.p.prefetch_call_us + self.n * self.p.prefetch_call_us_per_block + t_evict + float(per_block.sum())
-
-    def step(self, case: str, step: str, action: Callable[[], float], **extra: Any) -> dict[str, Any]:
-        """Run ``action`` (returns microseconds) and report it with the driver model's counters."""
-        m = self.m
-        before = (int(m.htod.sum()), int(m.dtoh.sum()), m.faults, m.evictions, m.remote_bytes)
-        us = action()
-        after = (int(m.htod.sum()), int(m.dtoh.sum()), m.faults, m.evictions, m.remote_bytes)
-        d = [a - b for a, b in zip(after, before, strict=True)]
-        dup = int(popcount(m.gpu & m.cpu).astype(np.int64).sum()) * BIG_PAGE
-        on_gpu = int(popcount(m.gpu).astype(np.int64).sum()) * BIG_PAGE
-        return _row(case, step, us / 1e3, self.nbytes, **extra, faults=int(d[2]), htod_MiB=d[0] / MiB,
-                    dtoh_MiB=d[1] / MiB, remote_MiB=round(d[4] / MiB, 2), evictions=int(d[3]),
-                    on_gpu_MiB=on_gpu / MiB, duplicated_MiB=dup / MiB)
-
-
-def _sim_page_faults(nbytes: int) -> list[dict[str, Any]]:
-    fresh = SimBuffer(nbytes, cpu_written=False)
-    host = SimBuffer(nbytes)
-    return [fresh.step("fresh memory", "GPU write 1", lambda: fresh.gpu_pass(write=True)),
-            fresh.step("fresh memory", "GPU write 2", lambda: fresh.gpu_pass(write=True)),
-            host.step("CPU-written data", "GPU read 1", host.gpu_pass),
-            host.step("CPU-written data", "GPU read 2", host.gpu_pass)]
-
-
-def _sim_prefetch(nbytes: int) -> list[dict[str, Any]]:
-    demand, pre = SimBuffer(nbytes), SimBuffer(nbytes)
-    return [demand.step("demand faults", "GPU read", demand.gpu_pass),
-            pre.step("prefetch first", "prefetch to GPU", pre.prefetch_to_gpu),
-            pre.step("prefetch first", "GPU read", pre.gpu_pass)]
-
-
-def _sim_read_mostly(nbytes: int) -> list[dict[str, Any]]:
-    rows = []
-    for case, advice in (("no advice", NO_ADVICE), ("read_mostly", Advice(read_mostly=True))):
-        b = SimBuffer(nbytes, advice)
-        rows += [b.step(case, "GPU read 1", b.gpu_pass), b.step(case, "GPU read 2", b.gpu_pass),
-                 b.step(case, "GPU write", lambda b=b: b.gpu_pass(write=True))]
-    return rows
-
-
-def _sim_zero_copy(nbytes: int, passes: int) -> list[dict[str, Any]]:
-    rows = []
-    for case, advice in (("no advice", NO_ADVICE), ("preferred cpu + accessed_by gpu", ZERO_COPY)):
-        b = SimBuffer(nbytes, advice)
-        rows += [b.step(case, f"GPU read {i + 1}", b.gpu_pass) for i in range(passes)]
-    return rows
-
-
-def _sim_preferred(nbytes: int, ratio: float) -> list[dict[str, Any]]:
-    if nbytes / ratio < BLOCK:
-        raise ValueError(f"a {nbytes // MiB} MiB buffer on a GPU {ratio:g}x too small is below one 2 MiB chunk: "
-                         "use a larger size or a smaller ratio")
-    rows = []
-    for memory, capacity in (("fits", None), (f"buffer / {ratio:g} (simulated)", int(nbytes / ratio))):
-        for case, advice in (("no advice", NO_ADVICE), ("preferred gpu", Advice(preferred_location="gpu")),
-                             ("preferred cpu", Advice(preferred_location="cpu"))):
-            b = SimBuffer(nbytes, advice, capacity_bytes=capacity)
-            rows += [b.step(case, f"GPU read {i}", b.gpu_pass, gpu_memory=memory) for i in (1, 2)]
-    return rows
 
 
 # ---- the GPU ----------------------------------------------------------------------------------------
@@ -368,29 +256,31 @@ def gpu_lab(budget: ManagedBudget | None = None) -> Iterator[GpuLab]:
 
 def _gpu_page_faults(lab: GpuLab, nbytes: int) -> list[dict[str, Any]]:
     fresh = lab.new(nbytes, cpu_value=None)
-    rows = [_row("fresh memory", f"GPU write {i}", lab.write(fresh), nbytes) for i in (1, 2)]
+    rows = [result_row("fresh memory", f"GPU write {i}", lab.write(fresh), nbytes) for i in (1, 2)]
     lab.free(fresh)
     host = lab.new(nbytes)
-    rows += [_row("CPU-written data", f"GPU read {i}", lab.read(host), nbytes) for i in (1, 2)]
+    rows += [result_row("CPU-written data", f"GPU read {i}", lab.read(host), nbytes) for i in (1, 2)]
     return rows
 
 
 def _gpu_prefetch(lab: GpuLab, nbytes: int) -> list[dict[str, Any]]:
     demand = lab.new(nbytes)
-    rows = [_row("demand faults", "GPU read", lab.read(demand), nbytes)]
+    rows = [result_row("demand faults", "GPU read", lab.read(demand), nbytes)]
     lab.free(demand)
     pre = lab.new(nbytes)
-    rows.append(_row("prefetch first", "prefetch to GPU", lab.prefetch(pre), nbytes))
-    return rows + [_row("prefetch first", "GPU read", lab.read(pre), nbytes)]
+    rows.append(result_row("prefetch first", "prefetch to GPU", lab.prefetch(pre), nbytes))
+    return rows + [result_row("prefetch first", "GPU read", lab.read(pre), nbytes)]
 
 
 def _gpu_read_mostly(lab: GpuLab, nbytes: int) -> list[dict[str, Any]]:
     rows = []
     for case, advice in (("no advice", NO_ADVICE), ("read_mostly", Advice(read_mostly=True))):
         b = lab.new(nbytes, advice)
-        rows += [_row(case, "GPU read 1", lab.read(b), nbytes), _row(case, "GPU read 2", lab.read(b), nbytes),
-                 _row(case, "CPU touch", lab.cpu_touch(b), None), _row(case, "GPU read 3", lab.read(b), nbytes),
-                 _row(case, "GPU write", lab.write(b), nbytes)]
+        rows += [result_row(case, "GPU read 1", lab.read(b), nbytes),
+                 result_row(case, "GPU read 2", lab.read(b), nbytes),
+                 result_row(case, "CPU touch", lab.cpu_touch(b), None),
+                 result_row(case, "GPU read 3", lab.read(b), nbytes),
+                 result_row(case, "GPU write", lab.write(b), nbytes)]
         lab.free(b)
     return rows
 
@@ -399,7 +289,7 @@ def _gpu_zero_copy(lab: GpuLab, nbytes: int, passes: int) -> list[dict[str, Any]
     rows = []
     for case, advice in (("no advice", NO_ADVICE), ("preferred cpu + accessed_by gpu", ZERO_COPY)):
         b = lab.new(nbytes, advice)
-        rows += [_row(case, f"GPU read {i + 1}", lab.read(b), nbytes) for i in range(passes)]
+        rows += [result_row(case, f"GPU read {i + 1}", lab.read(b), nbytes) for i in range(passes)]
         lab.free(b)
     return rows
 
@@ -411,7 +301,7 @@ def _gpu_preferred(lab: GpuLab, nbytes: int) -> list[dict[str, Any]]:
         b = lab.new(nbytes, advice)
         steps = [("GPU read 1", lab.read, nbytes), ("GPU read 2", lab.read, nbytes),
                  ("CPU touch", lab.cpu_touch, None), ("GPU read 3", lab.read, nbytes)]
-        rows += [_row(case, s, fn(b), nb, gpu_memory="fits") for s, fn, nb in steps]
+        rows += [result_row(case, s, fn(b), nb, gpu_memory="fits") for s, fn, nb in steps]
         lab.free(b)
     return rows
 
@@ -431,17 +321,17 @@ def _run(backend: str, size_mib: float, sim: Callable[[int], list], gpu: Callabl
 
 def page_faults(size_mib: float = 64, backend: str = "auto", budget: ManagedBudget | None = None) -> pd.DataFrame:
     """First GPU touch of fresh memory (populate) and of CPU-written data (fault + migrate), then again."""
-    return _run(backend, size_mib, _sim_page_faults, _gpu_page_faults, budget)
+    return _run(backend, size_mib, sim_page_faults, _gpu_page_faults, budget)
 
 
 def prefetch(size_mib: float = 64, backend: str = "auto", budget: ManagedBudget | None = None) -> pd.DataFrame:
     """GPU read of CPU-written data: on demand (faults) vs after ``cudaMemPrefetchAsync`` to the GPU."""
-    return _run(backend, size_mib, _sim_prefetch, _gpu_prefetch, budget)
+    return _run(backend, size_mib, sim_prefetch, _gpu_prefetch, budget)
 
 
 def read_mostly(size_mib: float = 64, backend: str = "auto", budget: ManagedBudget | None = None) -> pd.DataFrame:
     """GPU reads then a GPU write, without advice and with ``read_mostly`` (copies kept, then collapsed)."""
-    return _run(backend, size_mib, _sim_read_mostly, _gpu_read_mostly, budget)
+    return _run(backend, size_mib, sim_read_mostly, _gpu_read_mostly, budget)
 
 
 def zero_copy(size_mib: float = 64, passes: int = 3, backend: str = "auto",
@@ -449,7 +339,7 @@ def zero_copy(size_mib: float = 64, passes: int = 3, backend: str = "auto",
     """``passes`` GPU reads, without advice and with preferred cpu + accessed_by gpu (remote, no migration)."""
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be an integer >= 1, got {passes!r}")
-    return _run(backend, size_mib, lambda n: _sim_zero_copy(n, passes),
+    return _run(backend, size_mib, lambda n: sim_zero_copy(n, passes),
                 lambda lab, n: _gpu_zero_copy(lab, n, passes), budget)
 
 
@@ -459,4 +349,4 @@ def preferred_location(size_mib: float = 64, backend: str = "auto", ratio: float
     (a real GPU is never oversubscribed here)."""
     if not isinstance(ratio, int | float) or not ratio > 1:
         raise ValueError(f"ratio must be a number > 1, got {ratio!r}")
-    return _run(backend, size_mib, lambda n: _sim_preferred(n, ratio), _gpu_preferred, budget)
+    return _run(backend, size_mib, lambda n: sim_preferred(n, ratio), _gpu_preferred, budget)
