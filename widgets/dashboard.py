@@ -7,15 +7,15 @@
     board = LiveDashboard()
     display(board.widget)
     active = Run(spec)
-    board.attach(active)       # before start(): every record reaches the board
+    board.attach(active)       # follows the run's records from the drawer thread
     active.start()
 
-``feed(record)`` is all the training thread does (an append under a lock); a drawer thread redraws the
-figure in one ``batch_update`` when records arrived, never more often than ``max_redraws_per_s`` and
-never taking more than ``max_share`` of the time (a redraw that took 5 ms waits at least 0.5 s at the
-default 1%: the drawer shares the GIL with the training thread, so a fast simulated run is redrawn
-about once a second). ``finish()`` always draws the last state. The board keeps only the steps it
-draws (every k-th of a long run, and the newest), never the whole run: that is on disk.
+``attach(run)`` costs the training thread nothing: a drawer thread reads the run's newest records
+(``run.tail``) and redraws the figure in one ``batch_update`` when records arrived, never more often
+than ``max_redraws_per_s`` and never taking more than ``max_share`` of the time (a redraw that took
+5 ms waits at least 0.5 s at the default 1%: the drawer shares the GIL with the training thread).
+``finish()`` always draws the last state. The board keeps only the steps it draws (every k-th of a
+long run, and the newest), never the whole run: that is on disk.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class LiveDashboard:
         self._dirty = threading.Event()
         self._closing = threading.Event()
         self._drawer: threading.Thread | None = None
+        self._source: Any = None  # the Run being followed (attach)
         self._clear_state()
 
     def _clear_state(self) -> None:
@@ -82,18 +83,33 @@ class LiveDashboard:
     # -- feeding -----------------------------------------------------------------------------------
 
     def attach(self, run: Any) -> LiveDashboard:
-        """Receive ``run``'s records as they are written (call before ``run.start()``); starts drawing."""
-        run.add_listener(self.feed)
+        """Follow ``run`` (a :class:`um_lab.runner.Run`) and start drawing.
+
+        The drawer thread reads the run's newest records (``run.tail``) before each redraw, so the
+        training thread does no work for the dashboard at all; a fast run is sampled at the redraws
+        (every step when fewer than ``len(run.tail)`` arrive between two), and the whole run is on disk.
+        """
+        self._source = run
         self.start()
         return self
 
+    def _poll(self) -> None:
+        source = self._source
+        if source is None:
+            return
+        for record in list(source.tail):  # one C-level copy: atomic under the GIL
+            if record.step >= self.count:
+                self._feed_at(record.step, record)
+
     def feed(self, record: StepRecord) -> None:
-        """Take one record (called from the thread that runs the steps: cheap, never draws).
+        """Take one record (for a stream of your own; :meth:`attach` follows a Run by itself).
 
         Only every stride-th record is kept until the next draw (and the newest): holding thousands of
-        records between redraws would make every garbage collection on the training thread slower.
+        records between redraws would make every garbage collection on the feeding thread slower.
         """
-        index = self.count
+        self._feed_at(self.count, record)
+
+    def _feed_at(self, index: int, record: StepRecord) -> None:
         self._newest = (index, record)
         self.count = index + 1
         if index % self._stride == 0:  # stride may double meanwhile: _take() filters again
@@ -131,16 +147,20 @@ class LiveDashboard:
         if self._drawer is not None and self._drawer is not threading.current_thread():
             self._drawer.join(timeout)
         self._drawer = None
+        self._poll()
+        self._source = None
         self.draw()
 
     def _draw_loop(self) -> None:
         next_at = 0.0
         while not self._closing.is_set():
-            self._dirty.wait()
-            wait = next_at - time.monotonic()
-            if wait > 0 and self._closing.wait(wait):
+            if self._source is None:  # fed by hand: sleep until something arrives
+                self._dirty.wait()
+            wait = max(next_at - time.monotonic(), 0.0 if self._source is None else 1e-3)
+            if self._closing.wait(wait):
                 break
             self._dirty.clear()
+            self._poll()
             started = time.monotonic()
             self.draw()
             took = time.monotonic() - started
