@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from um_lab.policy import presets
 from um_lab.runlog import default_out_dir, load
 from um_lab.summary import readable_table
 from um_lab.sweep import BASELINE_POLICY, compare
+from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
 
 _TABLE_COLUMNS = {"model": "model", "policy": "policy", "ratio": "ratio", "median_ms": "median ms",
@@ -128,7 +128,6 @@ class CompareView:
         self.widget.add_class("um-lab-compare")
         self.table: pd.DataFrame | None = None
         self.last_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ended = threading.Event()  # set when no comparison is running
         self._ended.set()
@@ -161,9 +160,8 @@ class CompareView:
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._ended.clear()
         models_arg = {m: self.model_kwargs.get(m, {}) for m in models}
-        self._thread = threading.Thread(target=self._compare, args=(models_arg, policies, ratios), daemon=True,
-                                        name="um_lab-compare")
-        self._thread.start()
+        threading.Thread(target=self._compare, args=(models_arg, policies, ratios), daemon=True,
+                         name="um_lab-compare").start()
         if wait:
             self.wait(timeout)
 
@@ -175,14 +173,7 @@ class CompareView:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the comparison ended; True when it has. An interrupt while waiting stops it too."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._ended.wait(0.1) and (deadline is None or time.monotonic() < deadline):
-                pass
-        except KeyboardInterrupt:
-            self.stop()
-            raise
-        return self._ended.is_set()
+        return wait_for(self._ended, timeout, self.stop)
 
     def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
         before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from um_lab.policy import Policy
 from um_lab.runlog import LoadedRun, default_out_dir, iter_records
 from um_lab.runner import Run
 from um_lab.types import RunSpec, StepRecord
+from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
 from um_lab.widgets.figures import dashboard_figure, display_bundle
@@ -92,7 +92,6 @@ class Lab:
         self.state = "idle"  #: idle, running, complete, stopped, interrupted, failed or error (refused to start)
         self.last_error: BaseException | None = None
         self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
         self._ended = threading.Event()  # set by the watcher once the panel shows the run's end
         self._ended.set()
 
@@ -158,8 +157,7 @@ class Lab:
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._say(f"running {spec.model} under {self.policy.name} on {active.backend_note}: 0/{total} steps")
         active.start()
-        self._watcher = threading.Thread(target=self._watch, args=(active,), daemon=True, name="um_lab-lab-watch")
-        self._watcher.start()
+        threading.Thread(target=self._watch, args=(active,), daemon=True, name="um_lab-lab-watch").start()
         if wait:
             self.wait(timeout)
         return active
@@ -177,16 +175,7 @@ class Lab:
 
         An interrupt while waiting (Ctrl-C, the notebook's stop button) stops the run after its current
         step, waits for that, and is raised again."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            # an Event, not Thread.join: an interrupted join can leave the thread reported as ended
-            while not self._ended.wait(0.1) and (deadline is None or time.monotonic() < deadline):
-                pass
-        except KeyboardInterrupt:  # Ctrl-C / the notebook's stop button: end the run too, then say so
-            self.stop()
-            self._ended.wait(60)
-            raise
-        return self._ended.is_set()
+        return wait_for(self._ended, timeout, self.stop, settle_s=60)
 
     def _watch(self, active: Run) -> None:
         try:
