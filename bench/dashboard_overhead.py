@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import statistics
 import sys
@@ -50,12 +49,6 @@ def measure(config_name: str, repeats: int, steps: int | None, display_widget: b
     from um_lab.runner import Run
     from um_lab.types import RunSpec
     from um_lab.widgets import LiveDashboard
-
-    if os.environ.get("UM_LAB_DASHBOARD_CLASS"):  # A/B experiments: module:Class of another dashboard
-        import importlib
-
-        module, _, cls = os.environ["UM_LAB_DASHBOARD_CLASS"].partition(":")
-        LiveDashboard = getattr(importlib.import_module(module), cls)  # noqa: N806
 
     backend, config = CONFIGS[config_name][0], dict(CONFIGS[config_name][1])
     if steps is not None:

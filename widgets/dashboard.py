@@ -38,6 +38,11 @@ from um_lab.widgets.figures import (
 )
 
 
+def _on_grid(items: list[tuple[int, Any]], stride: int) -> list[tuple[int, Any]]:
+    """The ``(index, item)`` pairs whose index is a multiple of ``stride``."""
+    return [(i, item) for i, item in items if i % stride == 0]
+
+
 class LiveDashboard:
     """A live, throttled view of step records (residency, step time, oversubscription, faults, traffic).
 
@@ -117,7 +122,7 @@ class LiveDashboard:
                 self._pending.append((index, record))
                 if len(self._pending) > self.max_points:  # a fast run between two redraws: thin here too
                     self._stride *= 2
-                    self._pending = [(i, r) for i, r in self._pending if i % self._stride == 0]
+                    self._pending = _on_grid(self._pending, self._stride)
         if not self._dirty.is_set():
             self._dirty.set()
 
@@ -174,11 +179,11 @@ class LiveDashboard:
             pending, self._pending = self._pending, []
             stride = self._stride
         newest_index, newest = self._newest  # one tuple, set by feed() in one assignment
-        rows = [(i, row) for i, row in self._rows if i % stride == 0]  # feed() may have doubled the stride
-        rows.extend((i, dashboard_row(r)) for i, r in pending if i % stride == 0)
+        rows = _on_grid(self._rows, stride)  # feed() may have doubled the stride
+        rows.extend((i, dashboard_row(r)) for i, r in _on_grid(pending, stride))
         while len(rows) > self.max_points:
             stride *= 2
-            rows = [(i, row) for i, row in rows if i % stride == 0]
+            rows = _on_grid(rows, stride)
         self._rows = rows
         with self._feed_lock:
             self._stride = max(self._stride, stride)
