@@ -116,12 +116,11 @@ class AdviceGrid:
             self._quiet = False
         self._changed()
 
-    def _show(self, keep_description: bool = False) -> None:
+    def _show(self) -> None:
         for row in self._rows5 + self._rows3:
             values = {self._policy[t] for t in row.dtypes}
             row.show(self._policy[row.dtypes[0]], mixed=len(values) > 1)
-        if not keep_description:
-            self.description.value = f"<small>{self._policy.description}</small>" if self._policy.description else ""
+        self.description.value = f"<small>{self._policy.description}</small>" if self._policy.description else ""
 
     def _layout_rows(self) -> None:
         self.rows.children = [r.box for r in (self._rows3 if self.three_types.value else self._rows5)]
@@ -145,12 +144,11 @@ class AdviceGrid:
         if advice == dict(self._policy.advice):
             return
         name = CUSTOM if self._policy.name in presets else self._policy.name  # a loaded policy keeps its name
-        self._policy = Policy(name, advice, "edited in the panel")
+        self._policy = Policy(name, advice, "edited: not a preset")
         self._quiet = True
         try:
             self.preset.value = CUSTOM
-            self._show(keep_description=True)
-            self.description.value = "<small>edited: not a preset</small>"
+            self._show()
         finally:
             self._quiet = False
         self._changed()
