@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,14 +24,89 @@ def _plotly() -> Any:
     return go
 
 
-def keep_plots_in_exports() -> None:
-    """In a Jupyter kernel whose plotly renderer is the bare mimetype (JupyterLab, nbclient), add the
-    ``notebook`` renderer: figures then also carry HTML with plotly.js inlined, so an exported notebook
-    (nbconvert HTML) keeps its plots. Other renderer choices (VS Code, Colab, a user's own) are left alone."""
+def static_images_available() -> bool:
+    """True when plotly can draw PNGs here: kaleido is installed and finds a Chrome or Chromium already on
+    this machine (it is never downloaded). ``UM_LAB_STATIC_IMAGES=0`` turns the images off."""
+    if os.environ.get("UM_LAB_STATIC_IMAGES", "1") == "0":
+        return False
+    try:
+        import kaleido  # noqa: F401
+        from choreographer.browsers.chromium import Chromium
+
+        return Chromium.find_browser(skip_local=False) is not None
+    except Exception:  # not installed, or a choreographer without find_browser: no images
+        return False
+
+
+def _export_renderer() -> Any:
+    """A plotly renderer for notebooks that are shared: the plotly JSON (what JupyterLab draws) plus a PNG
+    (what GitHub and nbconvert show: they do not run plotly.js). It falls back to inlined HTML when the
+    PNG cannot be drawn, so showing a figure never fails for the image's sake."""
+    import plotly.io as pio
+    from plotly.io.base_renderers import MimetypeRenderer
+
+    class ExportRenderer(MimetypeRenderer):
+        def __init__(self) -> None:
+            self.images = True  # False after the first failed PNG: HTML from then on
+
+        def to_mimebundle(self, fig_dict: dict[str, Any]) -> dict[str, Any]:
+            bundle = dict(pio.renderers["plotly_mimetype"].to_mimebundle(fig_dict))
+            if self.images:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)  # "kopts ignored with a server"
+                        _start_image_server()
+                        bundle.update(pio.renderers["png"].to_mimebundle(fig_dict))
+                    return bundle
+                except Exception:
+                    self.images = False
+            bundle.update(pio.renderers["notebook"].to_mimebundle(fig_dict))
+            return bundle
+
+        def activate(self) -> None:
+            pio.renderers["notebook"].activate()  # the HTML fallback's plotly.js, loaded once
+
+    return ExportRenderer()
+
+
+_EXPORT_RENDERER = "um_lab_export"
+_image_server: list[bool] = []  # [True] once kaleido's browser runs in this process
+
+
+def _start_image_server() -> None:
+    """Start kaleido's browser once per process (first PNG ~2 s, then ~0.2 s each); stopped at exit."""
+    if _image_server:
+        return
+    import kaleido
+
+    kaleido.start_sync_server(n=1, timeout=60, silence_warnings=True)
+    atexit.register(kaleido.stop_sync_server)
+    _image_server.append(True)
+
+
+def keep_plots_in_exports() -> str:
+    """Make figures survive a saved notebook; returns what they carry now (``"png"``, ``"html"`` or
+    ``"unchanged"``).
+
+    In a Jupyter kernel whose plotly renderer is the bare mimetype (JupyterLab, nbclient), figures then
+    carry the plotly JSON plus a PNG drawn by kaleido (``"png"``: GitHub and nbconvert HTML show it; needs
+    kaleido and a Chrome or Chromium on this machine, see :func:`static_images_available`) or, without
+    those, HTML with plotly.js inlined (``"html"``: nbconvert HTML keeps the plot, GitHub does not run it).
+    Other renderer choices (VS Code, Colab, a user's own) are left alone.
+    """
     import plotly.io as pio
 
-    if pio.renderers.default == "plotly_mimetype":
+    current = pio.renderers.default
+    if current == _EXPORT_RENDERER:
+        return "png" if pio.renderers[_EXPORT_RENDERER].images else "html"
+    if current not in ("plotly_mimetype", "plotly_mimetype+notebook"):
+        return "unchanged"
+    if not static_images_available():
         pio.renderers.default = "plotly_mimetype+notebook"
+        return "html"
+    pio.renderers[_EXPORT_RENDERER] = _export_renderer()
+    pio.renderers.default = _EXPORT_RENDERER
+    return "png"
 
 
 def _grouped(table: pd.DataFrame, needed: set[str]) -> pd.DataFrame:
