@@ -63,26 +63,31 @@ def test_every_block_holds_one_type_and_footprint_matches_segments() -> None:
     assert placement.layout(100) is placement.final
 
 
-def test_conv_filters_are_reread_per_pixel_tile_and_outputs_are_not_read() -> None:
-    """Remote re-reads: convolution filters once per output-pixel tile (``conv_tile``), GEMMs by
-    their own tile rule; write-only outputs are never read over the link."""
+def test_remote_rereads_follow_the_measured_tiles_and_outputs_are_not_read() -> None:
+    """Remote re-reads: 1x1 convolution filters once per output-pixel tile (``tile_conv_1x1``), k x k
+    convolutions once, GEMMs by their own tiles; write-only outputs are never read over the link."""
+    import dataclasses
+
     import numpy as np
 
     from um_lab.sim.access import expand
+    from um_lab.sim.ops import CONV_1X1, READ_ONCE
     from um_lab.sim.placement import place
+    from um_lab.sim.profile import Profile
     from um_lab.sim.replicas import resnet_replica
     from um_lab.sim.trace import cached_trace
 
-    tr = cached_trace(resnet_replica(18, batch_size=4, image_size=64, classes=10))
+    tr = cached_trace(resnet_replica(50, batch_size=4, image_size=64, classes=10))
     layout = place(tr).final
-    small = expand(tr, layout, 64.0, 128.0, conv_tile=64.0)
-    big = expand(tr, layout, 64.0, 128.0, conv_tile=256.0)
+    small = expand(tr, layout, dataclasses.replace(Profile(), tile_conv_1x1=32.0))
+    big = expand(tr, layout, dataclasses.replace(Profile(), tile_conv_1x1=128.0))
+    assert (tr.acc_reread == CONV_1X1).any() and (tr.acc_reread == READ_ONCE).any()
     op_of = np.repeat(np.arange(tr.n_ops), np.diff(small.ptr))
     param = layout.block_type[small.block] == 0
     conv = (tr.op_kind[op_of] == 2) & param
     gemm = (tr.op_kind[op_of] == 1) & param
     ratio = small.remote_bytes[conv].sum() / big.remote_bytes[conv].sum()
-    assert 1.2 < ratio <= 4.0  # up to 4x fewer tiles re-read the filters (each read at least once)
+    assert 1.2 < ratio <= 4.0  # up to 4x fewer tiles re-read the 1x1 filters (each read at least once)
     assert np.array_equal(small.remote_bytes[gemm], big.remote_bytes[gemm])
     # the batch copy only writes its input storages
     first = slice(small.ptr[0], small.ptr[1])

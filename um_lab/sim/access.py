@@ -2,8 +2,8 @@
 
 For each op: the 2 MiB blocks it touches, which 64 KiB big pages of each block it touches (a uint32
 bitmask) and writes, the bytes it moves in each block, and the bytes it would move over the host link
-if the block were accessed remotely (GEMM operands are re-read once per output tile of the other
-dimension, which is what makes zero-copy parameters so slow).
+if the block were accessed remotely (tiled kernels re-read remote operands once per output tile: see
+:func:`link_passes`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import dataclasses
 
 import numpy as np
 
+from um_lab.sim.ops import NORM_STATS
 from um_lab.sim.placement import BIG_PAGE, BLOCK, Layout
+from um_lab.sim.profile import Profile
 from um_lab.sim.trace import StepTrace
 
 _FULL = np.uint64(0xFFFFFFFF)
@@ -41,27 +43,33 @@ def page_mask(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return (upper & ~lower & _FULL).astype(np.uint32)
 
 
-def reread_factor(reuse: np.ndarray, tile_min: float, tile_max: float) -> np.ndarray:
-    """How often a GEMM operand is read when it is not in GPU memory (no L2 reuse across tiles).
+def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile) -> np.ndarray:
+    """How many times each remote operand crosses the host link (classes: :data:`um_lab.sim.ops.REREAD_CLASSES`).
 
-    ``reuse`` is the extent of the other output dimension; the GEMM library's tile along it grows with
-    the problem (``reuse / 4`` clipped to [tile_min, tile_max]); each tile re-reads the operand.
-    Non-GEMM accesses (reuse 1) are read once.
+    A tiled kernel re-reads its operand once per tile of the other output dimension
+    (``ceil(reuse / tile)``, at least 1), with the profile's tiles; a training-mode batch norm reads its
+    input ``norm_input_passes`` times; everything else once.
     """
-    tile = np.clip(reuse / 4.0, tile_min, tile_max)
-    return np.maximum(1.0, np.ceil(reuse / tile))
+    p = profile
+    nt_b = np.clip(reuse / 128.0, p.tile_gemm_nt_b_min, p.tile_gemm_nt_b_max)
+    tiles = [np.inf, p.tile_gemm_nt_a, nt_b, p.tile_gemm_nn, p.tile_gemm_tn, p.tile_conv_1x1,
+             p.tile_conv_1x1_bwd_filter, np.inf]
+    passes = np.ones(len(reuse))
+    for cls, tile in enumerate(tiles):
+        sel = reread == cls
+        if np.isfinite(tile).all() and sel.any():
+            t = tile[sel] if isinstance(tile, np.ndarray) else tile
+            passes[sel] = np.maximum(1.0, np.ceil(reuse[sel] / t))
+    passes[reread == NORM_STATS] = p.norm_input_passes
+    return passes
 
 
-def expand(trace: StepTrace, layout: Layout, tile_min: float, tile_max: float,
-           conv_tile: float | None = None) -> OpBlocks:
+def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
     """Expand ``trace``'s accesses under ``layout`` into per-op block accesses.
 
-    ``tile_min`` / ``tile_max``: GEMM output tile bounds (see :func:`reread_factor`); ``conv_tile``:
-    the output-pixel (N*P*Q) tile of implicit-GEMM convolutions, which re-read their filter once per
-    tile (cuDNN's convolution kernels use larger pixel tiles than cuBLAS's GEMM tiles along M; None:
-    as GEMMs). Remote reads
-    and remote writes are counted apart (``remote_bytes`` / ``write_bytes``): the host link is full
-    duplex, so an in-place kernel's read and write streams overlap (see ``UvmModel.access``).
+    Remote reads count :func:`link_passes` per operand; remote reads and remote writes are counted apart
+    (``remote_bytes`` / ``write_bytes``): the host link is full duplex, so an in-place kernel's read and
+    write streams overlap (see ``UvmModel.access``).
     """
     n_ops = trace.n_ops
     acc_op = np.repeat(np.arange(n_ops, dtype=np.int64), np.diff(trace.acc_ptr))
@@ -72,12 +80,7 @@ def expand(trace: StepTrace, layout: Layout, tile_min: float, tile_max: float,
     hi = base + trace.acc_hi[keep]
     write = trace.acc_write[keep] > 0
     reads = trace.acc_write[keep] != 1  # write-only outputs are not read
-    reuse = trace.acc_reuse[keep]
-    reread = reread_factor(reuse, tile_min, tile_max)
-    if conv_tile is not None:
-        conv = trace.op_kind[acc_op] == 2
-        reread = np.where(conv, np.maximum(1.0, np.ceil(reuse / conv_tile)), reread)
-    reread = reread * reads
+    reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile) * reads
     first_block = lo // BLOCK
     n_blk = (hi - 1) // BLOCK - first_block + 1
     # one entry per (access, block)

@@ -70,7 +70,7 @@ class SimBackend:
             return hit
         placement = place(trace)
         p = self.profile
-        blocks = [expand(trace, layout, p.gemm_tile_min, p.gemm_tile_max, p.conv_tile) for layout in placement.layouts]
+        blocks = [expand(trace, layout, p) for layout in placement.layouts]
         prepared = PreparedCase(trace, placement, blocks, op_times_us(trace, self.profile),
                                 op_host_us(trace, self.profile))
         with self._lock:

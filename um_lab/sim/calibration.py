@@ -8,7 +8,7 @@ Two kinds of input, both plain dicts (JSON-ready):
   turned into model constants by :func:`profile_from_bandwidths`.
 * ``targets``: measured median step times, ``[{"model", "model_kwargs", "policy", "ms"}, ...]``;
   :func:`calibrate` fits the roofline (GEMM and convolution peaks) to the ``um-default`` targets, the
-  GEMM tile bound to zero-copy targets, the read_mostly write-fault cost to read_mostly targets and
+  read_mostly write-fault cost to read_mostly targets and
   the host cost of a prefetch call to prefetch-policy targets (all-resident prefetches cost only that).
 
 :func:`measure_on_gpu` collects both on the local GPU (it needs CUDA and the real backend); without
@@ -28,6 +28,7 @@ from typing import Any
 
 from um_lab.policy import Policy, get_policy
 from um_lab.sim.placement import BLOCK
+from um_lab.sim.primitives import fit_primitives, load_primitives
 from um_lab.sim.profile import Profile
 from um_lab.sim.replicas import model_case
 from um_lab.sim.roofline import native_step_ms
@@ -169,13 +170,10 @@ def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS,
     profile = profile_from_bandwidths(bandwidth_GBps or {}, base or Profile(), **fields)
     profile = fit_roofline(profile, targets)
     names = [(t, _policy(t["policy"])) for t in targets]
-    zero_copy = [t for t, p in names if any(a.preferred_location == "cpu" for a in p.advice.values())
-                 and not any(a.read_mostly for a in p.advice.values())]
     read_mostly = [t for t, p in names
                    if any(a.read_mostly for a in p.advice.values()) and p.name != "input-read-mostly"]
     prefetching = [t for t, p in names if any(a.prefetch != "none" for a in p.advice.values())
                    and not any(a.read_mostly or a.preferred_location == "cpu" for a in p.advice.values())]
-    profile = fit_field(profile, zero_copy, "gemm_tile_max", profile.gemm_tile_min, 1024.0)
     profile = fit_field(profile, read_mostly, "readmostly_write_fault_us", 1.0, 1000.0)
     for _ in range(2):  # prefetch calls: a cost per call (segment) and per 2 MiB block it walks
         profile = fit_field(profile, prefetching, "prefetch_call_us", 0.1, 1000.0)
@@ -193,20 +191,31 @@ def fidelity_targets(path: str | Path, fitted_only: bool = True) -> list[dict[st
 
 
 def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
-                       fidelity_path: str | Path | None = None) -> Profile:
-    """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``) and, when
-    given, the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out)."""
+                       fidelity_path: str | Path | None = None,
+                       primitives_path: str | Path | None = None) -> Profile:
+    """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``), when given
+    the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), and the UM
+    primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
+    (:mod:`um_lab.sim.primitives`; they override the probe's)."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
     targets = list(H200_TARGETS)
     if fidelity_path is not None:
         targets += fidelity_targets(fidelity_path)
-    profile = calibrate(targets, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total,
-                        source=f"{probe['what']}; fitted by um_lab.sim.calibration.build_h200_profile")
+    link: dict[str, float] = {}
+    provenance: dict[str, Any] = {}
+    if primitives_path is not None:
+        link, provenance = fit_primitives(load_primitives(primitives_path))
+    source = f"{probe['what']}; fitted by um_lab.sim.calibration.build_h200_profile"
+    if primitives_path is not None:
+        source += f"; host link and migration from {Path(primitives_path).name} (bench/uvm_primitives.py)"
+    profile = calibrate(targets, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total, source=source, **link)
     if out is not None:
         measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}
+        if provenance:
+            measured["primitives"] = provenance
         profile.save(out, measured=measured)
     return profile
 

@@ -1,5 +1,5 @@
-"""Per-op knowledge for the tracer: which ops launch no kernel, which need no warning, operand
-re-reads of GEMM-like ops, causal attention, and the CUDA kernel choices emulated on the CPU."""
+"""Per-op knowledge for the tracer: which ops launch no kernel, which need no warning, how ops read
+remote operands, causal attention, and the CUDA kernel choices emulated on the CPU."""
 
 from __future__ import annotations
 
@@ -83,26 +83,66 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + span * item
 
 
-def gemm_reuse(name: str, args: tuple) -> dict[int, float]:
-    """For GEMM-like ops: arg position -> extent of the other output dimension (operand re-reads)."""
+#: How a kernel reads an operand that lives in host memory (remote), i.e. how many times it crosses the
+#: link: :func:`um_lab.sim.access.link_passes` turns (class, reuse) into passes with the profile's tiles,
+#: which come from the H200 microbenchmarks (``bench/uvm_primitives.py``). GEMM layouts are cuBLAS's:
+#: NT is the forward ``x @ W.T``, NN the backward ``grad_y @ W``, TN the backward ``grad_y.T @ x``.
+READ_ONCE, GEMM_NT_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS = range(8)
+REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_nt_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
+                                   "conv_1x1_bwd_filter", "norm_stats")
+_BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
+               "aten.cudnn_batch_norm"}
+_BATCH_NORM_BWD = {"aten.native_batch_norm_backward", "aten.cudnn_batch_norm_backward"}
+
+
+def _transposed(t: torch.Tensor) -> bool:
+    """True for a column-major matrix (a ``.t()`` view): cuBLAS reads it as a transposed operand."""
+    return t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) != 1
+
+
+def _gemm_class(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """Re-read classes of the A and B operands of ``a @ b`` from their layouts."""
+    if _transposed(a):
+        return GEMM_TN, GEMM_TN
+    if _transposed(b):
+        return GEMM_NT_A, GEMM_NT_B
+    return GEMM_NN, GEMM_NN
+
+
+def remote_reads(name: str, args: tuple) -> dict[int, tuple[float, int]]:
+    """Arg position -> (reuse, re-read class) for ops that read an operand more than once when it is remote.
+
+    ``reuse`` is the extent of the output dimension the operand is re-read along (a GEMM's A operand once
+    per tile of B's columns, B once per tile of A's rows). Measured on the H200 (bench/uvm_primitives.py):
+    cuBLAS GEMMs and 1x1 convolutions re-read remote operands per tile (the L2 does not keep them);
+    k x k convolutions read every operand about once; training-mode batch norm reads its input twice.
+    Positions not listed are read once.
+    """
     try:
-        if name in ("aten.mm", "aten.bmm"):
-            a, b = args[0], args[1]
-            return {0: float(b.shape[-1]), 1: float(a.shape[-2])}
-        if name in ("aten.addmm", "aten.baddbmm"):
-            a, b = args[1], args[2]
-            return {1: float(b.shape[-1]), 2: float(a.shape[-2])}
+        if name in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm"):
+            i = 1 if name in ("aten.addmm", "aten.baddbmm") else 0
+            a, b = args[i], args[i + 1]
+            ca, cb = _gemm_class(a, b)
+            return {i: (float(b.shape[-1]), ca), i + 1: (float(a.shape[-2]), cb)}
         if name in ("aten.convolution", "aten._convolution", "aten.cudnn_convolution"):
             x, w = args[0], args[1]
+            if math.prod(w.shape[2:]) != 1:
+                return {}
             pixels = x.shape[0] * math.prod(x.shape[2:])
-            return {0: float(w.shape[0]), 1: float(pixels)}
+            return {0: (float(w.shape[0]), CONV_1X1), 1: (float(pixels), CONV_1X1)}
         if name == "aten.convolution_backward":
-            go, x, w = args[0], args[1], args[2]
+            go, w = args[0], args[2]
+            if math.prod(w.shape[2:]) != 1:
+                return {}
             pixels = go.shape[0] * math.prod(go.shape[2:])
-            return {0: float(max(w.shape[1], w.shape[0])), 1: float(w.shape[0]), 2: float(pixels)}
+            return {0: (float(w.shape[1]), CONV_1X1), 2: (float(pixels), CONV_1X1_BWD_FILTER)}
+        if name in _BATCH_NORM:
+            return {0: (1.0, NORM_STATS)}
+        if name in _BATCH_NORM_BWD:  # not measured: assumed to read both twice, as the forward does
+            return {0: (1.0, NORM_STATS), 1: (1.0, NORM_STATS)}
         if name.startswith("aten._scaled_dot_product") or name.startswith("aten._efficient_attention"):
             q = args[0]
-            return {1: float(q.shape[-2]), 2: float(q.shape[-2])}
+            return {1: (float(q.shape[-2]), GEMM_NT_B), 2: (float(q.shape[-2]), GEMM_NN)}
     except (AttributeError, IndexError, TypeError):
         pass
     return {}

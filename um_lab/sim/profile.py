@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +38,20 @@ class Profile:
     cpu_foreach_tensor_us: float = 2.0  #: extra host time per tensor argument of a foreach op (Python lists)
     # host link
     pinned_h2d_GBps: float = 51.61
-    remote_GBps: float = 47.77  #: GPU reads of host-resident managed memory (zero-copy)
-    remote_write_GBps: float = 51.5  #: GPU writes to host-resident managed memory (the other direction)
-    gemm_tile_min: float = 64.0  #: GEMM output tile bounds: a remote GEMM operand is re-read per tile
-    gemm_tile_max: float = 108.0
-    #: output-pixel tile of implicit-GEMM convolutions (cuDNN TF32 kernels: 256): a remote filter is
-    #: re-read once per tile. A prior, not fitted (no convolution row is in the fit set).
-    conv_tile: float = 256.0
+    remote_GBps: float = 51.2  #: GPU streaming reads of host-resident managed memory (zero-copy)
+    remote_write_GBps: float = 52.6  #: GPU streaming writes to host-resident managed memory
+    #: Tiles along which kernels re-read a remote operand (one link pass per tile of the other output
+    #: dimension; bench/uvm_primitives.py): cuBLAS NT (forward x @ W.T) A operand; NT B operand, whose tile
+    #: grows with the rows (reuse / 128, clipped to these bounds); NN; TN; 1x1 convolutions (input per
+    #: output-channel tile, filter per pixel tile); the filter of a 1x1 convolution's backward.
+    tile_gemm_nt_a: float = 60.0
+    tile_gemm_nt_b_min: float = 60.0
+    tile_gemm_nt_b_max: float = 107.0
+    tile_gemm_nn: float = 137.0
+    tile_gemm_tn: float = 137.0
+    tile_conv_1x1: float = 96.0
+    tile_conv_1x1_bwd_filter: float = 245.0
+    norm_input_passes: float = 1.83  #: link passes of a training-mode batch norm's remote input (stats + normalise)
     # Unified Memory driver
     prefetch_h2d_GBps: float = 47.4
     prefetch_d2h_GBps: float = 3.65

@@ -40,10 +40,11 @@ from um_lab.models import ModelCase
 from um_lab.sim.ops import (
     KNOWN_GENERIC,
     NO_KERNEL,
+    READ_ONCE,
     CudaKernelChoices,
     extent_bytes,
-    gemm_reuse,
     is_causal_attention,
+    remote_reads,
 )
 from um_lab.types import DATA_TYPES, DataType
 
@@ -62,8 +63,8 @@ class StepTrace:
     host-to-device copy of the batch into the input pool.
     Accesses (CSR over ops, ``acc_ptr[i]:acc_ptr[i+1]``): ``acc_storage``, byte range ``acc_lo`` ..
     ``acc_hi`` inside the storage, ``acc_write`` (0 read, 1 write only, 2 read and write in place),
-    ``acc_reuse`` (for GEMM operands: the extent of the
-    other output dimension, i.e. how many output tiles re-read the operand; 1 otherwise).
+    ``acc_reuse`` and ``acc_reread`` (how a kernel re-reads the operand when it is remote: the extent of the
+    output dimension it is re-read along, and the class of :data:`um_lab.sim.ops.REREAD_CLASSES`).
     Storages: ``st_nbytes``, ``st_type`` (index into :data:`um_lab.types.DATA_TYPES`), ``st_alloc``
     (op index at which it is allocated; -1 = exists before the step), ``st_free`` (op index before
     which it is freed; ``n_ops`` = at step end or never), ``st_persistent`` (survives the step).
@@ -81,6 +82,7 @@ class StepTrace:
     acc_hi: np.ndarray
     acc_write: np.ndarray
     acc_reuse: np.ndarray
+    acc_reread: np.ndarray
     st_nbytes: np.ndarray
     st_type: np.ndarray
     st_alloc: np.ndarray
@@ -203,19 +205,20 @@ class _Recorder(TorchDispatchMode):
             return  # a view or metadata op: no kernel
         self._collect_frees()
         op_index = len(self.ops)
-        reuse = gemm_reuse(name, args)
+        rereads = remote_reads(name, args)
         hbm = 0.0
         for t, write, pos in in_tensors:
             idx = self.register(t, self.classify_new(), op_index, True)
             lo, hi = extent_bytes(t)
             nb = t.numel() * t.element_size()
             hbm += nb * (2 if write else 1)
-            self.acc.append((op_index, idx, lo, hi, 2 if write else 0, reuse.get(pos, 1.0)))
+            reuse, reread = rereads.get(pos, (1.0, READ_ONCE))
+            self.acc.append((op_index, idx, lo, hi, 2 if write else 0, reuse, reread))
         for t in new_outs:
             idx = self.register(t, self.classify_new(), op_index, True)
             lo, hi = extent_bytes(t)
             hbm += t.numel() * t.element_size()
-            self.acc.append((op_index, idx, lo, hi, 1, 1.0))
+            self.acc.append((op_index, idx, lo, hi, 1, 1.0, READ_ONCE))
         packet = func.overloadpacket
         kind = 0
         if packet in flop_registry:
@@ -237,7 +240,7 @@ class _Recorder(TorchDispatchMode):
             idx = self.register(t, DataType.INPUT, len(self.ops), False)
             lo, hi = extent_bytes(t)
             nbytes += t.numel() * t.element_size()
-            self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0))
+            self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0, READ_ONCE))
         self.ops.append(("um_lab.input_h2d", 0, 0.0, nbytes, 3))
 
 
@@ -337,6 +340,7 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         acc_hi=col(3, np.int64),
         acc_write=col(4, np.int8),
         acc_reuse=col(5, np.float64),
+        acc_reread=col(6, np.int8),
         st_nbytes=np.array(rec.nbytes, np.int64),
         st_type=types,
         st_alloc=np.array(rec.alloc, np.int32),
