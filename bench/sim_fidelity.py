@@ -217,6 +217,7 @@ def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
                                            r.get("warmup_steps", 3))
         row.update(simulated_ms=round(sim_ms, 3), fitted=is_fitted(model, kw, policy),
                    new_heldout=(model, kw, policy) in NEW_HELDOUT,
+                   heldout_round1=(model, kw, policy) in HELDOUT_ROUND1,
                    sim={k: round(v, 4) for k, v in counters.items()})
         row["error"] = (round(sim_ms / r["measured_ms"] - 1, 4) if r.get("measured_ms") else None)
         rows.append(row)
@@ -240,14 +241,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="'new': only the new held-out configurations (written to sim_fidelity_new.json)")
     ap.add_argument("--measured", metavar="PATH",
                     help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
+    ap.add_argument("--measured-name", help="file name for --measured's result (default sim_fidelity.json)")
     args = ap.parse_args(argv)
     sim = SimBackend(args.profile)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.measured:
         result = resimulate(sim, Path(args.measured))
-        (out / "sim_fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out / 'sim_fidelity.json'}")
+        name = args.measured_name or "sim_fidelity.json"
+        (out / name).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out / name}")
         return result
     measure_gpu = not args.simulate_only
     if measure_gpu and not torch.cuda.is_available():

@@ -169,15 +169,16 @@ def test_missing_results_file_is_none(tmp_path):
 #: run's four ratios. A few seconds on the 2-core CI machine.
 SMALL_MODEL = {"bert-base": {"num_hidden_layers": 4, "batch_size": 8, "seq_len": 512}}
 SMALL_RATIOS = (0.8, 1.25, 1.5, 2.0)
-STILL_WINS_TOLERANCE = 0.01
+STILL_WINS_TOLERANCE = 0.02
 
 
 def test_preset_still_wins_a_reduced_version_of_its_own_experiment():
     """The rule: every mapping that differs from the preset in one paper group (17, plus um-default) is
     simulated on SMALL_MODEL at SMALL_RATIOS; the preset's geometric-mean speed-up over um-default must be
-    within 1% of the best of them, and at least 1.05x. (When the preset was chosen it was the best of them here,
-    1.73x; the nearest neighbour, input data "none", was 0.2% behind.) A simulator change that makes another
-    neighbour clearly better, or the preset no better than plain UM, fails here: re-run the experiment."""
+    within 2% of the best of them, and at least 1.05x. (When the preset was chosen, with profile v2, it was
+    1.373x here and the best neighbour, parameters "prefetch", 1.390x: 1.2% ahead on this small model, tied
+    with the preset in the full experiment at 1.504x.) A simulator change that makes another neighbour clearly
+    better, or the preset no better than plain UM, fails here: re-run the experiment."""
     from um_lab.sim import SimBackend
 
     center = PaperMapping.from_dict(paper.PRESET_PROVENANCE["mapping"])

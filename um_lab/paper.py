@@ -74,13 +74,13 @@ RESULTS_JSON = "bench/results/paper_three_types.json"
 ROW_COLUMNS = ("model", "ratio", "mapping", "median_ms", "htod_bytes", "dtoh_bytes", "gpu_page_faults", "evictions",
                "remote_bytes", "live_gib")
 PRESET_PROVENANCE: dict[str, Any] = {
-    "mapping": {"model parameters": "none", "intermediate results": "pin-gpu", "input data": "pin-gpu"},
+    "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "da1721eb3cfc2047834f1545ab6887240eade1b008455a326efcd40197d3e3ef",
-    "sim_source_sha256": "6d662b656128705b90615f43c50cfc45863f0e73b34c59d961203c80b0442d88",
-    "date": "2026-12-01T01:34:08+00:00",
-    "git_commit": "de772cd973034b6a8a0f035d1382c3f1946e2c14+dirty",
+    "profile_sha256": "2169334245ffeb92341aa8a0cc5554a698b17bccfcf35a3b752f3b2cad9a8d9b",
+    "sim_source_sha256": "81aeb6b1cf4c9af98b14096876bf2cc698974035dc1fcba2a7006cbc7eacc158",
+    "date": "2026-12-01T03:51:22+00:00",
+    "git_commit": "a34fe03 (working tree; the device copy's git metadata read 0d51bba+dirty)",
     "um_lab_version": "0.1.0",
 }
 
