@@ -298,6 +298,10 @@ def test_compare_view_runs_policies_by_ratios_and_shows_figures_and_a_readable_t
     assert all(v.endswith(" ms") and len(v[:-3].split(".")[-1]) == 2 for v in table["median ms"])
     bars, overlay = view.figures()
     assert {t.name for t in bars.data} == {"um-default", "gpu-first"} and len(overlay.data) == 4
+    # on the simulator the uncertainty band is on by default: a column, error bars and the flip marker
+    assert all(b.endswith("x") and "–" in b for b in table["speed-up band"])
+    assert set(table["ranking flips in band"]) <= {"yes", ""}
+    assert all(t.error_y.array is not None for t in bars.data) and "band" in bars.layout.title.text
     view.log_scale.value = True
     assert view.figures()[0].layout.yaxis.type == "log"
     assert len(view.output.outputs) == 3  # bars, overlay, table

@@ -65,6 +65,7 @@ def compare(
     progress: bool | Any = False,
     keep_going: bool = False,
     backend_instance: Backend | None = None,
+    band: bool = False,
 ) -> pd.DataFrame:
     """Run every model x policy x oversubscription ratio and tabulate them, one row per run.
 
@@ -77,6 +78,9 @@ def compare(
     ``progress=True`` shows a tqdm bar (or pass a tqdm-like object with ``update``/``set_postfix_str``).
     ``keep_going=True`` records a failed run as a row (status ``failed``, or ``refused`` when it could not
     start, with ``error``) and goes on.
+    ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
+    ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
+    ranking_flips: the run's place among its cell's policies changes inside the band).
     Columns: model, policy, ratio, backend, steps, median_ms, mean_ms, p90_ms, speedup_vs_<baseline>,
     migrated_bytes, htod_bytes, dtoh_bytes, gpu_page_faults, evictions, remote_bytes, ..., status, run_dir.
     """
@@ -91,6 +95,8 @@ def compare(
     if backend_name == "cuda" and any(r is not None for r in ratio_list):
         raise ValueError("oversubscription ratios are simulated (backend 'sim'); on cuda size the model "
                          "instead (um_lab.models.size_for_ratio) and keep it under the safety cap")
+    if band and backend_name != "sim":
+        raise ValueError("uncertainty bands are the simulator's (profile constants' ranges): use backend='sim'")
     if backend_name == "cuda" and backend_instance is None and not cuda_available():
         raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
     out_dir = check_writable(resolve_out_dir(out_dir))
@@ -131,6 +137,12 @@ def compare(
                         if not keep_going:
                             raise
                         row["error"] = f"{type(e).__name__}: {e}"
+                    if band and active.status == "complete":
+                        from um_lab.sim.band import band_ms
+
+                        row["band_fast_ms"], row["band_slow_ms"] = band_ms(
+                            spec, active.case, policy, shared_backend.profile,
+                            getattr(shared_backend, "prefetch_stream", "compute"))
                     rows.append({**row, **active.summary(), "status": active.status,
                                  "run_dir": str(active.path)})
                     if bar is not None:
@@ -139,6 +151,10 @@ def compare(
         if bar is not None and progress is True:
             bar.close()
     table = with_speedup(pd.DataFrame(rows), baseline)
+    if band and "band_fast_ms" in table:
+        from um_lab.sim.band import with_band
+
+        table = with_band(table, baseline)
     table.to_csv(sweep_dir / "summary.csv", index=False)
     table.attrs["sweep_dir"] = str(sweep_dir)
     return table

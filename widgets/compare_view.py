@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from um_lab.backend import resolve_backend_name
 from um_lab.errors import UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import presets
@@ -63,7 +64,16 @@ def readable(table: pd.DataFrame, baseline: str = BASELINE_POLICY) -> pd.DataFra
     columns = {**dict(list(columns.items())[:5]), f"speedup_vs_{baseline}": f"speed-up vs {baseline}",
                **dict(list(columns.items())[5:])}
     present = [c for c in columns if c in table.columns]
-    return readable_table(table[present]).rename(columns=columns)
+    out = readable_table(table[present]).rename(columns=columns)
+    if {"speedup_band_lo", "speedup_band_hi"} <= set(table.columns):  # the uncertainty band (sim)
+        band = [("—" if pd.isna(lo) or pd.isna(hi) else f"{lo:.2f}–{hi:.2f}x")
+                for lo, hi in zip(table["speedup_band_lo"], table["speedup_band_hi"], strict=True)]
+        speedup = f"speed-up vs {baseline}"
+        at = list(out.columns).index(speedup) + 1 if speedup in out else len(out.columns)
+        out.insert(at, "speed-up band", band)
+        flips = table["ranking_flips"] if "ranking_flips" in table else pd.Series([pd.NA] * len(table))
+        out.insert(at + 1, "ranking flips in band", ["yes" if f is True else "" for f in flips.tolist()])
+    return out
 
 
 class _Progress:
@@ -109,6 +119,8 @@ class CompareView:
         self.steps = w.BoundedIntText(value=steps, min=1, max=10**6, description="steps")
         self.warmup = warmup_steps
         self.log_scale = w.Checkbox(value=False, description="log scale", indent=False)
+        #: on the simulator: each run also at both ends of the profile constants' ranges (um_lab.sim.band)
+        self.band = w.Checkbox(value=True, description="uncertainty band (sim)", indent=False)
         self.run_button = w.Button(description="Compare", icon="play", button_style="success")
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
         self.stop_button.on_click(lambda _b: self.stop())
@@ -123,7 +135,7 @@ class CompareView:
         self.log_scale.observe(lambda _c: self._show(), names="value")
         self.widget = w.VBox([w.HTML("<h3 style='margin:4px 0'>Compare policies</h3>"),
                               w.HBox([self.models, self.policies]),
-                              w.HBox([self.ratios, self.backend, self.steps, self.log_scale]),
+                              w.HBox([self.ratios, self.backend, self.steps, self.log_scale, self.band]),
                               w.HBox([self.run_button, self.stop_button, self.progress]), self.status, self.output])
         self.widget.add_class("um-lab-compare")
         self.table: pd.DataFrame | None = None
@@ -178,9 +190,10 @@ class CompareView:
     def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
         before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
         try:
+            band = bool(self.band.value) and resolve_backend_name(self.backend.value) == "sim"
             self.table = compare(models, policies, ratios, backend=self.backend.value, steps=int(self.steps.value),
                                  warmup_steps=self.warmup, out_dir=self.out_dir, progress=_Progress(self),
-                                 keep_going=True)
+                                 keep_going=True, band=band)
             failed = int((self.table["status"] != "complete").sum())
             note = f"; {failed} run(s) failed or were refused (see the table)" if failed else ""
             self._say(f"done: {len(self.table)} runs{note}. Folder: {self.table.attrs.get('sweep_dir')}",

@@ -317,13 +317,25 @@ def speedup_figure(table: pd.DataFrame, baseline: str = "um-default", log_scale:
     column = f"speedup_vs_{baseline}"
     frame = _grouped(table, {"median_ms", column})
     fig = go.Figure()
+    banded = {"band_fast_ms", "band_slow_ms", "speedup_band_lo", "speedup_band_hi"} <= set(frame.columns)
     for policy, rows in frame.groupby("policy", sort=False):
         labels = ["" if pd.isna(s) else f"{s:.2f}x" for s in rows[column]]
+        error_y = None
+        if banded:  # the band as error bars; a ranking that flips inside it is marked
+            flips = (rows["ranking_flips"].fillna(False).astype(bool) if "ranking_flips" in rows
+                     else [False] * len(rows))
+            labels = [f"{label} ⚠" if flip and label else label for label, flip in zip(labels, flips, strict=True)]
+            error_y = {"type": "data", "symmetric": False, "thickness": 1,
+                       "array": (rows["band_slow_ms"] - rows["median_ms"]).clip(lower=0),
+                       "arrayminus": (rows["median_ms"] - rows["band_fast_ms"]).clip(lower=0)}
         fig.add_bar(name=str(policy), x=rows["group"], y=rows["median_ms"], text=labels, textposition="outside",
+                    error_y=error_y,
                     hovertemplate="%{x}<br>%{y:.2f} ms<br>speed-up %{text}<extra>" + str(policy) + "</extra>")
+    title = f"Median step time; labels: speed-up against {baseline}"
+    if banded:
+        title += "<br><sup>error bars: the profile constants' uncertainty band; ⚠ the ranking flips inside it</sup>"
     fig.update_layout(barmode="group", xaxis_title="model @ oversubscription ratio",
-                      yaxis_title="median step time (ms)", legend_title="policy",
-                      title=f"Median step time; labels: speed-up against {baseline}")
+                      yaxis_title="median step time (ms)", legend_title="policy", title=title)
     if log_scale:
         fig.update_yaxes(type="log")
     return fig

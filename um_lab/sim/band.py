@@ -1,0 +1,167 @@
+"""Uncertainty bands: every simulated step time as a range over the profile constants' ranges.
+
+A profile constant is either measured on the target GPU (its range is the spread of the measurements,
+recorded with the profile under ``measured.primitives``) or not (fitted, set by hand, or taken from the
+driver source; each carries a relative range in :data:`UNMEASURED` saying why). Step time is monotone in
+every constant the band varies (a faster link or a cheaper fault never slows a step; the driver model's
+decisions do not depend on timing), so the band's ends are two runs: every constant at its fast end, and
+every constant at its slow end. The trace and placement are shared with the nominal run, and steps that
+repeat the same state cost nothing (:class:`~um_lab.sim.backend.SimBackend`).
+
+A comparison's ranking *flips inside the band* when two policies' order at either end differs from their
+nominal order: the constants' uncertainty alone could reverse the conclusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from um_lab.sim.placement import BLOCK
+from um_lab.sim.profile import Profile, load_profile
+
+#: Constants whose larger value makes a step faster (bandwidths, peaks, tiles); the rest of the banded
+#: constants make it slower (latencies, per-call costs, passes).
+FASTER_WHEN_LARGER = frozenset({
+    "matmul_tflops", "attention_tflops", "conv_tflops", "hbm_GBps", "pinned_h2d_GBps", "remote_GBps",
+    "remote_write_GBps", "tile_gemm_nt_a", "tile_gemm_nt_b_min", "tile_gemm_nt_b_max", "tile_gemm_nn",
+    "tile_gemm_tn", "tile_conv_1x1", "tile_conv_1x1_bwd_filter", "prefetch_h2d_GBps", "prefetch_d2h_GBps",
+    "evict_d2h_GBps", "fault_xfer_GBps",
+})
+
+#: Relative ranges (low factor, high factor) of constants not measured on the target GPU, and why.
+UNMEASURED: dict[str, tuple[float, float, str]] = {
+    "matmul_tflops": (0.9, 1.1, "fitted to three um-default step times"),
+    "attention_tflops": (0.9, 1.1, "fitted to step times"),
+    "conv_tflops": (0.8, 1.2, "fitted to one ResNet-50 step time"),
+    "kernel_us": (0.5, 2.0, "set by hand"),
+    "cpu_op_us": (0.75, 1.25, "set by hand from profiler traces"),
+    "cpu_bwd_op_us": (0.75, 1.25, "set by hand"),
+    "cpu_cudnn_call_us": (0.5, 1.5, "set by hand after seeing ResNet-50 rows"),
+    "cpu_foreach_tensor_us": (0.5, 2.0, "set by hand"),
+    "fault_batch_us": (0.67, 1.5, "nvidia-uvm source: 20-45 us per batch on older GPUs"),
+    "evict_chunk_us": (0.5, 2.0, "not measured: nothing is oversubscribed here"),
+    "prefetch_block_us": (0.5, 2.0, "set by hand"),
+    "prefetch_call_us": (0.75, 1.25, "fitted to prefetch-policy step times"),
+    "prefetch_call_us_per_block": (0.5, 2.0, "fitted to prefetch-policy step times"),
+    "readmostly_write_fault_us": (0.5, 2.0, "fitted to two read-mostly step times 100x apart in size"),
+}
+
+def profile_ranges(profile: str | Path | Profile = "h200") -> dict[str, tuple[float, float]]:
+    """``{field: (low, high)}`` for every banded constant of ``profile``.
+
+    Measured constants use the ranges recorded with the profile (``measured.primitives``); a
+    :class:`Profile` object without its JSON gets only the :data:`UNMEASURED` ranges around its values.
+    """
+    prof = load_profile(profile)
+    ranges: dict[str, tuple[float, float]] = {}
+    for name, (lo, hi, _why) in UNMEASURED.items():
+        value = float(getattr(prof, name))
+        ranges[name] = (value * lo, value * hi)
+    block_us = lambda gbps: BLOCK / (float(gbps) * 1e3)  # noqa: E731
+    for name, info in _measured_provenance(profile).items():
+        if not hasattr(prof, name):
+            continue
+        value = float(getattr(prof, name))
+        span = info.get("range")
+        gbps = info.get("range_GBps")
+        if span is None and gbps is not None:  # a per-block cost measured as a rate: slow rate = high cost
+            span = sorted(block_us(g) for g in gbps)
+            if name == "fault_block_us":
+                span = [max(1.0, v - block_us(prof.prefetch_h2d_GBps)) for v in span]
+        if span:
+            ranges[name] = (min(float(span[0]), value), max(float(span[1]), value))
+    return ranges
+
+
+def _measured_provenance(profile: str | Path | Profile) -> Mapping[str, Any]:
+    if isinstance(profile, Profile):  # the packaged profile of that name, if this is it unchanged
+        try:
+            same = load_profile(profile.name) == profile
+        except ValueError:
+            return {}
+        return _measured_provenance(profile.name) if same else {}
+    text = str(profile)
+    try:
+        if text.endswith(".json") or Path(text).exists():
+            data = json.loads(Path(text).read_text())
+        else:
+            data = json.loads(resources.files("um_lab.sim").joinpath(f"profiles/{text}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("measured", {}).get("primitives", {})
+
+
+def corner_profiles(profile: str | Path | Profile = "h200",
+                    ranges: Mapping[str, tuple[float, float]] | None = None) -> tuple[Profile, Profile]:
+    """(fast, slow): every banded constant at the end that makes a step faster, and at the other end."""
+    prof = load_profile(profile)
+    ranges = profile_ranges(profile) if ranges is None else ranges
+    fast, slow = {}, {}
+    for name, (lo, hi) in ranges.items():
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+            raise ValueError(f"range of {name} must be 0 < low <= high, got ({lo}, {hi})")
+        fast[name], slow[name] = (hi, lo) if name in FASTER_WHEN_LARGER else (lo, hi)
+    return (dataclasses.replace(prof, name=f"{prof.name}-fast", **fast),
+            dataclasses.replace(prof, name=f"{prof.name}-slow", **slow))
+
+
+_BACKENDS: dict[tuple[str, str], Any] = {}
+_LOCK = threading.Lock()
+
+
+def corner_backends(profile: str | Path | Profile = "h200", prefetch_stream: str = "compute") -> tuple[Any, Any]:
+    """Simulated backends at the band's fast and slow ends (cached: their prepared cases are reused)."""
+    from um_lab.sim.backend import SimBackend
+
+    fast, slow = corner_profiles(profile)
+    out = []
+    for corner in (fast, slow):
+        key = (json.dumps(dataclasses.asdict(corner), sort_keys=True), prefetch_stream)
+        with _LOCK:
+            backend = _BACKENDS.get(key)
+            if backend is None:
+                backend = _BACKENDS[key] = SimBackend(corner, prefetch_stream)
+        out.append(backend)
+    return out[0], out[1]
+
+
+def band_ms(spec: Any, case: Any, policy: Any, profile: str | Path | Profile = "h200",
+            prefetch_stream: str = "compute") -> tuple[float, float]:
+    """(fast end, slow end) of the median step time of ``spec`` under ``policy`` (ms)."""
+    import statistics
+
+    ends = []
+    for backend in corner_backends(profile, prefetch_stream):
+        timed = [r.wall_ms for r in backend.run(spec, case, policy) if not r.warmup]
+        ends.append(statistics.median(timed) if timed else float("nan"))
+    return ends[0], ends[1]
+
+
+def with_band(table: Any, baseline: str) -> Any:
+    """Add the band's consequences to a ``compare`` table that has ``band_fast_ms`` / ``band_slow_ms``:
+    ``speedup_band_lo`` / ``speedup_band_hi`` (the speed-up over ``baseline`` at the two ends, and the
+    nominal, lowest and highest) and ``ranking_flips`` (True when the row's place among the policies of
+    its (model, ratio) differs at either end of the band from its nominal place)."""
+    import numpy as np
+    import pandas as pd
+
+    t = table.copy()
+    key = t["model"].astype(str) + "|" + t["ratio"].astype(object).where(t["ratio"].notna(), "none").astype(str)
+    speedups = []
+    for col in ("median_ms", "band_fast_ms", "band_slow_ms"):
+        base = t[t["policy"] == baseline].assign(_key=key).set_index("_key")[col]
+        speedups.append(np.asarray([base.get(k, np.nan) for k in key], float) / t[col].to_numpy(float))
+    stacked = np.vstack(speedups)
+    t["speedup_band_lo"] = np.nanmin(stacked, axis=0) if stacked.size else []
+    t["speedup_band_hi"] = np.nanmax(stacked, axis=0) if stacked.size else []
+    ranks = {col: t.groupby(key)[col].rank(method="min") for col in ("median_ms", "band_fast_ms", "band_slow_ms")}
+    flips = (ranks["band_fast_ms"] != ranks["median_ms"]) | (ranks["band_slow_ms"] != ranks["median_ms"])
+    t["ranking_flips"] = flips.where(t["band_fast_ms"].notna() & t["band_slow_ms"].notna(), pd.NA)
+    return t
