@@ -1,0 +1,100 @@
+"""Diagnostic (GPU): GPU time per aten op of one training step, by policy, with the PyTorch profiler.
+
+Shows which ops slow down when a data type lives in host memory (zero-copy parameters, remote
+activations) against the same step with plain UM, so the simulator's remote model can be checked per
+op class. Every configuration runs through the real backend under the safety cap, far below the card.
+
+    python bench/diagnostics/remote_ops.py --out remote_ops.json
+
+Writes ``{"device", "date", "configs": [{"model", "model_kwargs", "policy", "step_ms", "ops": [{"op",
+"count", "device_ms", "self_device_ms"}]}]}`` (ops with at least 0.05 ms of GPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from um_lab.backend import get_backend
+from um_lab.models import get_model
+from um_lab.policy import Advice, Policy, get_policy
+from um_lab.types import DataType, RunSpec
+
+ACT_REMOTE = Policy("act-remote", {DataType.ACT: Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))})
+CONFIGS: list[tuple[str, dict[str, Any], str]] = [
+    ("resnet50", {"batch_size": 32}, "um-default"),
+    ("resnet50", {"batch_size": 32}, "act-remote"),
+    ("resnet50", {"batch_size": 32}, "zero-copy-params"),
+    ("gpt2-small", {"batch_size": 4, "seq_len": 512}, "um-default"),
+    ("gpt2-small", {"batch_size": 4, "seq_len": 512}, "act-remote"),
+    ("gpt2-small", {"batch_size": 4, "seq_len": 512}, "zero-copy-params"),
+]
+
+
+def _device_ms(evt: Any, self_only: bool) -> float:
+    name = "self_device_time_total" if self_only else "device_time_total"
+    legacy = "self_cuda_time_total" if self_only else "cuda_time_total"
+    return float(getattr(evt, name, getattr(evt, legacy, 0.0))) / 1e3
+
+
+def profile_config(model: str, kwargs: dict[str, Any], policy_name: str, warmup: int = 2) -> dict[str, Any]:
+    """Run ``warmup`` steps, then profile one step; GPU time per op."""
+    policy = ACT_REMOTE if policy_name == "act-remote" else get_policy(policy_name)
+    backend = get_backend("cuda", telemetry=False)
+    case = get_model(model, **kwargs)
+    spec = RunSpec(model=model, backend="cuda", steps=2, warmup_steps=warmup)
+    records = backend.run(spec, case, policy)
+    step_ms = []
+    for _ in range(warmup + 1):
+        step_ms.append(next(records).wall_ms)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step_ms.append(next(records).wall_ms)
+        torch.cuda.synchronize()
+    for _ in records:  # let the run end cleanly (pools released)
+        pass
+    ops = []
+    for evt in prof.key_averages():
+        total, own = _device_ms(evt, False), _device_ms(evt, True)
+        if total >= 0.05 or own >= 0.05:
+            ops.append({"op": evt.key, "count": int(evt.count), "device_ms": round(total, 3),
+                        "self_device_ms": round(own, 3)})
+    ops.sort(key=lambda o: -o["device_ms"])
+    del records, case
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"model": model, "model_kwargs": kwargs, "policy": policy_name,
+            "step_ms": round(statistics.median(step_ms[warmup:]), 3), "ops": ops}
+
+
+def main() -> None:
+    """Profile every configuration; write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="remote_ops.json")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                              "configs": []}
+    for model, kwargs, policy in CONFIGS:
+        t = time.perf_counter()
+        try:
+            row = profile_config(model, kwargs, policy)
+        except Exception as e:  # noqa: BLE001 - one failure must not lose the others
+            row = {"model": model, "model_kwargs": kwargs, "policy": policy, "error": f"{type(e).__name__}: {e}"}
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        result["configs"].append(row)
+        print(model, policy, row.get("step_ms"), row.get("error", ""), f"{row['seconds']} s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
