@@ -96,7 +96,7 @@ def test_link_constants_come_from_the_primitives_not_from_step_times() -> None:
     rows += [linear("linear fwd y=x@W^T", "x", m, 4096, 4096, 64.0) for m in (512, 2048)]
     fields, why = fit_primitives({"link_GBps": 40.0, "rows": rows})
     assert fields["remote_GBps"] == 50.0 and fields["remote_write_GBps"] == 52.0
-    assert fields["tile_gemm_nt_a"] == pytest.approx(4096 / 80, rel=1e-3)
+    assert fields["tile_gemm_a"] == pytest.approx(4096 / 80, rel=1e-3)
     assert fields["evict_d2h_GBps"] == 18.0 and why["evict_d2h_GBps"]["range"] == [3.65, 19.0]
 
 

@@ -12,7 +12,15 @@ import dataclasses
 
 import numpy as np
 
-from um_lab.sim.ops import NORM_STATS
+from um_lab.sim.ops import (
+    CONV_1X1,
+    CONV_1X1_BWD_FILTER,
+    GEMM_A,
+    GEMM_NN,
+    GEMM_NT_B,
+    GEMM_TN,
+    NORM_STATS,
+)
 from um_lab.sim.placement import BIG_PAGE, BLOCK, Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import StepTrace
@@ -52,12 +60,12 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile) -> np.n
     """
     p = profile
     nt_b = np.clip(reuse / 128.0, p.tile_gemm_nt_b_min, p.tile_gemm_nt_b_max)
-    tiles = [np.inf, p.tile_gemm_nt_a, nt_b, p.tile_gemm_nn, p.tile_gemm_tn, p.tile_conv_1x1,
-             p.tile_conv_1x1_bwd_filter, np.inf]
+    tiles = {GEMM_A: p.tile_gemm_a, GEMM_NT_B: nt_b, GEMM_NN: p.tile_gemm_nn, GEMM_TN: p.tile_gemm_tn,
+             CONV_1X1: p.tile_conv_1x1, CONV_1X1_BWD_FILTER: p.tile_conv_1x1_bwd_filter}
     passes = np.ones(len(reuse))
-    for cls, tile in enumerate(tiles):
+    for cls, tile in tiles.items():
         sel = reread == cls
-        if np.isfinite(tile).all() and sel.any():
+        if sel.any():
             t = tile[sel] if isinstance(tile, np.ndarray) else tile
             passes[sel] = np.maximum(1.0, np.ceil(reuse[sel] / t))
     passes[reread == NORM_STATS] = p.norm_input_passes

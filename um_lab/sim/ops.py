@@ -84,11 +84,14 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 
 
 #: How a kernel reads an operand that lives in host memory (remote), i.e. how many times it crosses the
-#: link: :func:`um_lab.sim.access.link_passes` turns (class, reuse) into passes with the profile's tiles,
-#: which come from the H200 microbenchmarks (``bench/uvm_primitives.py``). GEMM layouts are cuBLAS's:
-#: NT is the forward ``x @ W.T``, NN the backward ``grad_y @ W``, TN the backward ``grad_y.T @ x``.
-READ_ONCE, GEMM_NT_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS = range(8)
-REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_nt_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
+#: link: :func:`um_lab.sim.access.link_passes` turns (class, reuse) into passes with the profile's tiles
+#: and factors, which come from the H200 microbenchmarks (``bench/uvm_primitives.py``). GEMM layouts are
+#: cuBLAS's: NT is
+#: ``x @ W.T`` (nn.Linear forward), NN ``a @ b`` (backward ``grad_y @ W``, GPT-2's Conv1D forward), TN
+#: ``grad_y.T @ x``; the A operand of NT and NN is re-read per tile of the output's columns (measured for NT;
+#: for NN seen in a per-op profile of GPT-2-small with remote activations, bench/results/remote_ops.json).
+READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS = range(8)
+REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
                                    "conv_1x1_bwd_filter", "norm_stats")
 _BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
                "aten.cudnn_batch_norm"}
@@ -105,8 +108,8 @@ def _gemm_class(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
     if _transposed(a):
         return GEMM_TN, GEMM_TN
     if _transposed(b):
-        return GEMM_NT_A, GEMM_NT_B
-    return GEMM_NN, GEMM_NN
+        return GEMM_A, GEMM_NT_B
+    return GEMM_A, GEMM_NN
 
 
 def remote_reads(name: str, args: tuple) -> dict[int, tuple[float, int]]:
@@ -116,6 +119,8 @@ def remote_reads(name: str, args: tuple) -> dict[int, tuple[float, int]]:
     per tile of B's columns, B once per tile of A's rows). Measured on the H200 (bench/uvm_primitives.py):
     cuBLAS GEMMs and 1x1 convolutions re-read remote operands per tile (the L2 does not keep them);
     k x k convolutions read every operand about once; training-mode batch norm reads its input twice.
+    (Inside a training step with remote activations convolutions are slower than this predicts:
+    ``bench/results/remote_ops.json``; not modelled yet.)
     Positions not listed are read once.
     """
     try:

@@ -50,14 +50,15 @@ def tile_samples(rows: Iterable[Mapping[str, Any]], stream_GBps: float) -> dict[
         if name.startswith("linear"):
             d = _numbers(r["shape"])
             m, k, n = d["M"], d["K"], d["N"]
-            cls, reuse = {("fwd", "x"): ("gemm_nt_a", n), ("fwd", "W"): ("gemm_nt_b", m),
+            cls, reuse = {("fwd", "x"): ("gemm_a", n), ("fwd", "W"): ("gemm_nt_b", m),
                           ("grad_x", "W"): ("gemm_nn", m), ("grad_W", "x"): ("gemm_tn", n),
                           ("grad_W", "gy"): ("gemm_tn", k)}.get(
                 ("fwd" if "fwd" in name else "grad_x" if "grad_x" in name else "grad_W", op), (None, None))
         elif name.startswith("conv"):
             batch, cin, cout, pixels, ksize = _conv_shape(r["shape"])
             if ksize == 1:
-                cls, reuse = {("conv fwd", "x"): ("conv_1x1", cout), ("conv fwd", "w"): ("conv_1x1", batch * pixels),
+                cls, reuse = {("conv fwd", "x"): ("conv_1x1", cout),
+                              ("conv fwd", "w"): ("conv_1x1", batch * pixels),
                               ("conv bwd input grad", "gy"): ("conv_1x1", cin),
                               ("conv bwd input grad", "w"): ("conv_1x1_bwd_filter", batch * pixels)}.get(
                     (name, op), (None, None))
@@ -99,7 +100,7 @@ def fit_primitives(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str,
     }
     tiles = tile_samples(rows, stream)
     nt_b = tiles.pop("gemm_nt_b", [])
-    names = {"gemm_nt_a": "tile_gemm_nt_a", "gemm_nn": "tile_gemm_nn", "gemm_tn": "tile_gemm_tn",
+    names = {"gemm_a": "tile_gemm_a", "gemm_nn": "tile_gemm_nn", "gemm_tn": "tile_gemm_tn",
              "conv_1x1": "tile_conv_1x1", "conv_1x1_bwd_filter": "tile_conv_1x1_bwd_filter"}
     for cls, field in names.items():
         samples = tiles.get(cls, [])
@@ -151,3 +152,4 @@ def fit_primitives(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str,
 def load_primitives(path: str | Path) -> dict[str, Any]:
     """Read a ``bench/uvm_primitives.py`` result."""
     return json.loads(Path(path).read_text())
+

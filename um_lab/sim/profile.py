@@ -44,7 +44,7 @@ class Profile:
     #: dimension; bench/uvm_primitives.py): cuBLAS NT (forward x @ W.T) A operand; NT B operand, whose tile
     #: grows with the rows (reuse / 128, clipped to these bounds); NN; TN; 1x1 convolutions (input per
     #: output-channel tile, filter per pixel tile); the filter of a 1x1 convolution's backward.
-    tile_gemm_nt_a: float = 60.0
+    tile_gemm_a: float = 60.0
     tile_gemm_nt_b_min: float = 60.0
     tile_gemm_nt_b_max: float = 107.0
     tile_gemm_nn: float = 137.0
