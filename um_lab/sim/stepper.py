@@ -27,7 +27,9 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
     ``rm_write_us``: each op's read_mostly write-fault cost; ``host_us``: each op's host dispatch time
     (:func:`um_lab.sim.roofline.op_host_us`; default ``cpu_op_us`` each). Op 0 (the batch copy) happens before
-    the step's timer starts, as in the real backend; its faults and bytes still count.
+    the step's timer starts, as in the real backend (``lab.inputs()`` before ``Session.step``); its faults and
+    bytes still count. The forward phase's prefetches are issued after it, inside the timed step, so their host
+    calls, evictions and copies are on the step's clocks (and they find the fresh batch already written).
     """
     if prefetch_stream not in PREFETCH_STREAMS:
         raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
@@ -50,8 +52,9 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     if host_us is None:
         host_us = np.full(trace.n_ops, p.cpu_op_us)
     host = host_us.tolist()
+    batch_copy = trace.n_ops > 0 and trace.op_kind[0] == 3
     for i in range(trace.n_ops):
-        if op_phase[i] != phase:
+        if op_phase[i] != phase and not (i == 0 and batch_copy):
             phase = int(op_phase[i])
             for ti, t in enumerate(DATA_TYPES):
                 if a.prefetch_to_gpu[ti] and PREFETCH_PHASE[t] == phase:
@@ -93,7 +96,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
                 model.invalidate_host_copies(b[sel], wmk[p0:p1][sel])
         base = base_us[i]
         now_gpu = start + (base if base > remote_us else remote_us) + fault_us + rm_write_us[i]
-        if i == 0 and trace.op_kind[0] == 3:  # the batch copy precedes the timed step
+        if i == 0 and batch_copy:  # the batch copy precedes the timed step and its first prefetches
             now_gpu = now_cpu = copy_clock = 0.0
     end = max(now_gpu, copy_clock)
     for ti, t in enumerate(DATA_TYPES):
