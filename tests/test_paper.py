@@ -175,10 +175,10 @@ STILL_WINS_TOLERANCE = 0.02
 def test_preset_still_wins_a_reduced_version_of_its_own_experiment():
     """The rule: every mapping that differs from the preset in one paper group (17, plus um-default) is
     simulated on SMALL_MODEL at SMALL_RATIOS; the preset's geometric-mean speed-up over um-default must be
-    within 2% of the best of them, and at least 1.05x. (When the preset was chosen, with profile v2, it was
-    1.373x here and the best neighbour, parameters "prefetch", 1.390x: 1.2% ahead on this small model, tied
-    with the preset in the full experiment at 1.504x.) A simulator change that makes another neighbour clearly
-    better, or the preset no better than plain UM, fails here: re-run the experiment."""
+    within 2% of the best of them, and at least 1.05x. (With profile v2 a neighbour, parameters "prefetch",
+    came about 1% ahead of the preset on this small model while trailing it in the full experiment.) A
+    simulator change that makes another neighbour clearly better, or the preset no better than plain UM,
+    fails here: re-run the experiment."""
     from um_lab.sim import SimBackend
 
     center = PaperMapping.from_dict(paper.PRESET_PROVENANCE["mapping"])

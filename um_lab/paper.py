@@ -77,10 +77,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "2169334245ffeb92341aa8a0cc5554a698b17bccfcf35a3b752f3b2cad9a8d9b",
-    "sim_source_sha256": "81aeb6b1cf4c9af98b14096876bf2cc698974035dc1fcba2a7006cbc7eacc158",
-    "date": "2026-12-01T03:51:22+00:00",
-    "git_commit": "a34fe03 (working tree; the device copy's git metadata read 0d51bba+dirty)",
+    "profile_sha256": "83378f3306097b761455010042edcfb32daec62d86761945629dbc302f654a11",
+    "sim_source_sha256": "93ed27846692a27e559c9f1656c4f2835baa1eda3044598b23281e1218bd6451",
+    "date": "2026-12-01T04:37:37+00:00",
+    "git_commit": "d9b12bc (working tree; the device copy's git metadata read 0d51bbaa9ebd307780ebbb74c8e5e91177425164+dirty)",
     "um_lab_version": "0.1.0",
 }
 
