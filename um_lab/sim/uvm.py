@@ -37,6 +37,10 @@ migrated-in is first-in-first-out, and hits do not refresh a chunk. Two conseque
 Here a block goes to the back of the queue whenever pages migrate into it; DESIGN.md reads the driver as
 moving a root chunk only when its block first becomes resident. That stricter rule makes the anomalies
 larger on small models (ResNet-18 bs 8 at 64 px, um-default: 69.9 ms at 1.55x, 31.9 ms at 1.6x).
+Two more departures: blocks that eviction skips because the current op uses them also go to the back of
+the queue (LRU-like), and a prefetch larger than the free memory keeps its first blocks in address order
+and protects blocks already resident, where the driver would end up holding the last ones and could evict
+blocks of the same prefetch.
 """
 
 from __future__ import annotations
