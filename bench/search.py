@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from paper_three_types import MODEL_KNOBS  # noqa: E402  (the project's standard shapes)
 
 from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
@@ -41,12 +44,6 @@ from um_lab.sim.trace import clear_trace_cache  # noqa: E402
 from um_lab.summary import summarize  # noqa: E402
 from um_lab.types import DATA_TYPES, RunSpec  # noqa: E402
 
-#: The project's standard shapes (bench/paper_three_types.py).
-MODEL_KNOBS = {
-    "gpt2-medium": {"batch_size": 8, "seq_len": 1024},
-    "bert-large": {"batch_size": 16, "seq_len": 512},
-    "resnet50": {"batch_size": 128},
-}
 CASES = ("gpt2-medium:1.5", "bert-large:2.0")
 STEPS, WARMUP = 4, 2
 WITHIN, TIME_FRACTION, TIME_LIMIT_S = 0.02, 0.25, 120.0

@@ -17,17 +17,20 @@ import datetime
 import gc
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from um_lab.backend import get_backend
 from um_lab.models import get_model
-from um_lab.policy import Advice, Policy, get_policy
-from um_lab.types import DataType, RunSpec
+from um_lab.types import RunSpec
 
-ACT_REMOTE = Policy("act-remote", {DataType.ACT: Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))})
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sim_fidelity import policy_named  # noqa: E402  (presets and the held-out rows' "act-remote")
+
 CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("resnet50", {"batch_size": 32}, "um-default"),
     ("resnet50", {"batch_size": 32}, "act-remote"),
@@ -46,7 +49,7 @@ def _device_ms(evt: Any, self_only: bool) -> float:
 
 def profile_config(model: str, kwargs: dict[str, Any], policy_name: str, warmup: int = 2) -> dict[str, Any]:
     """Run ``warmup`` steps, then profile one step; GPU time per op."""
-    policy = ACT_REMOTE if policy_name == "act-remote" else get_policy(policy_name)
+    policy = policy_named(policy_name)
     backend = get_backend("cuda", telemetry=False)
     case = get_model(model, **kwargs)
     spec = RunSpec(model=model, backend="cuda", steps=2, warmup_steps=warmup)
