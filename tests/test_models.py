@@ -14,19 +14,16 @@ from um_lab.errors import OversubscriptionRefused
 from um_lab.models import (
     ZOO,
     ModelCase,
-    SizeRefused,
     case_for_spec,
-    check_fits,
     custom,
     describe_models,
-    estimate_memory,
     get_model,
     gpt2,
     mlp,
     register,
     resnet,
-    size_for_ratio,
 )
+from um_lab.sizing import SizeRefused, check_fits, estimate_memory, size_for_ratio
 from um_lab.types import RunSpec
 
 TINY_GPT2 = {"batch_size": 2, "seq_len": 16, "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 97}

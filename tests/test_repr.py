@@ -7,8 +7,9 @@ import math
 import pytest
 from test_runner import TINY_MLP, FakeBackend, spec
 
-from um_lab.runner import compare, run
+from um_lab.runner import run
 from um_lab.summary import NOT_MEASURED, format_summary, format_value, readable_table
+from um_lab.sweep import compare
 
 
 @pytest.mark.parametrize("key, value, text", [

@@ -27,13 +27,13 @@ from um_lab.runner import (
     Run,
     RunDirError,
     RunStateError,
-    compare,
     iter_records,
     list_runs,
     load,
     run,
     summarize,
 )
+from um_lab.sweep import compare
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 TINY_MLP = {"width": 16, "depth": 1, "batch_size": 4}
@@ -368,8 +368,8 @@ def test_compare_progress_bar_counts_runs(tmp_path):
 
 
 def test_cuda_preflight_refuses_a_size_above_the_cap_before_running(tmp_path):
-    from um_lab.models import SizeRefused
     from um_lab.runner import preflight_cuda
+    from um_lab.sizing import SizeRefused
 
     class CappedCuda(FakeBackend):
         name = "cuda"
@@ -550,7 +550,6 @@ def test_killed_process_leaves_a_crashed_run_with_its_completed_steps(tmp_path):
 
 
 def test_compare_keep_going_records_a_run_refused_at_start_and_goes_on(tmp_path):
-    from um_lab.runner import compare
 
     tiny = {"n_layer": 1, "n_embd": 32, "n_head": 2, "batch_size": 1, "seq_len": 16, "vocab_size": 100}
     table = compare({"mlp": {"width": 0}, "gpt2-small": tiny}, ["gpu-first"], backend="sim", steps=1,

@@ -253,7 +253,7 @@ def _check_exports(args: argparse.Namespace) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``um-lab compare``."""
-    from um_lab.runner import compare
+    from um_lab.sweep import compare
 
     _check_exports(args)  # before the sweep, not after it
     policies = [load_policy_arg(p) for p in args.policies]

@@ -17,7 +17,7 @@ puts it in the zoo so runs, comparisons and the CLI can name it.
 
 Memory per data type: ``estimate_memory(case)``; a size that oversubscribes a capacity by a chosen
 ratio: ``size_for_ratio(name, capacity_bytes, ratio)``; the pre-flight check against a cap:
-``check_fits(estimate, cap_bytes)``. These live in :mod:`um_lab.sizing` and are re-exported here.
+``check_fits(estimate, cap_bytes)``. These live in :mod:`um_lab.sizing`.
 """
 
 from __future__ import annotations
@@ -30,18 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from um_lab.errors import OversubscriptionRefused  # noqa: F401  (was importable from here)
-from um_lab.sizing import (  # noqa: F401  (re-exported: the sizing API is importable from here)
-    SIM_TRACE_MAX_INPUT_BYTES,
-    MemoryEstimate,
-    SizedModel,
-    SizeRefused,
-    check_fits,
-    estimate_memory,
-    format_bytes,
-    size_for_ratio,
-)
 
 Batch = tuple[torch.Tensor, ...]
 

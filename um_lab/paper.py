@@ -80,7 +80,8 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "profile_sha256": "83378f3306097b761455010042edcfb32daec62d86761945629dbc302f654a11",
     "sim_source_sha256": "93ed27846692a27e559c9f1656c4f2835baa1eda3044598b23281e1218bd6451",
     "date": "2026-12-01T04:37:37+00:00",
-    "git_commit": "d9b12bc (working tree; the device copy's git metadata read 0d51bbaa9ebd307780ebbb74c8e5e91177425164+dirty)",
+    "git_commit": ("d9b12bc (working tree; the device copy's git metadata read "
+                   "0d51bbaa9ebd307780ebbb74c8e5e91177425164+dirty)"),
     "um_lab_version": "0.1.0",
 }
 

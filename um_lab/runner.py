@@ -2,7 +2,8 @@
 
 ::
 
-    from um_lab.runner import Run, run, compare, load
+    from um_lab.runner import Run, run, load
+    from um_lab.sweep import compare
     result = run(RunSpec(model="mlp", policy="gpu-first", backend="sim", steps=50))
     result.summary()["median_ms"]
     table = compare(["mlp"], ["um-default", "gpu-first"], ratios=[0.5, 1.5], backend="sim")
@@ -10,7 +11,7 @@
 
 This module runs the steps (:class:`Run`, :func:`run`, the cuda pre-flight). The run folder's layout
 and reading it back are in :mod:`um_lab.runlog`, summaries in :mod:`um_lab.summary`, and policy
-sweeps in :mod:`um_lab.sweep`; their public names are re-exported here.
+sweeps in :mod:`um_lab.sweep` (``compare``); the run-folder and summary names are re-exported here.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from um_lab.runlog import (  # noqa: F401  (re-exported: importable from um_lab.
 )
 from um_lab.sizing import check_fits, estimate_memory
 from um_lab.summary import records_frame, summarize  # noqa: F401  (re-exported)
-from um_lab.sweep import BASELINE_POLICY, ModelsArg, compare  # noqa: F401  (re-exported)
 from um_lab.types import RunSpec, StepRecord
 
 
@@ -83,7 +83,7 @@ def _cuda_cap_bytes(backend: Backend) -> int | None:
 def preflight_cuda(case: ModelCase, backend: Backend) -> dict[str, Any]:
     """Refuse a cuda run whose estimated memory cannot fit under the safety cap, before any allocation.
 
-    Raises :class:`~um_lab.models.SizeRefused` (an ``OversubscriptionRefused``) showing the estimate.
+    Raises :class:`~um_lab.sizing.SizeRefused` (an ``OversubscriptionRefused``) showing the estimate.
     Returns the estimate and cap (recorded in ``model.json``).
     """
     estimate = estimate_memory(case)
@@ -149,7 +149,7 @@ class Run:
         if self.backend_name == "cuda" and (spec.oversubscription_ratio is not None
                                             or spec.capacity_bytes is not None):
             raise ValueError("capacity_bytes and oversubscription_ratio are simulated (backend 'sim'); on "
-                             "cuda size the model instead (um_lab.models.size_for_ratio)")
+                             "cuda size the model instead (um_lab.sizing.size_for_ratio)")
         model_info: dict[str, Any] = {"name": self.case.name, "info": jsonable(self.case.info)}
         if preflight and self.backend_name == "cuda":
             model_info["preflight"] = preflight_cuda(self.case, self.backend)  # raises before any run

@@ -3,21 +3,19 @@
 ``estimate_memory(case)`` counts live bytes per data type (simulator trace, else an analytic count on
 the meta device); ``size_for_ratio(name, capacity_bytes, ratio)`` finds the size knob that
 oversubscribes a capacity by ``ratio``; ``check_fits(estimate, cap_bytes)`` refuses a run whose
-estimate is above the safety cap (:class:`SizeRefused`). All are re-exported by :mod:`um_lab.models`.
+estimate is above the safety cap (:class:`SizeRefused`). Import them from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from um_lab.errors import OversubscriptionRefused
-
-if TYPE_CHECKING:
-    from um_lab.models import Batch, ModelCase
+from um_lab.models import Batch, ModelCase, get_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +75,6 @@ def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, **knob
     parameters), input batch, and the tensors saved for backward during a forward pass.
     """
     if isinstance(case, str):
-        from um_lab.models import get_model  # models re-exports this module: import it when called
 
         case = get_model(case, **knobs)
     elif knobs:
@@ -208,7 +205,6 @@ def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "ba
 
     Example: ``size_for_ratio("mlp", 80 * 2**30, 1.5, knob="batch_size", width=8192)``.
     """
-    from um_lab.models import get_model  # models re-exports this module: import it when called
 
     if capacity_bytes <= 0 or not ratio > 0:
         raise ValueError("capacity_bytes and ratio must be > 0")

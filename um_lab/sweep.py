@@ -1,6 +1,6 @@
 """Policy comparisons: run every model x policy x oversubscription ratio and tabulate them.
 
-``compare`` is re-exported by :mod:`um_lab.runner`.
+``from um_lab.sweep import compare`` (it runs each configuration through :class:`um_lab.runner.Run`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def compare(
     Columns: model, policy, ratio, backend, steps, median_ms, mean_ms, p90_ms, speedup_vs_<baseline>,
     migrated_bytes, htod_bytes, dtoh_bytes, gpu_page_faults, evictions, remote_bytes, ..., status, run_dir.
     """
-    from um_lab.runner import Run  # the runner re-exports compare: import it when called
+    from um_lab.runner import Run  # runner imports sizing and the backends: only when comparing
 
     model_items = _normalise_models(models, model_kwargs)
     policy_objs = [get_policy(p) for p in policies]
@@ -94,7 +94,7 @@ def compare(
     backend_name = backend_instance.name if backend_instance is not None else resolve_backend_name(backend)
     if backend_name == "cuda" and any(r is not None for r in ratio_list):
         raise ValueError("oversubscription ratios are simulated (backend 'sim'); on cuda size the model "
-                         "instead (um_lab.models.size_for_ratio) and keep it under the safety cap")
+                         "instead (um_lab.sizing.size_for_ratio) and keep it under the safety cap")
     if band and backend_name != "sim":
         raise ValueError("uncertainty bands are the simulator's (profile constants' ranges): use backend='sim'")
     if backend_name == "cuda" and backend_instance is None and not cuda_available():
