@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_three_types import MODEL_KNOBS  # noqa: E402  (the project's standard shapes)
+from paper_three_types import MODEL_KNOBS, git_commit  # noqa: E402  (the project's standard shapes)
 
 from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
@@ -104,18 +103,6 @@ def meets(row: dict) -> bool:
     """The issue's bars for one row."""
     return (row["speedup"] >= (1 - WITHIN) * row["greedy_speedup"]
             and row["seconds"] <= TIME_FRACTION * row["greedy_seconds"] and row["seconds"] < TIME_LIMIT_S)
-
-
-def git_commit() -> str | None:
-    """HEAD of this checkout, with ``+dirty`` when um_lab's sources differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "um_lab"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
