@@ -85,6 +85,14 @@ def records_frame(records: Iterable[StepRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def speedup_over(table: pd.DataFrame, baseline: str, column: str = "median_ms") -> np.ndarray:
+    """The baseline policy's ``column`` / each row's, within each (model, ratio); NaN without a baseline row."""
+    key = table["ratio"].astype(object).where(table["ratio"].notna(), "none")
+    base = table[table["policy"] == baseline].assign(_key=key).set_index(["model", "_key"])[column]
+    base_for_row = [base.get((m, k), math.nan) for m, k in zip(table["model"], key, strict=True)]
+    return np.asarray(base_for_row, dtype=float) / table[column].to_numpy(dtype=float)
+
+
 def with_speedup(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """Insert ``speedup_vs_<baseline>`` after ``p90_ms``: the baseline policy's median / each row's median,
     within each (model, ratio)."""
@@ -92,12 +100,8 @@ def with_speedup(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
     if table.empty:
         table[column] = []
         return table
-    key = table["ratio"].astype(object).where(table["ratio"].notna(), "none")
-    base = table[table["policy"] == baseline].assign(_key=key).set_index(["model", "_key"])["median_ms"]
-    base_for_row = [base.get((m, k), math.nan) for m, k in zip(table["model"], key, strict=True)]
-    speedup = np.asarray(base_for_row, dtype=float) / table["median_ms"].to_numpy(dtype=float)
     position = table.columns.get_loc("p90_ms") + 1
-    table.insert(position, column, speedup)
+    table.insert(position, column, speedup_over(table, baseline))
     return table
 
 

@@ -152,16 +152,15 @@ def with_band(table: Any, baseline: str) -> Any:
     import numpy as np
     import pandas as pd
 
+    from um_lab.summary import speedup_over
+
     t = table.copy()
+    columns = ("median_ms", "band_fast_ms", "band_slow_ms")
+    stacked = np.vstack([speedup_over(t, baseline, col) for col in columns])
+    t["speedup_band_lo"] = np.nanmin(stacked, axis=0)
+    t["speedup_band_hi"] = np.nanmax(stacked, axis=0)
     key = t["model"].astype(str) + "|" + t["ratio"].astype(object).where(t["ratio"].notna(), "none").astype(str)
-    speedups = []
-    for col in ("median_ms", "band_fast_ms", "band_slow_ms"):
-        base = t[t["policy"] == baseline].assign(_key=key).set_index("_key")[col]
-        speedups.append(np.asarray([base.get(k, np.nan) for k in key], float) / t[col].to_numpy(float))
-    stacked = np.vstack(speedups)
-    t["speedup_band_lo"] = np.nanmin(stacked, axis=0) if stacked.size else []
-    t["speedup_band_hi"] = np.nanmax(stacked, axis=0) if stacked.size else []
-    ranks = {col: t.groupby(key)[col].rank(method="min") for col in ("median_ms", "band_fast_ms", "band_slow_ms")}
+    ranks = {col: t.groupby(key)[col].rank(method="min") for col in columns}
     flips = (ranks["band_fast_ms"] != ranks["median_ms"]) | (ranks["band_slow_ms"] != ranks["median_ms"])
     t["ranking_flips"] = flips.where(t["band_fast_ms"].notna() & t["band_slow_ms"].notna(), pd.NA)
     return t
