@@ -7,7 +7,8 @@ lazily, only for the models that need them.
 Zoo (``get_model(name, **knobs)``; ``describe_models()`` lists the knobs):
 
 - ``mlp`` (width, depth, batch_size, classes)
-- ``resnet18`` / ``resnet50`` / ``resnet152`` and ``vit-b16`` (torchvision; batch_size, image_size, ...)
+- ``resnet18`` / ``resnet34`` / ``resnet50`` / ``resnet101`` / ``resnet152`` and ``vit-b16`` / ``vit-l16``
+  (torchvision; batch_size, image_size, ...)
 - ``gpt2-small`` .. ``gpt2-xl`` (transformers; batch_size, seq_len, and any GPT2Config field as an
   override, e.g. ``get_model("gpt2-small", n_layer=2, n_embd=64, n_head=2, vocab_size=1000)``)
 - ``bert-base`` / ``bert-large`` (transformers; batch_size, seq_len, BertConfig overrides)
@@ -309,9 +310,12 @@ def _as_batch_factory(make_batch: Any) -> Callable[[torch.Generator], Batch]:
 ZOO: dict[str, Callable[..., ModelCase]] = {
     "mlp": mlp,
     "resnet18": lambda **kw: resnet(18, **kw),
+    "resnet34": lambda **kw: resnet(34, **kw),
     "resnet50": lambda **kw: resnet(50, **kw),
+    "resnet101": lambda **kw: resnet(101, **kw),
     "resnet152": lambda **kw: resnet(152, **kw),
     "vit-b16": lambda **kw: vit("b16", **kw),
+    "vit-l16": lambda **kw: vit("l16", **kw),
     "gpt2-small": lambda **kw: gpt2("small", **kw),
     "gpt2-medium": lambda **kw: gpt2("medium", **kw),
     "gpt2-large": lambda **kw: gpt2("large", **kw),
@@ -320,7 +324,8 @@ ZOO: dict[str, Callable[..., ModelCase]] = {
     "bert-large": lambda **kw: bert("large", **kw),
 }
 
-_ZOO_BASE = {"mlp": mlp, "resnet18": resnet, "resnet50": resnet, "resnet152": resnet, "vit-b16": vit,
+_ZOO_BASE = {"mlp": mlp, "resnet18": resnet, "resnet34": resnet, "resnet50": resnet, "resnet101": resnet,
+             "resnet152": resnet, "vit-b16": vit, "vit-l16": vit,
              "gpt2-small": gpt2, "gpt2-medium": gpt2, "gpt2-large": gpt2, "gpt2-xl": gpt2,
              "bert-base": bert, "bert-large": bert}
 _FIXED_BY_NAME = {resnet: {"depth"}, vit: {"size"}, gpt2: {"size"}, bert: {"size"}}  # set by the name

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from um_lab.backend import get_backend
-from um_lab.models import get_model
+from um_lab.models import ModelCase, get_model
 from um_lab.types import RunSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +38,9 @@ CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("gpt2-small", {"batch_size": 4, "seq_len": 512}, "um-default"),
     ("gpt2-small", {"batch_size": 4, "seq_len": 512}, "act-remote"),
     ("gpt2-small", {"batch_size": 4, "seq_len": 512}, "zero-copy-params"),
+    ("vit-b16", {"batch_size": 64}, "um-default"),
+    ("vit-b16", {"batch_size": 64}, "act-remote"),
+    ("vit-b16", {"batch_size": 64}, "zero-copy-params"),
 ]
 
 
@@ -47,11 +50,12 @@ def _device_ms(evt: Any, self_only: bool) -> float:
     return float(getattr(evt, name, getattr(evt, legacy, 0.0))) / 1e3
 
 
-def profile_config(model: str, kwargs: dict[str, Any], policy_name: str, warmup: int = 2) -> dict[str, Any]:
-    """Run ``warmup`` steps, then profile one step; GPU time per op."""
+def profile_config(model: str, kwargs: dict[str, Any], policy_name: str, warmup: int = 2,
+                   case: ModelCase | None = None) -> dict[str, Any]:
+    """Run ``warmup`` steps, then profile one step; GPU time per op (``case``: instead of the named model)."""
     policy = policy_named(policy_name)
     backend = get_backend("cuda", telemetry=False)
-    case = get_model(model, **kwargs)
+    case = case if case is not None else get_model(model, **kwargs)
     spec = RunSpec(model=model, backend="cuda", steps=2, warmup_steps=warmup)
     records = backend.run(spec, case, policy)
     step_ms = []
@@ -81,12 +85,15 @@ def main() -> None:
     """Profile every configuration; write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="remote_ops.json")
+    ap.add_argument("--models", nargs="+", help="only these models' configurations")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "configs": []}
     for model, kwargs, policy in CONFIGS:
+        if args.models and model not in args.models:
+            continue
         t = time.perf_counter()
         try:
             row = profile_config(model, kwargs, policy)

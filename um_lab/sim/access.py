@@ -15,6 +15,7 @@ import numpy as np
 from um_lab.sim.ops import (
     CONV_1X1,
     CONV_1X1_BWD_FILTER,
+    CONV_IGEMM,
     GEMM_A,
     GEMM_NN,
     GEMM_NT_B,
@@ -51,12 +52,15 @@ def page_mask(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return (upper & ~lower & _FULL).astype(np.uint32)
 
 
-def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile) -> np.ndarray:
-    """How many times each remote operand crosses the host link (classes: :data:`um_lab.sim.ops.REREAD_CLASSES`).
+def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
+                volume: np.ndarray | None = None) -> np.ndarray:
+    """How many times each remote operand's bytes cross the host link (classes: :data:`um_lab.sim.ops.REREAD_CLASSES`).
 
     A tiled kernel re-reads its operand once per tile of the other output dimension
-    (``ceil(reuse / tile)``, at least 1), with the profile's tiles; a training-mode batch norm reads its
-    input ``norm_input_passes`` times; everything else once.
+    (``ceil(reuse / tile)``, at least 1), with the profile's tiles; a convolution's implicit GEMM reads
+    ``volume`` times the operand's bytes per pass, ``max(1, reuse / tile_conv_igemm)`` passes (cuDNN
+    picks smaller tiles for narrow outputs); a training-mode batch norm reads its input
+    ``norm_input_passes`` times; everything else once.
     """
     p = profile
     nt_b = np.clip(reuse / 128.0, p.tile_gemm_nt_b_min, p.tile_gemm_nt_b_max)
@@ -68,8 +72,11 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile) -> np.n
         if sel.any():
             t = tile[sel] if isinstance(tile, np.ndarray) else tile
             passes[sel] = np.maximum(1.0, np.ceil(reuse[sel] / t))
+    conv = reread == CONV_IGEMM
+    if conv.any():
+        passes[conv] = np.maximum(1.0, reuse[conv] / p.tile_conv_igemm)
     passes[reread == NORM_STATS] = p.norm_input_passes
-    return passes
+    return passes if volume is None else passes * volume
 
 
 def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
@@ -88,7 +95,7 @@ def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
     hi = base + trace.acc_hi[keep]
     write = trace.acc_write[keep] > 0
     reads = trace.acc_write[keep] != 1  # write-only outputs are not read
-    reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile) * reads
+    reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile, trace.acc_volume[keep]) * reads
     first_block = lo // BLOCK
     n_blk = (hi - 1) // BLOCK - first_block + 1
     # one entry per (access, block)

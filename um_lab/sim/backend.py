@@ -104,13 +104,39 @@ class SimBackend:
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
         return self._records(spec, prepared, policy, capacity)
 
+    def op_ms(self, case: ModelCase, policy: Policy | str | Mapping[str, Any],
+              steps: int = 2) -> tuple[float, dict[str, tuple[int, float]]]:
+        """Simulated GPU time per traced op name at the profile's full capacity: ``(step ms, {op name:
+        (count, ms)})`` for the last of ``steps`` steps (a diagnostic: which ops a policy slows)."""
+        policy = _as_policy(policy)
+        prepared = self.prepare(case)
+        advice = AdviceTable.from_policy(policy)
+        final = prepared.placement.final
+        model = UvmModel(self.profile, advice, int(self.profile.gpu_memory_bytes), final.n_blocks)
+        model.block_type[:] = final.block_type
+        initialise(model, prepared)
+        op_us = np.zeros(prepared.trace.n_ops)
+        wall_us = 0.0
+        for step in range(steps):
+            li = min(step, len(prepared.placement.layouts) - 1)
+            ob = prepared.op_blocks[li]
+            rm = readmostly_write_us(prepared.trace, ob, final.block_type, advice, self.profile)
+            stats = run_step(model, prepared.trace, prepared.placement.layouts[li], ob, prepared.base_us, rm,
+                             self.prefetch_stream, prepared.host_us, op_us=op_us)
+            wall_us = float(stats.wall_us)
+        by_op: dict[str, tuple[int, float]] = {}
+        for name, us in zip(prepared.trace.op_names, op_us.tolist(), strict=True):
+            n, ms = by_op.get(name, (0, 0.0))
+            by_op[name] = (n + 1, ms + us / 1e3)
+        return wall_us / 1e3, by_op
+
     def _records(self, spec: RunSpec, prepared: PreparedCase, policy: Policy,
                  capacity: int) -> Iterator[StepRecord]:
         advice = AdviceTable.from_policy(policy)
         final = prepared.placement.final
         model = UvmModel(self.profile, advice, capacity, final.n_blocks)
         model.block_type[:] = final.block_type
-        _initialise(model, prepared)
+        initialise(model, prepared)
         rm_us = [readmostly_write_us(prepared.trace, ob, final.block_type, advice, self.profile)
                  for ob in prepared.op_blocks]
         last: tuple[str, int, StepStats] | None = None
@@ -137,7 +163,7 @@ def _as_policy(policy: Policy | str | Mapping[str, Any]) -> Policy:
                       f"must be a Policy, a preset name or a policy dict, got {type(policy).__name__}")
 
 
-def _initialise(model: UvmModel, prepared: PreparedCase) -> None:
+def initialise(model: UvmModel, prepared: PreparedCase) -> None:
     """Before the first step: parameters, gradients and optimizer state are written by the GPU
     (model moved to the GPU, gradients pre-allocated, state created), in allocation order."""
     trace = prepared.trace

@@ -192,11 +192,13 @@ def fidelity_targets(path: str | Path, fitted_only: bool = True) -> list[dict[st
 
 def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                        fidelity_path: str | Path | None = None,
-                       primitives_path: str | Path | None = None) -> Profile:
+                       primitives_path: str | Path | None = None,
+                       conv_path: str | Path | None = None) -> Profile:
     """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``), when given
-    the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), and the UM
+    the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), the UM
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
-    (:mod:`um_lab.sim.primitives`; they override the probe's)."""
+    (:mod:`um_lab.sim.primitives`; they override the probe's), and the in-step convolutions of
+    ``bench/conv_in_step.py``, which set ``tile_conv_igemm`` (:mod:`um_lab.sim.conv_act`)."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
@@ -211,6 +213,13 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     if primitives_path is not None:
         source += f"; host link and migration from {Path(primitives_path).name} (bench/uvm_primitives.py)"
     profile = calibrate(targets, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total, source=source, **link)
+    if conv_path is not None:
+        from um_lab.sim.conv_act import ACT_REMOTE, fit_conv_tile
+
+        conv_fields, conv_provenance = fit_conv_tile(json.loads(Path(conv_path).read_text()), profile, ACT_REMOTE)
+        profile = dataclasses.replace(profile, source=profile.source + f"; convolution tile from "
+                                      f"{Path(conv_path).name} (bench/conv_in_step.py)", **conv_fields)
+        provenance.update(conv_provenance)
     if out is not None:
         measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}

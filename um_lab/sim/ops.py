@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,18 +84,24 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 
 
 #: How a kernel reads an operand that lives in host memory (remote), i.e. how many times it crosses the
-#: link: :func:`um_lab.sim.access.link_passes` turns (class, reuse) into passes with the profile's tiles
-#: and factors, which come from the H200 microbenchmarks (``bench/uvm_primitives.py``). GEMM layouts are
-#: cuBLAS's: NT is
-#: ``x @ W.T`` (nn.Linear forward), NN ``a @ b`` (backward ``grad_y @ W``, GPT-2's Conv1D forward), TN
-#: ``grad_y.T @ x``; the A operand of NT and NN is re-read per tile of the output's columns (measured for NT;
-#: for NN seen in a per-op profile of GPT-2-small with remote activations, bench/results/remote_ops.json).
-READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS = range(8)
+#: link: :func:`um_lab.sim.access.link_passes` turns (class, reuse, volume) into passes with the profile's
+#: tiles and factors, which come from the H200 microbenchmarks (``bench/uvm_primitives.py``,
+#: ``bench/conv_in_step.py``). GEMM layouts are cuBLAS's: NT is ``x @ W.T`` (nn.Linear forward), NN ``a @ b``
+#: (backward ``grad_y @ W``, GPT-2's Conv1D forward), TN ``grad_y.T @ x``; the A operand of NT and NN is
+#: re-read per tile of the output's columns (measured for NT; for NN seen in a per-op profile of GPT-2-small
+#: with remote activations, bench/results/remote_ops.json). CONV_IGEMM: an operand of a convolution's
+#: implicit GEMM, read ``volume`` times its bytes per pass (the im2col'd input: R*S / stride^2) and re-read
+#: once per tile of the other GEMM dimension.
+READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS, CONV_IGEMM = range(9)
 REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
-                                   "conv_1x1_bwd_filter", "norm_stats")
+                                   "conv_1x1_bwd_filter", "norm_stats", "conv_igemm")
+#: Traced names of a convolution's forward op.
+CONV_FORWARD = frozenset({"aten.convolution", "aten._convolution", "aten.cudnn_convolution"})
 _BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
                "aten.cudnn_batch_norm"}
 _BATCH_NORM_BWD = {"aten.native_batch_norm_backward", "aten.cudnn_batch_norm_backward"}
+#: One way a kernel reads an operand: (reuse, re-read class, volume).
+Read = tuple[float, int, float]
 
 
 def _transposed(t: torch.Tensor) -> bool:
@@ -112,15 +118,111 @@ def _gemm_class(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
     return GEMM_A, GEMM_NN
 
 
-def remote_reads(name: str, args: tuple) -> dict[int, tuple[float, int]]:
-    """Arg position -> (reuse, re-read class) for ops that read an operand more than once when it is remote.
+class ConvGeometry(NamedTuple):
+    """A convolution's implicit-GEMM view: batch, channels in / out (per group), input and output pixels
+    per image, filter taps R*S, filter bytes, and whether the filter is 1x1."""
+
+    batch: int
+    c_in: int
+    c_out: int
+    in_pixels: int
+    out_pixels: int
+    taps: int
+    filter_bytes: int
+
+    @property
+    def im2col(self) -> float:
+        """Bytes of the im2col'd input per byte of input: each input element feeds taps / stride^2 outputs."""
+        return self.taps * self.out_pixels / self.in_pixels
+
+
+def _per_dim(value: Any, nd: int) -> list[int]:
+    """A conv argument (int, or one or ``nd`` values) as ``nd`` ints."""
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value] if len(value) == nd else [int(value[0])] * nd
+    return [int(value)] * nd
+
+
+def conv_geometry(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilation: Any,
+                  groups: int) -> ConvGeometry:
+    """The geometry of ``conv(x, w)`` (2-d or any-d, NC... layout)."""
+    spatial = x.shape[2:]
+    k = w.shape[2:]
+    nd = len(spatial)
+    st, pad, dil = (_per_dim(v, nd) for v in (stride, padding, dilation))
+    out = [(spatial[i] + 2 * pad[i] - dil[i] * (k[i] - 1) - 1) // st[i] + 1 for i in range(nd)]
+    g = max(1, int(groups))
+    return ConvGeometry(int(x.shape[0]), int(x.shape[1]) // g, int(w.shape[0]) // g, math.prod(spatial),
+                        max(1, math.prod(out)), math.prod(k), w.numel() * w.element_size())
+
+
+def conv_reads(backward: bool, geo: ConvGeometry,
+               output_mask: tuple[bool, ...] = (True, True)) -> dict[int, list[Read]]:
+    """How a cuDNN convolution re-reads its operands, as implicit GEMMs (measured in a training step
+    with remote activations: ``bench/conv_in_step.py``).
+
+    Forward (M = output pixels, N = c_out, K = c_in * taps): the im2col'd input once per N tile, the
+    filter once per M tile. Backward: the data gradient (M = input pixels, N = c_in, K = c_out * taps)
+    reads the output gradient (im2col'd: taps per byte) once per N tile and the filter once per M tile;
+    the filter gradient (M = c_out, N = c_in * taps, K = output pixels) reads the output gradient once per
+    N tile and the im2col'd input once per M tile. A k x k filter is read through a copy in cuDNN's
+    workspace (:func:`conv_workspace_bytes`); a 1x1 filter directly, per pixel tile (classes conv_1x1).
+    Positions: forward (x 0, w 1), backward (grad_y 0, x 1, w 2).
+    """
+    pixels_out = float(geo.batch * geo.out_pixels)
+    pixels_in = float(geo.batch * geo.in_pixels)
+    one = geo.taps == 1
+    if not backward:
+        reads: dict[int, list[Read]] = {0: [(float(geo.c_out), CONV_IGEMM, geo.im2col)]}
+        reads[1] = [(pixels_out, CONV_1X1, 1.0)] if one else [(1.0, READ_ONCE, 1.0)]
+        return reads
+    grad_input, grad_weight = bool(output_mask[0]), bool(output_mask[1])
+    reads = {0: [], 1: [], 2: [(1.0, READ_ONCE, 1.0)]}
+    if grad_input:
+        reads[0].append((float(geo.c_in), CONV_IGEMM, float(geo.taps)))
+        if one:
+            reads[2] = [(pixels_in, CONV_1X1_BWD_FILTER, 1.0)]
+    if grad_weight:
+        reads[0].append((float(geo.c_in * geo.taps), CONV_IGEMM, 1.0))
+        reads[1].append((float(geo.c_out), CONV_IGEMM, geo.im2col))
+    return {pos: r for pos, r in reads.items() if r}
+
+
+def _forward_geometry(name: str, args: tuple) -> ConvGeometry:
+    if name == "aten.cudnn_convolution":  # (x, w, padding, stride, dilation, groups, ...)
+        return conv_geometry(args[0], args[1], args[3], args[2], args[4], args[5])
+    return conv_geometry(args[0], args[1], args[3], args[4], args[5], args[8])  # convolution, _convolution
+
+
+def conv_workspace(name: str, args: tuple) -> tuple[int, Read] | None:
+    """(bytes, how it is read) of the k x k filter copy cuDNN reads from its workspace, which the step
+    allocates in the activation pool: once per tile of output pixels (forward) or input pixels (data
+    gradient); ``None`` for other ops, 1x1 filters and a backward without a data gradient."""
+    try:
+        if name in CONV_FORWARD:
+            geo = _forward_geometry(name, args)
+            extent = geo.batch * geo.out_pixels
+        elif name == "aten.convolution_backward":
+            if not args[10][0]:
+                return None
+            geo = conv_geometry(args[1], args[2], args[4], args[5], args[6], args[9])
+            extent = geo.batch * geo.in_pixels
+        else:
+            return None
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if geo.taps == 1:
+        return None
+    return geo.filter_bytes, (float(extent), CONV_IGEMM, 1.0)
+
+
+def remote_reads(name: str, args: tuple) -> dict[int, list[Read]]:
+    """Arg position -> the ways a kernel reads that operand more than once when it is remote.
 
     ``reuse`` is the extent of the output dimension the operand is re-read along (a GEMM's A operand once
     per tile of B's columns, B once per tile of A's rows). Measured on the H200 (bench/uvm_primitives.py):
-    cuBLAS GEMMs and 1x1 convolutions re-read remote operands per tile (the L2 does not keep them);
-    k x k convolutions read every operand about once; training-mode batch norm reads its input twice.
-    (Inside a training step with remote activations convolutions are slower than this predicts:
-    ``bench/results/remote_ops.json``; not modelled yet.)
+    cuBLAS GEMMs and 1x1 convolution filters are re-read per tile (the L2 does not keep remote operands);
+    training-mode batch norm reads its input twice; convolutions: :func:`conv_reads`.
     Positions not listed are read once.
     """
     try:
@@ -128,26 +230,19 @@ def remote_reads(name: str, args: tuple) -> dict[int, tuple[float, int]]:
             i = 1 if name in ("aten.addmm", "aten.baddbmm") else 0
             a, b = args[i], args[i + 1]
             ca, cb = _gemm_class(a, b)
-            return {i: (float(b.shape[-1]), ca), i + 1: (float(a.shape[-2]), cb)}
-        if name in ("aten.convolution", "aten._convolution", "aten.cudnn_convolution"):
-            x, w = args[0], args[1]
-            if math.prod(w.shape[2:]) != 1:
-                return {}
-            pixels = x.shape[0] * math.prod(x.shape[2:])
-            return {0: (float(w.shape[0]), CONV_1X1), 1: (float(pixels), CONV_1X1)}
+            return {i: [(float(b.shape[-1]), ca, 1.0)], i + 1: [(float(a.shape[-2]), cb, 1.0)]}
+        if name in CONV_FORWARD:
+            return conv_reads(False, _forward_geometry(name, args))
         if name == "aten.convolution_backward":
-            go, w = args[0], args[2]
-            if math.prod(w.shape[2:]) != 1:
-                return {}
-            pixels = go.shape[0] * math.prod(go.shape[2:])
-            return {0: (float(w.shape[1]), CONV_1X1), 2: (float(pixels), CONV_1X1_BWD_FILTER)}
+            geo = conv_geometry(args[1], args[2], args[4], args[5], args[6], args[9])
+            return conv_reads(True, geo, tuple(args[10]))
         if name in _BATCH_NORM:
-            return {0: (1.0, NORM_STATS)}
+            return {0: [(1.0, NORM_STATS, 1.0)]}
         if name in _BATCH_NORM_BWD:  # not measured: assumed to read both twice, as the forward does
-            return {0: (1.0, NORM_STATS), 1: (1.0, NORM_STATS)}
+            return {0: [(1.0, NORM_STATS, 1.0)], 1: [(1.0, NORM_STATS, 1.0)]}
         if name.startswith("aten._scaled_dot_product") or name.startswith("aten._efficient_attention"):
             q = args[0]
-            return {1: (float(q.shape[-2]), GEMM_NT_B), 2: (float(q.shape[-2]), GEMM_NN)}
+            return {1: [(float(q.shape[-2]), GEMM_NT_B, 1.0)], 2: [(float(q.shape[-2]), GEMM_NN, 1.0)]}
     except (AttributeError, IndexError, TypeError):
         pass
     return {}

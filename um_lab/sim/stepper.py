@@ -21,7 +21,7 @@ from um_lab.types import DATA_TYPES
 
 def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, base_us: np.ndarray,
              rm_write_us: np.ndarray, prefetch_stream: str = "compute",
-             host_us: np.ndarray | None = None) -> StepStats:
+             host_us: np.ndarray | None = None, op_us: np.ndarray | None = None) -> StepStats:
     """Simulate one step: walk the ops, servicing faults, remote accesses and prefetches.
 
     ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
@@ -30,6 +30,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     the step's timer starts, as in the real backend (``lab.inputs()`` before ``Session.step``); its faults and
     bytes still count. The forward phase's prefetches are issued after it, inside the timed step, so their host
     calls, evictions and copies are on the step's clocks (and they find the fresh batch already written).
+    ``op_us``, if given (one float per op), receives each op's GPU time, waits for prefetches excluded.
     """
     if prefetch_stream not in PREFETCH_STREAMS:
         raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
@@ -96,6 +97,8 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
                 model.invalidate_host_copies(b[sel], wmk[p0:p1][sel])
         base = base_us[i]
         now_gpu = start + (base if base > remote_us else remote_us) + fault_us + rm_write_us[i]
+        if op_us is not None:
+            op_us[i] = now_gpu - start
         if i == 0 and batch_copy:  # the batch copy precedes the timed step and its first prefetches
             now_gpu = now_cpu = copy_clock = 0.0
     end = max(now_gpu, copy_clock)

@@ -21,11 +21,12 @@ and dropout becomes ``native_dropout`` (a bool mask, as on CUDA). Adam-style opt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from um_lab.sim.ops import (
     NO_KERNEL,
     READ_ONCE,
     CudaKernelChoices,
+    conv_workspace,
     extent_bytes,
     is_causal_attention,
     remote_reads,
@@ -64,7 +66,9 @@ class StepTrace:
     Accesses (CSR over ops, ``acc_ptr[i]:acc_ptr[i+1]``): ``acc_storage``, byte range ``acc_lo`` ..
     ``acc_hi`` inside the storage, ``acc_write`` (0 read, 1 write only, 2 read and write in place),
     ``acc_reuse`` and ``acc_reread`` (how a kernel re-reads the operand when it is remote: the extent of the
-    output dimension it is re-read along, and the class of :data:`um_lab.sim.ops.REREAD_CLASSES`).
+    output dimension it is re-read along, the class of :data:`um_lab.sim.ops.REREAD_CLASSES`), and
+    ``acc_volume`` (bytes read per pass per byte of the operand: a convolution's im2col'd input). An operand
+    read by two kernels of one op (a convolution's backward) has one access per kernel.
     Storages: ``st_nbytes``, ``st_type`` (index into :data:`um_lab.types.DATA_TYPES`), ``st_alloc``
     (op index at which it is allocated; -1 = exists before the step), ``st_free`` (op index before
     which it is freed; ``n_ops`` = at step end or never), ``st_persistent`` (survives the step).
@@ -83,6 +87,7 @@ class StepTrace:
     acc_write: np.ndarray
     acc_reuse: np.ndarray
     acc_reread: np.ndarray
+    acc_volume: np.ndarray
     st_nbytes: np.ndarray
     st_type: np.ndarray
     st_alloc: np.ndarray
@@ -125,7 +130,7 @@ class _Recorder(TorchDispatchMode):
         self.free: list[int] = []
         self.transient: list[int] = []  # storage indices that may die during the step
         self.ops: list[tuple[str, int, float, float, int]] = []
-        self.acc: list[tuple[int, int, int, int, int, float]] = []
+        self.acc: list[tuple[int, int, int, int, int, float, int, float]] = []
         self.unknown: dict[str, None] = {}
 
     # -- storages -------------------------------------------------------------------------------
@@ -144,6 +149,16 @@ class _Recorder(TorchDispatchMode):
         self.free.append(-2)
         if transient:
             self.transient.append(idx)
+        return idx
+
+    def register_workspace(self, nbytes: int, op_index: int) -> int:
+        """A scratch buffer op ``op_index`` allocates in the current pool and frees when it ends."""
+        idx = len(self.nbytes)
+        self.refs.append(None)
+        self.nbytes.append(int(nbytes))
+        self.types.append(TYPE_INDEX[self.classify_new()])
+        self.alloc.append(op_index)
+        self.free.append(op_index + 1)
         return idx
 
     def _collect_frees(self) -> None:
@@ -212,13 +227,20 @@ class _Recorder(TorchDispatchMode):
             lo, hi = extent_bytes(t)
             nb = t.numel() * t.element_size()
             hbm += nb * (2 if write else 1)
-            reuse, reread = rereads.get(pos, (1.0, READ_ONCE))
-            self.acc.append((op_index, idx, lo, hi, 2 if write else 0, reuse, reread))
+            ways = rereads.get(pos, [(1.0, READ_ONCE, 1.0)])
+            for k, (reuse, reread, volume) in enumerate(ways):  # one access per kernel that reads it
+                self.acc.append((op_index, idx, lo, hi, (2 if write else 0) if k == 0 else 0, reuse, reread, volume))
         for t in new_outs:
             idx = self.register(t, self.classify_new(), op_index, True)
             lo, hi = extent_bytes(t)
             hbm += t.numel() * t.element_size()
-            self.acc.append((op_index, idx, lo, hi, 1, 1.0, READ_ONCE))
+            self.acc.append((op_index, idx, lo, hi, 1, 1.0, READ_ONCE, 1.0))
+        workspace = conv_workspace(name, args)
+        if workspace is not None:  # the filter's copy: written by the transform, read by the kernel
+            nbytes, (reuse, reread, volume) = workspace
+            idx = self.register_workspace(nbytes, op_index)
+            self.acc.append((op_index, idx, 0, nbytes, 1, 1.0, READ_ONCE, 1.0))
+            self.acc.append((op_index, idx, 0, nbytes, 0, reuse, reread, volume))
         packet = func.overloadpacket
         kind = 0
         if packet in flop_registry:
@@ -240,7 +262,7 @@ class _Recorder(TorchDispatchMode):
             idx = self.register(t, DataType.INPUT, len(self.ops), False)
             lo, hi = extent_bytes(t)
             nbytes += t.numel() * t.element_size()
-            self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0, READ_ONCE))
+            self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0, READ_ONCE, 1.0))
         self.ops.append(("um_lab.input_h2d", 0, 0.0, nbytes, 3))
 
 
@@ -252,6 +274,24 @@ def _swap_sdpa_free(model: torch.nn.Module) -> None:
             cfg._attn_implementation = "sdpa"
         except Exception:  # noqa: BLE001 - best effort only
             pass
+
+
+@contextlib.contextmanager
+def _data_free_init() -> Iterator[None]:
+    """Initialisers that need no tensor data while a model is built on fake tensors (torch 2.13's
+    ``trunc_normal_`` asks whether any value fell outside its bounds: a data-dependent question)."""
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
+                      b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original
 
 
 def case_key(case: ModelCase) -> str:
@@ -268,7 +308,7 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
     """
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     torch.manual_seed(seed)
-    with fake:
+    with fake, _data_free_init():
         model = case.build_model()
         model.train()
         _swap_sdpa_free(model)
@@ -341,6 +381,7 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         acc_write=col(4, np.int8),
         acc_reuse=col(5, np.float64),
         acc_reread=col(6, np.int8),
+        acc_volume=col(7, np.float64),
         st_nbytes=np.array(rec.nbytes, np.int64),
         st_type=types,
         st_alloc=np.array(rec.alloc, np.int32),
