@@ -77,11 +77,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "83378f3306097b761455010042edcfb32daec62d86761945629dbc302f654a11",
-    "sim_source_sha256": "93ed27846692a27e559c9f1656c4f2835baa1eda3044598b23281e1218bd6451",
-    "date": "2026-12-01T04:37:37+00:00",
-    "git_commit": ("d9b12bc (working tree; the device copy's git metadata read "
-                   "0d51bbaa9ebd307780ebbb74c8e5e91177425164+dirty)"),
+    "profile_sha256": "7cf3693840bd5b73c82087d615790cad440c07e6d00019a2869c7f7f4c56c7a6",
+    "sim_source_sha256": "258537af7c53262ad38d8683451e6614272164ad99ec49321aa492dda9b55e7b",
+    "date": "2026-12-01T05:52:07+00:00",
+    "git_commit": "20f3add6b35e4103b425d62e004d134c3a03fd2f",  # working tree, 2-core dev VM, a process per model
     "um_lab_version": "0.1.0",
 }
 
