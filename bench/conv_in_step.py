@@ -10,7 +10,7 @@ resident) do not show: cuDNN's workspace lives in the activation pool too.
     python bench/conv_in_step.py --out bench/results/conv_in_step.json        # on the GPU
     python bench/conv_in_step.py --fit bench/results/conv_in_step.json        # on any CPU
 
-``--fit`` fits the profile's ``tile_conv_igemm`` (:func:`um_lab.sim.conv_act.fit_conv_tile`) and prints,
+``--fit`` fits the profile's ``tile_conv_igemm_kxk`` / ``_1x1`` (:func:`um_lab.sim.conv_act.fit_conv_tile`) and prints,
 per op, the measured and the simulated time at it.
 JSON: ``{"device", "torch", "date", "batch_size", "rows": [{"shape", "batch_size", "policy", "step_ms",
 "op_ms": {op: self GPU ms}, "seconds"}]}``. Everything stays far below the card under the safety cap.

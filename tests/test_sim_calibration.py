@@ -35,9 +35,11 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
     for name, value in fields.items():
         assert getattr(p, name) == pytest.approx(value), name
     packaged = json.loads((root / "um_lab" / "sim" / "profiles" / "h200.json").read_text())
-    assert set(packaged["measured"]["primitives"]) == set(why) | {"tile_conv_igemm"}
-    conv = packaged["measured"]["primitives"]["tile_conv_igemm"]
-    assert "conv_in_step" in conv["source"] and conv["range"][0] < p.tile_conv_igemm < conv["range"][1]
+    conv_fields = {"tile_conv_igemm_kxk", "tile_conv_igemm_1x1"}
+    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields
+    for name in conv_fields:
+        conv = packaged["measured"]["primitives"][name]
+        assert "conv_in_step" in conv["source"] and conv["range"][0] < getattr(p, name) < conv["range"][1]
     assert 45 < p.remote_GBps < 60 and 10 < p.evict_d2h_GBps < 25
     # demand faults: 2 MiB per (overhead + transfer) reproduces the measured median fault-driven rate
     per_block_us = p.fault_block_us + (2 << 20) / (p.fault_xfer_GBps * 1e3)

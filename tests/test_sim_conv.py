@@ -14,8 +14,16 @@ import torch
 from um_lab.policy import get_policy
 from um_lab.sim.access import link_passes
 from um_lab.sim.backend import SimBackend
-from um_lab.sim.conv_act import ACT_REMOTE, RESNET50_CONVS, ConvShape, conv_case, conv_samples, fit_conv_tile
-from um_lab.sim.ops import CONV_1X1, CONV_IGEMM, READ_ONCE, conv_geometry, conv_reads, conv_workspace
+from um_lab.sim.conv_act import (
+    ACT_REMOTE,
+    RESNET50_CONVS,
+    TILE_FIELDS,
+    ConvShape,
+    conv_case,
+    conv_samples,
+    fit_conv_tile,
+)
+from um_lab.sim.ops import CONV_1X1, CONV_IGEMM, CONV_IGEMM_1X1, READ_ONCE, conv_geometry, conv_reads, conv_workspace
 from um_lab.sim.profile import load_profile
 from um_lab.sim.trace import cached_trace
 from um_lab.types import DATA_TYPES, DataType
@@ -61,9 +69,9 @@ def test_kxk_filter_copy_is_a_workspace_in_the_activation_pool() -> None:
 
 def test_igemm_passes_scale_with_the_tile_and_the_volume() -> None:
     p = load_profile("h200")
-    reuse = np.array([p.tile_conv_igemm * 4, 8.0])
-    passes = link_passes(reuse, np.array([CONV_IGEMM, CONV_IGEMM]), p, np.array([9.0, 2.0]))
-    assert passes.tolist() == pytest.approx([36.0, 2.0])  # narrow outputs: one pass of the volume
+    reuse = np.array([p.tile_conv_igemm_kxk * 4, 8.0, p.tile_conv_igemm_1x1 * 3])
+    passes = link_passes(reuse, np.array([CONV_IGEMM, CONV_IGEMM, CONV_IGEMM_1X1]), p, np.array([9.0, 2.0, 1.0]))
+    assert passes.tolist() == pytest.approx([36.0, 2.0, 3.0])  # narrow outputs: one pass of the volume
 
 
 def test_remote_activations_slow_a_kxk_conv_far_more_than_its_bytes() -> None:
@@ -77,14 +85,16 @@ def test_remote_activations_slow_a_kxk_conv_far_more_than_its_bytes() -> None:
 
 def test_fitted_tile_matches_the_measured_convolutions_in_geometric_mean() -> None:
     data = json.loads((ROOT / "bench" / "results" / "conv_in_step.json").read_text())
-    rows = [r for r in data["rows"] if r["shape"] in {s.label for s in RESNET50_CONVS[:6]}]
+    rows = [r for r in data["rows"] if r["shape"] in {s.label for s in RESNET50_CONVS[:6]}]  # 1x1 and 3x3
     profile = load_profile("h200")
     fields, why = fit_conv_tile({**data, "rows": rows}, profile, ACT_REMOTE)
     samples = conv_samples(rows, dataclasses.replace(profile, **fields), ACT_REMOTE)
     assert len(samples) == 2 * 6
-    assert abs(sum(math.log(s["ratio"]) for s in samples) / len(samples)) < 0.05
-    lo, hi = why["tile_conv_igemm"]["range"]
-    assert lo < fields["tile_conv_igemm"] < hi
+    for kind, field in TILE_FIELDS.items():
+        ratios = [math.log(s["ratio"]) for s in samples if s["kind"] == kind]
+        assert ratios and abs(sum(ratios) / len(ratios)) < 0.05, kind
+        lo, hi = why[field]["range"]
+        assert lo < fields[field] < hi
 
 
 

@@ -7,9 +7,10 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
   after seeing them, so they are not a clean test either.
 * ``held-out-1``: round 1 (session 2), predictions committed (``sim_fidelity_predicted.json``) before they
   were measured; re-simulated since with later profiles (``sim_fidelity_round1.json``), so no longer blind.
-* ``held-out-2``: round 2 (issue 10), predictions committed (``sim_fidelity_predicted_round2.json``)
-  before they were measured; re-simulated since (``sim_fidelity_round2.json``), so no longer blind.
-* ``held-out-new``: round 3 (issue 10), predictions committed (``sim_fidelity_predicted_new.json``)
+* ``held-out-2``, ``held-out-3``: rounds 2 and 3 (issue 10), predictions committed
+  (``sim_fidelity_predicted_roundN.json``) before they were measured; re-simulated since
+  (``sim_fidelity_roundN.json``), so no longer blind.
+* ``held-out-new``: round 4 (issue 10), predictions committed (``sim_fidelity_predicted_new.json``)
   before they were measured (``sim_fidelity_new.json``): the current true out-of-sample test.
 
 error = simulated / measured - 1.
@@ -26,9 +27,11 @@ import pandas as pd
 
 from um_lab.errors import UmLabError
 
-SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-new")
-FILES = ("sim_fidelity.json", "sim_fidelity_round1.json", "sim_fidelity_round2.json", "sim_fidelity_new.json")
-PREDICTED = ("sim_fidelity_predicted.json", "sim_fidelity_predicted_round2.json", "sim_fidelity_predicted_new.json")
+SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-3", "held-out-new")
+FILES = ("sim_fidelity.json", "sim_fidelity_round1.json", "sim_fidelity_round2.json", "sim_fidelity_round3.json",
+         "sim_fidelity_new.json")
+PREDICTED = ("sim_fidelity_predicted.json", "sim_fidelity_predicted_round2.json",
+             "sim_fidelity_predicted_round3.json", "sim_fidelity_predicted_new.json")
 BAND = 0.15  #: the bar on the median |error| (issue 3); also the band drawn around y = x
 
 
@@ -57,9 +60,9 @@ def config_label(kwargs: dict[str, Any]) -> str:
 def _set_of(row: dict[str, Any]) -> str:
     if row.get("new_heldout"):
         return "held-out-new"
-    if row.get("heldout_round2"):
-        return "held-out-2"
-    if row.get("heldout_round1"):
+    if row.get("heldout_round"):
+        return f"held-out-{row['heldout_round']}"
+    if row.get("heldout_round1"):  # files written before rounds were numbered
         return "held-out-1"
     return "fitted" if row.get("fitted") else "hand-set"
 
@@ -100,7 +103,7 @@ def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
                    "policy": r["policy"], "ratio": r.get("ratio"), "measured_ms": r["measured_ms"],
                    "simulated_ms": r["simulated_ms"], "error": r["simulated_ms"] / r["measured_ms"] - 1,
                    "committed_prediction_ms": (predicted.get(_key(r)) if r.get("new_heldout") or r.get("heldout_round1")
-                                               or r.get("heldout_round2") else None),
+                                               or r.get("heldout_round") else None),
                    "sim_faults": sim.get("faults"), "sim_evictions": sim.get("evictions"),
                    "sim_htod_GB": sim.get("htod_GB"), "sim_remote_GB": sim.get("remote_GB"),
                    "source": name, "date": data.get("date", "")}

@@ -16,6 +16,7 @@ from um_lab.sim.ops import (
     CONV_1X1,
     CONV_1X1_BWD_FILTER,
     CONV_IGEMM,
+    CONV_IGEMM_1X1,
     GEMM_A,
     GEMM_NN,
     GEMM_NT_B,
@@ -58,8 +59,8 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
 
     A tiled kernel re-reads its operand once per tile of the other output dimension
     (``ceil(reuse / tile)``, at least 1), with the profile's tiles; a convolution's implicit GEMM reads
-    ``volume`` times the operand's bytes per pass, ``max(1, reuse / tile_conv_igemm)`` passes (cuDNN
-    picks smaller tiles for narrow outputs); a training-mode batch norm reads its input
+    ``volume`` times the operand's bytes per pass, ``max(1, reuse / tile)`` passes with the k x k or the 1x1
+    tile (cuDNN picks smaller tiles for narrow outputs); a training-mode batch norm reads its input
     ``norm_input_passes`` times; everything else once.
     """
     p = profile
@@ -72,9 +73,10 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
         if sel.any():
             t = tile[sel] if isinstance(tile, np.ndarray) else tile
             passes[sel] = np.maximum(1.0, np.ceil(reuse[sel] / t))
-    conv = reread == CONV_IGEMM
-    if conv.any():
-        passes[conv] = np.maximum(1.0, reuse[conv] / p.tile_conv_igemm)
+    for cls, tile in ((CONV_IGEMM, p.tile_conv_igemm_kxk), (CONV_IGEMM_1X1, p.tile_conv_igemm_1x1)):
+        conv = reread == cls
+        if conv.any():
+            passes[conv] = np.maximum(1.0, reuse[conv] / tile)
     passes[reread == NORM_STATS] = p.norm_input_passes
     return passes if volume is None else passes * volume
 

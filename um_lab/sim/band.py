@@ -31,9 +31,8 @@ from um_lab.sim.profile import Profile, load_profile
 FASTER_WHEN_LARGER = frozenset({
     "matmul_tflops", "attention_tflops", "conv_tflops", "hbm_GBps", "pinned_h2d_GBps", "remote_GBps",
     "remote_write_GBps", "tile_gemm_a", "tile_gemm_nt_b_min", "tile_gemm_nt_b_max", "tile_gemm_nn",
-    "tile_gemm_tn", "tile_conv_1x1", "tile_conv_1x1_bwd_filter", "tile_conv_igemm", "prefetch_h2d_GBps",
-    "prefetch_d2h_GBps",
-    "evict_d2h_GBps", "fault_xfer_GBps",
+    "tile_gemm_tn", "tile_conv_1x1", "tile_conv_1x1_bwd_filter", "tile_conv_igemm_kxk",
+    "tile_conv_igemm_1x1", "prefetch_h2d_GBps", "prefetch_d2h_GBps", "evict_d2h_GBps", "fault_xfer_GBps",
 })
 
 #: Relative ranges (low factor, high factor) of constants not measured on the target GPU, and why.

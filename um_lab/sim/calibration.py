@@ -198,7 +198,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), the UM
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
     (:mod:`um_lab.sim.primitives`; they override the probe's), and the in-step convolutions of
-    ``bench/conv_in_step.py``, which set ``tile_conv_igemm`` (:mod:`um_lab.sim.conv_act`)."""
+    ``bench/conv_in_step.py``, which set ``tile_conv_igemm_kxk`` / ``_1x1`` (:mod:`um_lab.sim.conv_act`)."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])

@@ -5,8 +5,8 @@ too (the step allocates it in the activation pool), so a convolution's implicit-
 their transposed operands and the filter's workspace copy over the host link, once per tile
 (:func:`um_lab.sim.ops.conv_reads`). ``bench/conv_in_step.py`` measures each convolution of ResNet-50
 as a one-convolution model trained through the real backend with activations remote;
-:func:`fit_conv_tile` finds the tile (profile field ``tile_conv_igemm``) at which the simulated op
-times match the measured ones in geometric mean.
+:func:`fit_conv_tile` finds the tiles (profile fields ``tile_conv_igemm_kxk`` and ``_1x1``) at which
+the simulated op times of each filter kind match the measured ones in geometric mean.
 """
 
 from __future__ import annotations
@@ -118,39 +118,46 @@ def conv_samples(rows: Iterable[Mapping[str, Any]], profile: Profile, policy: Po
     return out
 
 
-def _log_bias(samples: list[dict[str, Any]]) -> float:
-    return statistics.fmean(math.log(s["ratio"]) for s in samples)
+#: Profile field of each filter kind's implicit-GEMM tile.
+TILE_FIELDS = {"kxk": "tile_conv_igemm_kxk", "1x1": "tile_conv_igemm_1x1"}
 
 
 def fit_conv_tile(data: Mapping[str, Any], profile: Profile, policy: Policy,
                   lo: float = 16.0, hi: float = 1024.0) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
-    """``{"tile_conv_igemm": T}`` at which the geometric mean of simulated / measured op times is 1
-    (bisection: a larger tile means fewer passes), and its provenance; the range is the tiles at which
-    the mean sits one mean absolute log error off (the per-op scatter)."""
+    """The k x k and the 1x1 tile (:data:`TILE_FIELDS`) at which the geometric mean of simulated /
+    measured op times of that filter kind is 1, and their provenance; a range is the tiles at which the
+    mean sits one mean absolute log error off (the per-op scatter). Each kind's ops depend on its own
+    tile only, so both are bisected together (a larger tile means fewer passes)."""
+    bounds = {kind: [math.log(lo), math.log(hi)] for kind in TILE_FIELDS}
 
-    def bias(tile: float) -> tuple[float, list[dict[str, Any]]]:
-        samples = conv_samples(data["rows"], dataclasses.replace(profile, tile_conv_igemm=tile), policy)
-        if not samples:
-            raise ValueError("no act-remote rows with convolution times to fit")
-        return _log_bias(samples), samples
+    def at(tiles: dict[str, float]) -> dict[str, list[dict[str, Any]]]:
+        fields = {TILE_FIELDS[k]: v for k, v in tiles.items()}
+        samples = conv_samples(data["rows"], dataclasses.replace(profile, **fields), policy)
+        by_kind = {k: [s for s in samples if s["kind"] == k] for k in TILE_FIELDS}
+        if not all(by_kind.values()):
+            raise ValueError("the fit needs act-remote rows with k x k and 1x1 convolution times")
+        return by_kind
 
-    a, b = math.log(lo), math.log(hi)
     for _ in range(12):
-        mid = (a + b) / 2
-        if bias(math.exp(mid))[0] > 0:  # simulated too slow: larger tile
-            a = mid
-        else:
-            b = mid
-    tile = round(math.exp((a + b) / 2), 1)
-    _, samples = bias(tile)
-    scatter = statistics.fmean(abs(math.log(s["ratio"])) for s in samples)
-    fields = {"tile_conv_igemm": tile}
-    provenance = {"tile_conv_igemm": {
-        "value": tile, "range": [round(tile * math.exp(-scatter), 1), round(tile * math.exp(scatter), 1)],
-        "source": f"bench/conv_in_step.py ({data.get('device', '?')}, {data.get('date', '?')}): "
-                  f"{len(samples)} convolution ops of ResNet-50 (batch {data.get('batch_size')}) "
-                  f"with activations remote; simulated / measured op time has geometric mean 1 at this tile, "
-                  f"mean |log error| {scatter:.2f}",
-        "mean_abs_log_error": round(scatter, 3),
-    }}
+        mids = {k: (a + b) / 2 for k, (a, b) in bounds.items()}
+        by_kind = at({k: math.exp(m) for k, m in mids.items()})
+        for kind, samples in by_kind.items():
+            too_slow = statistics.fmean(math.log(s["ratio"]) for s in samples) > 0
+            bounds[kind][0 if too_slow else 1] = mids[kind]
+    tiles = {k: round(math.exp((a + b) / 2), 1) for k, (a, b) in bounds.items()}
+    by_kind = at(tiles)
+    fields: dict[str, float] = {}
+    provenance: dict[str, dict[str, Any]] = {}
+    for kind, samples in by_kind.items():
+        tile, field = tiles[kind], TILE_FIELDS[kind]
+        scatter = statistics.fmean(abs(math.log(s["ratio"])) for s in samples)
+        fields[field] = tile
+        provenance[field] = {
+            "value": tile, "range": [round(tile * math.exp(-scatter), 1), round(tile * math.exp(scatter), 1)],
+            "source": f"bench/conv_in_step.py ({data.get('device', '?')}, {data.get('date', '?')}): "
+                      f"{len(samples)} {kind} convolution ops of ResNet-50 (batch {data.get('batch_size')}) "
+                      f"with activations remote; simulated / measured op time has geometric mean 1 at this "
+                      f"tile, mean |log error| {scatter:.2f}",
+            "mean_abs_log_error": round(scatter, 3),
+        }
     return fields, provenance

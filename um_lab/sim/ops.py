@@ -89,12 +89,13 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 #: ``bench/conv_in_step.py``). GEMM layouts are cuBLAS's: NT is ``x @ W.T`` (nn.Linear forward), NN ``a @ b``
 #: (backward ``grad_y @ W``, GPT-2's Conv1D forward), TN ``grad_y.T @ x``; the A operand of NT and NN is
 #: re-read per tile of the output's columns (measured for NT; for NN seen in a per-op profile of GPT-2-small
-#: with remote activations, bench/results/remote_ops.json). CONV_IGEMM: an operand of a convolution's
-#: implicit GEMM, read ``volume`` times its bytes per pass (the im2col'd input: R*S / stride^2) and re-read
-#: once per tile of the other GEMM dimension.
-READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS, CONV_IGEMM = range(9)
+#: with remote activations, bench/results/remote_ops.json). CONV_IGEMM(_1X1): an operand of a k x k (1x1)
+#: convolution's implicit GEMM, read ``volume`` times its bytes per pass (the im2col'd input: R*S / stride^2)
+#: and re-read once per tile of the other GEMM dimension.
+(READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS, CONV_IGEMM,
+ CONV_IGEMM_1X1) = range(10)
 REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
-                                   "conv_1x1_bwd_filter", "norm_stats", "conv_igemm")
+                                   "conv_1x1_bwd_filter", "norm_stats", "conv_igemm", "conv_igemm_1x1")
 #: Traced names of a convolution's forward op.
 CONV_FORWARD = frozenset({"aten.convolution", "aten._convolution", "aten.cudnn_convolution"})
 _BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
@@ -172,19 +173,20 @@ def conv_reads(backward: bool, geo: ConvGeometry,
     pixels_out = float(geo.batch * geo.out_pixels)
     pixels_in = float(geo.batch * geo.in_pixels)
     one = geo.taps == 1
+    igemm = CONV_IGEMM_1X1 if one else CONV_IGEMM  # cuDNN picks other kernels (tiles) for 1x1 filters
     if not backward:
-        reads: dict[int, list[Read]] = {0: [(float(geo.c_out), CONV_IGEMM, geo.im2col)]}
+        reads: dict[int, list[Read]] = {0: [(float(geo.c_out), igemm, geo.im2col)]}
         reads[1] = [(pixels_out, CONV_1X1, 1.0)] if one else [(1.0, READ_ONCE, 1.0)]
         return reads
     grad_input, grad_weight = bool(output_mask[0]), bool(output_mask[1])
     reads = {0: [], 1: [], 2: [(1.0, READ_ONCE, 1.0)]}
     if grad_input:
-        reads[0].append((float(geo.c_in), CONV_IGEMM, float(geo.taps)))
+        reads[0].append((float(geo.c_in), igemm, float(geo.taps)))
         if one:
             reads[2] = [(pixels_in, CONV_1X1_BWD_FILTER, 1.0)]
     if grad_weight:
-        reads[0].append((float(geo.c_in * geo.taps), CONV_IGEMM, 1.0))
-        reads[1].append((float(geo.c_out), CONV_IGEMM, geo.im2col))
+        reads[0].append((float(geo.c_in * geo.taps), igemm, 1.0))
+        reads[1].append((float(geo.c_out), igemm, geo.im2col))
     return {pos: r for pos, r in reads.items() if r}
 
 

@@ -51,9 +51,10 @@ class Profile:
     tile_gemm_tn: float = 137.0
     tile_conv_1x1: float = 96.0
     tile_conv_1x1_bwd_filter: float = 245.0
-    #: Tile of a convolution's implicit GEMM along which cuDNN re-reads a remote operand (in a training
-    #: step with remote activations, its workspace remote too: bench/conv_in_step.py).
-    tile_conv_igemm: float = 96.0
+    #: Tiles of a k x k / 1x1 convolution's implicit GEMM along which cuDNN re-reads a remote operand (in a
+    #: training step with remote activations, its workspace remote too: bench/conv_in_step.py).
+    tile_conv_igemm_kxk: float = 96.0
+    tile_conv_igemm_1x1: float = 96.0
     norm_input_passes: float = 1.83  #: link passes of a training-mode batch norm's remote input (stats + normalise)
     # Unified Memory driver
     prefetch_h2d_GBps: float = 47.4
