@@ -77,10 +77,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "7cf3693840bd5b73c82087d615790cad440c07e6d00019a2869c7f7f4c56c7a6",
-    "sim_source_sha256": "258537af7c53262ad38d8683451e6614272164ad99ec49321aa492dda9b55e7b",
-    "date": "2026-12-01T05:52:07+00:00",
-    "git_commit": "20f3add6b35e4103b425d62e004d134c3a03fd2f",  # working tree, 2-core dev VM, a process per model
+    "profile_sha256": "18e921ac36d13e35beba53fb10a4d3d9429f0f9ad98214f121f7897eca27429c",
+    "sim_source_sha256": "6cf8d09f8c8fa96a7fca55f20d03ec0c21c11ea6ae7850d5c9bab9e37938d0c1",
+    "date": "2026-12-01T06:09:56+00:00",
+    "git_commit": "084b7d8681f688c574612814129befcd981dde7b",  # working tree, 2-core dev VM, a process per model
     "um_lab_version": "0.1.0",
 }
 

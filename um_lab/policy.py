@@ -249,7 +249,7 @@ presets: dict[str, Policy] = {
             description=(
                 "Choi & Lee (2021)'s three types as chosen by this project's simulator experiment"
                 " (notebooks/03_paper_three_types, bench/paper_three_types.py, run 2026-12-01 with the h200"
-                " profile sha256 7cf3693840bd, um_lab 0.1.0 at 20f3add): model parameters no advice,"
+                " profile sha256 18e921ac36d1, um_lab 0.1.0 at 084b7d8): model parameters no advice,"
                 " intermediate results preferred on and mapped by the GPU and prefetched to it before use,"
                 " input data preferred on and mapped by the GPU. Best of 252 mappings on GPT-2-medium,"
                 " BERT-large and ResNet-50 at oversubscription 0.8-2.0: 1.32x geometric-mean speed-up over"
