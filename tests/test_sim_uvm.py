@@ -134,3 +134,15 @@ def test_remote_link_is_full_duplex() -> None:
     assert in_place == pytest.approx(max(1e6 / (p.remote_GBps * 1e3), 1e6 / (p.remote_write_GBps * 1e3)))
     assert in_place < 1.5 * read_only  # not read + write back to back
     assert model.remote_bytes == pytest.approx(3e6)  # bytes still count both directions
+
+
+def test_session_and_simulator_share_one_prefetch_phase_table():
+    from um_lab.policy import PREFETCH_BEFORE, STEP_PHASES
+    from um_lab.sim.trace import PHASES
+    from um_lab.sim.uvm import PREFETCH_PHASE
+    from um_lab.types import DATA_TYPES
+
+    assert len(PHASES) == len(STEP_PHASES) == len(PREFETCH_BEFORE)
+    listed = [t for types in PREFETCH_BEFORE.values() for t in types]
+    assert sorted(listed) == sorted(DATA_TYPES)  # every type prefetched before exactly one phase
+    assert {t: STEP_PHASES.index(p) for p, ts in PREFETCH_BEFORE.items() for t in ts} == PREFETCH_PHASE

@@ -18,6 +18,15 @@ from um_lab.types import DATA_TYPES, DataType
 PREFERRED_LOCATIONS = ("none", "gpu", "cpu")
 PROCESSORS = ("gpu", "cpu")
 PREFETCHES = ("none", "to-gpu-before-use", "to-cpu-after-use")
+#: The step's phases in order, and the data types each one touches first: a ``to-gpu-before-use``
+#: prefetch of a type is issued at the start of its phase. One table for the real session
+#: (:mod:`um_lab.cuda.session`) and the simulator (:mod:`um_lab.sim.uvm`).
+STEP_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+PREFETCH_BEFORE: dict[str, tuple[DataType, ...]] = {
+    "forward": (DataType.PARAM, DataType.INPUT, DataType.ACT),
+    "backward": (DataType.GRAD,),
+    "optimizer": (DataType.OPTIM,),
+}
 FORMAT_VERSION = 1
 
 _ADVICE_FIELDS = ("preferred_location", "accessed_by", "read_mostly", "prefetch")

@@ -34,15 +34,8 @@ from torch import nn
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
 from um_lab.errors import SessionStateError
-from um_lab.policy import Policy, get_policy
+from um_lab.policy import PREFETCH_BEFORE, Policy, get_policy
 from um_lab.types import DataType, StepRecord
-
-#: Which types each phase touches first: "to-gpu-before-use" prefetches happen at these boundaries.
-PHASE_TYPES: dict[str, tuple[DataType, ...]] = {
-    "before_forward": (DataType.PARAM, DataType.INPUT, DataType.ACT),
-    "before_backward": (DataType.GRAD,),
-    "before_optimizer": (DataType.OPTIM,),
-}
 
 
 class Session:
@@ -316,7 +309,7 @@ class Session:
             self._warm_threads.add(threading.get_ident())
         timer = _StepTimer(self.device)
         timer.start()
-        self._prefetch_phase("before_forward")
+        self._prefetch_phase("forward")
         with pools.route(DataType.ACT):
             loss = closure()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -324,7 +317,7 @@ class Session:
                 "the step closure must return a scalar loss tensor that requires grad, got "
                 f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
             )
-        self._prefetch_phase("before_backward")
+        self._prefetch_phase("backward")
         if self.backward_thread == "caller":
             with pools.route(DataType.ACT), torch.autograd.set_multithreading_enabled(False):
                 loss.backward()
@@ -334,7 +327,7 @@ class Session:
         if before_optimizer is not None:
             with pools.route(DataType.ACT):
                 before_optimizer()
-        self._prefetch_phase("before_optimizer")
+        self._prefetch_phase("optimizer")
         with pools.route(DataType.OPTIM):
             optimizer.step()
         if zero_grad:
@@ -362,7 +355,7 @@ class Session:
 
     def _prefetch_phase(self, phase: str) -> None:
         pools = self._require_open()
-        for t in PHASE_TYPES[phase]:
+        for t in PREFETCH_BEFORE[phase]:
             if self.policy[t].prefetch == "to-gpu-before-use":
                 pools.prefetch(t, "gpu")
 

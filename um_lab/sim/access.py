@@ -25,7 +25,7 @@ from um_lab.sim.ops import (
 )
 from um_lab.sim.placement import BIG_PAGE, BLOCK, Layout
 from um_lab.sim.profile import Profile
-from um_lab.sim.trace import StepTrace
+from um_lab.sim.trace import ACC_READ, ACC_WRITE_ONLY, StepTrace
 
 _FULL = np.uint64(0xFFFFFFFF)
 
@@ -95,8 +95,8 @@ def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
     acc_op, base = acc_op[keep], base[keep]
     lo = base + trace.acc_lo[keep]
     hi = base + trace.acc_hi[keep]
-    write = trace.acc_write[keep] > 0
-    reads = trace.acc_write[keep] != 1  # write-only outputs are not read
+    write = trace.acc_write[keep] != ACC_READ
+    reads = trace.acc_write[keep] != ACC_WRITE_ONLY  # fresh outputs are not read
     reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile, trace.acc_volume[keep]) * reads
     first_block = lo // BLOCK
     n_blk = (hi - 1) // BLOCK - first_block + 1

@@ -32,7 +32,7 @@ from um_lab.sim.primitives import fit_primitives, load_primitives
 from um_lab.sim.profile import Profile
 from um_lab.sim.replicas import model_case
 from um_lab.sim.roofline import native_step_ms
-from um_lab.sim.trace import cached_trace
+from um_lab.sim.trace import KIND_ATTENTION, KIND_CONV, KIND_MATMUL, cached_trace
 from um_lab.types import RunSpec
 
 #: Step-time targets measured on the H200 (``training_steps`` of h200-probe.json; torch 2.11, fp32).
@@ -131,9 +131,9 @@ def fit_roofline(profile: Profile, targets: Iterable[Mapping[str, Any]], rounds:
         pairs.append((trace, float(t["ms"])))
     if not pairs:
         return profile
-    has_conv = any((tr.op_kind == 2).any() for tr, _ in pairs)
-    has_mm = any((tr.op_kind == 1).any() for tr, _ in pairs)
-    has_attention = any((tr.op_kind == 4).any() for tr, _ in pairs)
+    has_conv = any((tr.op_kind == KIND_CONV).any() for tr, _ in pairs)
+    has_mm = any((tr.op_kind == KIND_MATMUL).any() for tr, _ in pairs)
+    has_attention = any((tr.op_kind == KIND_ATTENTION).any() for tr, _ in pairs)
 
     def loss(p: Profile) -> float:
         return sum(_log_err(native_step_ms(tr, p), ms) for tr, ms in pairs)

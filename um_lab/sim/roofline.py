@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from um_lab.sim.profile import Profile
-from um_lab.sim.trace import StepTrace
+from um_lab.sim.trace import KIND_ATTENTION, KIND_CONV, KIND_H2D_COPY, KIND_MATMUL, PHASE_BWD, StepTrace
 
 
 def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
@@ -20,14 +20,14 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     kind = trace.op_kind
     mem_us = trace.op_bytes / (profile.hbm_GBps * 1e3)
     t = mem_us.copy()
-    for k, tflops, half in ((1, profile.matmul_tflops, profile.matmul_half_gflop),
-                            (2, profile.conv_tflops, profile.conv_half_gflop),
-                            (4, profile.attention_tflops, profile.matmul_half_gflop)):
+    for k, tflops, half in ((KIND_MATMUL, profile.matmul_tflops, profile.matmul_half_gflop),
+                            (KIND_CONV, profile.conv_tflops, profile.conv_half_gflop),
+                            (KIND_ATTENTION, profile.attention_tflops, profile.matmul_half_gflop)):
         sel = kind == k
         f = flops[sel]
         rate = tflops * 1e6 * f / (f + half * 1e9)  # flop per us
         t[sel] = np.maximum(f / np.maximum(rate, 1e-9), mem_us[sel])
-    copy = kind == 3
+    copy = kind == KIND_H2D_COPY
     t[copy] = trace.op_bytes[copy] / (profile.pinned_h2d_GBps * 1e3)
     return t + profile.kernel_us
 
@@ -53,13 +53,13 @@ def op_host_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     (op 0) is issued before the step's timer.
     """
     n = trace.n_ops
-    host = np.where(trace.op_phase == 1, profile.cpu_bwd_op_us, profile.cpu_op_us).astype(np.float64)
+    host = np.where(trace.op_phase == PHASE_BWD, profile.cpu_bwd_op_us, profile.cpu_op_us).astype(np.float64)
     n_args = np.diff(trace.acc_ptr).astype(np.float64)
     foreach = np.array([name.startswith("aten._foreach") for name in trace.op_names], bool)
     host[foreach] += n_args[foreach] * profile.cpu_foreach_tensor_us
     cudnn = np.array([CUDNN_CALLS.get(name, 0) for name in trace.op_names], np.float64)
     host += cudnn * profile.cpu_cudnn_call_us
-    if n and trace.op_kind[0] == 3:
+    if n and trace.op_kind[0] == KIND_H2D_COPY:
         host[0] = 0.0
     return host
 
@@ -71,7 +71,7 @@ def native_step_ms(trace: StepTrace, profile: Profile) -> float:
     """
     times = op_times_us(trace, profile)
     host = op_host_us(trace, profile)
-    if trace.n_ops and trace.op_kind[0] == 3:
+    if trace.n_ops and trace.op_kind[0] == KIND_H2D_COPY:
         times, host = times[1:], host[1:]
     return float(queue_time_us(times, host)) / 1e3
 

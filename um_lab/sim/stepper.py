@@ -14,7 +14,7 @@ import numpy as np
 from um_lab.sim.access import OpBlocks
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
-from um_lab.sim.trace import StepTrace
+from um_lab.sim.trace import KIND_H2D_COPY, StepTrace
 from um_lab.sim.uvm import PAGE, PREFETCH_PHASE, PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
 from um_lab.types import DATA_TYPES
 
@@ -53,7 +53,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     if host_us is None:
         host_us = np.full(trace.n_ops, p.cpu_op_us)
     host = host_us.tolist()
-    batch_copy = trace.n_ops > 0 and trace.op_kind[0] == 3
+    batch_copy = trace.n_ops > 0 and trace.op_kind[0] == KIND_H2D_COPY
     for i in range(trace.n_ops):
         if op_phase[i] != phase and not (i == 0 and batch_copy):
             phase = int(op_phase[i])
@@ -122,5 +122,5 @@ def readmostly_write_us(trace: StepTrace, ob: OpBlocks, block_type: np.ndarray, 
     rm = advice.read_mostly[block_type[ob.block]]
     pages = np.where(rm, np.ceil(ob.write_bytes / PAGE), 0.0)
     out = np.bincount(entry_op, weights=pages, minlength=trace.n_ops) * profile.readmostly_write_fault_us
-    out[trace.op_kind == 3] = 0.0
+    out[trace.op_kind == KIND_H2D_COPY] = 0.0
     return out

@@ -50,10 +50,14 @@ from um_lab.sim.ops import (
 )
 from um_lab.types import DATA_TYPES, DataType
 
-PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")
+PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")  #: ``op_phase`` values, in the order of policy.STEP_PHASES
+PHASE_FWD, PHASE_BWD, PHASE_OPT = range(3)
 #: Op kinds: memory-bound kernels, dense matmul (GEMM), convolution (TF32 on cuDNN by default), the
 #: host-to-device copy of the batch, and fused attention.
 OP_KINDS: tuple[str, ...] = ("memory", "matmul", "conv", "h2d_copy", "attention")
+KIND_MEMORY, KIND_MATMUL, KIND_CONV, KIND_H2D_COPY, KIND_ATTENTION = range(5)
+#: ``acc_write`` codes: the op reads the range, only writes it (a fresh output), or updates it in place.
+ACC_READ, ACC_WRITE_ONLY, ACC_READ_WRITE = range(3)
 TYPE_INDEX: dict[DataType, int] = {t: i for i, t in enumerate(DATA_TYPES)}
 
 @dataclasses.dataclass
@@ -121,7 +125,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, classify_new: Callable[[], DataType]) -> None:
         super().__init__()
         self.classify_new = classify_new
-        self.phase = 0
+        self.phase = PHASE_FWD
         self.storage_index: dict[int, int] = {}  # cdata -> storage index (live ones)
         self.refs: list[StorageWeakRef | None] = []
         self.nbytes: list[int] = []
@@ -228,23 +232,24 @@ class _Recorder(TorchDispatchMode):
             nb = t.numel() * t.element_size()
             hbm += nb * (2 if write else 1)
             ways = rereads.get(pos, [(1.0, READ_ONCE, 1.0)])
+            code = ACC_READ_WRITE if write else ACC_READ
             for k, (reuse, reread, volume) in enumerate(ways):  # one access per kernel that reads it
-                self.acc.append((op_index, idx, lo, hi, (2 if write else 0) if k == 0 else 0, reuse, reread, volume))
+                self.acc.append((op_index, idx, lo, hi, code if k == 0 else ACC_READ, reuse, reread, volume))
         for t in new_outs:
             idx = self.register(t, self.classify_new(), op_index, True)
             lo, hi = extent_bytes(t)
             hbm += t.numel() * t.element_size()
-            self.acc.append((op_index, idx, lo, hi, 1, 1.0, READ_ONCE, 1.0))
+            self.acc.append((op_index, idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0))
         workspace = conv_workspace(name, args)
         if workspace is not None:  # the filter's copy: written by the transform, read by the kernel
             nbytes, (reuse, reread, volume) = workspace
             idx = self.register_workspace(nbytes, op_index)
-            self.acc.append((op_index, idx, 0, nbytes, 1, 1.0, READ_ONCE, 1.0))
-            self.acc.append((op_index, idx, 0, nbytes, 0, reuse, reread, volume))
+            self.acc.append((op_index, idx, 0, nbytes, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0))
+            self.acc.append((op_index, idx, 0, nbytes, ACC_READ, reuse, reread, volume))
         packet = func.overloadpacket
-        kind = 0
+        kind = KIND_MEMORY
         if packet in flop_registry:
-            kind = 2 if "conv" in name else 4 if "attention" in name else 1
+            kind = KIND_CONV if "conv" in name else KIND_ATTENTION if "attention" in name else KIND_MATMUL
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
             if is_causal_attention(name, args, kwargs):
                 flops *= 0.5  # causal kernels skip the masked half of the score matrix
@@ -262,8 +267,8 @@ class _Recorder(TorchDispatchMode):
             idx = self.register(t, DataType.INPUT, len(self.ops), False)
             lo, hi = extent_bytes(t)
             nbytes += t.numel() * t.element_size()
-            self.acc.append((len(self.ops), idx, lo, hi, 1, 1.0, READ_ONCE, 1.0))
-        self.ops.append(("um_lab.input_h2d", 0, 0.0, nbytes, 3))
+            self.acc.append((len(self.ops), idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0))
+        self.ops.append(("um_lab.input_h2d", PHASE_FWD, 0.0, nbytes, KIND_H2D_COPY))
 
 
 def _swap_sdpa_free(model: torch.nn.Module) -> None:
@@ -328,7 +333,7 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
     phase_box = {"phase": 0}
 
     def classify_new() -> DataType:
-        return DataType.OPTIM if phase_box["phase"] == 2 else DataType.ACT
+        return DataType.OPTIM if phase_box["phase"] == PHASE_OPT else DataType.ACT
 
     rec = _Recorder(classify_new)
     for t in list(model.parameters()) + list(model.buffers()):
@@ -342,12 +347,12 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
                 rec.register(v, DataType.OPTIM, -1, False)
     rec.record_input_copy(batch)
     with fake, CudaKernelChoices(), rec:
-        rec.phase = phase_box["phase"] = 0
+        rec.phase = phase_box["phase"] = PHASE_FWD
         loss = case.loss_fn(model, *batch)
-        rec.phase = phase_box["phase"] = 1
+        rec.phase = phase_box["phase"] = PHASE_BWD
         loss.backward()
         del loss
-        rec.phase = phase_box["phase"] = 2
+        rec.phase = phase_box["phase"] = PHASE_OPT
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         rec._collect_frees()

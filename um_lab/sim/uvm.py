@@ -50,7 +50,7 @@ import hashlib
 
 import numpy as np
 
-from um_lab.policy import Policy
+from um_lab.policy import PREFETCH_BEFORE, STEP_PHASES, Policy
 from um_lab.sim.placement import BIG_PAGE, BLOCK, PAGES_PER_BLOCK
 from um_lab.sim.profile import Profile
 from um_lab.types import DATA_TYPES, DataType
@@ -58,10 +58,10 @@ from um_lab.types import DATA_TYPES, DataType
 PREF_NONE, PREF_GPU, PREF_CPU = 0, 1, 2
 FULL_MASK = np.uint32(0xFFFFFFFF)
 PAGE = 4096
-#: Phase (index into trace.PHASES) before which a type's ``to-gpu-before-use`` prefetch is issued
-#: (the real backend's ``PHASE_TYPES``: before forward, before backward, before the optimizer step).
+#: Phase (index into :data:`um_lab.policy.STEP_PHASES`, as ``trace.op_phase``) before which a type's
+#: ``to-gpu-before-use`` prefetch is issued: the real session's table, :data:`um_lab.policy.PREFETCH_BEFORE`.
 PREFETCH_PHASE: dict[DataType, int] = {
-    DataType.PARAM: 0, DataType.INPUT: 0, DataType.ACT: 0, DataType.GRAD: 1, DataType.OPTIM: 2,
+    t: STEP_PHASES.index(phase) for phase, types in PREFETCH_BEFORE.items() for t in types
 }
 #: Where explicit prefetches run: on the compute stream (what the real backend does: kernels after
 #: the prefetch wait for it) or on a copy stream (kernels wait only for the blocks they touch).
