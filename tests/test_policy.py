@@ -99,3 +99,19 @@ def test_paper_groups_view_sets_three_types_at_once():
 def test_save_and_load(tmp_path):
     p = presets["offload-optimizer"]
     assert Policy.load(p.save(tmp_path / "p.json")) == p
+
+
+def test_advice_stores_the_vocabulary_as_enums_equal_to_their_strings():
+    import json
+
+    from um_lab.policy import Advice, Location, Prefetch, Processor
+
+    a = Advice(preferred_location="gpu", accessed_by={"gpu"}, prefetch="to-gpu-before-use")
+    assert a.preferred_location is Location.GPU and a.prefetch is Prefetch.TO_GPU_BEFORE_USE
+    assert a.accessed_by == frozenset({Processor.GPU}) and "gpu" in a.accessed_by
+    assert a == Advice(preferred_location=Location.GPU, accessed_by={Processor.GPU},
+                       prefetch=Prefetch.TO_GPU_BEFORE_USE)
+    assert json.loads(json.dumps(a.to_dict())) == {"preferred_location": "gpu", "accessed_by": ["gpu"],
+                                                    "read_mostly": False, "prefetch": "to-gpu-before-use"}
+    with pytest.raises(PolicyError, match="preferred_location"):
+        Advice(preferred_location="gpu0")

@@ -7,6 +7,7 @@ vocabulary below. Errors are :class:`PolicyError` and name the offending field.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -15,9 +16,33 @@ from typing import Any
 from um_lab.errors import PolicyError
 from um_lab.types import DATA_TYPES, DataType
 
-PREFERRED_LOCATIONS = ("none", "gpu", "cpu")
-PROCESSORS = ("gpu", "cpu")
-PREFETCHES = ("none", "to-gpu-before-use", "to-cpu-after-use")
+
+class Location(enum.StrEnum):
+    """A preferred location (``cudaMemAdviseSetPreferredLocation``; ``none``: unset)."""
+
+    NONE = "none"
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class Processor(enum.StrEnum):
+    """A processor that can keep a mapping of the data (``cudaMemAdviseSetAccessedBy``)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class Prefetch(enum.StrEnum):
+    """An explicit prefetch: to the GPU before the phase that uses the type, or to the host after the step."""
+
+    NONE = "none"
+    TO_GPU_BEFORE_USE = "to-gpu-before-use"
+    TO_CPU_AFTER_USE = "to-cpu-after-use"
+
+
+PREFERRED_LOCATIONS: tuple[str, ...] = tuple(v.value for v in Location)
+PROCESSORS: tuple[str, ...] = tuple(v.value for v in Processor)
+PREFETCHES: tuple[str, ...] = tuple(v.value for v in Prefetch)
 #: The step's phases in order, and the data types each one touches first: a ``to-gpu-before-use``
 #: prefetch of a type is issued at the start of its phase. One table for the real session
 #: (:mod:`um_lab.cuda.session`) and the simulator (:mod:`um_lab.sim.uvm`).
@@ -41,16 +66,21 @@ class Advice:
     ``read_mostly``: duplicate pages on read (collapses on every write: bad for written data).
     ``prefetch``: ``to-gpu-before-use`` before the phase that uses the type, or ``to-cpu-after-use``
     after the step.
+    Strings are accepted and stored as the enums :class:`Location`, :class:`Processor` and
+    :class:`Prefetch` (which compare equal to their strings).
     """
 
-    preferred_location: str = "none"
-    accessed_by: frozenset[str] = frozenset()
+    preferred_location: Location | str = Location.NONE
+    accessed_by: frozenset[Processor | str] = frozenset()
     read_mostly: bool = False
-    prefetch: str = "none"
+    prefetch: Prefetch | str = Prefetch.NONE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "accessed_by", frozenset(self.accessed_by))
         _check_values(dataclasses.asdict(self), "advice")
+        object.__setattr__(self, "preferred_location", Location(self.preferred_location))
+        object.__setattr__(self, "accessed_by", frozenset(Processor(p) for p in self.accessed_by))
+        object.__setattr__(self, "prefetch", Prefetch(self.prefetch))
 
     @property
     def is_default(self) -> bool:
@@ -60,10 +90,10 @@ class Advice:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``accessed_by`` sorted)."""
         return {
-            "preferred_location": self.preferred_location,
-            "accessed_by": sorted(self.accessed_by),
+            "preferred_location": str(self.preferred_location),
+            "accessed_by": sorted(str(p) for p in self.accessed_by),
             "read_mostly": self.read_mostly,
-            "prefetch": self.prefetch,
+            "prefetch": str(self.prefetch),
         }
 
     @classmethod
