@@ -3,8 +3,9 @@ remote operands, causal attention, and the CUDA kernel choices emulated on the C
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -260,3 +261,31 @@ def is_causal_attention(name: str, args: tuple, kwargs: dict) -> bool:
         return False
     pos = positions[name]
     return bool(kwargs.get("is_causal", args[pos] if len(args) > pos else False))
+
+
+def ask_for_sdpa(model: torch.nn.Module) -> None:
+    """Ask Hugging Face models for SDPA attention (the fused kernel the GPU uses)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "_attn_implementation"):
+        try:
+            cfg._attn_implementation = "sdpa"
+        except Exception:  # noqa: BLE001 - best effort only
+            pass
+
+
+@contextlib.contextmanager
+def data_free_init() -> Iterator[None]:
+    """Initialisers that need no tensor data while a model is built on fake tensors (torch 2.13's
+    ``trunc_normal_`` asks whether any value fell outside its bounds: a data-dependent question)."""
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
+                      b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original

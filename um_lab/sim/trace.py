@@ -21,12 +21,11 @@ and dropout becomes ``native_dropout`` (a bool mask, as on CUDA). Adam-style opt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,9 @@ from um_lab.sim.ops import (
     NO_KERNEL,
     READ_ONCE,
     CudaKernelChoices,
+    ask_for_sdpa,
     conv_workspace,
+    data_free_init,
     extent_bytes,
     is_causal_attention,
     remote_reads,
@@ -271,34 +272,6 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(("um_lab.input_h2d", PHASE_FWD, 0.0, nbytes, KIND_H2D_COPY))
 
 
-def _swap_sdpa_free(model: torch.nn.Module) -> None:
-    """Ask Hugging Face models for SDPA attention (the fused kernel the GPU uses)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "_attn_implementation"):
-        try:
-            cfg._attn_implementation = "sdpa"
-        except Exception:  # noqa: BLE001 - best effort only
-            pass
-
-
-@contextlib.contextmanager
-def _data_free_init() -> Iterator[None]:
-    """Initialisers that need no tensor data while a model is built on fake tensors (torch 2.13's
-    ``trunc_normal_`` asks whether any value fell outside its bounds: a data-dependent question)."""
-    original = torch.nn.init.trunc_normal_
-
-    def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
-                      b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
-        with torch.no_grad():
-            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
-
-    torch.nn.init.trunc_normal_ = trunc_normal_
-    try:
-        yield
-    finally:
-        torch.nn.init.trunc_normal_ = original
-
-
 def case_key(case: ModelCase) -> str:
     """A cache key for a model case: its name and size knobs."""
     text = f"{case.name}|{sorted((str(k), repr(v)) for k, v in case.info.items())}"
@@ -313,10 +286,10 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
     """
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     torch.manual_seed(seed)
-    with fake, _data_free_init():
+    with fake, data_free_init():
         model = case.build_model()
         model.train()
-        _swap_sdpa_free(model)
+        ask_for_sdpa(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = case.make_optimizer(params)
         for group in optimizer.param_groups:
