@@ -110,3 +110,17 @@ def test_gpt2_xl_step_traces_without_memory() -> None:
     assert 1.5e9 * 4 < params < 1.65e9 * 4  # ~1.56 B parameters, fp32
     assert grown_gib < 2.0  # a real step would need > 25 GB
     assert trace.op_names.count("aten._scaled_dot_product_efficient_attention") == 48
+
+
+def test_models_that_use_trunc_normal_init_build_on_fake_tensors():
+    """torch 2.13's trunc_normal_ asks a data-dependent question; the tracer's initialisers do not."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from um_lab.sim.ops import data_free_init
+
+    original = torch.nn.init.trunc_normal_
+    with FakeTensorMode(), data_free_init():
+        w = torch.empty(16, 8)
+        out = torch.nn.init.trunc_normal_(w, std=0.02)
+    assert out is w and torch.nn.init.trunc_normal_ is original  # restored on exit
