@@ -1,47 +1,66 @@
-"""Run folders: their layout, writing them, and reading them back.
+"""Run folders: their layout and writing them (reading them back: :mod:`um_lab.runread`).
 
 Each run writes a folder: ``spec.json`` (the :class:`RunSpec`), ``policy.json``, ``model.json``,
 ``environment.json`` (versions, device, backend, calibration profile), ``records.jsonl`` (one
 :class:`StepRecord` per line, appended and flushed as each step completes) and ``status.json``
-(``running`` until the run ends; then ``complete``, ``stopped``, ``interrupted`` or ``failed``). A run
-that crashed keeps every completed step and is never marked complete. Warm-up steps are recorded
-(``warmup: true``) and left out of summaries.
+(``running`` until the run ends, rewritten as a heartbeat with its step count; then ``complete``,
+``stopped``, ``interrupted`` or ``failed``). A run that crashed keeps every completed step and is
+never marked complete. Warm-up steps are recorded (``warmup: true``) and left out of summaries.
 
 Writing a folder is :class:`um_lab.runner.Run`'s job; :func:`load`, :func:`list_runs` and
-:func:`iter_records` read them back (all re-exported by :mod:`um_lab.runner`).
+:func:`iter_records` read them back (all re-exported here and by :mod:`um_lab.runner`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import datetime as _dt
-import html
 import importlib.metadata
 import json
 import os
 import platform
 import socket
+import threading
+import time
 import uuid
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
-import pandas as pd
 
 from um_lab.backend import Backend
 from um_lab.errors import UmLabError
-from um_lab.policy import Policy
-from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summarize
+from um_lab.runread import (  # noqa: F401  (the reading side, re-exported: importable from here as before)
+    LEFT_RUNNING,
+    STALE_AFTER_S,
+    LoadedRun,
+    NotARunFolderError,
+    RunLogError,
+    RunLogWarning,
+    count_records,
+    current_status,
+    iter_records,
+    left_running_reason,
+    load,
+    process_start_ticks,
+)
 from um_lab.types import RunSpec, StepRecord
 
 DEFAULT_OUT_DIR = Path("runs")  #: the fallback of :func:`default_out_dir` (relative to the current folder)
 RUNS_DIR_ENV = "UM_LAB_RUNS_DIR"
 FILES = ("spec.json", "policy.json", "model.json", "environment.json", "records.jsonl", "status.json")
+HEARTBEAT_S = 5.0  #: a running run rewrites status.json (its step count) at most this often, between steps
 
 
 class RunDirError(UmLabError, OSError):
-    """The run directory cannot be created or written; raised before the run starts."""
+    """The run directory cannot be created or written (raised before the run starts, or when a file of a
+    running run cannot be written)."""
+
+
+class RunNameError(UmLabError, ValueError):
+    """A run name that is not one plain folder name: it would put the run outside ``out_dir``."""
 
 
 # ----------------------------------------------------------------------------------- run folders
@@ -74,8 +93,26 @@ def safe_name(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)[:60]
 
 
+def check_run_name(name: str | os.PathLike[str]) -> str:
+    """``name`` if it is one plain folder name, else :class:`RunNameError` (nothing is created): not
+    empty, ``.`` or ``..``, not absolute, no path separator, so that the run stays inside ``out_dir``."""
+    text = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(text, str):
+        raise RunNameError(f"a run name must be a string, not {type(name).__name__}")
+    separators = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    if (not text.strip() or text in (".", "..") or "\0" in text or any(sep in text for sep in separators)
+            or Path(text).is_absolute() or Path(text).drive):
+        raise RunNameError(
+            f"run name {text!r} is not a plain folder name: it must not be empty, '.' or '..', absolute, "
+            "or hold a path separator, so that the run folder stays inside out_dir (to put runs "
+            "elsewhere, pass out_dir). Nothing was created.")
+    return text
+
+
 def prepare_run_dir(out_dir: str | os.PathLike[str], name: str) -> Path:
-    """Create ``out_dir/name`` (unique) and prove it writable, or raise :class:`RunDirError`."""
+    """Create ``out_dir/name`` (unique) and prove it writable, or raise :class:`RunDirError`
+    (:class:`RunNameError` for a name that is not one plain folder name)."""
+    name = check_run_name(name)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -187,118 +224,138 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-# ---------------------------------------------------------------------------------- loading runs
+# ------------------------------------------------------------------------------- writing a run
 
 
-def iter_records(path: str | os.PathLike[str]) -> Iterator[StepRecord]:
-    """Stream the records of a ``records.jsonl`` (a line cut off by a crash is skipped)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                return  # a partial last line from a crash mid-write
-            if line.strip():
-                yield StepRecord.from_dict(json.loads(line))
+_START_TICKS: dict[int, int | None] = {}
 
 
-@dataclasses.dataclass
-class LoadedRun:
-    """A run folder read back: its spec, policy, environment, status; records stream from disk."""
+def _own_start_ticks() -> int | None:
+    """This process's start time (see :func:`~um_lab.runread.process_start_ticks`), read once per pid."""
+    pid = os.getpid()
+    if pid not in _START_TICKS:
+        _START_TICKS[pid] = process_start_ticks(pid)
+    return _START_TICKS[pid]
+
+
+class RunFolderWriter:
+    """Writes a run's ``records.jsonl`` lines and its ``status.json`` (mixed into :class:`um_lab.runner.Run`).
+
+    ``status.json`` is rewritten as a heartbeat (at most every :data:`HEARTBEAT_S`, between steps) and
+    once at the end, which seals the folder: nothing is written after it, so a run ended from outside
+    (SIGTERM, interpreter exit: :meth:`end_abruptly`) keeps the status written then, and its step count
+    matches ``records.jsonl``. One re-entrant lock orders record lines and status writes across threads.
+    """
 
     path: Path
     spec: RunSpec
-    policy: Policy | None
-    environment: dict[str, Any]
-    status: dict[str, Any]
-    model: dict[str, Any]
+    status: str
+    steps_completed: int
+    latest: StepRecord | None
+    tail: collections.deque[StepRecord]
+    records: list[StepRecord] | None
+    _started_at: str | None
 
-    @property
-    def complete(self) -> bool:
-        """True only for a run that ran every step (a stopped or crashed run is incomplete)."""
-        return bool(self.status.get("complete"))
+    def _init_writer(self) -> None:
+        self._io_lock = threading.RLock()
+        self._sealed = False  # the final status is on disk: nothing more is written
+        self._error_text: str | None = None
+        self._interrupted_by: str | None = None
+        self._status_written_at = 0.0
+        self._heartbeat_warned = False
+        self._status_problem: object = None
 
-    @property
-    def state(self) -> str:
-        """``complete``, ``stopped``, ``interrupted``, ``failed``, or ``crashed`` (left ``running`` by a
-        process that is gone), or ``running`` (still being written)."""
-        state = self.status.get("status", "unknown")
-        if state == "running" and not _process_alive(self.status):
-            return "crashed"
-        return state
-
-    def records(self, include_warmup: bool = True) -> Iterator[StepRecord]:
-        """The step records, streamed from ``records.jsonl``."""
-        for record in iter_records(self.path / "records.jsonl"):
-            if include_warmup or not record.warmup:
-                yield record
-
-    def to_frame(self, include_warmup: bool = True) -> pd.DataFrame:
-        """One row per step; per-type dicts become columns like ``live_bytes.param``."""
-        return records_frame(self.records(include_warmup))
-
-    def summary(self) -> dict[str, Any]:
-        """Step-time statistics and traffic totals over the measured (non-warm-up) steps."""
-        return summarize(self.records())
-
-    @property
-    def steps_text(self) -> str:
-        """Completed / planned steps (warm-up included), e.g. ``22/22``."""
-        return f"{self.status.get('steps_completed', '?')}/{self.status.get('steps_planned', '?')}"
-
-    def __repr__(self) -> str:
-        return (f"LoadedRun('{self.path}', model={self.spec.model!r}, policy={self.spec.policy!r}, "
-                f"backend={self.environment.get('backend')!r}, state={self.state!r}, steps={self.steps_text})")
-
-    def _repr_html_(self) -> str:
-        """Jupyter display: what ran, how it ended, and the summary with rounded, unit-bearing values."""
-        esc = html.escape
-        head = (f"<b>{esc(str(self.spec.model))}</b> under <b>{esc(str(self.spec.policy))}</b> on "
-                f"<b>{esc(str(self.environment.get('backend', '?')))}</b>: {esc(self.state)}, "
-                f"{esc(self.steps_text)} steps")
-        error = self.status.get("error")
-        rows = "".join(
-            f"<tr><th style='text-align:left'>{esc(key)}</th><td style='text-align:right'>{esc(text)}</td></tr>"
-            for key, text in format_summary(self.summary()).items())
-        return (f"<div class='um-lab-run'><div>{head}</div>"
-                + (f"<div style='color:#b00'>error: {esc(str(error))}</div>" if error else "")
-                + f"<table>{rows}</table>"
-                + f"<div style='font-size:smaller'><code>{esc(str(self.path))}</code> "
-                f"({NOT_MEASURED} = not measured)</div></div>")
-
-
-def _process_alive(status: Mapping[str, Any]) -> bool:
-    if status.get("host") != socket.gethostname() or not isinstance(status.get("pid"), int):
-        return True  # cannot tell from here
-    try:
-        os.kill(status["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    def _log(self, log: IO[str], record: StepRecord) -> bool:
+        """Append ``record`` to records.jsonl and count it; False (nothing written) once sealed."""
+        line = json.dumps(jsonable(record.to_dict())) + "\n"
+        with self._io_lock:
+            if self._sealed:
+                return False
+            try:
+                log.write(line)
+                log.flush()
+            except OSError as e:
+                raise RunDirError(f"cannot write {self.path / 'records.jsonl'} ({e.strerror or e}); the "
+                                  f"{self.steps_completed} steps before this one are on disk") from e
+            self.steps_completed += 1
+            self.latest = record
+            self.tail.append(record)
+            if self.records is not None:
+                self.records.append(record)
         return True
-    return True
+
+    def _end_as(self, state: str, *, if_running: bool = False) -> bool:
+        """Set the end state, unless the final status is on disk already (or, ``if_running``, the run
+        has an end state already); True if set."""
+        with self._io_lock:
+            if self._sealed or (if_running and self.status != "running"):
+                return False
+            self.status = state
+            return True
+
+    def _heartbeat(self) -> None:
+        if time.monotonic() - self._status_written_at < HEARTBEAT_S:
+            return
+        try:
+            self._write_status()
+        except OSError as e:  # the records still go to their open file; warn once, go on
+            if not self._heartbeat_warned:
+                self._heartbeat_warned = True
+                warnings.warn(f"cannot update {self.path / 'status.json'} ({e.strerror or e}); the run goes on "
+                              "and its steps still go to records.jsonl", RunLogWarning, stacklevel=3)
+
+    def _finish(self) -> bool:
+        """Write the final status and seal the folder; False if status.json could not be written."""
+        with self._io_lock:
+            if self._sealed:
+                return True
+            try:
+                self._write_status()
+            except OSError as e:
+                self._status_problem = e.strerror or e
+                return False
+            self._sealed = True
+            return True
+
+    def end_abruptly(self, state: str, reason: str) -> bool:
+        """End the run from outside because its process is ending (SIGTERM, interpreter exit): a run
+        still running becomes ``state`` with its completed steps; its final status is written (retried,
+        for a run that ended but could not write it). True once the final status is on disk."""
+        with self._io_lock:
+            if self._sealed:
+                return True
+            if self.status == "running":
+                self.status = state
+                self._interrupted_by = reason
+            return self._finish()
+
+    def current_status(self) -> dict[str, Any]:
+        """The status as it stands now (what status.json says, or is about to)."""
+        with self._io_lock:
+            return {
+                "status": self.status,
+                "complete": self.status == "complete",
+                "steps_completed": self.steps_completed,
+                "steps_planned": self.spec.warmup_steps + self.spec.steps,
+                "started_at": self._started_at,
+                "updated_at": now_iso(),
+                "error": self._error_text,
+                "interrupted_by": self._interrupted_by if self.status == "interrupted" else None,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "pid_started": _own_start_ticks(),
+                "heartbeat_s": HEARTBEAT_S,
+            }
+
+    def _write_status(self) -> None:
+        with self._io_lock:
+            if self._sealed:
+                return
+            write_json(self.path / "status.json", self.current_status())
+            self._status_written_at = time.monotonic()
 
 
-def load(path: str | os.PathLike[str]) -> LoadedRun:
-    """Read a run folder written by :class:`~um_lab.runner.Run` (complete or not)."""
-    path = Path(path)
-    if not (path / "spec.json").is_file():
-        raise FileNotFoundError(f"{path} is not a um_lab run folder (no spec.json)")
-
-    def read(name: str) -> dict[str, Any]:
-        file = path / name
-        return json.loads(file.read_text()) if file.is_file() else {}
-
-    policy_data = read("policy.json")
-    return LoadedRun(
-        path=path,
-        spec=RunSpec.from_dict(read("spec.json")),
-        policy=Policy.from_dict(policy_data) if policy_data else None,
-        environment=read("environment.json"),
-        status=read("status.json") or {"status": "unknown", "complete": False},
-        model=read("model.json"),
-    )
+# ---------------------------------------------------------------------------------- listing runs
 
 
 def list_runs(out_dir: str | os.PathLike[str] | None = None) -> list[Path]:

@@ -10,33 +10,43 @@
     load("runs/2025...-mlp-gpu-first-sim").to_frame()
 
 This module runs the steps (:class:`Run`, :func:`run`, the cuda pre-flight). The run folder's layout
-and reading it back are in :mod:`um_lab.runlog`, summaries in :mod:`um_lab.summary`, and policy
-sweeps in :mod:`um_lab.sweep` (``compare``); the run-folder and summary names are re-exported here.
+is in :mod:`um_lab.runlog`, reading it back in :mod:`um_lab.runread`, what SIGTERM and interpreter exit
+do to a run in :mod:`um_lab.runexit`, summaries in :mod:`um_lab.summary`, and policy sweeps in
+:mod:`um_lab.sweep` (``compare``); the run-folder and summary names are re-exported here.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
-import socket
 import threading
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from um_lab import runexit
 from um_lab.backend import Backend, cuda_available, get_backend, resolve_backend_name
 from um_lab.errors import CudaUnavailableError, UmLabError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy
+from um_lab.runexit import RunInterrupted
 from um_lab.runlog import (  # noqa: F401  (re-exported: importable from um_lab.runner)
     DEFAULT_OUT_DIR,
     FILES,
+    HEARTBEAT_S,
+    LEFT_RUNNING,
     LoadedRun,
+    NotARunFolderError,
     RunDirError,
+    RunFolderWriter,
+    RunLogError,
+    RunLogWarning,
+    RunNameError,
     backend_note,
+    check_run_name,
     check_writable,
     default_out_dir,
     environment_info,
@@ -92,7 +102,7 @@ def preflight_cuda(case: ModelCase, backend: Backend) -> dict[str, Any]:
     return {"estimate": estimate.to_dict(), "cap_bytes": cap}
 
 
-class Run:
+class Run(RunFolderWriter):
     """One training run: an iterable of :class:`StepRecord` that logs each step to its folder.
 
     Foreground: ``for record in Run(spec): ...``. Background: ``r = Run(spec).start()``, then
@@ -104,9 +114,14 @@ class Run:
     Records are not kept in memory unless ``keep_records=True``: the last ``tail`` records are
     (a bounded deque), and all are on disk. ``on_record(record)`` is called after each step is
     written. The folder goes under ``out_dir`` (default: :func:`~um_lab.runlog.default_out_dir`,
-    ``$UM_LAB_RUNS_DIR`` or ``runs/``); it and its ``spec.json`` are written here, so an unwritable
+    ``$UM_LAB_RUNS_DIR`` or ``runs/``), named ``name`` if given (one plain folder name, else
+    :class:`~um_lab.runlog.RunNameError`); it and its ``spec.json`` are written here, so an unwritable
     ``out_dir`` fails before anything runs; on the cuda backend the memory estimate is checked against
     the safety cap.
+
+    While it runs, ``status.json`` is rewritten every :data:`~um_lab.runlog.HEARTBEAT_S` with the step
+    count. SIGTERM ends a foreground run on the main thread as Ctrl-C does (``interrupted``), and a
+    run still running when the interpreter exits is marked ``interrupted`` (see :mod:`um_lab.runexit`).
     """
 
     def __init__(
@@ -123,6 +138,8 @@ class Run:
         name: str | None = None,
         preflight: bool = True,
     ) -> None:
+        if name is not None:
+            name = check_run_name(name)  # before anything is created
         spec = spec or RunSpec()
         self.policy = get_policy(policy if policy is not None else spec.policy)
         self.case = case if case is not None else case_for_spec(spec)
@@ -145,6 +162,8 @@ class Run:
         self._claimed = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._holds_sigterm = False
+        self._init_writer()
 
         if self.backend_name == "cuda" and (spec.oversubscription_ratio is not None
                                             or spec.capacity_bytes is not None):
@@ -177,6 +196,7 @@ class Run:
     def start(self) -> Run:
         """Run in a background thread; returns ``self``."""
         self._claim()
+        self._holds_sigterm = runexit.hold_sigterm()
         self._thread = threading.Thread(target=self._drain, name=f"um_lab-run-{self.path.name}", daemon=True)
         self._thread.start()
         return self
@@ -192,6 +212,7 @@ class Run:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False
+        runexit.restore_if_idle()
         if self.error is not None and not isinstance(self.error, GeneratorExit):
             raise self.error
         return True
@@ -204,6 +225,7 @@ class Run:
         if self._thread is not None and self._thread.is_alive():
             self.stop()
             self._thread.join()
+            runexit.restore_if_idle()
 
     @property
     def running(self) -> bool:
@@ -243,37 +265,51 @@ class Run:
                 pass
         except BaseException as e:  # kept for join(); status.json already says failed
             self.error = e
+        finally:
+            if self._holds_sigterm:
+                runexit.release_sigterm()
 
     def _steps(self, claimed: bool = False) -> Iterator[StepRecord]:
         if not claimed and self._thread is None:
             self._claim()
+        foreground = not claimed and threading.current_thread() is threading.main_thread()
+        holds_sigterm = foreground and runexit.hold_sigterm()
         self._started_at = now_iso()
         self.status = "running"
-        self._write_status()
-        error_text: str | None = None
+        runexit.opened(self, foreground=foreground)
+        ended_normally = False
         records: Iterator[StepRecord] | None = None
         try:
+            try:
+                self._write_status()
+            except OSError as e:
+                raise RunDirError(f"cannot write {self.path / 'status.json'} ({e.strerror or e}); "
+                                  "nothing was run") from e
             records = self.backend.run(self.spec, self.case, self.policy)
             with open(self.path / "records.jsonl", "a", encoding="utf-8") as log:
                 for record in records:
-                    log.write(json.dumps(jsonable(record.to_dict())) + "\n")
-                    log.flush()
-                    self._remember(record)
+                    if not self._log(log, record):
+                        break  # ended from outside (SIGTERM, interpreter exit): status already written
+                    for callback in self._callbacks:
+                        callback(record)
                     yield record
+                    self._heartbeat()
                     if self._stop.is_set():
-                        self.status = "stopped"
+                        self._end_as("stopped")
                         break
                 else:
-                    self.status = "complete"
+                    self._end_as("complete")
+            ended_normally = True
         except GeneratorExit:  # the consumer stopped iterating
-            self.status = "stopped"
+            self._end_as("stopped")
             raise
-        except KeyboardInterrupt:
-            self.status = "interrupted"
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (RunInterrupted) while in the foreground
+            if self._end_as("interrupted"):
+                self._interrupted_by = e.signal_name if isinstance(e, RunInterrupted) else "KeyboardInterrupt"
             raise
         except BaseException as e:
-            self.status = "failed"
-            error_text = "".join(traceback.format_exception_only(type(e), e)).strip()
+            if self._end_as("failed"):
+                self._error_text = "".join(traceback.format_exception_only(type(e), e)).strip()
             self.error = e
             raise
         finally:
@@ -281,31 +317,19 @@ class Run:
                 if records is not None and hasattr(records, "close"):
                     records.close()  # the backend releases its pools / state
             finally:
-                if self.status == "running":
-                    self.status = "failed"
-                self._write_status(error_text)
-
-    def _remember(self, record: StepRecord) -> None:
-        self.steps_completed += 1
-        self.latest = record
-        self.tail.append(record)
-        if self.records is not None:
-            self.records.append(record)
-        for callback in self._callbacks:
-            callback(record)
-
-    def _write_status(self, error: str | None = None) -> None:
-        write_json(self.path / "status.json", {
-            "status": self.status,
-            "complete": self.status == "complete",
-            "steps_completed": self.steps_completed,
-            "steps_planned": self.spec.warmup_steps + self.spec.steps,
-            "started_at": self._started_at,
-            "updated_at": now_iso(),
-            "error": error,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        })
+                self._end_as("failed", if_running=True)
+                written = self._finish()
+                runexit.closed(self, written=written)
+                if holds_sigterm:
+                    runexit.release_sigterm()
+            if not written:
+                problem = RunDirError(
+                    f"cannot write {self.path / 'status.json'} ({self._status_problem}): the run ended "
+                    f"{self.status} after {self.steps_completed} steps, all in records.jsonl; um_lab "
+                    "retries at exit, and load() in this process reads its real state meanwhile")
+                if ended_normally:
+                    raise problem
+                warnings.warn(str(problem), RunLogWarning, stacklevel=2)  # keep the error in flight
 
 
 def run(spec: RunSpec | None = None, case: ModelCase | None = None, policy: Policy | str | None = None,

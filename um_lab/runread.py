@@ -1,0 +1,294 @@
+"""Reading run folders back: records, status, and whether a ``running`` run still runs.
+
+Split from :mod:`um_lab.runlog` (the folder's layout and writing it), which re-exports every name here.
+Reading is forgiving where the data allows it: a bad line in ``records.jsonl`` is skipped with one
+:class:`RunLogWarning` naming the file and line; a corrupt ``status.json`` (or other side file) is
+warned about and read as missing; only a corrupt ``spec.json`` raises (:class:`RunLogError`). A run
+left ``running`` by a process that is gone (or whose status is stale) is read as ``crashed``
+(:data:`LEFT_RUNNING`), with its step count taken from ``records.jsonl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import html
+import json
+import os
+import socket
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from um_lab import runexit
+from um_lab.errors import UmLabError
+from um_lab.policy import Policy
+from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summarize
+from um_lab.types import RunSpec, StepRecord
+
+STALE_AFTER_S = 1800.0  #: a ``running`` status with a heartbeat, not rewritten for this long, is stale
+LEFT_RUNNING = "crashed"  #: the state of a run left ``running`` by a process that no longer runs it
+
+
+class RunLogError(UmLabError, ValueError):
+    """A file of a run folder cannot be read (e.g. a corrupt ``spec.json``); the message names it."""
+
+
+class NotARunFolderError(UmLabError, FileNotFoundError):
+    """The folder given to :func:`load` is not a run folder (it has no ``spec.json``)."""
+
+
+class RunLogWarning(UserWarning):
+    """Part of a run folder could not be read or written (a bad line, a corrupt status); the rest was."""
+
+
+def _record_from_line(raw: bytes) -> StepRecord:
+    data = json.loads(raw.decode("utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    record = StepRecord.from_dict(data)
+    for field in ("step", "wall_ms"):
+        value = getattr(record, field)
+        if isinstance(value, bool) or not isinstance(value, int if field == "step" else (int, float)):
+            raise ValueError(f"{field} is {value!r}")
+    return record
+
+
+def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator[StepRecord]:
+    """Stream the records of a ``records.jsonl``.
+
+    A last line cut off by a crash mid-write is skipped silently. Any other line that is not a step
+    record is skipped and the rest are kept, with one :class:`RunLogWarning` per read naming the file
+    and the first bad line's number (none with ``warn=False``).
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    warned = False
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                return  # a partial last line from a crash mid-write
+            if not raw.strip():
+                continue
+            try:
+                record = _record_from_line(raw)
+            except (ValueError, TypeError) as e:  # bad JSON or UTF-8, missing or mistyped fields
+                if warn and not warned:
+                    warned = True
+                    reason = str(e) if len(str(e)) <= 100 else str(e)[:97] + "..."
+                    warnings.warn(f"{path}: line {number} is not a step record ({type(e).__name__}: {reason}); "
+                                  "skipped it (and skip any other bad line) and kept the rest",
+                                  RunLogWarning, stacklevel=2)
+                continue
+            yield record
+
+
+def count_records(path: str | os.PathLike[str]) -> int:
+    """How many step records a ``records.jsonl`` holds (bad lines not counted, nor warned about)."""
+    return sum(1 for _ in iter_records(path, warn=False))
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A run folder read back: its spec, policy, environment, status; records stream from disk."""
+
+    path: Path
+    spec: RunSpec
+    policy: Policy | None
+    environment: dict[str, Any]
+    status: dict[str, Any]
+    model: dict[str, Any]
+
+    @property
+    def complete(self) -> bool:
+        """True only for a run that ran every step (a stopped or crashed run is incomplete)."""
+        return bool(self.status.get("complete"))
+
+    @property
+    def state(self) -> str:
+        """``complete``, ``stopped``, ``interrupted``, ``failed``, ``crashed`` (left ``running`` by a
+        process that is gone, or stale: see :func:`left_running_reason`), ``running`` (still being
+        written), or ``unknown`` (no readable ``status.json``)."""
+        state = self.status.get("status", "unknown")
+        if state == "running" and left_running_reason(self.path, self.status) is not None:
+            return LEFT_RUNNING
+        return state
+
+    def records(self, include_warmup: bool = True) -> Iterator[StepRecord]:
+        """The step records, streamed from ``records.jsonl``."""
+        for record in iter_records(self.path / "records.jsonl"):
+            if include_warmup or not record.warmup:
+                yield record
+
+    def to_frame(self, include_warmup: bool = True) -> pd.DataFrame:
+        """One row per step; per-type dicts become columns like ``live_bytes.param``."""
+        return records_frame(self.records(include_warmup))
+
+    def summary(self) -> dict[str, Any]:
+        """Step-time statistics and traffic totals over the measured (non-warm-up) steps."""
+        return summarize(self.records())
+
+    @property
+    def steps_text(self) -> str:
+        """Completed / planned steps (warm-up included), e.g. ``22/22``."""
+        return f"{self.status.get('steps_completed', '?')}/{self.status.get('steps_planned', '?')}"
+
+    def __repr__(self) -> str:
+        return (f"LoadedRun('{self.path}', model={self.spec.model!r}, policy={self.spec.policy!r}, "
+                f"backend={self.environment.get('backend')!r}, state={self.state!r}, steps={self.steps_text})")
+
+    def _repr_html_(self) -> str:
+        """Jupyter display: what ran, how it ended, and the summary with rounded, unit-bearing values."""
+        esc = html.escape
+        head = (f"<b>{esc(str(self.spec.model))}</b> under <b>{esc(str(self.spec.policy))}</b> on "
+                f"<b>{esc(str(self.environment.get('backend', '?')))}</b>: {esc(self.state)}, "
+                f"{esc(self.steps_text)} steps")
+        error = self.status.get("error")
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{esc(key)}</th><td style='text-align:right'>{esc(text)}</td></tr>"
+            for key, text in format_summary(self.summary()).items())
+        return (f"<div class='um-lab-run'><div>{head}</div>"
+                + (f"<div style='color:#b00'>error: {esc(str(error))}</div>" if error else "")
+                + f"<table>{rows}</table>"
+                + f"<div style='font-size:smaller'><code>{esc(str(self.path))}</code> "
+                f"({NOT_MEASURED} = not measured)</div></div>")
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3 on of Linux's ``/proc/<pid>/stat`` (state first, start time at index 19); None where
+    there is no such file."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, Linux); None where unknown. With the pid
+    it names one process, even after the pid is reused."""
+    fields = _proc_stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _same_host_pid(status: Mapping[str, Any]) -> int | None:
+    pid = status.get("pid")
+    if status.get("host") != socket.gethostname() or isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    return pid
+
+
+def _age_s(iso: Any) -> float | None:
+    try:
+        when = _dt.datetime.fromisoformat(str(iso))
+    except ValueError:
+        return None
+    return None if when.tzinfo is None else (_dt.datetime.now(_dt.UTC) - when).total_seconds()
+
+
+def left_running_reason(path: str | os.PathLike[str], status: Mapping[str, Any]) -> str | None:
+    """Why a ``running`` status no longer holds, or None while its run may still be running.
+
+    On this host: its process is gone (or a zombie), its pid now names another process, or (this
+    process) no run of ours writes the folder. Anywhere: the run promised a heartbeat and its status
+    was not rewritten for :data:`STALE_AFTER_S` (e.g. a folder that became unwritable).
+    """
+    pid = _same_host_pid(status)
+    if pid is not None and pid == os.getpid():
+        return None if runexit.own_status(Path(path)) is not None else "no run of this process writes it"
+    if pid is not None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its process (pid {pid}) is gone"
+        except OSError:
+            pass  # not ours to signal: it exists
+        fields = _proc_stat(pid)
+        if fields and fields[0] == "Z":
+            return f"its process (pid {pid}) has exited"
+        started = status.get("pid_started")
+        if isinstance(started, int) and (now := process_start_ticks(pid)) is not None and now != started:
+            return f"pid {pid} now names another process"
+    age = _age_s(status.get("updated_at"))
+    if status.get("heartbeat_s") is not None and age is not None and age > STALE_AFTER_S:
+        return f"it is stale (last rewritten {age / 60:.0f} minutes ago)"
+    return None
+
+
+def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` (as read from ``path``'s status.json) as it stands now.
+
+    A ``running`` status written by this process comes from the run itself (its file may lag, or be
+    unwritable); one that no longer holds (:func:`left_running_reason`) becomes :data:`LEFT_RUNNING`,
+    incomplete, with the step count of ``records.jsonl`` and a ``note`` saying why.
+    """
+    if status.get("status") != "running":
+        return status
+    path = Path(path)
+    if _same_host_pid(status) == os.getpid() and (own := runexit.own_status(path)) is not None:
+        return own
+    reason = left_running_reason(path, status)
+    if reason is None:
+        return status
+    return {**status, "status": LEFT_RUNNING, "complete": False,
+            "steps_completed": count_records(path / "records.jsonl"),
+            "note": f"status.json says running, but {reason}; steps counted from records.jsonl"}
+
+
+def _read_object(file: Path) -> dict[str, Any]:
+    data = json.loads(file.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def load(path: str | os.PathLike[str]) -> LoadedRun:
+    """Read a run folder written by :class:`~um_lab.runner.Run` (complete or not).
+
+    Raises :class:`NotARunFolderError` without a ``spec.json``, :class:`RunLogError` for a corrupt one.
+    A corrupt ``status.json``, ``policy.json``, ``model.json`` or ``environment.json`` is warned about
+    (:class:`RunLogWarning`, naming it) and read as missing: the state is then ``unknown``. The status
+    is read as it stands now (:func:`current_status`).
+    """
+    path = Path(path)
+    spec_file = path / "spec.json"
+    if not spec_file.is_file():
+        raise NotARunFolderError(f"{path} is not a um_lab run folder (no spec.json)")
+    try:
+        spec = RunSpec.from_dict(_read_object(spec_file))
+    except (ValueError, TypeError, OSError) as e:
+        raise RunLogError(f"{spec_file} is not a readable run spec ({type(e).__name__}: {e}); "
+                          "the run folder cannot be loaded") from None
+
+    def side(name: str, parse: Any = None) -> Any:
+        file = path / name
+        if not file.is_file():
+            return None
+        try:
+            data = _read_object(file)
+            return parse(data) if parse else data
+        except (ValueError, TypeError, OSError) as e:
+            warnings.warn(f"{file} cannot be read ({type(e).__name__}: {e}); read as missing",
+                          RunLogWarning, stacklevel=3)
+            return None
+
+    status = side("status.json")
+    if not status:
+        status = {"status": "unknown", "complete": False,
+                  "steps_completed": count_records(path / "records.jsonl"),
+                  "steps_planned": spec.warmup_steps + spec.steps,
+                  "note": "no readable status.json; steps counted from records.jsonl"}
+    return LoadedRun(
+        path=path,
+        spec=spec,
+        policy=side("policy.json", Policy.from_dict),
+        environment=side("environment.json") or {},
+        status=current_status(path, status),
+        model=side("model.json") or {},
+    )
