@@ -7,10 +7,12 @@
     um-lab calibrate --out calibration/my-gpu.json        # needs a CUDA GPU
     um-lab lab                                            # JupyterLab on notebooks/, 127.0.0.1, token on
     um-lab lab --allow-root -- --ServerApp.port=9999      # other arguments go to Jupyter as they are
-    um-lab show runs/<run folder>                         # a run's status and summary
+    um-lab show runs/<run folder>                         # a run's status and summary (or a comparison's table)
     um-lab models | um-lab policies                       # what can be named
 
 ``--backend auto`` (the default) picks cuda when a GPU is available, else sim; the choice is printed.
+A bare preset name always means the preset; a policy file is given with a path or a ``.json`` name and
+may not take a preset's name.
 Runs go to ``--out``, else ``$UM_LAB_RUNS_DIR``, else ``runs/`` in the current folder.
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import signal
 import sys
@@ -27,11 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from um_lab import labserver
+from um_lab.cli_args import (  # noqa: F401  (re-exported: importable from um_lab.cli)
+    SUMMARY_COLUMNS,
+    CliError,
+    check_out_dir,
+    format_table,
+    load_policy_arg,
+    parse_bytes,
+    parse_model_kwargs,
+    parse_ratio,
+    ratio_text,
+)
 from um_lab.errors import UmLabError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
-                   "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
 
 
 LAB_EPILOG = """\
@@ -45,68 +55,6 @@ Ctrl-C (or SIGTERM to um-lab) stops the Jupyter server it started, and its kerne
 """
 
 
-class CliError(UmLabError):
-    """A problem the user can fix; printed as ``um-lab: error: ...`` with exit status 2."""
-
-
-# -------------------------------------------------------------------------------------- parsing
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` -> 1500000000; plain numbers are bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (examples: 8GiB, 512MiB, 1.5GB, 1048576)")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
-    return value
-
-
-def parse_ratio(text: str) -> float | None:
-    """An oversubscription ratio (> 0), or ``none`` for the profile's card."""
-    if text.lower() in ("none", "-"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a ratio: {text!r} (a number > 0, or none)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"ratio must be > 0: {text!r}")
-    return value
-
-
-def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """``["width=1024", "n_layer=2"]`` -> ``{"width": 1024, "n_layer": 2}`` (JSON values, else text)."""
-    kwargs: dict[str, Any] = {}
-    for pair in pairs or ():
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise CliError(f"--model-kw expects KEY=VALUE, got {pair!r}")
-        try:
-            kwargs[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            kwargs[key.strip()] = raw
-    return kwargs
-
-
-def load_policy_arg(value: str) -> Any:
-    """A preset name, or a path to a policy JSON file."""
-    from um_lab.policy import Policy, get_policy
-
-    if value.endswith(".json") or Path(value).is_file():
-        path = Path(value)
-        if not path.is_file():
-            raise CliError(f"policy file {value!r} not found")
-        return Policy.load(path)
-    return get_policy(value)
-
-
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="cuda, sim or auto (cuda when available, else sim)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per run (default 20)")
@@ -115,7 +63,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-kw", action="append", metavar="KEY=VALUE",
                    help="a model size knob, repeatable (e.g. width=1024, seq_len=256, n_layer=2)")
     p.add_argument("--capacity", type=parse_bytes, default=None,
-                   help="simulated GPU capacity, e.g. 16GiB (sim only; default: the profile's card)")
+                   help="simulated GPU capacity, e.g. 16GiB or 1e9 (sim only; default: the profile's card)")
     p.add_argument("--profile", default=None,
                    help="simulator calibration profile: a packaged name (h200) or a profile JSON (sim only)")
     p.add_argument("--seed", type=int, default=0)
@@ -132,14 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run one model under one policy and log every step")
     p.add_argument("--model", default="mlp", help="zoo name (see `um-lab models`)")
-    p.add_argument("--policy", default="um-default", help="preset name or policy JSON file")
+    p.add_argument("--policy", default="um-default",
+                   help="preset name, or a policy JSON file given with a path or .json (./mine, mine.json)")
     p.add_argument("--ratio", type=parse_ratio, default=None, help="simulated oversubscription ratio")
     _add_run_options(p)
 
     p = sub.add_parser("compare", help="sweep models x policies x ratios; table, CSV/Parquet")
     p.add_argument("--models", nargs="+", default=["mlp"], help="zoo names")
     p.add_argument("--policies", nargs="+", default=["um-default", "gpu-first"],
-                   help="preset names or policy JSON files (um-default is added as the baseline)")
+                   help="preset names or policy JSON files given with a path or .json "
+                        "(um-default is added as the baseline)")
     p.add_argument("--ratios", nargs="+", type=parse_ratio, default=[None],
                    help="simulated oversubscription ratios (sim only); 'none' = the profile's card")
     p.add_argument("--csv", type=Path, help="write the table as CSV")
@@ -162,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="the server's port (default: Jupyter's, 8888)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
-    p = sub.add_parser("show", help="status and summary of a run folder")
+    p = sub.add_parser("show", help="status and summary of a run folder, or a comparison folder's table")
     p.add_argument("path", type=Path)
 
     sub.add_parser("models", help="list the model zoo and its size knobs")
@@ -197,11 +147,6 @@ def _backend_instance(resolved: str, profile: str | None) -> Any:
     return get_backend("sim", profile=profile)
 
 
-def _format_table(table: Any) -> str:
-    columns = [c for c in SUMMARY_COLUMNS if c in table.columns]
-    return table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}")
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """``um-lab run``."""
     from tqdm.auto import tqdm
@@ -210,11 +155,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from um_lab.types import RunSpec
 
     policy = load_policy_arg(args.policy)
-    backend = _backend_instance(_announce_backend(args.backend), args.profile)
+    check_out_dir(args.out)
+    resolved = _announce_backend(args.backend)
+    backend = _backend_instance(resolved, args.profile)
     spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
                    warmup_steps=args.warmup, batch_size=args.batch_size,
                    model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
                    oversubscription_ratio=args.ratio, seed=args.seed)
+    if (backend.name if backend is not None else resolved) == "sim":  # before the run folder is written
+        from um_lab.models import case_for_spec
+        from um_lab.sim.backend import check_batch_fits_host
+
+        check_batch_fits_host(case_for_spec(spec))
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")
@@ -239,16 +191,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _check_exports(args: argparse.Namespace) -> None:
+    from um_lab.sweep import check_export_path
+
     if args.parquet is not None and importlib.util.find_spec("pyarrow") is None:
         raise CliError("--parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
                        "or export with --csv instead")
     for path in (args.csv, args.parquet):
-        if path is None:
-            continue
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CliError(f"cannot write {path}: {e.strerror or e}") from None
+        if path is not None:
+            check_export_path(path)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -257,6 +207,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     _check_exports(args)  # before the sweep, not after it
     policies = [load_policy_arg(p) for p in args.policies]
+    check_out_dir(args.out)
     backend = _announce_backend(args.backend)
     instance = _backend_instance(backend, args.profile)
     table = compare(args.models, policies, args.ratios, backend=backend, backend_instance=instance,
@@ -265,7 +216,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                     model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
                     seed=args.seed, out_dir=args.out, progress=not args.no_progress,
                     keep_going=args.keep_going)
-    _say(_format_table(table))
+    _say(format_table(table))
     _say(f"runs: {table.attrs['sweep_dir']}")
     if args.csv is not None:
         table.to_csv(args.csv, index=False)
@@ -323,17 +274,46 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """``um-lab show``."""
+    """``um-lab show``: a run folder, or a comparison folder written by ``compare``."""
     from um_lab.runner import load
 
+    if not (args.path / "spec.json").is_file() and _is_sweep(args.path):
+        return _show_sweep(args.path)
     loaded = load(args.path)
     _say(f"{loaded.path}: {loaded.spec.model} under {loaded.spec.policy} on "
-         f"{loaded.environment.get('backend', '?')}, state {loaded.state}, "
-         f"{loaded.status.get('steps_completed', '?')}/{loaded.status.get('steps_planned', '?')} steps")
+         f"{loaded.environment.get('backend', '?')}, state {loaded.state}, {loaded.steps_text} steps")
     if loaded.status.get("error"):
         _say(f"error: {loaded.status['error']}")
     for key, value in loaded.summary().items():
         _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+    return EXIT_OK
+
+
+def _is_sweep(path: Path) -> bool:
+    return (path / "summary.csv").is_file() or (path.name.startswith("compare-") and path.is_dir())
+
+
+def _show_sweep(path: Path) -> int:
+    """A comparison folder: its table (summary.csv), or each run's state while none is written yet."""
+    import pandas as pd
+
+    from um_lab.runner import list_runs, load
+
+    runs = list_runs(path)
+    summary = path / "summary.csv"
+    if summary.is_file():
+        _say(f"{path}: comparison, {len(runs)} run folders")
+        _say(format_table(pd.read_csv(summary)))
+        return EXIT_OK
+    _say(f"{path}: comparison without summary.csv (running, or stopped before the end), "
+         f"{len(runs)} run folders")
+    for run_dir in runs:
+        loaded = load(run_dir)
+        median = loaded.summary().get("median_ms")
+        median_text = f", median {median:.3f} ms" if isinstance(median, float) and median == median else ""
+        _say(f"  {loaded.spec.model} under {loaded.spec.policy}, ratio "
+             f"{ratio_text(loaded.spec.oversubscription_ratio)}: {loaded.state}, {loaded.steps_text} steps"
+             f"{median_text}")
     return EXIT_OK
 
 

@@ -14,7 +14,45 @@ class PolicyError(UmLabError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):  # picklable (worker processes) despite the two-argument signature
+        return (type(self), (self.field, self.message))
+
+
+class InputError(UmLabError, ValueError):
+    """Bad input caught before any work: ``field`` names the argument, knob or field (None: unnamed)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.field))
+
+
+class ModelConfigError(InputError):
+    """A model name or size knob is invalid (unknown, wrongly typed, fixed by the name, inconsistent)."""
+
+
+class SpecError(InputError):
+    """A run specification or sizing argument is invalid (a RunSpec field, a ratio, a capacity)."""
+
+
+class HostMemoryRefused(UmLabError, MemoryError):
+    """The simulator's own arrays for this size would not fit in host memory; nothing was built."""
+
+    def __init__(self, needed: int, available: int, what: str) -> None:
+        self.needed, self.available, self.what = needed, available, what
+        super().__init__(
+            f"the simulator refused to build {what}: it needs about {_gib(needed)} ({needed} B) of host "
+            f"memory, more than the {_gib(available)} ({available} B) available here; it was not built. "
+            "Use a smaller batch or model (the simulated GPU capacity can shrink with it: a ratio is "
+            "relative to the footprint).")
+
+    def __reduce__(self):
+        return (type(self), (self.needed, self.available, self.what))
 
 
 class CudaUnavailableError(UmLabError, RuntimeError):

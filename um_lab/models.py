@@ -26,11 +26,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from um_lab.errors import ModelConfigError
+from um_lab.knobs import check_overrides, check_positive, check_transformer
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -79,7 +83,7 @@ def _require(module: str, model_name: str) -> Any:
 
 def mlp(width: int = 4096, depth: int = 8, batch_size: int = 256, classes: int = 10) -> ModelCase:
     """A GELU MLP: ``depth`` square layers of ``width`` and a classifier."""
-    _check_positive(width=width, depth=depth, batch_size=batch_size, classes=classes)
+    check_positive(width=width, depth=depth, batch_size=batch_size, classes=classes)
 
     def build() -> nn.Module:
         layers: list[nn.Module] = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
@@ -107,8 +111,8 @@ def _image_batch(batch_size: int, image_size: int, classes: int) -> Callable[[to
 def resnet(depth: int = 50, batch_size: int = 128, image_size: int = 224, classes: int = 1000) -> ModelCase:
     """torchvision ResNet-18/34/50/101/152 from its constructor (random weights)."""
     if depth not in (18, 34, 50, 101, 152):
-        raise ValueError(f"ResNet depth must be one of 18, 34, 50, 101, 152; got {depth}")
-    _check_positive(batch_size=batch_size, image_size=image_size, classes=classes)
+        raise ModelConfigError(f"ResNet depth must be one of 18, 34, 50, 101, 152; got {depth!r}", "depth")
+    check_positive(batch_size=batch_size, image_size=image_size, classes=classes)
     name = f"resnet{depth}"
 
     def build() -> nn.Module:
@@ -131,14 +135,16 @@ def vit(size: str = "b16", batch_size: int = 64, image_size: int = 224, classes:
     """torchvision Vision Transformer (ViT-B/16 by default); ``overrides`` change ``patch_size``,
     ``num_layers``, ``num_heads``, ``hidden_dim`` or ``mlp_dim`` (the width knob)."""
     if size not in VIT_SIZES:
-        raise ValueError(f"ViT size must be one of {', '.join(VIT_SIZES)}; got {size!r}")
+        raise ModelConfigError(f"ViT size must be one of {', '.join(VIT_SIZES)}; got {size!r}", "size")
     unknown = sorted(set(overrides) - set(VIT_SIZES[size]))
     if unknown:
-        raise ValueError(f"unknown ViT knob(s) {unknown}; valid: {', '.join(VIT_SIZES[size])}")
+        raise ModelConfigError(f"unknown ViT knob(s) {unknown}; valid: {', '.join(VIT_SIZES[size])}",
+                               unknown[0])
     config = {**VIT_SIZES[size], **overrides}
-    _check_positive(batch_size=batch_size, image_size=image_size, classes=classes, **config)
+    check_positive(batch_size=batch_size, image_size=image_size, classes=classes, **config)
     if image_size % config["patch_size"]:
-        raise ValueError(f"image_size {image_size} must be a multiple of patch_size {config['patch_size']}")
+        raise ModelConfigError(f"image_size {image_size} must be a multiple of patch_size {config['patch_size']}",
+                               "image_size")
     name = f"vit-{size}"
 
     def build() -> nn.Module:
@@ -152,16 +158,6 @@ def vit(size: str = "b16", batch_size: int = 64, image_size: int = 224, classes:
 
 
 # ----------------------------------------------------------------------------------- transformers
-
-
-def _config_fields(config_cls: type) -> set[str]:
-    return {p for p in inspect.signature(config_cls.__init__).parameters if p not in ("self", "kwargs")}
-
-
-def _check_overrides(config_cls: type, overrides: Mapping[str, Any], model_name: str) -> None:
-    unknown = sorted(set(overrides) - _config_fields(config_cls))
-    if unknown:
-        raise ValueError(f"unknown {config_cls.__name__} field(s) {unknown} for model {model_name!r}")
 
 
 GPT2_SIZES = {
@@ -192,16 +188,17 @@ def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overr
     ``gpt2("small", 2, 32, n_layer=2, n_embd=64, n_head=2, vocab_size=1000)`` is a tiny test model.
     """
     if size not in GPT2_SIZES:
-        raise ValueError(f"GPT-2 size must be one of {', '.join(GPT2_SIZES)}; got {size!r}")
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
+        raise ModelConfigError(f"GPT-2 size must be one of {', '.join(GPT2_SIZES)}; got {size!r}", "size")
+    check_positive(batch_size=batch_size, seq_len=seq_len)
     name = f"gpt2-{size}"
-    vocab = int(overrides.get("vocab_size", 50257))
+    if overrides:
+        check_overrides(_require("transformers", name).GPT2Config, overrides, name)
+    vocab = overrides.get("vocab_size", 50257)
     config = {"vocab_size": vocab, "n_positions": max(1024, seq_len), **GPT2_SIZES[size], **overrides}
+    check_transformer(config, seq_len, name, "n_layer", "n_embd", "n_head", "n_positions")
     if vocab <= 50256:  # a small test vocabulary: keep the special tokens inside it
         config.setdefault("bos_token_id", vocab - 1)
         config.setdefault("eos_token_id", vocab - 1)
-    if overrides:
-        _check_overrides(_require("transformers", name).GPT2Config, overrides, name)
 
     def build() -> nn.Module:
         transformers = _require("transformers", name)  # lazy
@@ -226,14 +223,16 @@ def bert(size: str = "base", batch_size: int = 16, seq_len: int = 512, **overrid
     ``overrides`` are BertConfig fields (``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ...).
     """
     if size not in BERT_SIZES:
-        raise ValueError(f"BERT size must be one of {', '.join(BERT_SIZES)}; got {size!r}")
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
+        raise ModelConfigError(f"BERT size must be one of {', '.join(BERT_SIZES)}; got {size!r}", "size")
+    check_positive(batch_size=batch_size, seq_len=seq_len)
     name = f"bert-{size}"
-    vocab = int(overrides.get("vocab_size", 30522))
+    if overrides:
+        check_overrides(_require("transformers", name).BertConfig, overrides, name)
+    vocab = overrides.get("vocab_size", 30522)
     config = {"vocab_size": vocab, "max_position_embeddings": max(512, seq_len), **BERT_SIZES[size],
               **overrides}
-    if overrides:
-        _check_overrides(_require("transformers", name).BertConfig, overrides, name)
+    check_transformer(config, seq_len, name, "num_hidden_layers", "hidden_size", "num_attention_heads",
+                       "max_position_embeddings")
 
     def build() -> nn.Module:
         transformers = _require("transformers", name)
@@ -329,26 +328,40 @@ _ZOO_BASE = {"mlp": mlp, "resnet18": resnet, "resnet34": resnet, "resnet50": res
              "gpt2-small": gpt2, "gpt2-medium": gpt2, "gpt2-large": gpt2, "gpt2-xl": gpt2,
              "bert-base": bert, "bert-large": bert}
 _FIXED_BY_NAME = {resnet: {"depth"}, vit: {"size"}, gpt2: {"size"}, bert: {"size"}}  # set by the name
+_ZOO_DEFAULT = dict(ZOO)  #: the built-in entries (a name replaced by register() is not checked as one)
 
 
 def register(name: str, factory: Callable[..., ModelCase], replace: bool = False) -> None:
     """Add ``factory(**knobs) -> ModelCase`` to the zoo under ``name`` (runs and the CLI can name it)."""
     if name in ZOO and not replace:
-        raise ValueError(f"model {name!r} is already in the zoo (pass replace=True to replace it)")
+        raise ModelConfigError(f"model {name!r} is already in the zoo (pass replace=True to replace it)")
     ZOO[name] = factory
 
 
 def get_model(name: str, **kwargs: Any) -> ModelCase:
-    """The zoo entry ``name`` with size knobs; unknown names list the valid ones."""
-    if name not in ZOO:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(ZOO)}")
+    """The zoo entry ``name`` with size knobs; unknown names list the valid ones.
+
+    Bad knobs (unknown, wrongly typed, fixed by the name like ``resnet50``'s depth) raise
+    :class:`~um_lab.errors.ModelConfigError` naming the knob; nothing is built.
+    """
+    if not isinstance(name, str) or name not in ZOO:
+        raise ModelConfigError(f"unknown model {name!r}; valid: {', '.join(ZOO)}")
+    base = _ZOO_BASE.get(name) if ZOO[name] is _ZOO_DEFAULT.get(name) else None
+    fixed = sorted(set(kwargs) & _FIXED_BY_NAME.get(base, set()))
+    if fixed:
+        family = [n for n, b in _ZOO_BASE.items() if b is base and n != name]
+        raise ModelConfigError(f"model {name!r}: {fixed[0]} is set by the model's name and cannot be a knob; "
+                               f"name another model instead ({', '.join(family)})", fixed[0])
     try:
         return ZOO[name](**kwargs)
     except TypeError as e:
-        if "unexpected keyword argument" not in str(e):
+        text = str(e)
+        if "unexpected keyword argument" not in text and "multiple values for" not in text:
             raise
         knobs = describe_models().get(name, "")
-        raise ValueError(f"model {name!r}: {e.args[0].split(': ', 1)[-1]}; its knobs: {knobs}") from None
+        knob = re.search(r"argument '(\w+)'", text)
+        raise ModelConfigError(f"model {name!r}: {e.args[0].split(': ', 1)[-1]}; its knobs: {knobs}",
+                               knob.group(1) if knob else None) from None
 
 
 def describe_models() -> dict[str, str]:
@@ -370,9 +383,3 @@ def case_for_spec(spec: Any) -> ModelCase:
     if spec.batch_size is not None:
         kwargs["batch_size"] = spec.batch_size
     return get_model(spec.model, **kwargs)
-
-
-def _check_positive(**values: Any) -> None:
-    for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")

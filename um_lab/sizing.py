@@ -9,12 +9,15 @@ estimate is above the safety cap (:class:`SizeRefused`). Import them from here.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from um_lab.errors import OversubscriptionRefused
+from um_lab.errors import OversubscriptionRefused, SpecError
 from um_lab.models import Batch, ModelCase, get_model
 
 
@@ -205,11 +208,13 @@ def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "ba
 
     Example: ``size_for_ratio("mlp", 80 * 2**30, 1.5, knob="batch_size", width=8192)``.
     """
-
-    if capacity_bytes <= 0 or not ratio > 0:
-        raise ValueError("capacity_bytes and ratio must be > 0")
+    capacity_bytes = _whole_bytes("capacity_bytes", capacity_bytes)
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio) or ratio <= 0:
+        raise SpecError(f"ratio must be a finite number > 0, got {ratio!r}", "ratio")
+    if isinstance(max_value, bool) or not isinstance(max_value, numbers.Integral) or max_value < 1:
+        raise SpecError(f"max_value must be a positive integer, got {max_value!r}", "max_value")
     if knob in fixed:
-        raise ValueError(f"{knob!r} is the knob being searched; do not fix it")
+        raise SpecError(f"{knob!r} is the knob being searched; do not fix it", knob)
     target = ratio * capacity_bytes
     cache: dict[int, MemoryEstimate] = {}
 
@@ -226,9 +231,10 @@ def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "ba
         high = min(max(2, guess), max_value)
         while total(high) < target:
             if high >= max_value:
-                raise ValueError(
+                raise SpecError(
                     f"{name}: {knob}={max_value} is still below {ratio} x {format_bytes(capacity_bytes)} "
-                    f"(estimate {format_bytes(total(max_value))}); fix a larger size or raise max_value")
+                    f"(estimate {format_bytes(total(max_value))}); fix a larger size or raise max_value",
+                    knob)
             low, high = high, min(2 * high, max_value)
         while low + 1 < high:  # invariant: total(low) < target <= total(high), or low == 1
             mid = (low + high) // 2
@@ -262,3 +268,44 @@ def check_fits(estimate: MemoryEstimate, cap_bytes: int | None) -> MemoryEstimat
     if cap_bytes is not None and estimate.total_bytes > cap_bytes:
         raise SizeRefused(estimate.total_bytes, cap_bytes, estimate.describe())
     return estimate
+
+
+def _whole_bytes(name: str, value: Any) -> int:
+    """``value`` as a positive whole number of bytes (``1e9`` is accepted), else :class:`SpecError`."""
+    whole = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
+    if isinstance(value, bool) or not whole or value <= 0:
+        raise SpecError(f"{name} must be a whole number of bytes > 0, got {value!r}", name)
+    return int(value)
+
+
+def available_host_bytes() -> int | None:
+    """Host memory this process can still use: the smaller of the system's available memory (psutil,
+    else ``/proc/meminfo``'s MemAvailable, else free pages) and a cgroup v2 limit's headroom; None if
+    unknown."""
+    found: list[int] = []
+    try:
+        import psutil
+
+        found.append(int(psutil.virtual_memory().available))
+    except Exception:  # not installed, or no /proc: the fallbacks
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+        except (OSError, ValueError, IndexError):
+            pass
+        if not found:
+            try:
+                found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            except (ValueError, OSError, AttributeError):
+                pass
+    try:  # a cgroup v2 limit (containers): its headroom over anonymous memory (file cache is reclaimable)
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.stat", encoding="ascii") as f:
+                stat = dict(line.split()[:2] for line in f if line.strip())
+            found.append(max(0, int(limit) - int(stat["anon"])))
+    except (OSError, ValueError, KeyError):
+        pass
+    return min(found) if found else None

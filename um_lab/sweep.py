@@ -5,18 +5,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from um_lab.backend import Backend, cuda_available, get_backend, resolve_backend_name
-from um_lab.errors import CudaUnavailableError
-from um_lab.models import ModelCase
-from um_lab.policy import Policy, get_policy
-from um_lab.runlog import check_writable, prepare_run_dir, resolve_out_dir, timestamp
+from um_lab.errors import CudaUnavailableError, ModelConfigError, PolicyError
+from um_lab.models import ModelCase, case_for_spec
+from um_lab.policy import Policy, get_policy, presets
+from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.summary import summarize, with_speedup
 from um_lab.types import RunSpec
 
@@ -40,12 +42,52 @@ def _normalise_models(models: ModelsArg, model_kwargs: Mapping[str, Any] | None)
         if isinstance(model, ModelCase):
             items.append((model.name, model))
         elif model not in ZOO:
-            raise ValueError(f"unknown model {model!r}; valid: {', '.join(ZOO)}")
+            raise ModelConfigError(f"unknown model {model!r}; valid: {', '.join(ZOO)}")
         else:
             items.append((model, kwargs))
     if not items:
-        raise ValueError("compare() needs at least one model")
+        raise ModelConfigError("compare() needs at least one model")
     return items
+
+
+def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[Policy]:
+    """The policies, the baseline first when missing; a policy may not reuse a preset's name with other
+    advice (it would stand in for the preset, the baseline included) nor share a name with another."""
+    objs: list[Policy] = []
+    for policy in [get_policy(p) for p in policies]:
+        preset = presets.get(policy.name)
+        if preset is not None and policy.advice != preset.advice:
+            role = " (the baseline)" if policy.name == baseline else ""
+            raise PolicyError("name", f"policy {policy.name!r} reuses the name of a preset{role} with other "
+                                      f"advice; rename it (e.g. 'my-{policy.name}')")
+        same = [p for p in objs if p.name == policy.name]
+        if same and same[0].advice != policy.advice:
+            raise PolicyError("name", f"two different policies are named {policy.name!r}; rename one")
+        if not same:
+            objs.append(policy)
+    if baseline not in [p.name for p in objs]:
+        objs.insert(0, get_policy(baseline))
+    return objs
+
+
+def check_export_path(path: str | os.PathLike[str]) -> Path:
+    """Raise :class:`~um_lab.runlog.RunDirError` unless a table can be written to ``path`` (a file, its
+    folder created if needed; an existing file is left as it is): checked before the first run."""
+    path = Path(path)
+    if path.is_dir():
+        raise RunDirError(f"cannot write the table to {path}: it is a folder; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with open(path, "a"):
+                pass
+        else:
+            with open(path, "x"):
+                pass
+            path.unlink()
+    except OSError as e:
+        raise RunDirError(f"cannot write the table to {path} ({e.strerror or e}). Nothing was run.") from None
+    return path
 
 
 def compare(
@@ -77,7 +119,10 @@ def compare(
     ``$UM_LAB_RUNS_DIR``, else ``runs/``), with ``summary.csv``.
     ``progress=True`` shows a tqdm bar (or pass a tqdm-like object with ``update``/``set_postfix_str``).
     ``keep_going=True`` records a failed run as a row (status ``failed``, or ``refused`` when it could not
-    start, with ``error``) and goes on.
+    start, with ``error``) and goes on. Bad input is checked before the first run: model names, run specs
+    and policies (one reusing a preset's name with other advice) raise; a model's knobs, and on the
+    simulator an input batch larger than the host memory available, raise too unless ``keep_going``
+    (then that model's runs are recorded as refused or failed).
     ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
     ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
     ranking_flips: the run's place among its cell's policies changes inside the band).
@@ -87,9 +132,7 @@ def compare(
     from um_lab.runner import Run  # runner imports sizing and the backends: only when comparing
 
     model_items = _normalise_models(models, model_kwargs)
-    policy_objs = [get_policy(p) for p in policies]
-    if baseline not in [p.name for p in policy_objs]:
-        policy_objs.insert(0, get_policy(baseline))
+    policy_objs = _checked_policies(policies, baseline)
     ratio_list = list(ratios) or [None]
     backend_name = backend_instance.name if backend_instance is not None else resolve_backend_name(backend)
     if backend_name == "cuda" and any(r is not None for r in ratio_list):
@@ -99,10 +142,19 @@ def compare(
         raise ValueError("uncertainty bands are the simulator's (profile constants' ranges): use backend='sim'")
     if backend_name == "cuda" and backend_instance is None and not cuda_available():
         raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
-    out_dir = check_writable(resolve_out_dir(out_dir))
-    sweep_dir = prepare_run_dir(out_dir, f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
-    shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
     spec_backend = backend_name if backend_name in ("cuda", "sim") else backend
+    specs = {(label, ratio): RunSpec(model=label, policy=baseline, backend=spec_backend, steps=steps,
+                                     warmup_steps=warmup_steps, batch_size=batch_size,
+                                     model_kwargs=dict(model) if isinstance(model, dict) else {},
+                                     capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
+             for label, model in model_items for ratio in ratio_list}
+    _check_cases(model_items, specs, backend_name, keep_going)
+    out = resolve_out_dir(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"cannot write runs under {out}: it already exists and is a file, not a folder; "
+                          "choose a folder for the runs (CLI: --out DIR). Nothing was run.")
+    sweep_dir = prepare_run_dir(check_writable(out), f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
+    shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
 
     total = len(model_items) * len(policy_objs) * len(ratio_list)
     bar = _progress_bar(progress, total)
@@ -113,10 +165,7 @@ def compare(
                 for policy in policy_objs:
                     if bar is not None:
                         bar.set_postfix_str(f"{label} {policy.name} ratio={ratio}")
-                    kwargs = dict(model) if isinstance(model, dict) else {}
-                    spec = RunSpec(model=label, policy=policy.name, backend=spec_backend, steps=steps,
-                                   warmup_steps=warmup_steps, batch_size=batch_size, model_kwargs=kwargs,
-                                   capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
+                    spec = dataclasses.replace(specs[(label, ratio)], policy=policy.name)
                     case = model if isinstance(model, ModelCase) else None
                     row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
                                            "backend": backend_name}
@@ -158,6 +207,23 @@ def compare(
     table.to_csv(sweep_dir / "summary.csv", index=False)
     table.attrs["sweep_dir"] = str(sweep_dir)
     return table
+
+
+def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, Any], RunSpec],
+                 backend_name: str, keep_going: bool) -> None:
+    """Every model's knobs (and, on the simulator, its input batch against host memory) before any run;
+    with ``keep_going`` a bad model is left to its runs, which record why they could not run."""
+    for label, model in model_items:
+        spec = next(s for (name, _), s in specs.items() if name == label)
+        try:
+            case = model if isinstance(model, ModelCase) else case_for_spec(spec)
+            if backend_name == "sim":
+                from um_lab.sim.backend import check_batch_fits_host
+
+                check_batch_fits_host(case)
+        except Exception:
+            if not keep_going:
+                raise
 
 
 def _progress_bar(progress: bool | Any, total: int) -> Any:

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
+
+from um_lab.errors import SpecError
 
 
 class DataType(enum.StrEnum):
@@ -64,16 +67,34 @@ class RunSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("model", "policy", "backend"):
+            if not isinstance(getattr(self, name), str):
+                raise SpecError(f"{name} must be a name (str), got {getattr(self, name)!r}", name)
+        _check_int(self, "steps", 1)
+        _check_int(self, "warmup_steps", 0)
+        _check_int(self, "seed", None)
+        if self.batch_size is not None:
+            _check_int(self, "batch_size", 1)
         if self.backend not in ("cuda", "sim", "auto"):
-            raise ValueError(f"unknown backend {self.backend!r}; valid: cuda, sim, auto")
-        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
-        if self.oversubscription_ratio is not None and not self.oversubscription_ratio > 0:
-            raise ValueError(f"oversubscription_ratio must be > 0, got {self.oversubscription_ratio}")
+            raise SpecError(f"unknown backend {self.backend!r}; valid: cuda, sim, auto", "backend")
+        if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
+            raise SpecError(f"model_kwargs must be a dict of knob names to values, got {self.model_kwargs!r}",
+                            "model_kwargs")
+        cap = self.capacity_bytes
+        if cap is not None:
+            whole = isinstance(cap, numbers.Integral) or (
+                isinstance(cap, numbers.Real) and math.isfinite(cap) and float(cap).is_integer())
+            if isinstance(cap, bool) or not whole or cap <= 0:
+                raise SpecError(f"capacity_bytes must be > 0 and a whole number of bytes, got {cap!r}",
+                                "capacity_bytes")
+            object.__setattr__(self, "capacity_bytes", int(cap))
+        ratio = self.oversubscription_ratio
+        if ratio is not None:
+            if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio)
+                    or not ratio > 0):
+                raise SpecError(f"oversubscription_ratio must be > 0 and finite, got {ratio!r}",
+                                "oversubscription_ratio")
+            object.__setattr__(self, "oversubscription_ratio", float(ratio))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -83,12 +104,22 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        """Inverse of :meth:`to_dict`; unknown keys raise :class:`~um_lab.errors.SpecError`."""
         known = {f.name for f in dataclasses.fields(cls)}
         extra = set(data) - known
         if extra:
-            raise ValueError(f"unknown RunSpec fields: {sorted(extra)}")
+            raise SpecError(f"unknown RunSpec fields: {sorted(extra)}")
         return cls(**dict(data))
+
+
+def _check_int(spec: RunSpec, name: str, minimum: int | None) -> None:
+    """Raise :class:`SpecError` unless ``spec.<name>`` is an integer (>= ``minimum``)."""
+    value = getattr(spec, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SpecError(f"{name} must be an integer, got {value!r}", name)
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{name} must be >= {minimum}, got {value}", name)
+    object.__setattr__(spec, name, int(value))
 
 
 @dataclasses.dataclass

@@ -16,8 +16,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
-from um_lab.errors import PolicyError
+from um_lab.errors import HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, get_policy
 from um_lab.sim.access import OpBlocks, expand, page_mask
@@ -25,8 +26,9 @@ from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile
 from um_lab.sim.roofline import op_host_us, op_times_us
 from um_lab.sim.stepper import readmostly_write_us, run_step
-from um_lab.sim.trace import StepTrace, cached_trace
+from um_lab.sim.trace import StepTrace, cached_trace, case_key
 from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
+from um_lab.sizing import available_host_bytes
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 
@@ -62,13 +64,22 @@ class SimBackend:
         self._lock = threading.Lock()
 
     def prepare(self, case: ModelCase) -> PreparedCase:
-        """Trace, place and expand ``case`` (cached per model configuration)."""
-        trace = cached_trace(case)
+        """Trace, place and expand ``case`` (cached per model configuration).
+
+        A size whose arrays would not fit in host memory raises :class:`HostMemoryRefused` before they
+        are built: the batch (the trace makes it for real) before tracing, the per-op block accesses and
+        the driver model's state (which grow with the step's traffic) after tracing, before placement.
+        """
         with self._lock:
-            hit = self._prepared.get(trace.key)
+            hit = self._prepared.get(case_key(case))
         if hit is not None:
             return hit
+        check_batch_fits_host(case)
+        trace = cached_trace(case)
+        check_host_memory(host_bytes_to_simulate(trace), f"the simulation of {case.name}")
         placement = place(trace)
+        check_host_memory(host_bytes_to_simulate(trace, len(placement.layouts), placement.final.n_blocks),
+                          f"the simulation of {case.name}")
         p = self.profile
         blocks = [expand(trace, layout, p) for layout in placement.layouts]
         prepared = PreparedCase(trace, placement, blocks, op_times_us(trace, self.profile),
@@ -80,20 +91,22 @@ class SimBackend:
     def capacity_for(self, spec: RunSpec, footprint: int) -> int:
         """Simulated GPU capacity: ``capacity_bytes``, else footprint / ratio, else the profile's card."""
         if spec.capacity_bytes is not None and spec.oversubscription_ratio is not None:
-            raise ValueError("give capacity_bytes or oversubscription_ratio, not both")
+            raise SpecError("give capacity_bytes or oversubscription_ratio, not both", "capacity_bytes")
         if spec.capacity_bytes is not None:
             if spec.capacity_bytes <= 0:
-                raise ValueError(f"capacity_bytes must be > 0, got {spec.capacity_bytes}")
+                raise SpecError(f"capacity_bytes must be > 0, got {spec.capacity_bytes}", "capacity_bytes")
             cap = int(spec.capacity_bytes)
         elif spec.oversubscription_ratio is not None:
             ratio = float(spec.oversubscription_ratio)
             if not ratio > 0 or not np.isfinite(ratio):
-                raise ValueError(f"oversubscription_ratio must be a positive number, got {ratio}")
+                raise SpecError(f"oversubscription_ratio must be a positive number, got {ratio}",
+                                "oversubscription_ratio")
             cap = int(footprint / ratio)
         else:
             cap = int(self.profile.gpu_memory_bytes)
         if cap < BLOCK:
-            raise ValueError(f"simulated GPU capacity {cap} B is below one 2 MiB chunk; use a smaller ratio")
+            raise SpecError(f"simulated GPU capacity {cap} B is below one 2 MiB chunk; use a smaller ratio",
+                            "oversubscription_ratio" if spec.oversubscription_ratio is not None else "capacity_bytes")
         return cap
 
     def run(self, spec: RunSpec, case: ModelCase,
@@ -152,6 +165,49 @@ class SimBackend:
                                  prepared.host_us)
                 last = (digest, li, stats)
             yield _record(step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
+
+
+#: Host bytes per (access, 2 MiB block) entry of :func:`~um_lab.sim.access.expand`: kept per layout, and
+#: the extra while one layout is expanded (measured with tracemalloc: 40 and 113 B on GPT-2)
+ENTRY_KEPT_BYTES, ENTRY_EXPAND_BYTES = 40, 120
+#: Host bytes per simulated 2 MiB VA block: the driver model's state (26 B) and a step's temporaries
+BLOCK_STATE_BYTES = 64
+
+
+def batch_bytes(case: ModelCase) -> int | None:
+    """Bytes of ``case``'s input batch, built on the meta device (None: its factory needs real tensors)."""
+    try:
+        with torch.device("meta"):
+            batch = case.make_batch(torch.Generator())
+        if not all(t.is_meta for t in batch):
+            return None
+        return sum(t.numel() * t.element_size() for t in batch)
+    except Exception:  # a user's batch factory that cannot run on meta: not checked before tracing
+        return None
+
+
+def host_bytes_to_simulate(trace: StepTrace, layouts: int = 1, n_blocks: int | None = None) -> int:
+    """Host bytes the simulator needs for ``trace`` beyond the trace itself: the per-op block accesses of
+    ``layouts`` replayed steps (an upper bound on their entries: each access's 2 MiB blocks) and the
+    driver model's per-block state (``n_blocks``, default: the trace's peak bytes in 2 MiB blocks)."""
+    entries = int(((trace.acc_hi - trace.acc_lo + BLOCK - 1) // BLOCK + 1).sum())
+    blocks = n_blocks if n_blocks is not None else -(-trace.peak_bytes() // BLOCK)
+    return entries * (ENTRY_KEPT_BYTES * layouts + ENTRY_EXPAND_BYTES) + blocks * BLOCK_STATE_BYTES
+
+
+def check_batch_fits_host(case: ModelCase) -> None:
+    """Refuse (:class:`HostMemoryRefused`) a case whose input batch, which the trace makes for real, is
+    larger than the host memory available; cheap (the batch is sized on the meta device)."""
+    needed = batch_bytes(case)
+    if needed is not None:
+        check_host_memory(needed, f"the input batch of {case.name} (the trace makes it for real)")
+
+
+def check_host_memory(needed: int, what: str) -> None:
+    """Raise :class:`HostMemoryRefused` when ``needed`` bytes exceed the host memory available now."""
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        raise HostMemoryRefused(int(needed), int(available), what)
 
 
 def _as_policy(policy: Policy | str | Mapping[str, Any]) -> Policy:

@@ -1,0 +1,129 @@
+"""Parsing and checking ``um-lab``'s arguments before anything runs (used by :mod:`um_lab.cli`).
+
+Sizes (``8GiB``, ``1e9``), ratios (``1.5``, ``none``), ``--model-kw KEY=VALUE``, ``--policy`` (a preset
+name always means the preset; a policy file is given with a path or a ``.json`` name and may not take a
+preset's name), the runs folder, and how a comparison table is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from um_lab.errors import UmLabError
+
+SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
+                   "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
+
+
+class CliError(UmLabError):
+    """A problem the user can fix; printed as ``um-lab: error: ...`` with exit status 2."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` and ``"1.5e9"`` -> 1500000000; plain numbers are bytes."""
+    match = _SIZE.fullmatch(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (examples: 8GiB, 512MiB, 1.5GB, 1e9, 1048576)")
+    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"size too large: {text!r}")
+    value = int(number)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
+    return value
+
+
+def parse_ratio(text: str) -> float | None:
+    """An oversubscription ratio (a finite number > 0), or ``none`` for the profile's card."""
+    if text.lower() in ("none", "-"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a ratio: {text!r} (a number > 0, or none)") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"ratio must be a finite number > 0 (or none): {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"ratio must be > 0: {text!r}")
+    return value
+
+
+def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``["width=1024", "n_layer=2"]`` -> ``{"width": 1024, "n_layer": 2}`` (JSON values, else text)."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"--model-kw expects KEY=VALUE, got {pair!r}")
+        try:
+            kwargs[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            kwargs[key.strip()] = raw
+    return kwargs
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.endswith(".json") or any(sep and sep in value for sep in (os.sep, os.altsep, "/"))
+
+
+def load_policy_arg(value: str) -> Any:
+    """A preset name (always the preset, whatever files the folder holds), or a policy JSON file given
+    with a path (``./mine``) or a ``.json`` name. A file may not take a preset's name."""
+    from um_lab.policy import Policy, get_policy, presets
+
+    if value in presets:
+        return presets[value]
+    if not _looks_like_path(value):
+        if Path(value).is_file():
+            raise CliError(f"{value!r} is not a preset; to use the policy file of that name, give it with "
+                           f"a path: ./{value}")
+        return get_policy(value)  # unknown preset: the error lists the valid ones
+    path = Path(value)
+    if not path.is_file():
+        raise CliError(f"policy file {value!r} not found")
+    policy = Policy.load(path)
+    if policy.name in presets:
+        raise CliError(f"policy file {value} is named {policy.name!r}, the name of a preset: a file may not "
+                       f"stand in for a preset. Rename it (its \"name\" field, e.g. \"my-{policy.name}\")")
+    return policy
+
+
+def check_out_dir(out: str | None) -> None:
+    """Refuse a runs folder that exists as a regular file (before anything is written)."""
+    from um_lab.runlog import resolve_out_dir
+
+    path = resolve_out_dir(out)
+    if path.exists() and not path.is_dir():
+        flag = "--out" if out is not None else "the runs folder"
+        raise CliError(f"{flag} {path} already exists and is a file, not a folder; give a folder for the "
+                       "run logs (--out DIR)")
+
+
+def ratio_text(value: Any) -> str:
+    """A table's ratio cell: ``none`` for the profile's card (None or NaN), else the number."""
+    try:
+        missing = value is None or math.isnan(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+    return "none" if missing else f"{float(value):g}"
+
+
+def format_table(table: Any) -> str:
+    """A comparison table as text: the summary columns, ratios as numbers or ``none``."""
+    shown = table[[c for c in SUMMARY_COLUMNS if c in table.columns]].copy()
+    if "ratio" in shown.columns:
+        shown["ratio"] = [ratio_text(v) for v in shown["ratio"]]
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.3f}")
