@@ -2,8 +2,8 @@
 
 import time
 
-from um_lab.runlog import LoadedRun
-from um_lab.runner import Run, load
+from um_lab.runner import Run
+from um_lab.runread import LoadedRun, load
 from um_lab.types import RunSpec
 
 

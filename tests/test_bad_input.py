@@ -20,11 +20,13 @@ from test_runner import FakeBackend
 import um_lab.sim.backend
 import um_lab.sizing
 import um_lab.sweep
-from um_lab.cli import main, parse_bytes, parse_ratio
+from um_lab.cli import main
+from um_lab.cli_args import parse_bytes, parse_ratio
 from um_lab.errors import HostMemoryRefused, ModelConfigError, PolicyError, SpecError, UmLabError
 from um_lab.models import get_model
 from um_lab.policy import Advice, Policy, presets
-from um_lab.runner import list_runs, load
+from um_lab.runlog import list_runs
+from um_lab.runread import load
 from um_lab.sim import SimBackend
 from um_lab.sim.backend import batch_bytes, host_bytes_to_simulate
 from um_lab.sim.trace import cached_trace

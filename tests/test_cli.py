@@ -17,8 +17,10 @@ from test_runner import FakeBackend
 import um_lab.runner
 import um_lab.sweep
 from um_lab import cli, labserver
-from um_lab.cli import main, parse_bytes, parse_model_kwargs, parse_ratio
-from um_lab.runner import list_runs, load
+from um_lab.cli import main
+from um_lab.cli_args import parse_bytes, parse_model_kwargs, parse_ratio
+from um_lab.runlog import list_runs
+from um_lab.runread import load
 
 TINY = ["--model-kw", "width=16", "--model-kw", "depth=1", "--batch-size", "4"]
 REPO = Path(__file__).resolve().parent.parent

@@ -60,7 +60,8 @@ def test_loaded_run_html_shows_what_ran_and_a_rounded_summary(tmp_path):
 def test_failed_run_html_shows_its_error(tmp_path):
     with pytest.raises(RuntimeError):
         run(spec(steps=5, warmup_steps=0), out_dir=tmp_path, backend=FakeBackend(fail_at=2))
-    from um_lab.runner import list_runs, load
+    from um_lab.runlog import list_runs
+    from um_lab.runread import load
 
     page = load(list_runs(tmp_path)[0])._repr_html_()
     assert "failed, 2/5 steps" in page and "error: RuntimeError: fake backend exploded" in page

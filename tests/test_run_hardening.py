@@ -27,17 +27,9 @@ from um_lab.cli import main
 from um_lab.errors import UmLabError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy
-from um_lab.runner import (
-    NotARunFolderError,
-    Run,
-    RunDirError,
-    RunLogError,
-    RunLogWarning,
-    RunNameError,
-    list_runs,
-    load,
-    run,
-)
+from um_lab.runlog import RunDirError, RunNameError, list_runs
+from um_lab.runner import Run, run
+from um_lab.runread import NotARunFolderError, RunLogError, RunLogWarning, load
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 REPO = Path(__file__).resolve().parent.parent

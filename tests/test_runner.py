@@ -22,17 +22,10 @@ from run_helpers import stop_in_background
 
 from um_lab.models import ModelCase, custom, mlp
 from um_lab.policy import Policy
-from um_lab.runner import (
-    LoadedRun,
-    Run,
-    RunDirError,
-    RunStateError,
-    iter_records,
-    list_runs,
-    load,
-    run,
-    summarize,
-)
+from um_lab.runlog import RunDirError, list_runs
+from um_lab.runner import Run, RunStateError, run
+from um_lab.runread import LoadedRun, iter_records, load
+from um_lab.summary import summarize
 from um_lab.sweep import compare
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 

@@ -5,13 +5,17 @@ Core library; no UI imports. See README.md for the tour.
 
 from um_lab.errors import (
     CudaUnavailableError,
+    HostMemoryRefused,
+    InputError,
+    ModelConfigError,
     OversubscriptionRefused,
     PolicyError,
     SessionStateError,
+    SpecError,
     UmLabError,
     UnsupportedDeviceError,
 )
-from um_lab.policy import Advice, Policy, get_policy, presets
+from um_lab.policy import Advice, Location, Policy, Prefetch, Processor, get_policy, presets
 from um_lab.types import DATA_TYPES, PAPER_GROUPS, DataType, RunSpec, StepRecord
 
 __version__ = "0.1.0"
@@ -37,16 +41,40 @@ class _SourceWidgetsFinder:
 if not any(isinstance(f, _SourceWidgetsFinder) for f in __import__("sys").meta_path):
     __import__("sys").meta_path.append(_SourceWidgetsFinder())  # after the normal finders: installs win
 
+#: Names importable from ``um_lab`` whose modules load only when first used (torch models, the
+#: simulator, the real backend): ``name -> module``.
+_LAZY = {
+    "run": "um_lab.runner", "Run": "um_lab.runner", "RunStateError": "um_lab.runner",
+    "compare": "um_lab.sweep",
+    "load": "um_lab.runread", "LoadedRun": "um_lab.runread", "RunLogError": "um_lab.runread",
+    "NotARunFolderError": "um_lab.runread",
+    "RunDirError": "um_lab.runlog", "RunNameError": "um_lab.runlog", "list_runs": "um_lab.runlog",
+    "get_model": "um_lab.models", "custom": "um_lab.models", "ModelCase": "um_lab.models",
+    "SimBackend": "um_lab.sim.backend",
+    "Session": "um_lab.cuda.session",
+    "SizeRefused": "um_lab.sizing",
+}
+
 __all__ = [
-    "Advice", "CudaUnavailableError", "DATA_TYPES", "DataType", "OversubscriptionRefused", "PAPER_GROUPS",
-    "Policy", "PolicyError", "RunSpec", "Session", "SessionStateError", "StepRecord", "UmLabError",
-    "UnsupportedDeviceError", "get_policy", "presets",
+    "DATA_TYPES", "PAPER_GROUPS", "Advice", "CudaUnavailableError", "DataType", "HostMemoryRefused", "InputError",
+    "LoadedRun", "Location", "ModelCase", "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused",
+    "Policy", "PolicyError", "Prefetch", "Processor", "Run", "RunDirError", "RunLogError", "RunNameError",
+    "RunSpec", "RunStateError", "Session", "SessionStateError", "SimBackend", "SizeRefused", "SpecError",
+    "StepRecord", "UmLabError", "UnsupportedDeviceError", "compare", "custom", "get_model", "get_policy",
+    "list_runs", "load", "presets", "run",
 ]
 
 
 def __getattr__(name: str):
-    if name == "Session":  # the real backend; importing it needs no GPU
-        from um_lab.cuda.session import Session
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'um_lab' has no attribute {name!r}")
+    import importlib
 
-        return Session
-    raise AttributeError(f"module 'um_lab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

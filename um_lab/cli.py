@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from um_lab import labserver
-from um_lab.cli_args import (  # noqa: F401  (re-exported: importable from um_lab.cli)
-    SUMMARY_COLUMNS,
+from um_lab.cli_args import (
     CliError,
     check_out_dir,
     format_table,
@@ -129,7 +128,7 @@ def _say(text: str = "") -> None:
 
 def _announce_backend(requested: str) -> str:
     from um_lab.backend import resolve_backend_name
-    from um_lab.runner import backend_note
+    from um_lab.runlog import backend_note
 
     resolved = resolve_backend_name(requested)
     _say(f"backend: {backend_note(requested, resolved)}")
@@ -275,7 +274,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """``um-lab show``: a run folder, or a comparison folder written by ``compare``."""
-    from um_lab.runner import load
+    from um_lab.runread import load
 
     if not (args.path / "spec.json").is_file() and _is_sweep(args.path):
         return _show_sweep(args.path)
@@ -297,7 +296,8 @@ def _show_sweep(path: Path) -> int:
     """A comparison folder: its table (summary.csv), or each run's state while none is written yet."""
     import pandas as pd
 
-    from um_lab.runner import list_runs, load
+    from um_lab.runlog import list_runs
+    from um_lab.runread import load
 
     runs = list_runs(path)
     summary = path / "summary.csv"

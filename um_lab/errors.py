@@ -83,13 +83,14 @@ class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
     Nothing was allocated: the cap is checked before CUDA is called.
     """
 
-    def __init__(self, requested: int, live: int, cap: int, data_type: str | None = None) -> None:
+    def __init__(self, requested: int, live: int, cap: int, data_type: str | None = None,
+                 message: str | None = None) -> None:
         self.requested = requested
         self.live = live
         self.cap = cap
         self.data_type = data_type
         kind = f" for {data_type}" if data_type else ""
-        super().__init__(
+        super().__init__(message or
             f"um_lab refused a managed segment{kind}: requested {requested} B ({_gib(requested)}), "
             f"live {live} B ({_gib(live)}), cap {cap} B ({_gib(cap)}). Nothing was allocated. "
             "The cap keeps managed memory below the GPU's free memory; asking for more can hang a "

@@ -7,8 +7,8 @@ Each run writes a folder: ``spec.json`` (the :class:`RunSpec`), ``policy.json``,
 ``stopped``, ``interrupted`` or ``failed``). A run that crashed keeps every completed step and is
 never marked complete. Warm-up steps are recorded (``warmup: true``) and left out of summaries.
 
-Writing a folder is :class:`um_lab.runner.Run`'s job; :func:`load`, :func:`list_runs` and
-:func:`iter_records` read them back (all re-exported here and by :mod:`um_lab.runner`).
+Writing a folder is :class:`um_lab.runner.Run`'s job; :func:`list_runs` lists them and
+:mod:`um_lab.runread` (``load``, ``iter_records``) reads them back.
 """
 
 from __future__ import annotations
@@ -32,18 +32,9 @@ import numpy as np
 
 from um_lab.backend import Backend
 from um_lab.errors import UmLabError
-from um_lab.runread import (  # noqa: F401  (the reading side, re-exported: importable from here as before)
-    LEFT_RUNNING,
-    STALE_AFTER_S,
-    LoadedRun,
-    NotARunFolderError,
-    RunLogError,
+from um_lab.runread import (
     RunLogWarning,
     count_records,
-    current_status,
-    iter_records,
-    left_running_reason,
-    load,
     process_start_ticks,
 )
 from um_lab.types import RunSpec, StepRecord
@@ -309,6 +300,8 @@ class RunFolderWriter:
         with self._io_lock:
             if self._sealed:
                 return True
+            if self.status != "complete":  # a signal between a record's write and its count: trust the file
+                self.steps_completed = max(self.steps_completed, count_records(self.path / "records.jsonl"))
             try:
                 self._write_status()
             except OSError as e:

@@ -2,7 +2,8 @@
 
 ::
 
-    from um_lab.runner import Run, run, load
+    from um_lab.runner import Run, run
+    from um_lab.runread import load
     from um_lab.sweep import compare
     result = run(RunSpec(model="mlp", policy="gpu-first", backend="sim", steps=50))
     result.summary()["median_ms"]
@@ -12,7 +13,7 @@
 This module runs the steps (:class:`Run`, :func:`run`, the cuda pre-flight). The run folder's layout
 is in :mod:`um_lab.runlog`, reading it back in :mod:`um_lab.runread`, what SIGTERM and interpreter exit
 do to a run in :mod:`um_lab.runexit`, summaries in :mod:`um_lab.summary`, and policy sweeps in
-:mod:`um_lab.sweep` (``compare``); the run-folder and summary names are re-exported here.
+:mod:`um_lab.sweep` (``compare``). The main names are also importable from :mod:`um_lab` itself.
 """
 
 from __future__ import annotations
@@ -33,27 +34,13 @@ from um_lab.errors import CudaUnavailableError, UmLabError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy
 from um_lab.runexit import RunInterrupted
-from um_lab.runlog import (  # noqa: F401  (re-exported: importable from um_lab.runner)
-    DEFAULT_OUT_DIR,
-    FILES,
-    HEARTBEAT_S,
-    LEFT_RUNNING,
-    LoadedRun,
-    NotARunFolderError,
+from um_lab.runlog import (
     RunDirError,
     RunFolderWriter,
-    RunLogError,
-    RunLogWarning,
-    RunNameError,
     backend_note,
     check_run_name,
-    check_writable,
-    default_out_dir,
     environment_info,
-    iter_records,
     jsonable,
-    list_runs,
-    load,
     now_iso,
     prepare_run_dir,
     resolve_out_dir,
@@ -61,8 +48,9 @@ from um_lab.runlog import (  # noqa: F401  (re-exported: importable from um_lab.
     timestamp,
     write_json,
 )
+from um_lab.runread import LoadedRun, RunLogWarning, iter_records, load
 from um_lab.sizing import check_fits, estimate_memory
-from um_lab.summary import records_frame, summarize  # noqa: F401  (re-exported)
+from um_lab.summary import summarize
 from um_lab.types import RunSpec, StepRecord
 
 

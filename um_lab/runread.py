@@ -1,6 +1,6 @@
 """Reading run folders back: records, status, and whether a ``running`` run still runs.
 
-Split from :mod:`um_lab.runlog` (the folder's layout and writing it), which re-exports every name here.
+Writing the folder is :mod:`um_lab.runlog`'s job.
 Reading is forgiving where the data allows it: a bad line in ``records.jsonl`` is skipped with one
 :class:`RunLogWarning` naming the file and line; a corrupt ``status.json`` (or other side file) is
 warned about and read as missing; only a corrupt ``spec.json`` raises (:class:`RunLogError`). A run

@@ -247,14 +247,13 @@ class SizeRefused(OversubscriptionRefused):
     """The model's estimated memory does not fit under the safety cap; nothing was allocated."""
 
     def __init__(self, estimate_bytes: int, cap: int, detail: str = "") -> None:
-        self.requested, self.live, self.cap, self.data_type = estimate_bytes, 0, cap, None
         self.detail = detail
-        Exception.__init__(
-            self,
-            f"um_lab refused to start the run: the estimated memory {format_bytes(estimate_bytes)} "
-            f"({estimate_bytes} B) does not fit under the safety cap {format_bytes(cap)} ({cap} B). "
-            f"Estimate: {detail}. Nothing was allocated. Use a smaller model or batch, or study "
-            "oversubscription in the simulator (backend='sim').")
+        super().__init__(
+            estimate_bytes, 0, cap, None,
+            message=f"um_lab refused to start the run: the estimated memory {format_bytes(estimate_bytes)} "
+                    f"({estimate_bytes} B) does not fit under the safety cap {format_bytes(cap)} ({cap} B). "
+                    f"Estimate: {detail}. Nothing was allocated. Use a smaller model or batch, or study "
+                    "oversubscription in the simulator (backend='sim').")
 
     def __reduce__(self):
         return (type(self), (self.requested, self.cap, self.detail))

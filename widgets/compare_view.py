@@ -24,7 +24,8 @@ from um_lab.backend import resolve_backend_name
 from um_lab.errors import UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import presets
-from um_lab.runlog import default_out_dir, load
+from um_lab.runlog import default_out_dir
+from um_lab.runread import load
 from um_lab.summary import readable_table
 from um_lab.sweep import BASELINE_POLICY, compare
 from um_lab.widgets._waiting import wait_for

@@ -20,8 +20,9 @@ from typing import Any
 from um_lab.backend import cuda_available, get_backend
 from um_lab.errors import CudaUnavailableError
 from um_lab.policy import Policy
-from um_lab.runlog import LoadedRun, default_out_dir, iter_records
+from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
+from um_lab.runread import LoadedRun, iter_records
 from um_lab.types import RunSpec, StepRecord
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid

@@ -13,7 +13,9 @@ import pytest
 import torch
 from run_helpers import stop_in_background
 
-from um_lab.runner import Run, list_runs, load, run
+from um_lab.runlog import list_runs
+from um_lab.runner import Run, run
+from um_lab.runread import load
 from um_lab.sizing import SizeRefused
 from um_lab.sweep import compare
 from um_lab.types import RunSpec

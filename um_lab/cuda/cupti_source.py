@@ -20,9 +20,10 @@ import threading
 from typing import Any, Protocol
 
 from um_lab.cuda.residency import KINDS, Kind, Record
+from um_lab.errors import UmLabError
 
 
-class TelemetryUnavailable(RuntimeError):
+class TelemetryUnavailable(UmLabError, RuntimeError):
     """CUPTI cannot deliver unified-memory counters here; the message says why."""
 
 
