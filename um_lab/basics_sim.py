@@ -4,6 +4,7 @@ model did (faults, migrations, remote bytes, evictions) and where the data is af
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +115,7 @@ def sim_read_mostly(nbytes: int) -> list[dict[str, Any]]:
     for case, advice in (("no advice", NO_ADVICE), ("read_mostly", Advice(read_mostly=True))):
         b = SimBuffer(nbytes, advice)
         rows += [b.step(case, "GPU read 1", b.gpu_pass), b.step(case, "GPU read 2", b.gpu_pass),
-                 b.step(case, "GPU write", lambda b=b: b.gpu_pass(write=True))]
+                 b.step(case, "GPU write", functools.partial(b.gpu_pass, write=True))]
     return rows
 
 

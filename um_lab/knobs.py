@@ -22,7 +22,7 @@ def check_positive(**values: Any) -> None:
 
 
 def _config_params(config_cls: type) -> dict[str, inspect.Parameter]:
-    return {p.name: p for p in inspect.signature(config_cls.__init__).parameters.values()
+    return {p.name: p for p in inspect.signature(config_cls).parameters.values()
             if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 

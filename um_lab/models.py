@@ -174,7 +174,7 @@ def _with_causal_lm_loss(model: nn.Module) -> nn.Module:
     unrecognized" (a red box in notebooks). It computes the causal-LM loss either way; saying so silences
     that one message and nothing else."""
     if getattr(model, "loss_type", "") is None:  # transformers 5.x reads the model's attribute
-        model.loss_type = "ForCausalLM"
+        setattr(model, "loss_type", "ForCausalLM")  # noqa: B010 - not a declared nn.Module attribute
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "loss_type", None) is None:  # some versions read the config's
         config.loss_type = "ForCausalLM"
@@ -323,11 +323,13 @@ ZOO: dict[str, Callable[..., ModelCase]] = {
     "bert-large": lambda **kw: bert("large", **kw),
 }
 
-_ZOO_BASE = {"mlp": mlp, "resnet18": resnet, "resnet34": resnet, "resnet50": resnet, "resnet101": resnet,
-             "resnet152": resnet, "vit-b16": vit, "vit-l16": vit,
-             "gpt2-small": gpt2, "gpt2-medium": gpt2, "gpt2-large": gpt2, "gpt2-xl": gpt2,
-             "bert-base": bert, "bert-large": bert}
-_FIXED_BY_NAME = {resnet: {"depth"}, vit: {"size"}, gpt2: {"size"}, bert: {"size"}}  # set by the name
+_ZOO_BASE: dict[str, Callable[..., ModelCase]] = {
+    "mlp": mlp, "resnet18": resnet, "resnet34": resnet, "resnet50": resnet, "resnet101": resnet,
+    "resnet152": resnet, "vit-b16": vit, "vit-l16": vit, "gpt2-small": gpt2, "gpt2-medium": gpt2,
+    "gpt2-large": gpt2, "gpt2-xl": gpt2, "bert-base": bert, "bert-large": bert,
+}
+_FIXED_BY_NAME: dict[Callable[..., ModelCase] | None, set[str]] = {
+    resnet: {"depth"}, vit: {"size"}, gpt2: {"size"}, bert: {"size"}}  # set by the name
 _ZOO_DEFAULT = dict(ZOO)  #: the built-in entries (a name replaced by register() is not checked as one)
 
 

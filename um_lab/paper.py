@@ -121,8 +121,8 @@ class PaperMapping:
         """The :class:`Policy` (``Policy.from_paper_groups``); all ``none`` is the ``um-default`` preset."""
         if self.options == ("none", "none", "none") and name is None:
             return presets[BASELINE]
-        return Policy.from_paper_groups(name or f"paper: {self.name}", *(OPTIONS[o] for o in self.options),
-                                        description=description)
+        params, acts, inputs = (OPTIONS[o] for o in self.options)
+        return Policy.from_paper_groups(name or f"paper: {self.name}", params, acts, inputs, description=description)
 
     def to_dict(self) -> dict[str, str]:
         """``{group: option}``, as the JSON and :data:`PRESET_PROVENANCE` store it."""

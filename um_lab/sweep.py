@@ -34,6 +34,7 @@ def _normalise_models(models: ModelsArg, model_kwargs: Mapping[str, Any] | None)
     if isinstance(models, (str, ModelCase)):
         models = [models]
     items: list[tuple[str, Any]] = []
+    pairs: list[tuple[Any, dict[str, Any] | None]]
     if isinstance(models, Mapping):
         pairs = [(name, dict(kw)) for name, kw in models.items()]
     else:
@@ -190,7 +191,7 @@ def compare(
                         from um_lab.sim.band import band_ms
 
                         row["band_fast_ms"], row["band_slow_ms"] = band_ms(
-                            spec, active.case, policy, shared_backend.profile,
+                            spec, active.case, policy, getattr(shared_backend, "profile"),  # noqa: B009 (sim only)
                             getattr(shared_backend, "prefetch_stream", "compute"))
                     rows.append({**row, **active.summary(), "status": active.status,
                                  "run_dir": str(active.path)})

@@ -153,7 +153,7 @@ class Lab:
         self.progress.max, self.progress.value, self.progress.bar_style = total, 0, ""
         self.dashboard.attach(active)
         if self.pace.value > 0:
-            active.add_listener(lambda _record: self._stop.wait(float(self.pace.value)))
+            active.add_listener(self._pace_step)
         self.state = "running"
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._say(f"running {spec.model} under {self.policy.name} on {active.backend_note}: 0/{total} steps")
@@ -163,6 +163,10 @@ class Lab:
             self.wait(timeout)
         return active
 
+
+    def _pace_step(self, _record: object) -> None:
+        """Wait the pace slider's seconds after a step (the stop button cuts the wait short)."""
+        self._stop.wait(float(self.pace.value))
     def stop(self) -> None:
         """End the run after the step in progress (its completed steps stay on disk)."""
         if self.active is None or self.active.done:

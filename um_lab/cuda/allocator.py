@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import importlib
 import threading
 import warnings
 from collections.abc import Iterator
@@ -132,7 +133,7 @@ def reset_entries(device: int, codes: AdviceCodes) -> list[tuple[int, int, int]]
 
 def _shim() -> Any:
     try:
-        from um_lab.cuda import _shim
+        _shim = importlib.import_module("um_lab.cuda._shim")  # the compiled extension (no stub)
     except ImportError as e:  # pragma: no cover - a broken install
         raise ImportError(
             f"um_lab's compiled allocation shim is missing ({e}); reinstall with `pip install -e .`"

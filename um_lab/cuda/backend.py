@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -44,11 +45,11 @@ class CudaBackend:
             for i in range(spec.warmup_steps + spec.steps):
                 inputs = lab.inputs(*batch)
                 inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-                record = lab.step(lambda inputs=inputs: case.loss_fn(model, *inputs), optimizer)
+                record = lab.step(functools.partial(case.loss_fn, model, *inputs), optimizer)
                 record.warmup = i < spec.warmup_steps
                 record.step = i
                 del inputs
                 yield record
         finally:
-            model = optimizer = inputs = None  # noqa: F841 - drop the managed tensors before closing
+            model = optimizer = inputs = None  # type: ignore[assignment]  # noqa: F841 - drop the managed tensors first
             lab.close()

@@ -83,9 +83,12 @@ RESIDENCY_KINDS = frozenset({Kind.BYTES_TRANSFER_HTOD, Kind.BYTES_TRANSFER_DTOH,
 class SegmentLike(Protocol):
     """What the tracker needs of a segment (:class:`um_lab.cuda.allocator.Segment` fits)."""
 
-    ptr: int
-    size: int
-    data_type: DataType
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def data_type(self) -> DataType: ...
 
 
 @dataclasses.dataclass

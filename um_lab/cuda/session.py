@@ -120,6 +120,8 @@ class Session:
             self.device = torch.device("cpu")
             free, total = self._device_memory or (64 << 30, 80 << 30)
             source = self._source or SegmentSource()
+            if self._runtime is None:
+                raise SessionStateError("a fake pool API needs a fake runtime too (_runtime=...)")
             runtime = self._runtime
         else:
             from um_lab.cuda import driver
@@ -304,7 +306,7 @@ class Session:
         for module in self._modules:
             if any(p.grad is None for p in module.parameters() if p.requires_grad):
                 self._ensure_grads(module)  # the caller set gradients to None: re-create them in place
-        if self._real and threading.get_ident() not in self._warm_threads:
+        if self._real and self.device is not None and threading.get_ident() not in self._warm_threads:
             _warm_up_outside_pools(self.device)  # cuBLAS handles are per thread
             self._warm_threads.add(threading.get_ident())
         timer = _StepTimer(self.device)

@@ -108,8 +108,7 @@ def corner_profiles(profile: str | Path | Profile = "h200",
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
             raise ValueError(f"range of {name} must be 0 < low <= high, got ({lo}, {hi})")
         fast[name], slow[name] = (hi, lo) if name in FASTER_WHEN_LARGER else (lo, hi)
-    return (dataclasses.replace(prof, name=f"{prof.name}-fast", **fast),
-            dataclasses.replace(prof, name=f"{prof.name}-slow", **slow))
+    return (prof.replace(name=f"{prof.name}-fast", **fast), prof.replace(name=f"{prof.name}-slow", **slow))
 
 
 _BACKENDS: dict[tuple[str, str], Any] = {}

@@ -18,7 +18,7 @@ made by :func:`build_h200_profile` from the H200 probe (2026-11-30).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -77,7 +77,7 @@ def profile_from_bandwidths(bw: Mapping[str, float], base: Profile | None = None
     if "resident_read_GBps" in bw:
         values["hbm_GBps"] = 0.85 * bw["resident_read_GBps"]  # elementwise kernels read and write
     values.update(fields)
-    return dataclasses.replace(base, **values)
+    return base.replace(**values)
 
 
 def _policy(p: str | Mapping[str, Any] | Policy) -> Policy:
@@ -117,6 +117,10 @@ def _log_err(sim: float, measured: float) -> float:
     return math.log(sim / measured) ** 2
 
 
+def _loss_at(loss: Callable[[Profile], float], profile: Profile, field: str, value: float) -> float:
+    return loss(profile.replace(**{field: value}))
+
+
 def fit_roofline(profile: Profile, targets: Iterable[Mapping[str, Any]], rounds: int = 6) -> Profile:
     """Fit the GEMM, attention and convolution peaks to resident (um-default) step times.
 
@@ -143,8 +147,8 @@ def fit_roofline(profile: Profile, targets: Iterable[Mapping[str, Any]], rounds:
     fields += [("conv_tflops", 5.0, 2000.0)] if has_conv else []
     for _ in range(rounds):
         for name, lo, hi in fields:
-            best = _golden(lambda v, n=name, p=profile: loss(dataclasses.replace(p, **{n: v})), lo, hi)
-            profile = dataclasses.replace(profile, **{name: best})
+            best = _golden(functools.partial(_loss_at, loss, profile, name), lo, hi)
+            profile = profile.replace(**{name: best})
     return profile
 
 
@@ -156,10 +160,10 @@ def fit_field(profile: Profile, targets: Iterable[Mapping[str, Any]], field: str
         return profile
 
     def loss(v: float) -> float:
-        p = dataclasses.replace(profile, **{field: v})
+        p = profile.replace(**{field: v})
         return sum(_log_err(simulate_ms(p, t), float(t["ms"])) for t in targets)
 
-    return dataclasses.replace(profile, **{field: _golden(loss, lo, hi, iters)})
+    return profile.replace(**{field: _golden(loss, lo, hi, iters)})
 
 
 def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS,
@@ -217,7 +221,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
         from um_lab.sim.conv_act import ACT_REMOTE, fit_conv_tile
 
         conv_fields, conv_provenance = fit_conv_tile(json.loads(Path(conv_path).read_text()), profile, ACT_REMOTE)
-        profile = dataclasses.replace(profile, source=profile.source + f"; convolution tile from "
+        profile = profile.replace(source=profile.source + f"; convolution tile from "
                                       f"{Path(conv_path).name} (bench/conv_in_step.py)", **conv_fields)
         provenance.update(conv_provenance)
     if out is not None:

@@ -11,7 +11,6 @@ the simulated op times of each filter kind match the measured ones in geometric 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Mapping
@@ -132,7 +131,7 @@ def fit_conv_tile(data: Mapping[str, Any], profile: Profile, policy: Policy,
 
     def at(tiles: dict[str, float]) -> dict[str, list[dict[str, Any]]]:
         fields = {TILE_FIELDS[k]: v for k, v in tiles.items()}
-        samples = conv_samples(data["rows"], dataclasses.replace(profile, **fields), policy)
+        samples = conv_samples(data["rows"], profile.replace(**fields), policy)
         by_kind = {k: [s for s in samples if s["kind"] == k] for k in TILE_FIELDS}
         if not all(by_kind.values()):
             raise ValueError("the fit needs act-remote rows with k x k and 1x1 convolution times")

@@ -75,12 +75,11 @@ class CudaKernelChoices(TorchFunctionMode):
 
 def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [lo, hi) of ``t`` inside its storage."""
-    item = t.element_size()
+    item = int(t.element_size())
+    lo = int(t.storage_offset()) * item
     if t.numel() == 0:
-        lo = t.storage_offset() * item
         return lo, lo
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
-    lo = t.storage_offset() * item
+    span = 1 + sum((int(s) - 1) * abs(int(st)) for s, st in zip(t.shape, t.stride(), strict=True))
     return lo, lo + span * item
 
 

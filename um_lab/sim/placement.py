@@ -54,7 +54,7 @@ class CachingPool:
         self.segments: list[tuple[int, int]] = []
         self.blocks: dict[int, list[int]] = {}  # start -> [size, segment id, free]
         self.free_by_end: dict[int, int] = {}
-        self.free_sorted = {True: [], False: []}  # is_small -> sorted [(size, start)]
+        self.free_sorted: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # is_small -> [(size, start)]
         self._seg_small: list[bool] = []
 
     @property

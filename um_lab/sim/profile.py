@@ -75,6 +75,10 @@ class Profile:
     prefetch_host_sync: float = 1.0
     readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
 
+    def replace(self, **changes: Any) -> Profile:
+        """A copy with ``changes`` (field name -> value) applied; an unknown field raises ``TypeError``."""
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with a format version."""
         return {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}

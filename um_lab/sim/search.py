@@ -380,7 +380,9 @@ def search_policy(model: str, ratio: float | None = None, capacity: int | None =
     recipe = _Recipe(prof, (model, knobs), steps, warmup_steps)
     _build_workloads(recipe)
     target, probe = (backend.prepare(case) for backend, case in (_WORKLOADS["target"], _WORKLOADS["probe"]))
-    cap = capacity if capacity is not None else int(target.footprint_bytes / ratio)
+    if capacity is None and ratio is None:  # _check refuses this; said again for the type checker
+        raise SearchError("give a ratio or a capacity")
+    cap = capacity if capacity is not None else int(target.footprint_bytes / float(ratio))  # type: ignore[arg-type]
     if cap < BLOCK:
         raise SearchError(f"ratio {ratio} leaves {cap} B of GPU capacity: less than one 2 MiB chunk")
     ratio = target.footprint_bytes / cap

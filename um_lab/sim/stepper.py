@@ -91,7 +91,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
             ready = float(model.arrival[b].max())
             if ready > start:
                 start = ready
-        if any_rm:
+        if rm_block is not None:
             sel = rm_block[b]
             if sel.any():
                 model.invalidate_host_copies(b[sel], wmk[p0:p1][sel])
@@ -115,7 +115,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
 def readmostly_write_us(trace: StepTrace, ob: OpBlocks, block_type: np.ndarray, advice: AdviceTable,
                         profile: Profile) -> np.ndarray:
     """Per-op cost of kernel writes to read_mostly data (one fault per 4 KiB page; copies excluded)."""
-    out = np.zeros(trace.n_ops)
+    out: np.ndarray = np.zeros(trace.n_ops)
     if not advice.read_mostly.any() or len(ob.block) == 0:
         return out
     entry_op = np.repeat(np.arange(trace.n_ops), np.diff(ob.ptr))
