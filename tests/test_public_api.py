@@ -39,3 +39,10 @@ def test_errors_um_lab_raises_on_purpose_share_the_base_class():
         value = getattr(um_lab, name)
         if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, UmLabError), name
+
+
+def test_the_real_backend_path_never_imports_cupy():
+    code = ("import sys, um_lab.cuda.session, um_lab.cuda.backend, um_lab.cuda.allocator, um_lab.cuda.telemetry; "
+            "print('cupy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

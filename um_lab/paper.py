@@ -55,7 +55,7 @@ OPTIONS: dict[str, Advice] = {
 _COMMON = ("none", "prefer-gpu", "pin-gpu", "pin-gpu+prefetch", "prefetch", "zero-copy")
 #: The options tried for each paper group. read_mostly only for input data: parameters, gradients,
 #: optimizer state and intermediate results are written every step, and each write to read-mostly
-#: data collapses every duplicate (measured on the H200: 100-1,500x slower on parameters; DESIGN.md).
+#: data collapses every duplicate (measured on the H200: 100-1,500x slower on parameters; calibration/h200-probe.json).
 GROUP_OPTIONS: dict[str, tuple[str, ...]] = {
     "model parameters": _COMMON,
     "intermediate results": _COMMON,

@@ -126,7 +126,8 @@ def fit_primitives(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str,
         cold = [r.get("warmup_GBps") for r in d2h if r.get("warmup_GBps")]
         note = ("prefetch GPU->host of GPU-resident pages, fresh and reused, median; eviction is not measured "
                 "(nothing is oversubscribed here) and uses this rate. The first GPU->host move after a machine "
-                "starts ran at 3.65-5.4 GB/s (DESIGN.md's probe): a first use of host memory, not a steady rate")
+                "starts ran at 3.65-5.4 GB/s (calibration/h200-probe.json and bench/uvm_primitives.py): a first use of "
+                "host memory, not a steady rate")
         why["prefetch_d2h_GBps"] = why["evict_d2h_GBps"] = {"from": note, "range": [3.65, span[1]],
                                                              "steady_range": span, "warm_up_min": min(cold or span)}
     if h2d:

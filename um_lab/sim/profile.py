@@ -1,7 +1,8 @@
 """Machine profiles: the constants of the simulator's roofline and Unified Memory driver model.
 
 A profile is a JSON file. The packaged ``profiles/h200.json`` was built from measurements on an NVIDIA
-H200 (PCIe Gen5 host link), recorded in the project's ``calibration/h200-probe.json`` (2026-11-30);
+H200 (PCIe Gen5 host link), recorded in ``calibration/h200-probe.json`` (2026-11-30), the primitives of
+``bench/uvm_primitives.py`` and the convolutions of ``bench/conv_in_step.py``;
 see :mod:`um_lab.sim.calibration` for how the constants are derived and fitted.
 """
 
@@ -18,9 +19,13 @@ FORMAT_VERSION = 2
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """Constants of one GPU + host link. Bandwidths in GB/s (1e9 B/s), times in microseconds."""
+    """Constants of one GPU + host link. Bandwidths in GB/s (1e9 B/s), times in microseconds.
 
-    name: str = "h200"
+    ``Profile()`` holds starting values (an H200-sized card with round numbers), not a calibrated
+    machine: :func:`load_profile` (``"h200"``) gives the measured one.
+    """
+
+    name: str = "defaults"
     source: str = ""
     gpu_memory_bytes: int = 150_109_880_320  #: the card's memory (default simulated capacity)
     # compute roofline

@@ -5,7 +5,7 @@ big pages with a valid copy on each side (both set = read-duplicated), ``mig_tim
 when data last migrated in (eviction is least-recently-*migrated-in*, advice ignored), and the GPU
 holds at most ``capacity_chunks`` 2 MiB root chunks (a block with any GPU page holds one).
 
-A GPU access to a page without a GPU copy is decided in the driver's order (DESIGN.md):
+A GPU access to a page without a GPU copy is decided in the order of the open nvidia-uvm driver:
 
 1. ``accessed_by`` includes the GPU and the page lives on the host: the GPU keeps a mapping (also
    after eviction), so it reads/writes remotely, without a fault or a migration.
@@ -34,7 +34,7 @@ migrated-in is first-in-first-out, and hits do not refresh a chunk. Two conseque
   every step, whatever the deficit. GPT-2-medium bs 8 x 1024 under ``um-default`` migrates its whole
   34.4 GiB footprint each step and takes 6.10 s from 1.05x to 1.5x (LRU would move less at 1.05x).
 
-Here a block goes to the back of the queue whenever pages migrate into it; DESIGN.md reads the driver as
+Here a block goes to the back of the queue whenever pages migrate into it; the driver source reads as
 moving a root chunk only when its block first becomes resident. That stricter rule makes the anomalies
 larger on small models (ResNet-18 bs 8 at 64 px, um-default: 69.9 ms at 1.55x, 31.9 ms at 1.6x).
 Two more departures: blocks that eviction skips because the current op uses them also go to the back of
