@@ -23,6 +23,7 @@ import pytest
 
 import um_lab.runlog
 from um_lab import runexit
+from um_lab.backend import BackendBase
 from um_lab.cli import main
 from um_lab.errors import UmLabError
 from um_lab.models import ModelCase
@@ -37,7 +38,7 @@ SIM_MLP = {"width": 256, "depth": 2, "batch_size": 64}
 TINY = {"width": 16, "depth": 1, "batch_size": 4}
 
 
-class InstantBackend:
+class InstantBackend(BackendBase):
     """Yields valid records at once (``delay_s`` apart); counts how often it is asked to run."""
 
     name = "sim"

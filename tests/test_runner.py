@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 from run_helpers import stop_in_background
 
+from um_lab.backend import BackendBase
 from um_lab.models import ModelCase, custom, mlp
 from um_lab.policy import Policy
 from um_lab.runlog import RunDirError, list_runs
@@ -35,10 +36,11 @@ TINY_MLP = {"width": 16, "depth": 1, "batch_size": 4}
 FAKE_MS = {"um-default": 10.0, "gpu-first": 5.0, "zero-copy-params": 40.0}
 
 
-class FakeBackend:
+class FakeBackend(BackendBase):
     """Yields deterministic records instantly; counts generator closes; can fail or block on demand."""
 
     name = "sim"
+    simulates_capacity = True  # its step times scale with spec.oversubscription_ratio
 
     def __init__(self, fail_at: int | None = None, step_delay_s: float = 0.0,
                  gate: threading.Event | None = None) -> None:
@@ -361,13 +363,19 @@ def test_compare_progress_bar_counts_runs(tmp_path):
 
 
 def test_cuda_preflight_refuses_a_size_above_the_cap_before_running(tmp_path):
-    from um_lab.runner import preflight_cuda
+    from um_lab.cuda.backend import CudaBackend
     from um_lab.sizing import SizeRefused
 
-    class CappedCuda(FakeBackend):
-        name = "cuda"
-        cap_bytes = 1024  # far below any model
-        allow_oversubscription = False
+    class CappedCuda(CudaBackend):
+        """The real backend's pre-flight with a fixed cap; never runs a step."""
+
+        def __init__(self) -> None:
+            super().__init__(cap_bytes=1024)  # far below any model
+            self.calls: list[RunSpec] = []
+
+        def run(self, spec, case, policy):
+            self.calls.append(spec)
+            return iter(())
 
     backend = CappedCuda()
     with pytest.raises(ValueError, match="simulated"):
@@ -376,10 +384,10 @@ def test_cuda_preflight_refuses_a_size_above_the_cap_before_running(tmp_path):
         Run(spec(backend="cuda"), out_dir=tmp_path, backend=backend)
     assert backend.calls == [] and list(tmp_path.iterdir()) == []
     backend.cap_bytes = 10 * 2**30
-    info = preflight_cuda(mlp(**TINY_MLP), backend)
+    info = backend.preflight(spec(backend="cuda"), mlp(**TINY_MLP), Policy("um-default"))
     assert info["cap_bytes"] == 10 * 2**30 and info["estimate"]["total_bytes"] > 0
     backend.allow_oversubscription = True
-    assert preflight_cuda(mlp(**TINY_MLP), backend)["cap_bytes"] is None
+    assert backend.preflight(spec(backend="cuda"), mlp(**TINY_MLP), Policy("um-default"))["cap_bytes"] is None
 
 
 # ------------------------------------------------------------------------------ memory streaming

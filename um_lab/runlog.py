@@ -1,7 +1,8 @@
 """Run folders: their layout and writing them (reading them back: :mod:`um_lab.runread`).
 
 Each run writes a folder: ``spec.json`` (the :class:`RunSpec`), ``policy.json``, ``model.json``,
-``environment.json`` (versions, device, backend, calibration profile), ``records.jsonl`` (one
+``environment.json`` (versions, backend, and what the backend says of itself: device, calibration
+profile name and SHA-256 on the simulator), ``records.jsonl`` (one
 :class:`StepRecord` per line, appended and flushed as each step completes) and ``status.json``
 (``running`` until the run ends, rewritten as a heartbeat with its step count; then ``complete``,
 ``stopped``, ``interrupted`` or ``failed``). A run that crashed keeps every completed step and is
@@ -41,7 +42,6 @@ from um_lab.types import RunSpec, StepRecord
 
 DEFAULT_OUT_DIR = Path("runs")  #: the fallback of :func:`default_out_dir` (relative to the current folder)
 RUNS_DIR_ENV = "UM_LAB_RUNS_DIR"
-FILES = ("spec.json", "policy.json", "model.json", "environment.json", "records.jsonl", "status.json")
 HEARTBEAT_S = 5.0  #: a running run rewrites status.json (its step count) at most this often, between steps
 
 
@@ -150,8 +150,10 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def environment_info(backend: Backend, backend_name: str, requested_backend: str) -> dict[str, Any]:
-    """Versions, host, device and calibration profile of a run (written as ``environment.json``)."""
+def environment_info(backend: Backend, requested_backend: str) -> dict[str, Any]:
+    """Versions, host and backend of a run, and what the backend records of itself
+    (:meth:`~um_lab.backend.Backend.environment`: ``device``, the simulator's ``calibration_profile`` and
+    ``calibration_profile_sha256``); written as ``environment.json``."""
     import torch
 
     import um_lab
@@ -167,32 +169,16 @@ def environment_info(backend: Backend, backend_name: str, requested_backend: str
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "pid": os.getpid(),
-        "backend": backend_name,
+        "backend": backend.name,
         "backend_requested": requested_backend,
-        "backend_note": backend_note(requested_backend, backend_name),
+        "backend_note": backend_note(requested_backend, backend.name),
         "backend_class": f"{type(backend).__module__}.{type(backend).__qualname__}",
+        "measures_residency": backend.measures_residency,
         "versions": versions,
-        "calibration_profile": _profile_name(backend),
+        "calibration_profile": None,  # a calibrated backend names its profile
     }
-    if backend_name == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info["device"] = {"name": props.name, "total_memory_bytes": props.total_memory,
-                          "capability": f"{props.major}.{props.minor}", "count": torch.cuda.device_count()}
-    else:
-        info["device"] = {"name": "cpu (simulated GPU)" if backend_name == "sim" else "cpu"}
+    info.update(jsonable(backend.environment()))
     return info
-
-
-def _profile_name(backend: Backend) -> str | None:
-    for attr in ("profile", "calibration", "machine"):
-        value = getattr(backend, attr, None)
-        if value is None:
-            continue
-        if isinstance(value, str):
-            return value
-        name = getattr(value, "name", None)
-        return str(name) if name is not None else type(value).__name__
-    return None
 
 
 def backend_note(requested: str, resolved: str) -> str:

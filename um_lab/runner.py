@@ -10,7 +10,8 @@
     table = compare(["mlp"], ["um-default", "gpu-first"], ratios=[0.5, 1.5], backend="sim")
     load("runs/2025...-mlp-gpu-first-sim").to_frame()
 
-This module runs the steps (:class:`Run`, :func:`run`, the cuda pre-flight). The run folder's layout
+This module runs the steps (:class:`Run`, :func:`run`) on a backend object (:mod:`um_lab.backend`: its
+pre-flight before the folder is written). The run folder's layout
 is in :mod:`um_lab.runlog`, reading it back in :mod:`um_lab.runread`, what SIGTERM and interpreter exit
 do to a run in :mod:`um_lab.runexit`, summaries in :mod:`um_lab.summary`, and policy sweeps in
 :mod:`um_lab.sweep` (``compare``). The main names are also importable from :mod:`um_lab` itself.
@@ -29,8 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from um_lab import runexit
-from um_lab.backend import Backend, cuda_available, get_backend, resolve_backend_name
-from um_lab.errors import CudaUnavailableError, UmLabError
+from um_lab.backend import Backend, backend_class, get_backend, resolve_backend_name
+from um_lab.errors import UmLabError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy
 from um_lab.runexit import RunInterrupted
@@ -49,7 +50,6 @@ from um_lab.runlog import (
     write_json,
 )
 from um_lab.runread import LoadedRun, RunLogWarning, iter_records, load
-from um_lab.sizing import check_fits, estimate_memory
 from um_lab.summary import summarize
 from um_lab.types import RunSpec, StepRecord
 
@@ -59,35 +59,6 @@ class RunStateError(UmLabError, RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ Run
-
-
-def _cuda_cap_bytes(backend: Backend) -> int | None:
-    """The safety cap the cuda session will apply (None when the user allowed oversubscription)."""
-    if getattr(backend, "allow_oversubscription", False):
-        return None
-    cap = getattr(backend, "cap_bytes", None)
-    if cap is not None:
-        return int(cap)
-    if not cuda_available():
-        return None  # no GPU to protect (the backend itself will refuse to run)
-    import torch
-
-    from um_lab.cuda.allocator import default_cap  # the cap's definition belongs to the cuda backend
-
-    free, total = torch.cuda.mem_get_info()
-    return default_cap(free, total)
-
-
-def preflight_cuda(case: ModelCase, backend: Backend) -> dict[str, Any]:
-    """Refuse a cuda run whose estimated memory cannot fit under the safety cap, before any allocation.
-
-    Raises :class:`~um_lab.sizing.SizeRefused` (an ``OversubscriptionRefused``) showing the estimate.
-    Returns the estimate and cap (recorded in ``model.json``).
-    """
-    estimate = estimate_memory(case)
-    cap = _cuda_cap_bytes(backend)
-    check_fits(estimate, cap)
-    return {"estimate": estimate.to_dict(), "cap_bytes": cap}
 
 
 class Run(RunFolderWriter):
@@ -104,8 +75,10 @@ class Run(RunFolderWriter):
     written. The folder goes under ``out_dir`` (default: :func:`~um_lab.runlog.default_out_dir`,
     ``$UM_LAB_RUNS_DIR`` or ``runs/``), named ``name`` if given (one plain folder name, else
     :class:`~um_lab.runlog.RunNameError`); it and its ``spec.json`` are written here, so an unwritable
-    ``out_dir`` fails before anything runs; on the cuda backend the memory estimate is checked against
-    the safety cap.
+    ``out_dir`` fails before anything runs. Before that, a backend named by ``spec`` must be able to run
+    here (``check_available``), a backend that does not simulate capacity refuses ``capacity_bytes`` and
+    ``oversubscription_ratio``, and ``preflight=True`` runs the backend's pre-flight (on cuda: the memory
+    estimate against the safety cap), recorded in ``model.json``.
 
     While it runs, ``status.json`` is rewritten every :data:`~um_lab.runlog.HEARTBEAT_S` with the step
     count. SIGTERM ends a foreground run on the main thread as Ctrl-C does (``interrupted``), and a
@@ -133,11 +106,13 @@ class Run(RunFolderWriter):
         self.case = case if case is not None else case_for_spec(spec)
         self.spec = dataclasses.replace(spec, policy=self.policy.name,
                                         model=self.case.name if case is not None else spec.model)
-        self.backend_name = backend.name if backend is not None else resolve_backend_name(spec.backend)
-        if backend is None and self.backend_name == "cuda" and not cuda_available():
-            raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
+        if backend is None:
+            resolved = resolve_backend_name(spec.backend)
+            backend_class(resolved).check_available()  # e.g. no GPU: refused before anything is built
+            backend = get_backend(resolved)
+        self.backend: Backend = backend
+        self.backend_name = backend.name
         self.backend_note = backend_note(spec.backend, self.backend_name)
-        self.backend = backend if backend is not None else get_backend(self.backend_name)
         self.keep_records = keep_records
         self.records: list[StepRecord] | None = [] if keep_records else None
         self.tail: collections.deque[StepRecord] = collections.deque(maxlen=tail)
@@ -153,21 +128,22 @@ class Run(RunFolderWriter):
         self._holds_sigterm = False
         self._init_writer()
 
-        if self.backend_name == "cuda" and (spec.oversubscription_ratio is not None
-                                            or spec.capacity_bytes is not None):
+        if not backend.simulates_capacity and (spec.oversubscription_ratio is not None
+                                               or spec.capacity_bytes is not None):
             raise ValueError("capacity_bytes and oversubscription_ratio are simulated (backend 'sim'); on "
-                             "cuda size the model instead (um_lab.sizing.size_for_ratio)")
+                             f"{self.backend_name} size the model instead (um_lab.sizing.size_for_ratio)")
         model_info: dict[str, Any] = {"name": self.case.name, "info": jsonable(self.case.info)}
-        if preflight and self.backend_name == "cuda":
-            model_info["preflight"] = preflight_cuda(self.case, self.backend)  # raises before any run
+        if preflight:
+            checked = backend.preflight(self.spec, self.case, self.policy)  # raises before any run
+            if checked is not None:
+                model_info["preflight"] = checked
         folder = name or f"{timestamp()}-{safe_name(self.case.name)}-{safe_name(self.policy.name)}-" \
                          f"{self.backend_name}-{uuid.uuid4().hex[:6]}"
         self.path = prepare_run_dir(resolve_out_dir(out_dir), folder)
         write_json(self.path / "spec.json", self.spec.to_dict())
         write_json(self.path / "policy.json", self.policy.to_dict())
         write_json(self.path / "model.json", model_info)
-        write_json(self.path / "environment.json",
-                    environment_info(self.backend, self.backend_name, spec.backend))
+        write_json(self.path / "environment.json", environment_info(backend, spec.backend))
         self._started_at: str | None = None
         self._write_status()
 

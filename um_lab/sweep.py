@@ -14,8 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from um_lab.backend import Backend, cuda_available, get_backend, resolve_backend_name
-from um_lab.errors import CudaUnavailableError, ModelConfigError, PolicyError
+from um_lab.backend import Backend, backend_class, backend_names, get_backend
+from um_lab.errors import ModelConfigError, PolicyError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy, presets
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
@@ -120,10 +120,13 @@ def compare(
     ``$UM_LAB_RUNS_DIR``, else ``runs/``), with ``summary.csv``.
     ``progress=True`` shows a tqdm bar (or pass a tqdm-like object with ``update``/``set_postfix_str``).
     ``keep_going=True`` records a failed run as a row (status ``failed``, or ``refused`` when it could not
-    start, with ``error``) and goes on. Bad input is checked before the first run: model names, run specs
-    and policies (one reusing a preset's name with other advice) raise; a model's knobs, and on the
-    simulator an input batch larger than the host memory available, raise too unless ``keep_going``
-    (then that model's runs are recorded as refused or failed).
+    start, with ``error``) and goes on. Bad input is checked before the first run and before the backend is
+    built: model names, run specs, policies (one reusing a preset's name with other advice), ratios on a
+    backend that does not simulate capacity, and a named backend that cannot run here raise; a model's
+    knobs and the backend's own check of each model (``check_case``; on the simulator an input batch
+    larger than the host memory available) raise too unless ``keep_going`` (then that model's runs are
+    recorded as refused or failed). ``backend_instance``: a backend object to run on instead of a new
+    ``backend``.
     ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
     ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
     ranking_flips: the run's place among its cell's policies changes inside the band).
@@ -135,21 +138,23 @@ def compare(
     model_items = _normalise_models(models, model_kwargs)
     policy_objs = _checked_policies(policies, baseline)
     ratio_list = list(ratios) or [None]
-    backend_name = backend_instance.name if backend_instance is not None else resolve_backend_name(backend)
-    if backend_name == "cuda" and any(r is not None for r in ratio_list):
-        raise ValueError("oversubscription ratios are simulated (backend 'sim'); on cuda size the model "
-                         "instead (um_lab.sizing.size_for_ratio) and keep it under the safety cap")
-    if band and backend_name != "sim":
+    # the backend's class answers every question asked before the first run; it is built only after them
+    kind = type(backend_instance) if backend_instance is not None else backend_class(backend)
+    backend_name = backend_instance.name if backend_instance is not None else kind.name
+    if not kind.simulates_capacity and any(r is not None for r in ratio_list):
+        raise ValueError(f"oversubscription ratios are simulated (backend 'sim'); on {backend_name} size the "
+                         "model instead (um_lab.sizing.size_for_ratio)")
+    if band and not _is_simulator(kind):
         raise ValueError("uncertainty bands are the simulator's (profile constants' ranges): use backend='sim'")
-    if backend_name == "cuda" and backend_instance is None and not cuda_available():
-        raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
-    spec_backend = backend_name if backend_name in ("cuda", "sim") else backend
+    if backend_instance is None:
+        kind.check_available()
+    spec_backend = backend_name if backend_name in backend_names() else backend
     specs = {(label, ratio): RunSpec(model=label, policy=baseline, backend=spec_backend, steps=steps,
                                      warmup_steps=warmup_steps, batch_size=batch_size,
                                      model_kwargs=dict(model) if isinstance(model, dict) else {},
                                      capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
              for label, model in model_items for ratio in ratio_list}
-    _check_cases(model_items, specs, backend_name, keep_going)
+    _check_cases(model_items, specs, kind, keep_going)
     out = resolve_out_dir(out_dir)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"cannot write runs under {out}: it already exists and is a file, not a folder; "
@@ -188,11 +193,7 @@ def compare(
                             raise
                         row["error"] = f"{type(e).__name__}: {e}"
                     if band and active.status == "complete":
-                        from um_lab.sim.band import band_ms
-
-                        row["band_fast_ms"], row["band_slow_ms"] = band_ms(
-                            spec, active.case, policy, getattr(shared_backend, "profile"),  # noqa: B009 (sim only)
-                            getattr(shared_backend, "prefetch_stream", "compute"))
+                        row["band_fast_ms"], row["band_slow_ms"] = _band_ms(spec, active.case, policy, shared_backend)
                     rows.append({**row, **active.summary(), "status": active.status,
                                  "run_dir": str(active.path)})
                     if bar is not None:
@@ -211,20 +212,35 @@ def compare(
 
 
 def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, Any], RunSpec],
-                 backend_name: str, keep_going: bool) -> None:
-    """Every model's knobs (and, on the simulator, its input batch against host memory) before any run;
-    with ``keep_going`` a bad model is left to its runs, which record why they could not run."""
+                 kind: type[Backend], keep_going: bool) -> None:
+    """Every model's knobs and the backend's check of it (:meth:`~um_lab.backend.Backend.check_case`; on the
+    simulator its input batch against host memory) before any run; with ``keep_going`` a bad model is left
+    to its runs, which record why they could not run."""
     for label, model in model_items:
         spec = next(s for (name, _), s in specs.items() if name == label)
         try:
             case = model if isinstance(model, ModelCase) else case_for_spec(spec)
-            if backend_name == "sim":
-                from um_lab.sim.backend import check_batch_fits_host
-
-                check_batch_fits_host(case)
+            kind.check_case(case)
         except Exception:
             if not keep_going:
                 raise
+
+
+def _is_simulator(kind: type[Backend]) -> bool:
+    """True for the simulator (and backends built on it): the uncertainty band varies its profile."""
+    from um_lab.sim.backend import SimBackend
+
+    return issubclass(kind, SimBackend)
+
+
+def _band_ms(spec: RunSpec, case: ModelCase, policy: Policy, backend: Backend) -> tuple[float, float]:
+    """The run's step time at the fast and slow ends of the simulator profile's ranges."""
+    from um_lab.sim.backend import SimBackend
+    from um_lab.sim.band import band_ms
+
+    if not isinstance(backend, SimBackend):
+        raise ValueError("uncertainty bands are the simulator's (profile constants' ranges): use backend='sim'")
+    return band_ms(spec, case, policy, backend.profile, backend.prefetch_stream)
 
 
 def _progress_bar(progress: bool | Any, total: int) -> Any:

@@ -1,7 +1,8 @@
 """The schema every part of um_lab speaks: data types, run specifications, step records.
 
-Plain dataclasses only. Backends (``cuda``, ``sim``) produce :class:`StepRecord` objects; the runner,
-the run log and the dashboards consume them, and cannot tell the backends apart.
+Plain dataclasses only. Backends (:mod:`um_lab.backend`: ``cuda``, ``sim``, any registered one) produce
+:class:`StepRecord` objects; the runner, the run log and the dashboards consume them, and cannot tell the
+backends apart.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from um_lab.backend import AUTO, backend_names, valid_backend_names
 from um_lab.errors import SpecError
 
 
@@ -57,7 +59,7 @@ class RunSpec:
 
     model: str = "mlp"
     policy: str = "um-default"
-    backend: str = "auto"  #: "cuda", "sim" or "auto" (cuda when available, else sim)
+    backend: str = "auto"  #: a registered backend's name ("cuda", "sim", ...) or "auto" (cuda when available, else sim)
     steps: int = 20
     warmup_steps: int = 2
     batch_size: int | None = None
@@ -75,8 +77,8 @@ class RunSpec:
         _check_int(self, "seed", None)
         if self.batch_size is not None:
             _check_int(self, "batch_size", 1)
-        if self.backend not in ("cuda", "sim", "auto"):
-            raise SpecError(f"unknown backend {self.backend!r}; valid: cuda, sim, auto", "backend")
+        if self.backend != AUTO and self.backend not in backend_names():
+            raise SpecError(f"unknown backend {self.backend!r}; valid: {valid_backend_names()}", "backend")
         if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
             raise SpecError(f"model_kwargs must be a dict of knob names to values, got {self.model_kwargs!r}",
                             "model_kwargs")
@@ -135,7 +137,7 @@ class StepRecord:
     live_bytes: dict[str, int]  #: managed bytes allocated per data type (segments, not tensors)
     cap_bytes: int | None  #: the safety cap on live managed bytes (None: no cap, e.g. simulator)
     gpu_capacity_bytes: int  #: GPU memory (total on the real card; simulated capacity on sim)
-    backend: str = "cuda"
+    backend: str = "unknown"  #: the name of the backend that ran the step (each backend sets its own)
     policy: str = "um-default"
     loss: float | None = None
     warmup: bool = False

@@ -4,32 +4,83 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+import um_lab.backend
+from um_lab.backend import BackendBase
+from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
+from um_lab.errors import CudaUnavailableError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy
+from um_lab.sizing import check_fits, estimate_memory
 from um_lab.types import RunSpec, StepRecord
 
 
-class CudaBackend:
+class CudaBackend(BackendBase):
     """Trains ``case`` on the GPU with every tensor in per-type managed pools under ``policy``.
 
     Each step copies the (fixed, synthetic) batch to the GPU into the input pool, as a data loader
     would, then runs forward, backward and the optimizer step. The safety cap is always on unless
-    ``allow_oversubscription=True`` is passed (meant for one's own machine only). ``telemetry``
-    (default ``"auto"``: on when CUPTI can be used, else each record says why not) is passed to the
-    :class:`Session`.
+    ``allow_oversubscription=True`` is passed (meant for one's own machine only); a run whose estimated
+    memory does not fit under it is refused by :meth:`preflight` before anything is allocated.
+    ``telemetry`` (default ``"auto"``: on when CUPTI can be used, else each record says why not) is
+    passed to the :class:`Session`.
     """
 
     name = "cuda"
+    simulates_capacity = False  # real memory: size the model instead (um_lab.sizing.size_for_ratio)
 
     def __init__(self, *, cap_bytes: int | None = None, allow_oversubscription: bool = False,
                  telemetry: bool | str = "auto") -> None:
         self.cap_bytes = cap_bytes
         self.allow_oversubscription = allow_oversubscription
         self.telemetry = telemetry
+
+    @property
+    def measures_residency(self) -> bool:
+        """True unless telemetry is off: CUPTI measures residency (a record says why when it cannot)."""
+        return self.telemetry is not False
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise :class:`CudaUnavailableError` without a CUDA GPU and a CUDA build of torch."""
+        if not um_lab.backend.cuda_available():
+            raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
+
+    def capacity_for(self, spec: RunSpec, footprint: int) -> int | None:
+        """The safety cap the session will apply: ``cap_bytes``, else the default cap of the free GPU
+        memory; None when oversubscription is allowed or there is no GPU to protect (then the run itself
+        is refused)."""
+        if self.allow_oversubscription:
+            return None
+        if self.cap_bytes is not None:
+            return int(self.cap_bytes)
+        if not um_lab.backend.cuda_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return default_cap(free, total)
+
+    def preflight(self, spec: RunSpec, case: ModelCase, policy: Policy) -> dict[str, Any]:
+        """Refuse a run whose estimated memory cannot fit under the safety cap, before any allocation.
+
+        Raises :class:`~um_lab.sizing.SizeRefused` (an ``OversubscriptionRefused``) showing the estimate.
+        Returns the estimate and cap (recorded in ``model.json``).
+        """
+        estimate = estimate_memory(case)
+        cap = self.capacity_for(spec, estimate.total_bytes)
+        check_fits(estimate, cap)
+        return {"estimate": estimate.to_dict(), "cap_bytes": cap}
+
+    def environment(self) -> dict[str, Any]:
+        """The GPU's name, memory, compute capability and count (``cpu`` without a GPU)."""
+        if not torch.cuda.is_available():
+            return {"device": {"name": "cpu"}}
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return {"device": {"name": props.name, "total_memory_bytes": props.total_memory,
+                           "capability": f"{props.major}.{props.minor}", "count": torch.cuda.device_count()}}
 
     def run(self, spec: RunSpec, case: ModelCase, policy: Policy) -> Iterator[StepRecord]:
         """Yield one record per step (warm-up steps first, flagged); closing early cleans up."""

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from um_lab.backend import BackendBase
 from um_lab.errors import HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, get_policy
@@ -48,10 +49,11 @@ class PreparedCase:
         return int(sum(self.placement.final.segment_bytes.values()))
 
 
-class SimBackend:
+class SimBackend(BackendBase):
     """The simulated backend: trace once per model configuration, then simulate any policy/capacity."""
 
     name = "sim"
+    simulates_capacity = True  # RunSpec.capacity_bytes / oversubscription_ratio set the simulated GPU
 
     def __init__(self, profile: str | Profile = "h200", prefetch_stream: str = "compute") -> None:
         """``profile``: a packaged profile name, a profile JSON path or a :class:`Profile`;
@@ -62,6 +64,23 @@ class SimBackend:
         self.prefetch_stream = prefetch_stream
         self._prepared: dict[str, PreparedCase] = {}
         self._lock = threading.Lock()
+
+    @property
+    def measures_residency(self) -> bool:
+        """Records carry the simulated GPU-resident bytes per type."""
+        return True
+
+    @classmethod
+    def check_case(cls, case: ModelCase) -> None:
+        """Refuse (:class:`HostMemoryRefused`) a case whose input batch does not fit in host memory."""
+        check_batch_fits_host(case)
+
+    def environment(self) -> dict[str, Any]:
+        """The simulated device and the calibration profile: its name and a SHA-256 of its constants."""
+        from um_lab.paper import profile_sha256
+
+        return {"device": {"name": "cpu (simulated GPU)"}, "calibration_profile": self.profile.name,
+                "calibration_profile_sha256": profile_sha256(self.profile)}
 
     def prepare(self, case: ModelCase) -> PreparedCase:
         """Trace, place and expand ``case`` (cached per model configuration).
@@ -164,7 +183,7 @@ class SimBackend:
                                  prepared.op_blocks[li], prepared.base_us, rm_us[li], self.prefetch_stream,
                                  prepared.host_us)
                 last = (digest, li, stats)
-            yield _record(step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
+            yield _record(self.name, step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
 
 
 #: Host bytes per (access, 2 MiB block) entry of :func:`~um_lab.sim.access.expand`: kept per layout, and
@@ -242,7 +261,7 @@ def _per_type(values: np.ndarray) -> dict[str, int]:
     return {t.value: int(v) for t, v in zip(DATA_TYPES, values, strict=True)}
 
 
-def _record(step: int, warmup: bool, stats: StepStats, prepared: PreparedCase, layout_index: int,
+def _record(backend: str, step: int, warmup: bool, stats: StepStats, prepared: PreparedCase, layout_index: int,
             capacity: int, policy: Policy) -> StepRecord:
     layout = prepared.placement.layouts[layout_index]
     return StepRecord(
@@ -251,7 +270,7 @@ def _record(step: int, warmup: bool, stats: StepStats, prepared: PreparedCase, l
         live_bytes={t.value: int(layout.segment_bytes[t.value]) for t in DATA_TYPES},
         cap_bytes=None,
         gpu_capacity_bytes=int(capacity // BLOCK * BLOCK),
-        backend="sim",
+        backend=backend,
         policy=policy.name,
         loss=None,
         warmup=warmup,
