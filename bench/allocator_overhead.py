@@ -222,6 +222,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    unknown = sorted({v for m in args.modes for v in m.split("+")[1:]} - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.fixed_batch)), flush=True)
         return
@@ -255,13 +258,12 @@ def main() -> None:
             row["um_lab_managed_GiB"] = runs["um_lab"][0].get("managed_GiB")
         rows.append(row)
         _write_report(args, info, rows)  # after every model: a timeout keeps what was measured
-    report = _write_report(args, info, rows)
     print(f"\n{'model':12s} " + " ".join(f"{m + ' ms':>10s}" for m in args.modes) + f" {'um_lab/native':>14s}")
     for r in rows:
         ratio = r.get("um_lab_over_native")
         print(f"{r['model']:12s} " + " ".join(f"{r[m + '_ms']:10.2f}" for m in args.modes)
               + f" {'-' if ratio is None else f'{ratio:.4f}':>14s}")
-    print(f"wrote {args.out}: {len(report['rows'])} models")
+    print(f"wrote {args.out}: {len(rows)} models")
 
 
 def _write_report(args: argparse.Namespace, info: dict, rows: list[dict]) -> dict:

@@ -87,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("conv_in_step.json"))
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--fit", type=Path, help="fit the factors from this result file (CPU)")
+    parser.add_argument("--fit", type=Path, help="fit the convolution tiles from this result file (CPU)")
     args = parser.parse_args()
     if args.fit is not None:
         fit(args.fit)

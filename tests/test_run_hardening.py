@@ -376,3 +376,16 @@ def test_a_name_that_would_leave_out_dir_is_refused_before_anything_is_created(t
 def test_a_plain_name_is_the_run_folder(tmp_path):
     active = Run(spec(), out_dir=tmp_path, backend=InstantBackend(), name="my-run.1")
     assert active.path == tmp_path / "my-run.1" and list(active)
+
+
+def test_sigterm_landing_in_the_callers_loop_still_ends_the_run_interrupted(tmp_path, default_sigterm):
+    """The signal's exception may surface in the caller's loop body, outside the run's generator."""
+    active = Run(spec(steps=50), out_dir=tmp_path, backend=InstantBackend())
+    with pytest.raises(runexit.RunInterrupted):
+        for record in active:
+            if record.step == 3:
+                runexit._on_sigterm(signal.SIGTERM, None)  # as the handler runs: here, in the loop body
+    status = status_of(active.path)
+    assert status["status"] == "interrupted" and status["interrupted_by"] == "SIGTERM"
+    assert status["steps_completed"] == lines_of(active.path) == 4
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not runexit._signalled

@@ -98,3 +98,34 @@ def test_fitted_tile_matches_the_measured_convolutions_in_geometric_mean() -> No
 
 
 
+
+
+def test_transposed_and_grouped_convolutions_are_read_once():
+    from um_lab.sim.ops import is_dense_conv, remote_reads
+
+    x, w = torch.empty(2, 8, 8, 8), torch.empty(8, 1, 3, 3)
+    depthwise = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8)
+    transposed = (x, torch.empty(8, 4, 4, 4), None, [2, 2], [1, 1], [1, 1], True, [0, 0], 1)
+    dense = (x, torch.empty(16, 8, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    assert not is_dense_conv("aten.convolution", depthwise) and not is_dense_conv("aten.convolution", transposed)
+    assert remote_reads("aten.convolution", depthwise) == {} and conv_workspace("aten.convolution", transposed) is None
+    assert is_dense_conv("aten.convolution", dense) and remote_reads("aten.convolution", dense)[0][0][1] == CONV_IGEMM
+    # cudnn_convolution's own argument order: (x, w, padding, stride, dilation, groups, ...)
+    assert is_dense_conv("aten.cudnn_convolution", (x, dense[1], [1, 1], [1, 1], [1, 1], 1, False, False, True))
+
+
+def test_an_op_whose_accounting_fails_becomes_a_zero_cost_op_without_accesses(monkeypatch):
+    from um_lab.sim import trace as trace_module
+
+    def broken(name, args):
+        if name == "aten.convolution":
+            raise ValueError("boom")
+        return None
+
+    monkeypatch.setattr(trace_module, "conv_workspace", broken)
+    with pytest.warns(UserWarning, match="accounting failed"):
+        tr = trace_module.trace_step(conv_case(ConvShape(4, 8, 8, 3), batch_size=2))
+    i = tr.op_names.index("aten.convolution")
+    assert tr.acc_ptr[i + 1] == tr.acc_ptr[i] and tr.op_flops[i] == 0  # no accesses left behind
+    assert tr.acc_ptr[i + 2] > tr.acc_ptr[i + 1]  # the next op keeps only its own
+    assert len(tr.op_names) == len(tr.op_phase) == tr.n_ops

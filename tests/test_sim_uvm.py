@@ -140,9 +140,12 @@ def test_session_and_simulator_share_one_prefetch_phase_table():
     from um_lab.policy import PREFETCH_BEFORE, STEP_PHASES
     from um_lab.sim.trace import PHASES
     from um_lab.sim.uvm import PREFETCH_PHASE
-    from um_lab.types import DATA_TYPES
+    from um_lab.types import DATA_TYPES, DataType
 
     assert len(PHASES) == len(STEP_PHASES) == len(PREFETCH_BEFORE)
     listed = [t for types in PREFETCH_BEFORE.values() for t in types]
     assert sorted(listed) == sorted(DATA_TYPES)  # every type prefetched before exactly one phase
-    assert {t: STEP_PHASES.index(p) for p, ts in PREFETCH_BEFORE.items() for t in ts} == PREFETCH_PHASE
+    assert PREFETCH_PHASE == {DataType.PARAM: 0, DataType.INPUT: 0, DataType.ACT: 0, DataType.GRAD: 1,
+                              DataType.OPTIM: 2}  # forward, backward, optimizer step
+    assert [PHASES[i] for i in range(len(STEP_PHASES))] == ["fwd", "bwd", "opt"]
+    assert STEP_PHASES == ("forward", "backward", "optimizer")

@@ -3,6 +3,8 @@
 Core library; no UI imports. See README.md for the tour.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from um_lab.errors import (
     CudaUnavailableError,
     HostMemoryRefused,
@@ -65,7 +67,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # the lazy names, typed for users' type checkers
+    from um_lab.cuda.session import Session
+    from um_lab.models import ModelCase, custom, get_model
+    from um_lab.runlog import RunDirError, RunNameError, list_runs
+    from um_lab.runner import Run, RunStateError, run
+    from um_lab.runread import LoadedRun, NotARunFolderError, RunLogError, load
+    from um_lab.sim.backend import SimBackend
+    from um_lab.sizing import SizeRefused
+    from um_lab.sweep import compare
+
+
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'um_lab' has no attribute {name!r}")

@@ -80,7 +80,8 @@ def _gib(n: int) -> str:
 class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
     """A managed allocation would have pushed live managed bytes past the safety cap.
 
-    Nothing was allocated: the cap is checked before CUDA is called.
+    Nothing was allocated: the cap is checked before CUDA is called. ``message`` replaces the default
+    text (a refusal made before the run, e.g. :class:`um_lab.sizing.SizeRefused`).
     """
 
     def __init__(self, requested: int, live: int, cap: int, data_type: str | None = None,

@@ -13,7 +13,7 @@ ends early (split from :mod:`um_lab.runner`, which registers its runs here):
   left unfinished) is marked ``interrupted`` with its real step count; a run whose final status could
   not be written is retried.
 
-A process killed outright (SIGKILL, power loss) writes nothing: :func:`um_lab.runlog.load` reads such a
+A process killed outright (SIGKILL, power loss) writes nothing: :func:`um_lab.runread.load` reads such a
 run (``running`` on disk, its process gone) as left running, counting its steps from ``records.jsonl``.
 """
 
@@ -53,6 +53,7 @@ class RunInterrupted(KeyboardInterrupt):
 _lock = threading.RLock()
 _open: dict[int, _Run] = {}  # id(run) -> run whose final status is not on disk yet
 _foreground: set[int] = set()  # ids of runs stepping in the foreground on the main thread
+_signalled: dict[int, str] = {}  # run id -> the signal that ended its foreground stepping
 _holders = 0  # runs that asked for the SIGTERM handler (it stays installed while > 0)
 
 
@@ -72,6 +73,7 @@ def closed(run: _Run, *, written: bool) -> None:
     """``run`` stopped stepping; ``written``: its final status is on disk (else retried at exit)."""
     with _lock:
         _foreground.discard(id(run))
+        _signalled.pop(id(run), None)
         if written:
             _open.pop(id(run), None)
 
@@ -138,9 +140,17 @@ def end_open_runs(state: str, reason: str) -> None:
                 _open.pop(id(run), None)
 
 
+def signalled(run: _Run) -> str | None:
+    """The signal's name if SIGTERM reached the process while ``run`` stepped in the foreground."""
+    with _lock:
+        return _signalled.get(id(run))
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     with _lock:
         foreground = bool(_foreground)
+        for rid in _foreground:  # the exception may surface in the caller's loop, closing the run's generator
+            _signalled[rid] = signal.Signals(signum).name
     if foreground:
         raise RunInterrupted(signum)  # the foreground run unwinds and writes `interrupted` itself
     end_open_runs("interrupted", signal.Signals(signum).name)

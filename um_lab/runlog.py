@@ -286,7 +286,7 @@ class RunFolderWriter:
         with self._io_lock:
             if self._sealed:
                 return True
-            if self.status != "complete":  # a signal between a record's write and its count: trust the file
+            if self.status == "interrupted":  # a signal between a record's write and its count: trust the file
                 self.steps_completed = max(self.steps_completed, count_records(self.path / "records.jsonl"))
             try:
                 self._write_status()

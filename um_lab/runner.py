@@ -264,8 +264,12 @@ class Run(RunFolderWriter):
                 else:
                     self._end_as("complete")
             ended_normally = True
-        except GeneratorExit:  # the consumer stopped iterating
-            self._end_as("stopped")
+        except GeneratorExit:  # the consumer stopped iterating (or SIGTERM surfaced in its loop)
+            name = runexit.signalled(self)
+            if name is None:
+                self._end_as("stopped")
+            elif self._end_as("interrupted"):
+                self._interrupted_by = name
             raise
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (RunInterrupted) while in the foreground
             if self._end_as("interrupted"):
@@ -281,11 +285,14 @@ class Run(RunFolderWriter):
                 if records is not None and hasattr(records, "close"):
                     records.close()  # the backend releases its pools / state
             finally:
-                self._end_as("failed", if_running=True)
-                written = self._finish()
-                runexit.closed(self, written=written)
-                if holds_sigterm:
-                    runexit.release_sigterm()
+                written = False
+                try:
+                    self._end_as("failed", if_running=True)
+                    written = self._finish()
+                finally:  # even if the final write is interrupted: the handler and registry are put back
+                    runexit.closed(self, written=written)
+                    if holds_sigterm:
+                        runexit.release_sigterm()
             if not written:
                 problem = RunDirError(
                     f"cannot write {self.path / 'status.json'} ({self._status_problem}): the run ended "

@@ -196,8 +196,9 @@ def left_running_reason(path: str | os.PathLike[str], status: Mapping[str, Any])
     """Why a ``running`` status no longer holds, or None while its run may still be running.
 
     On this host: its process is gone (or a zombie), its pid now names another process, or (this
-    process) no run of ours writes the folder. Anywhere: the run promised a heartbeat and its status
-    was not rewritten for :data:`STALE_AFTER_S` (e.g. a folder that became unwritable).
+    process) no run of ours writes the folder; a process shown alive by its pid and start time is
+    trusted. Where the process cannot be checked (another host): the run promised a heartbeat and its
+    status was not rewritten for :data:`STALE_AFTER_S`.
     """
     pid = _same_host_pid(status)
     if pid is not None and pid == os.getpid():
@@ -213,8 +214,11 @@ def left_running_reason(path: str | os.PathLike[str], status: Mapping[str, Any])
         if fields and fields[0] == "Z":
             return f"its process (pid {pid}) has exited"
         started = status.get("pid_started")
-        if isinstance(started, int) and (now := process_start_ticks(pid)) is not None and now != started:
-            return f"pid {pid} now names another process"
+        now = process_start_ticks(pid)
+        if isinstance(started, int) and now is not None:
+            if now != started:
+                return f"pid {pid} now names another process"
+            return None  # its own process is alive: a long step or a paused loop is not a crash
     age = _age_s(status.get("updated_at"))
     if status.get("heartbeat_s") is not None and age is not None and age > STALE_AFTER_S:
         return f"it is stale (last rewritten {age / 60:.0f} minutes ago)"

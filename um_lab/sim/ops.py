@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -121,7 +122,7 @@ def _gemm_class(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
 
 class ConvGeometry(NamedTuple):
     """A convolution's implicit-GEMM view: batch, channels in / out (per group), input and output pixels
-    per image, filter taps R*S, filter bytes, and whether the filter is 1x1."""
+    per image, filter taps R*S (1 for a 1x1 filter), and filter bytes."""
 
     batch: int
     c_in: int
@@ -167,7 +168,7 @@ def conv_reads(backward: bool, geo: ConvGeometry,
     reads the output gradient (im2col'd: taps per byte) once per N tile and the filter once per M tile;
     the filter gradient (M = c_out, N = c_in * taps, K = output pixels) reads the output gradient once per
     N tile and the im2col'd input once per M tile. A k x k filter is read through a copy in cuDNN's
-    workspace (:func:`conv_workspace_bytes`); a 1x1 filter directly, per pixel tile (classes conv_1x1).
+    workspace (:func:`conv_workspace`); a 1x1 filter directly, per pixel tile (classes conv_1x1).
     Positions: forward (x 0, w 1), backward (grad_y 0, x 1, w 2).
     """
     pixels_out = float(geo.batch * geo.out_pixels)
@@ -196,11 +197,26 @@ def _forward_geometry(name: str, args: tuple) -> ConvGeometry:
     return conv_geometry(args[0], args[1], args[3], args[4], args[5], args[8])  # convolution, _convolution
 
 
+def is_dense_conv(name: str, args: tuple) -> bool:
+    """True for a forward or backward convolution that cuDNN runs as an implicit GEMM: not transposed and
+    one group (the tiles were measured on those; depthwise and grouped ones use direct kernels)."""
+    if name == "aten.cudnn_convolution":  # (x, w, padding, stride, dilation, groups, ...)
+        return int(args[5]) == 1
+    if name in CONV_FORWARD:  # (x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+        return not args[6] and int(args[8]) == 1
+    if name == "aten.convolution_backward":  # (gy, x, w, bias_sizes, stride, padding, dilation, transposed,
+        return not args[7] and int(args[9]) == 1  # output_padding, groups, output_mask)
+    return False
+
+
 def conv_workspace(name: str, args: tuple) -> tuple[int, Read] | None:
     """(bytes, how it is read) of the k x k filter copy cuDNN reads from its workspace, which the step
     allocates in the activation pool: once per tile of output pixels (forward) or input pixels (data
-    gradient); ``None`` for other ops, 1x1 filters and a backward without a data gradient."""
+    gradient); ``None`` for other ops, 1x1 filters, a backward without a data gradient, and
+    convolutions that are not dense (:func:`is_dense_conv`)."""
     try:
+        if not is_dense_conv(name, args):
+            return None
         if name in CONV_FORWARD:
             geo = _forward_geometry(name, args)
             extent = geo.batch * geo.out_pixels
@@ -211,7 +227,7 @@ def conv_workspace(name: str, args: tuple) -> tuple[int, Read] | None:
             extent = geo.batch * geo.in_pixels
         else:
             return None
-    except (AttributeError, IndexError, TypeError):
+    except (AttributeError, IndexError, TypeError, ValueError):
         return None
     if geo.taps == 1:
         return None
@@ -234,8 +250,12 @@ def remote_reads(name: str, args: tuple) -> dict[int, list[Read]]:
             ca, cb = _gemm_class(a, b)
             return {i: [(float(b.shape[-1]), ca, 1.0)], i + 1: [(float(a.shape[-2]), cb, 1.0)]}
         if name in CONV_FORWARD:
+            if not is_dense_conv(name, args):
+                return {}  # transposed or grouped: read once (not measured)
             return conv_reads(False, _forward_geometry(name, args))
         if name == "aten.convolution_backward":
+            if not is_dense_conv(name, args):
+                return {}
             geo = conv_geometry(args[1], args[2], args[4], args[5], args[6], args[9])
             return conv_reads(True, geo, tuple(args[10]))
         if name in _BATCH_NORM:
@@ -245,7 +265,7 @@ def remote_reads(name: str, args: tuple) -> dict[int, list[Read]]:
         if name.startswith("aten._scaled_dot_product") or name.startswith("aten._efficient_attention"):
             q = args[0]
             return {1: [(float(q.shape[-2]), GEMM_NT_B, 1.0)], 2: [(float(q.shape[-2]), GEMM_NN, 1.0)]}
-    except (AttributeError, IndexError, TypeError):
+    except (AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
         pass
     return {}
 
@@ -275,16 +295,26 @@ def ask_for_sdpa(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def data_free_init() -> Iterator[None]:
     """Initialisers that need no tensor data while a model is built on fake tensors (torch 2.13's
-    ``trunc_normal_`` asks whether any value fell outside its bounds: a data-dependent question)."""
-    original = torch.nn.init.trunc_normal_
+    ``trunc_normal_`` asks whether any value fell outside its bounds: a data-dependent question).
 
-    def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
-                      b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
-        with torch.no_grad():
-            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+    The swap is global, so builds that use it take turns; real tensors still get the original."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    torch.nn.init.trunc_normal_ = trunc_normal_
-    try:
-        yield
-    finally:
-        torch.nn.init.trunc_normal_ = original
+    with _INIT_LOCK:
+        original = torch.nn.init.trunc_normal_
+
+        def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
+                          b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
+            if not isinstance(tensor, FakeTensor):
+                return original(tensor, mean, std, a, b, generator=generator)
+            with torch.no_grad():
+                return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+        torch.nn.init.trunc_normal_ = trunc_normal_
+        try:
+            yield
+        finally:
+            torch.nn.init.trunc_normal_ = original
+
+
+_INIT_LOCK = threading.Lock()

@@ -191,9 +191,12 @@ class _Recorder(TorchDispatchMode):
                     if isinstance(t, torch.Tensor):
                         self.register(t, self.classify_new(), len(self.ops), True)
             return out
+        n_acc, n_ops = len(self.acc), len(self.ops)
         try:
             self._record(func, name, args, kwargs, out)
-        except Exception as e:  # never crash a trace on accounting: generic fallback
+        except Exception as e:  # never crash a trace on accounting: a zero-cost op, its accesses dropped
+            del self.acc[n_acc:], self.ops[n_ops:]
+            self.ops.append((name, self.phase, 0.0, 0.0, KIND_MEMORY))
             self._warn(name, f"accounting failed ({type(e).__name__}: {e}); counted as zero-cost op")
         return out
 
