@@ -339,3 +339,14 @@ def test_a_bare_preset_name_always_means_the_preset(fake_backend, tmp_path, monk
     assert main(["run", "--policy", "./mine", "--backend", "sim", "--steps", "1", "--out", "runs",
                  "--no-progress", *TINY]) == 0
     assert sorted(load(p).spec.policy for p in list_runs(tmp_path / "runs")) == ["gpu-first", "mine"]
+
+
+def test_run_refuses_a_batch_beyond_host_memory_before_its_folder_is_written(tmp_path, capsys):
+    from um_lab.runner import Run
+
+    with pytest.raises(HostMemoryRefused, match="input batch of mlp"):
+        Run(RunSpec(model="mlp", model_kwargs={"batch_size": 10**12}, backend="sim", steps=1), out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    rc, err = cli_error(capsys, ["run", "--model", "mlp", "--batch-size", str(10**12), "--backend", "sim",
+                                 "--steps", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 1 and "input batch of mlp" in err and list(tmp_path.iterdir()) == []

@@ -161,11 +161,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                    warmup_steps=args.warmup, batch_size=args.batch_size,
                    model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
                    oversubscription_ratio=args.ratio, seed=args.seed)
-    if (backend.name if backend is not None else resolved) == "sim":  # before the run folder is written
-        from um_lab.models import case_for_spec
-        from um_lab.sim.backend import check_batch_fits_host
-
-        check_batch_fits_host(case_for_spec(spec))
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")

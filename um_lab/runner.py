@@ -133,6 +133,7 @@ class Run(RunFolderWriter):
             raise ValueError("capacity_bytes and oversubscription_ratio are simulated (backend 'sim'); on "
                              f"{self.backend_name} size the model instead (um_lab.sizing.size_for_ratio)")
         model_info: dict[str, Any] = {"name": self.case.name, "info": jsonable(self.case.info)}
+        type(backend).check_case(self.case)  # e.g. the simulator's host-memory check: before any folder
         if preflight:
             checked = backend.preflight(self.spec, self.case, self.policy)  # raises before any run
             if checked is not None:
