@@ -153,8 +153,8 @@ def test_availability_and_case_checks_are_asked_of_the_class_before_it_is_built(
         with pytest.raises(HostMemoryRefused, match="input batch of mlp"):
             um_lab.compare({"mlp": TINY_MLP}, ["gpu-first"], backend="fussy", out_dir=out)
         table = um_lab.compare({"mlp": TINY_MLP}, ["gpu-first"], backend="fussy", steps=1, warmup_steps=0,
-                               out_dir=tmp_path / "kept", keep_going=True)  # left to the runs, which go on
-        assert (table["status"] == "complete").all() and len(built) == 1
+                               out_dir=tmp_path / "kept", keep_going=True)  # left to the runs: Run refuses it
+        assert (table["status"] == "refused").all() and len(built) == 1
         built.clear()
         Fussy.asleep = True
         with pytest.raises(CudaUnavailableError, match="fussy card is asleep"):
