@@ -36,6 +36,7 @@ import um_lab  # noqa: E402
 from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
 from um_lab.sim.backend import SimBackend  # noqa: E402
+from um_lab.sim.profile import profile_sha256  # noqa: E402
 
 #: Model sizes: the project's standard GPU-benchmark shapes (README), 15-35 GiB of managed data each.
 MODEL_KNOBS = {
@@ -128,7 +129,7 @@ def sensitivity(path: Path, profile: str, gbps: float) -> dict:
     value and store the outcome as ``sensitivity`` in the JSON (the rankings, not the runs)."""
     result = json.loads(path.read_text())
     backend = SimBackend(profile)
-    if result.get("profile_sha256") != paper.profile_sha256(backend.profile):
+    if result.get("profile_sha256") != profile_sha256(backend.profile):
         raise SystemExit(f"{path} was made with another profile; re-run the experiment first")
     t0 = time.perf_counter()
     what_if = dataclasses.replace(backend.profile, name=f"{backend.profile.name}-evict-{gbps:g}",
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     backend = SimBackend(args.profile)
-    profile_hash = paper.profile_sha256(backend.profile)
+    profile_hash = profile_sha256(backend.profile)
     models, skipped = {}, {}
     for name in args.models:
         why = buildable(backend, name, MODEL_KNOBS[name])

@@ -38,6 +38,7 @@ from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
 from um_lab.policy import Policy, presets  # noqa: E402
 from um_lab.sim.backend import SimBackend  # noqa: E402
+from um_lab.sim.profile import profile_sha256  # noqa: E402
 from um_lab.sim.search import OPTIONS, option_label, search_policy  # noqa: E402
 from um_lab.sim.trace import clear_trace_cache  # noqa: E402
 from um_lab.summary import summarize  # noqa: E402
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
-        "profile": "h200", "profile_sha256": paper.profile_sha256("h200"),
+        "profile": "h200", "profile_sha256": profile_sha256("h200"),
         "sim_source_sha256": paper.sim_source_sha256(), "git_commit": git_commit(),
         "workers": args.workers, "steps": STEPS, "warmup_steps": WARMUP,
         "bars": {"within": WITHIN, "time_fraction": TIME_FRACTION, "time_limit_s": TIME_LIMIT_S},

@@ -14,8 +14,6 @@ import pytest
 
 import um_lab
 from um_lab.backend import (
-    Backend,
-    BackendBase,
     backend_class,
     backend_names,
     get_backend,
@@ -23,6 +21,7 @@ from um_lab.backend import (
     resolve_backend_name,
     unregister_backend,
 )
+from um_lab.backend_base import Backend, BackendBase
 from um_lab.errors import CudaUnavailableError, HostMemoryRefused, UmLabError
 from um_lab.types import RunSpec, StepRecord
 
@@ -34,7 +33,8 @@ REPO = str(Path(__file__).resolve().parent.parent)
 THIRD_MODULE = '''
 """A third backend for um_lab: instant, deterministic step records."""
 
-from um_lab.backend import BackendBase, register_backend
+from um_lab.backend import register_backend
+from um_lab.backend_base import BackendBase
 from um_lab.types import DATA_TYPES, StepRecord
 
 MS = {"um-default": 10.0, "gpu-first": 4.0}
@@ -231,8 +231,8 @@ def test_the_registry_imports_no_backend_until_one_is_used():
 def test_sim_records_and_environment_name_the_simulator_and_its_profile(tmp_path):
     import dataclasses
 
-    from um_lab.paper import profile_sha256
     from um_lab.sim.backend import SimBackend
+    from um_lab.sim.profile import profile_sha256
 
     assert StepRecord(step=0, wall_ms=1.0, live_bytes={}, cap_bytes=None, gpu_capacity_bytes=1).backend != "cuda"
     result = um_lab.run(RunSpec(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=1, warmup_steps=0),

@@ -8,6 +8,7 @@ import pytest
 from um_lab import paper
 from um_lab.paper import GROUPS, PaperExperimentError, PaperMapping
 from um_lab.policy import presets
+from um_lab.sim.profile import profile_sha256
 from um_lab.types import PAPER_GROUPS, DataType
 
 # ------------------------------------------------------------------------------------ grid logic
@@ -140,7 +141,7 @@ def test_committed_results_chose_the_preset_and_match_the_current_profile():
     assert results["profile"] == prov["profile"]
     assert results["profile_sha256"] == prov["profile_sha256"]
     # a recalibrated profile invalidates the experiment: re-run it and re-set the preset
-    assert results["profile_sha256"] == paper.profile_sha256(prov["profile"]), (
+    assert results["profile_sha256"] == profile_sha256(prov["profile"]), (
         "the simulator profile changed since the paper experiment ran: run bench/paper_three_types.py again")
     assert results["choice"]["best_overall"]["mapping"] == prov["mapping"]
     assert results["date"] == prov["date"] and results["git_commit"] == prov["git_commit"]
@@ -152,11 +153,11 @@ def test_profile_hash_follows_the_constants():
     from um_lab.sim.profile import load_profile
 
     base = load_profile("h200")
-    assert paper.profile_sha256(base) == paper.profile_sha256("h200")
+    assert profile_sha256(base) == profile_sha256("h200")
     import dataclasses
 
     changed = dataclasses.replace(base, evict_d2h_GBps=base.evict_d2h_GBps * 1.01)
-    assert paper.profile_sha256(changed) != paper.profile_sha256(base)
+    assert profile_sha256(changed) != profile_sha256(base)
 
 
 def test_missing_results_file_is_none(tmp_path):

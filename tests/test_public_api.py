@@ -46,3 +46,37 @@ def test_the_real_backend_path_never_imports_cupy():
             "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_no_import_cycles_among_um_lab_modules():
+    """Every import counts, lazy and typing-only ones too: a name lives in one module, layers point one way."""
+    import ast
+    from pathlib import Path
+
+    root = Path(um_lab.__file__).parent
+    mods = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for t in names:
+                while t and t not in mods:
+                    t = t.rsplit(".", 1)[0] if "." in t else ""
+                if t and t != m and not m.startswith(t + ".") and t != "um_lab":
+                    graph[m].add(t)
+
+    def reaches(src: str, dst: str) -> bool:
+        seen, todo = set(), [src]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                if nxt == dst:
+                    return True
+                seen.add(nxt)
+                todo.append(nxt)
+        return False
+
+    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert cycles == []

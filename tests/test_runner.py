@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from run_helpers import stop_in_background
 
-from um_lab.backend import BackendBase
+from um_lab.backend_base import BackendBase
 from um_lab.models import ModelCase, custom, mlp
 from um_lab.policy import Policy
 from um_lab.runlog import RunDirError, list_runs

@@ -30,7 +30,6 @@ import pandas as pd
 
 from um_lab.errors import UmLabError
 from um_lab.policy import Advice, Policy, presets
-from um_lab.sim.profile import Profile, load_profile
 from um_lab.types import RunSpec
 
 PAPER = ("Choi & Lee, Efficient Use of GPU Memory for Large-Scale Deep Learning Model Training, "
@@ -346,13 +345,6 @@ def choose(table: pd.DataFrame) -> Choice:
 
 
 # ------------------------------------------------------------------------------------ provenance
-
-
-def profile_sha256(profile: str | Profile = "h200") -> str:
-    """SHA-256 of a profile's constants (canonical JSON of :meth:`Profile.to_dict`; raw measurements and
-    file formatting do not count): a recalibration changes it."""
-    data = load_profile(profile).to_dict()
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def sim_source_sha256() -> str:

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from um_lab.backend import Backend
+from um_lab.backend_base import Backend
 from um_lab.errors import UmLabError
 from um_lab.runread import (
     RunLogWarning,
@@ -152,7 +152,7 @@ def _version(dist: str) -> str | None:
 
 def environment_info(backend: Backend, requested_backend: str) -> dict[str, Any]:
     """Versions, host and backend of a run, and what the backend records of itself
-    (:meth:`~um_lab.backend.Backend.environment`: ``device``, the simulator's ``calibration_profile`` and
+    (:meth:`~um_lab.backend_base.Backend.environment`: ``device``, the simulator's ``calibration_profile`` and
     ``calibration_profile_sha256``); written as ``environment.json``."""
     import torch
 

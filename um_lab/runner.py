@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from um_lab import runexit
-from um_lab.backend import Backend, backend_class, get_backend, resolve_backend_name
+from um_lab.backend import backend_class, get_backend, resolve_backend_name
+from um_lab.backend_base import Backend
 from um_lab.errors import UmLabError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy

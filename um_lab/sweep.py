@@ -14,7 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from um_lab.backend import Backend, backend_class, backend_names, get_backend
+from um_lab.backend import backend_class, backend_names, get_backend
+from um_lab.backend_base import Backend
 from um_lab.errors import ModelConfigError, PolicyError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy, presets
@@ -213,7 +214,7 @@ def compare(
 
 def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, Any], RunSpec],
                  kind: type[Backend], keep_going: bool) -> None:
-    """Every model's knobs and the backend's check of it (:meth:`~um_lab.backend.Backend.check_case`; on the
+    """Every model's knobs and the backend's check of it (:meth:`~um_lab.backend_base.Backend.check_case`; on the
     simulator its input batch against host memory) before any run; with ``keep_going`` a bad model is left
     to its runs, which record why they could not run."""
     for label, model in model_items:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import um_lab.backend
-from um_lab.backend import BackendBase
+from um_lab.backend_base import BackendBase
 from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
 from um_lab.errors import CudaUnavailableError

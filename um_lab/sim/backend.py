@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from um_lab.backend import BackendBase
+from um_lab.backend_base import BackendBase
 from um_lab.errors import HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, get_policy
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
-from um_lab.sim.profile import Profile, load_profile
+from um_lab.sim.profile import Profile, load_profile, profile_sha256
 from um_lab.sim.roofline import op_host_us, op_times_us
 from um_lab.sim.stepper import readmostly_write_us, run_step
 from um_lab.sim.trace import StepTrace, cached_trace, case_key
@@ -77,8 +77,6 @@ class SimBackend(BackendBase):
 
     def environment(self) -> dict[str, Any]:
         """The simulated device and the calibration profile: its name and a SHA-256 of its constants."""
-        from um_lab.paper import profile_sha256
-
         return {"device": {"name": "cpu (simulated GPU)"}, "calibration_profile": self.profile.name,
                 "calibration_profile_sha256": profile_sha256(self.profile)}
 

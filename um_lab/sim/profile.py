@@ -9,6 +9,7 @@ see :mod:`um_lab.sim.calibration` for how the constants are derived and fitted.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -136,3 +137,10 @@ def load_profile(name_or_path: str | Path | Profile = "h200") -> Profile:
     except FileNotFoundError:
         raise ValueError(f"unknown profile {text!r}: not a packaged profile name or a JSON file") from None
     return Profile.from_dict(json.loads(data))
+
+
+def profile_sha256(profile: str | Profile = "h200") -> str:
+    """SHA-256 of a profile's constants (canonical JSON of :meth:`Profile.to_dict`; raw measurements and
+    file formatting do not count): a recalibration changes it."""
+    data = load_profile(profile).to_dict()
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
