@@ -23,7 +23,7 @@ import pytest
 
 import um_lab.runlog
 from um_lab import runexit
-from um_lab.backend import BackendBase
+from um_lab.backend_base import BackendBase
 from um_lab.cli import main
 from um_lab.errors import UmLabError
 from um_lab.models import ModelCase
@@ -98,6 +98,17 @@ SIM_RUN = ("import sys, time\n"
            " oversubscription_ratio=1.5), out_dir=sys.argv[1])\n")
 
 
+def _sigterm_after_steps(out: Path, proc: subprocess.Popen, n: int) -> tuple[Path, str, str]:
+    """Wait for ``n`` recorded steps, send SIGTERM, collect the output (the process killed in any case)."""
+    try:
+        path = _wait_for_steps(out, proc, n)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return path, stdout or "", stderr or ""
+
+
 def _assert_interrupted_with_its_steps(path: Path, by: str, min_steps: int) -> None:
     status = status_of(path)
     assert status["status"] == "interrupted" and status["complete"] is False, status
@@ -109,12 +120,7 @@ def _assert_interrupted_with_its_steps(path: Path, by: str, min_steps: int) -> N
 
 def test_sigterm_ends_a_foreground_run_as_interrupted_with_its_steps(tmp_path):
     proc = _start(SIM_RUN + "for _ in r: pass\n", str(tmp_path))
-    try:
-        path = _wait_for_steps(tmp_path, proc, 20)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    path, _, err = _sigterm_after_steps(tmp_path, proc, 20)
     assert proc.returncode != 0 and "RunInterrupted: run interrupted by SIGTERM" in err, err
     _assert_interrupted_with_its_steps(path, "SIGTERM", 20)
 
@@ -125,12 +131,7 @@ def test_sigterm_to_um_lab_run_exits_130_and_keeps_the_steps(tmp_path):
                              str(10**8), "--ratio", "1.5", "--batch-size", "64", "--no-progress", "--out",
                              str(tmp_path), *kw], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        path = _wait_for_steps(tmp_path, proc, 20)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    path, out, err = _sigterm_after_steps(tmp_path, proc, 20)
     assert proc.returncode == 130, err
     assert "completed steps kept" in out
     _assert_interrupted_with_its_steps(path, "SIGTERM", 20)
@@ -138,12 +139,7 @@ def test_sigterm_to_um_lab_run_exits_130_and_keeps_the_steps(tmp_path):
 
 def test_sigterm_with_a_background_run_marks_it_and_still_terminates(tmp_path):
     proc = _start(SIM_RUN + "r.start()\ntime.sleep(600)\n", str(tmp_path))
-    try:
-        path = _wait_for_steps(tmp_path, proc, 20)
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    path, _, _ = _sigterm_after_steps(tmp_path, proc, 20)
     assert proc.returncode == -signal.SIGTERM  # terminated by the signal, as without um_lab's handler
     _assert_interrupted_with_its_steps(path, "SIGTERM", 20)
 
