@@ -36,7 +36,13 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
         assert getattr(p, name) == pytest.approx(value), name
     packaged = json.loads((root / "um_lab" / "sim" / "profiles" / "h200.json").read_text())
     conv_fields = {"tile_conv_igemm_kxk", "tile_conv_igemm_1x1"}
-    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields
+    step_fields = {"cpu_op_us", "cpu_bwd_op_us", "cpu_view_op_us", "cpu_step_us", "host_fit_rows",
+                   "matmul_tflops", "matmul_half_gflop", "attention_tflops", "attention_half_gflop",
+                   "remote_rw_GBps", "remote_colreduce_GBps"}
+    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields
+    for name in step_fields - {"host_fit_rows"}:  # fitted on per-op training steps, each with its range
+        info = packaged["measured"]["primitives"][name]
+        assert "step_detail" in info["source"] and info["range"][0] <= getattr(p, name) <= info["range"][1], name
     for name in conv_fields:
         conv = packaged["measured"]["primitives"][name]
         assert "conv_in_step" in conv["source"] and conv["range"][0] < getattr(p, name) < conv["range"][1]

@@ -5,6 +5,8 @@ policy, the H200 profile, the card's capacity) and prints, per op name, the meas
 simulated time and their ratio, so a remote-access model can be checked op class by op class:
 
     python bench/diagnostics/sim_ops.py bench/results/remote_ops.json [--policy act-remote]
+
+(``bench/diagnostics/step_detail.py`` files work too: their per-shape entries are summed per op.)
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ def main() -> None:
     args = parser.parse_args()
     data = json.loads(args.measured.read_text())
     for cfg in data["configs"]:
+        if "ops" not in cfg:
+            continue
         if args.policy and cfg["policy"] not in args.policy:
             continue
         step_ms, traced = SimBackend("h200").op_ms(get_model(cfg["model"], **cfg["model_kwargs"]),
                                                    policy_named(cfg["policy"]))
         sim = {name.replace("aten.", "aten::"): v for name, v in traced.items()}
-        measured = {o["op"]: (o["count"], o["self_device_ms"]) for o in cfg["ops"] if o["op"].startswith("aten::")}
+        measured: dict[str, tuple[int, float]] = {}
+        for o in cfg["ops"]:  # a step_detail.py file has one entry per (op, input shapes)
+            if o["op"].startswith("aten::"):
+                n, ms = measured.get(o["op"], (0, 0.0))
+                measured[o["op"]] = (n + o["count"], ms + o["self_device_ms"])
         print(f"\n{cfg['model']} {cfg['model_kwargs']} {cfg['policy']}: measured {cfg['step_ms']:.1f} ms, "
               f"simulated {step_ms:.1f} ms")
         print(f"  {'op':44s} {'n meas':>6s} {'n sim':>6s} {'meas ms':>9s} {'sim ms':>9s} {'sim/meas':>8s}")

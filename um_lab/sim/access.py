@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from um_lab.sim.ops import (
+    COL_REDUCE,
     CONV_1X1,
     CONV_1X1_BWD_FILTER,
     CONV_IGEMM,
@@ -25,7 +26,7 @@ from um_lab.sim.ops import (
 )
 from um_lab.sim.placement import BIG_PAGE, BLOCK, Layout
 from um_lab.sim.profile import Profile
-from um_lab.sim.trace import ACC_READ, ACC_WRITE_ONLY, StepTrace
+from um_lab.sim.trace import ACC_READ, ACC_READ_WRITE, ACC_WRITE_ONLY, StepTrace
 
 _FULL = np.uint64(0xFFFFFFFF)
 
@@ -41,6 +42,7 @@ class OpBlocks:
     nbytes: np.ndarray  #: float64 bytes accessed in the block
     remote_bytes: np.ndarray  #: float64 bytes read over the host link if remote (with re-reads)
     write_bytes: np.ndarray  #: float64 bytes written in the block (written over the link if remote)
+    inplace_bytes: np.ndarray  #: float64 bytes of the block the op updates in place (read and written)
 
 
 def page_mask(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -60,8 +62,9 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
     A tiled kernel re-reads its operand once per tile of the other output dimension
     (``ceil(reuse / tile)``, at least 1), with the profile's tiles; a convolution's implicit GEMM reads
     ``volume`` times the operand's bytes per pass, ``max(1, reuse / tile)`` passes with the k x k or the 1x1
-    tile (cuDNN picks smaller tiles for narrow outputs); a training-mode batch norm reads its input
-    ``norm_input_passes`` times; everything else once.
+    tile (cuDNN picks smaller tiles for narrow outputs); a training-mode batch norm (and a layer norm's
+    backward) reads its input ``norm_input_passes`` times; a column reduction reads at
+    ``remote_colreduce_GBps`` (``remote_GBps / remote_colreduce_GBps`` passes); everything else once.
     """
     p = profile
     nt_b = np.clip(reuse / 128.0, p.tile_gemm_nt_b_min, p.tile_gemm_nt_b_max)
@@ -78,6 +81,7 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
         if conv.any():
             passes[conv] = np.maximum(1.0, reuse[conv] / tile)
     passes[reread == NORM_STATS] = p.norm_input_passes
+    passes[reread == COL_REDUCE] = p.remote_GBps / p.remote_colreduce_GBps
     return passes if volume is None else passes * volume
 
 
@@ -96,6 +100,7 @@ def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
     lo = base + trace.acc_lo[keep]
     hi = base + trace.acc_hi[keep]
     write = trace.acc_write[keep] != ACC_READ
+    inplace = trace.acc_write[keep] == ACC_READ_WRITE
     reads = trace.acc_write[keep] != ACC_WRITE_ONLY  # fresh outputs are not read
     reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile, trace.acc_volume[keep]) * reads
     first_block = lo // BLOCK
@@ -110,11 +115,12 @@ def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
     nbytes = (blk_hi - blk_lo).astype(np.float64)
     e_op = acc_op[rep]
     e_write = write[rep]
+    e_inplace = inplace[rep]
     # group by (op, block)
     key = e_op * (int(blk.max()) + 1 if len(blk) else 1) + blk
     order = np.argsort(key, kind="stable")
     key, e_op, blk, mask, nbytes = key[order], e_op[order], blk[order], mask[order], nbytes[order]
-    e_write, e_reread = e_write[order], reread[rep][order]
+    e_write, e_reread, e_inplace = e_write[order], reread[rep][order], e_inplace[order]
     if len(key):
         starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
     else:
@@ -138,4 +144,5 @@ def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
         nbytes=group_sum(nbytes),
         remote_bytes=group_sum(nbytes * e_reread),
         write_bytes=group_sum(np.where(e_write, nbytes, 0.0)),
+        inplace_bytes=group_sum(np.where(e_inplace, nbytes, 0.0)),
     )

@@ -93,18 +93,32 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 #: with remote activations, bench/results/remote_ops.json). CONV_IGEMM(_1X1): an operand of a k x k (1x1)
 #: convolution's implicit GEMM, read ``volume`` times its bytes per pass (the im2col'd input: R*S / stride^2)
 #: and re-read once per tile of the other GEMM dimension.
+#: COL_REDUCE: the input of a column reduction (a sum over leading dims), read at ``remote_colreduce_GBps``.
 (READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS, CONV_IGEMM,
- CONV_IGEMM_1X1) = range(10)
+ CONV_IGEMM_1X1, COL_REDUCE) = range(11)
 REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
-                                   "conv_1x1_bwd_filter", "norm_stats", "conv_igemm", "conv_igemm_1x1")
+                                   "conv_1x1_bwd_filter", "norm_stats", "conv_igemm", "conv_igemm_1x1",
+                                   "col_reduce")
 #: Traced names of a convolution's forward op.
 CONV_FORWARD = frozenset({"aten.convolution", "aten._convolution", "aten.cudnn_convolution"})
-_BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
+#: Traced names of a batch norm's forward and backward ops.
+BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
                "aten.cudnn_batch_norm"}
-_BATCH_NORM_BWD = {"aten.native_batch_norm_backward", "aten.cudnn_batch_norm_backward"}
+BATCH_NORM_BWD = {"aten.native_batch_norm_backward", "aten.cudnn_batch_norm_backward"}
 #: One way a kernel reads an operand: (reuse, re-read class, volume).
 Read = tuple[float, int, float]
 
+
+def is_column_reduction(args: tuple) -> bool:
+    """A ``sum`` over some leading dims that keeps the last one (a bias gradient: each thread walks a
+    column, with few requests in flight)."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not dims:
+        return False
+    last = x.dim() - 1
+    kept = {d % x.dim() for d in dims}
+    return last not in kept
 
 def _transposed(t: torch.Tensor) -> bool:
     """True for a column-major matrix (a ``.t()`` view): cuBLAS reads it as a transposed operand."""
@@ -258,10 +272,14 @@ def remote_reads(name: str, args: tuple) -> dict[int, list[Read]]:
                 return {}
             geo = conv_geometry(args[1], args[2], args[4], args[5], args[6], args[9])
             return conv_reads(True, geo, tuple(args[10]))
-        if name in _BATCH_NORM:
+        if name in BATCH_NORM:
             return {0: [(1.0, NORM_STATS, 1.0)]}
-        if name in _BATCH_NORM_BWD:  # not measured: assumed to read both twice, as the forward does
+        if name in BATCH_NORM_BWD:  # not measured: assumed to read both twice, as the forward does
             return {0: [(1.0, NORM_STATS, 1.0)], 1: [(1.0, NORM_STATS, 1.0)]}
+        if name == "aten.native_layer_norm_backward":  # the weight gradient's column pass re-reads both
+            return {0: [(1.0, NORM_STATS, 1.0)], 1: [(1.0, NORM_STATS, 1.0)]}
+        if name == "aten.sum" and is_column_reduction(args):
+            return {0: [(1.0, COL_REDUCE, 1.0)]}
         if name.startswith("aten._scaled_dot_product") or name.startswith("aten._efficient_attention"):
             q = args[0]
             return {1: [(float(q.shape[-2]), GEMM_NT_B, 1.0)], 2: [(float(q.shape[-2]), GEMM_NN, 1.0)]}

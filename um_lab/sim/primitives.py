@@ -90,14 +90,21 @@ def fit_primitives(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str,
     h2d = [r for r in mig if r["name"] == "prefetch H2D"]
     faults = [r for r in mig if r["name"].startswith("fault H2D")]
     touch = [r for r in mig if r["name"].startswith("GPU first touch")]
+    inplace = [r for r in remote if r["pattern"].startswith("read+write")]
     stream = _median(reads)
     fields: dict[str, float] = {"remote_GBps": stream, "remote_write_GBps": _median(writes)}
+    if inplace:
+        fields["remote_inplace_GBps"] = _median(inplace)
     why: dict[str, dict[str, Any]] = {
         "remote_GBps": {"from": "streaming read of host-resident managed memory (zero-copy), median",
                         "range": [min(r["GBps"] for r in reads), max(r["GBps"] for r in reads)]},
         "remote_write_GBps": {"from": "streaming write to host-resident managed memory, median",
                               "range": [min(r["GBps"] for r in writes), max(r["GBps"] for r in writes)]},
     }
+    if inplace:
+        why["remote_inplace_GBps"] = {"from": "in-place read+write (axpy) of host-resident managed memory, bytes read "
+                                              "plus written per second, median",
+                                      "range": [min(r["GBps"] for r in inplace), max(r["GBps"] for r in inplace)]}
     tiles = tile_samples(rows, stream)
     nt_b = tiles.pop("gemm_nt_b", [])
     names = {"gemm_a": "tile_gemm_a", "gemm_nn": "tile_gemm_nn", "gemm_tn": "tile_gemm_tn",

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 2
+#: Host costs that may be zero (a fit can find that a cost is not there).
+ZERO_ALLOWED = frozenset({"cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us",
+                          "cpu_view_op_us", "cpu_step_us", "kernel_us"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +36,35 @@ class Profile:
     matmul_tflops: float = 55.0  #: fp32 GEMM / attention peak (no TF32: PyTorch's default for matmul)
     matmul_half_gflop: float = 0.05  #: GEMM size (GFLOP) at which a GEMM reaches half the peak
     attention_tflops: float = 30.0  #: fused (memory-efficient) fp32 attention kernels
+    attention_half_gflop: float = 0.05  #: attention kernel size (GFLOP) at which it reaches half its peak
     conv_tflops: float = 250.0  #: convolution peak (cuDNN allows TF32 by default)
     conv_half_gflop: float = 1.0
     hbm_GBps: float = 3000.0  #: effective HBM bandwidth of memory-bound kernels
+    #: HBM passes of a batch norm's forward / backward kernels per byte of their operands (cuDNN's kernels
+    #: read their input more than once: statistics, then normalise; in the backward also the reductions)
+    norm_fwd_hbm_passes: float = 1.0
+    norm_bwd_hbm_passes: float = 1.0
     kernel_us: float = 2.0  #: fixed GPU time per kernel
     #: host time to dispatch one forward/optimizer op from Python (the GPU starves when kernels are shorter)
     cpu_op_us: float = 20.0
     cpu_bwd_op_us: float = 12.0  #: host time of one backward op (autograd's C++ engine)
     cpu_cudnn_call_us: float = 30.0  #: extra host time per cuDNN call (descriptors, execution-plan lookup)
     cpu_foreach_tensor_us: float = 2.0  #: extra host time per tensor argument of a foreach op (Python lists)
+    #: host time of one forward/optimizer op that launches no kernel (a view, a reshape, an allocation)
+    cpu_view_op_us: float = 0.0
+    cpu_step_us: float = 0.0  #: fixed host time per training step (the loop, zero_grad, the step's record)
     # host link
     pinned_h2d_GBps: float = 51.61
     remote_GBps: float = 51.2  #: GPU streaming reads of host-resident managed memory (zero-copy)
     remote_write_GBps: float = 52.6  #: GPU streaming writes to host-resident managed memory
+    #: a kernel that both reads and writes host-resident data moves at most this many bytes per second in
+    #: total (the link is not fully duplex for them: in-step elementwise kernels, bench/diagnostics/step_detail.py)
+    remote_rw_GBps: float = 104.0
+    #: the same for a kernel whose only remote accesses update data in place (an optimizer's foreach ops)
+    remote_inplace_GBps: float = 104.0
+    #: reads of a remote operand by a column reduction (a sum over leading dims: bias gradients), which
+    #: keeps too few requests in flight to fill the link
+    remote_colreduce_GBps: float = 51.2
     #: Tiles along which kernels re-read a remote operand (one link pass per tile of the other output
     #: dimension; bench/uvm_primitives.py): cuBLAS NT (forward x @ W.T) A operand; NT B operand, whose tile
     #: grows with the rows (reuse / 128, clipped to these bounds); NN; TN; 1x1 convolutions (input per
@@ -105,6 +124,8 @@ class Profile:
             if key in ("name", "source"):
                 continue
             if key == "prefetch_host_sync" and isinstance(value, int | float) and value in (0, 1):
+                continue
+            if key in ZERO_ALLOWED and isinstance(value, int | float) and value == 0:
                 continue
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"profile field {key} must be a positive number, got {value!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from um_lab.sim.ops import BATCH_NORM, BATCH_NORM_BWD
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import KIND_ATTENTION, KIND_CONV, KIND_H2D_COPY, KIND_MATMUL, PHASE_BWD, StepTrace
 
@@ -13,16 +14,21 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
 
     GEMM-like ops (GEMM, convolution, fused attention: each with its own peak) run at
     ``peak * f / (f + f_half)`` (small GEMMs fill the GPU badly), bounded below by their HBM traffic;
-    memory-bound ops move ``op_bytes`` at the HBM bandwidth; the batch copy runs at the pinned
+    memory-bound ops move ``op_bytes`` at the HBM bandwidth (batch norms ``norm_*_hbm_passes`` times);
+    the batch copy runs at the pinned
     host-to-device bandwidth. Every kernel adds ``kernel_us``.
     """
     flops = trace.op_flops
     kind = trace.op_kind
     mem_us = trace.op_bytes / (profile.hbm_GBps * 1e3)
+    for names, passes in ((BATCH_NORM, profile.norm_fwd_hbm_passes), (BATCH_NORM_BWD, profile.norm_bwd_hbm_passes)):
+        if passes != 1.0:
+            sel = np.array([name in names for name in trace.op_names], bool)
+            mem_us[sel] *= passes
     t = mem_us.copy()
     for k, tflops, half in ((KIND_MATMUL, profile.matmul_tflops, profile.matmul_half_gflop),
                             (KIND_CONV, profile.conv_tflops, profile.conv_half_gflop),
-                            (KIND_ATTENTION, profile.attention_tflops, profile.matmul_half_gflop)):
+                            (KIND_ATTENTION, profile.attention_tflops, profile.attention_half_gflop)):
         sel = kind == k
         f = flops[sel]
         rate = tflops * 1e6 * f / (f + half * 1e9)  # flop per us
@@ -49,18 +55,28 @@ def op_host_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     backward ops are issued by autograd's C++ engine: ``cpu_bwd_op_us``; optimizer-phase ops are
     Python again (``cpu_op_us``), and a ``foreach`` op also walks its tensor lists in Python
     (grouping by device and dtype, per-tensor scalars): ``cpu_foreach_tensor_us`` per tensor
-    argument. cuDNN calls (convolution, batch norm) add ``cpu_cudnn_call_us`` each. The batch copy
-    (op 0) is issued before the step's timer.
+    argument. cuDNN calls (convolution, batch norm) add ``cpu_cudnn_call_us`` each. Host-only ops (views,
+    reshapes, allocations) dispatched before an op in the forward or optimizer phase add
+    ``cpu_view_op_us`` each (in the backward they are C++ calls, counted in ``cpu_bwd_op_us``). The
+    step's fixed cost ``cpu_step_us`` is paid before its first op. The batch copy (op 0) is issued
+    before the step's timer.
     """
     n = trace.n_ops
-    host = np.where(trace.op_phase == PHASE_BWD, profile.cpu_bwd_op_us, profile.cpu_op_us).astype(np.float64)
+    backward = trace.op_phase == PHASE_BWD
+    host = np.where(backward, profile.cpu_bwd_op_us, profile.cpu_op_us).astype(np.float64)
+    if trace.op_host_only is not None:
+        host += np.where(backward, 0.0, trace.op_host_only * profile.cpu_view_op_us)
     n_args = np.diff(trace.acc_ptr).astype(np.float64)
     foreach = np.array([name.startswith("aten._foreach") for name in trace.op_names], bool)
     host[foreach] += n_args[foreach] * profile.cpu_foreach_tensor_us
     cudnn = np.array([CUDNN_CALLS.get(name, 0) for name in trace.op_names], np.float64)
     host += cudnn * profile.cpu_cudnn_call_us
+    first = 0
     if n and trace.op_kind[0] == KIND_H2D_COPY:
         host[0] = 0.0
+        first = 1
+    if n > first:
+        host[first] += profile.cpu_step_us
     return host
 
 

@@ -48,6 +48,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     model.arrival[:] = 0.0
     phase = -1
     ptr, blk, msk, wmk, rbytes, wbytes = ob.ptr, ob.block, ob.mask, ob.write_mask, ob.remote_bytes, ob.write_bytes
+    ibytes = ob.inplace_bytes
     gpu = model.gpu
     op_phase = trace.op_phase
     if host_us is None:
@@ -85,7 +86,8 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
         fault_us = remote_us = 0.0
         if ((m & ~gpu[b]) != 0).any():
             protect[b] = True
-            fault_us, remote_us = model.access(b, m, wmk[p0:p1], rbytes[p0:p1], protect, wbytes[p0:p1])
+            fault_us, remote_us = model.access(b, m, wmk[p0:p1], rbytes[p0:p1], protect, wbytes[p0:p1],
+                                                ibytes[p0:p1])
             protect[b] = False
         if pending and len(b):
             ready = float(model.arrival[b].max())

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from um_lab.models import ModelCase
 from um_lab.sim.ops import (
@@ -99,6 +99,9 @@ class StepTrace:
     st_free: np.ndarray
     st_persistent: np.ndarray
     unknown_ops: list[str] = dataclasses.field(default_factory=list)
+    #: per op, the host-only ops (views, metadata, allocations: no kernel) dispatched since the previous
+    #: kernel op; they cost host time only (``Profile.cpu_view_op_us``). ``None``: not counted.
+    op_host_only: np.ndarray | None = None
 
     @property
     def n_ops(self) -> int:
@@ -120,6 +123,12 @@ class StepTrace:
         return int(np.cumsum(delta).max())
 
 
+#: CPU attention kernels a trace meets when a module calls SDPA below Python (nn.MultiheadAttention):
+#: on CUDA these are fused attention kernels, so they are costed as such.
+_CPU_FLASH = frozenset({"aten._scaled_dot_product_flash_attention_for_cpu",
+                        "aten._scaled_dot_product_flash_attention_for_cpu_backward"})
+
+
 class _Recorder(TorchDispatchMode):
     """Records kernel ops, storage accesses, allocations and frees (see :class:`StepTrace`)."""
 
@@ -137,6 +146,8 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[tuple[str, int, float, float, int]] = []
         self.acc: list[tuple[int, int, int, int, int, float, int, float]] = []
         self.unknown: dict[str, None] = {}
+        self.host_only = 0  # host-only ops since the last kernel op
+        self.host_only_before: dict[int, int] = {}  # op index -> host-only ops dispatched just before it
 
     # -- storages -------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, dtype: DataType, alloc_at: int, transient: bool) -> int:
@@ -185,6 +196,7 @@ class _Recorder(TorchDispatchMode):
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
         out = func(*args, **kwargs)
         if name in NO_KERNEL:
+            self.host_only += 1
             if name.startswith("aten.empty") or name.startswith("aten.new_empty"):
                 self._collect_frees()
                 for t in tree_flatten(out)[0]:
@@ -198,6 +210,11 @@ class _Recorder(TorchDispatchMode):
             del self.acc[n_acc:], self.ops[n_ops:]
             self.ops.append((name, self.phase, 0.0, 0.0, KIND_MEMORY))
             self._warn(name, f"accounting failed ({type(e).__name__}: {e}); counted as zero-cost op")
+        if len(self.ops) > n_ops:
+            self.host_only_before[n_ops] = self.host_only
+            self.host_only = 0
+        else:
+            self.host_only += 1  # a view or metadata op
         return out
 
     def _warn(self, name: str, why: str) -> None:
@@ -252,7 +269,15 @@ class _Recorder(TorchDispatchMode):
             self.acc.append((op_index, idx, 0, nbytes, ACC_READ, reuse, reread, volume))
         packet = func.overloadpacket
         kind = KIND_MEMORY
-        if packet in flop_registry:
+        if name in _CPU_FLASH:  # what CUDA runs as fused (efficient) attention, where no mode could swap it
+            kind = KIND_ATTENTION
+            q, k, v = (args[1], args[2], args[3]) if name.endswith("_backward") else (args[0], args[1], args[2])
+            flops = float(sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
+                          if name.endswith("_backward") else sdpa_flop_count(q.shape, k.shape, v.shape))
+            at = 7 if name.endswith("_backward") else 4
+            if kwargs.get("is_causal", args[at] if len(args) > at else False):
+                flops *= 0.5
+        elif packet in flop_registry:
             kind = KIND_CONV if "conv" in name else KIND_ATTENTION if "attention" in name else KIND_MATMUL
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
             if is_causal_attention(name, args, kwargs):
@@ -369,6 +394,7 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         st_free=st_free,
         st_persistent=persistent,
         unknown_ops=list(rec.unknown),
+        op_host_only=np.array([rec.host_only_before.get(i, 0) for i in range(n)], np.int32),
     )
 
 

@@ -244,14 +244,16 @@ class UvmModel:
 
     # -- GPU accesses ---------------------------------------------------------------------------
     def access(self, blocks: np.ndarray, mask: np.ndarray, wmask: np.ndarray, remote_bytes: np.ndarray,
-               protect: np.ndarray, remote_write_bytes: np.ndarray | None = None) -> tuple[float, float]:
+               protect: np.ndarray, remote_write_bytes: np.ndarray | None = None,
+               inplace_bytes: np.ndarray | None = None) -> tuple[float, float]:
         """A kernel touches ``mask`` pages of ``blocks``; return (fault stall us, remote access us).
 
         ``remote_bytes`` / ``remote_write_bytes``: per block, the bytes the kernel would read / write
-        over the host link if the block were remote. The link is full duplex: a kernel's remote time
-        is the longer of its read and write streams (an in-place update of host-resident data costs
-        one pass, not two). ``protect``: a boolean array over all blocks, True for this op's blocks
-        (not evicted for it).
+        over the host link if the block were remote. A kernel's remote time is the longest of its read
+        stream, its write stream and both together at ``remote_rw_GBps`` (measured in-step: the two
+        directions overlap only in part), or at ``remote_inplace_GBps`` when all it reads and writes is
+        updated in place (``inplace_bytes`` per block: an optimizer's foreach update). ``protect``: a
+        boolean array over all blocks, True for this op's blocks (not evicted for it).
         """
         miss = mask & ~self.gpu[blocks]
         sel = miss != 0
@@ -297,7 +299,11 @@ class UvmModel:
             rbytes = float((remote_bytes[sel] * frac).sum())
             wbytes = float((remote_write_bytes[sel] * frac).sum()) if remote_write_bytes is not None else 0.0
             self.remote_bytes += rbytes + wbytes
-            remote_us = max(rbytes / (self.p.remote_GBps * 1e3), wbytes / (self.p.remote_write_GBps * 1e3))
+            ibytes = float((inplace_bytes[sel] * frac).sum()) if inplace_bytes is not None else 0.0
+            in_place = ibytes > 0 and ibytes >= 0.99 * max(rbytes, wbytes)
+            both = self.p.remote_inplace_GBps if in_place else self.p.remote_rw_GBps
+            remote_us = max(rbytes / (self.p.remote_GBps * 1e3), wbytes / (self.p.remote_write_GBps * 1e3),
+                            (rbytes + wbytes) / (both * 1e3))
             self.remote_us += remote_us
         if not bring.any():
             return 0.0, remote_us

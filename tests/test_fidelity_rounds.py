@@ -1,0 +1,37 @@
+"""The held-out fidelity rounds keep the fit and the check apart (bench/sim_fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import sim_fidelity  # noqa: E402
+
+REMOTE_HEAVY = {"act-remote", "offload-optimizer", "zero-copy-params"}
+
+
+def _key(model: str, kwargs: dict, policy: str) -> str:
+    return json.dumps([model, kwargs, policy], sort_keys=True)
+
+
+def test_the_new_round_uses_no_fit_model_and_repeats_no_earlier_configuration() -> None:
+    new = sim_fidelity.NEW_HELDOUT
+    assert len(new) >= 6
+    assert sum(policy in REMOTE_HEAVY for _, _, policy in new) >= 3
+    fit = set(sim_fidelity.FIT_MODELS) | set(sim_fidelity.STEP_FIT_MODELS)
+    assert not {model for model, _, _ in new} & fit
+    earlier = {_key(*c) for rnd in sim_fidelity.HELDOUT_ROUNDS.values() for c in rnd}
+    earlier |= {_key(*c) for c in sim_fidelity.configurations()}
+    assert not {_key(*c) for c in new} & earlier
+    assert len({_key(*c) for c in new}) == len(new)
+
+
+def test_the_committed_predictions_are_the_new_round() -> None:
+    predicted = json.loads((ROOT / "bench" / "results" / "sim_fidelity_predicted_new.json").read_text())
+    rows = {_key(r["model"], r["model_kwargs"], r["policy"]): r for r in predicted["rows"]}
+    assert set(rows) == {_key(*c) for c in sim_fidelity.NEW_HELDOUT}
+    assert all(r["simulated_ms"] > 0 and r["measured_ms"] is None for r in rows.values())
