@@ -76,10 +76,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "18e921ac36d13e35beba53fb10a4d3d9429f0f9ad98214f121f7897eca27429c",
-    "sim_source_sha256": "6cf8d09f8c8fa96a7fca55f20d03ec0c21c11ea6ae7850d5c9bab9e37938d0c1",
-    "date": "2026-12-01T06:09:56+00:00",
-    "git_commit": "084b7d8681f688c574612814129befcd981dde7b",  # working tree, 2-core dev VM, a process per model
+    "profile_sha256": "888cd0fadafbd780ddfbbadbb52069fb1ee03a3a7ac73fa246f85854e4f8d48d",
+    "sim_source_sha256": "b7b7fec0cd17497a1b0b713f002002eec47f52536fa44582819b24ffac2a9572",
+    "date": "2026-12-01T10:04:52+00:00",
+    "git_commit": "5dc87022a32a185483affd1b3eea8b5c49d79474",  # working tree, 2-core dev VM, a process per model
     "um_lab_version": "0.1.0",
 }
 
