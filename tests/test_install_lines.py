@@ -462,6 +462,7 @@ def _modules_the_tests_need() -> dict[str, str]:
         for name in names:
             needed.setdefault(name.split(".")[0], path.relative_to(ROOT).as_posix())
     local = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests", "um_lab"}
+    local |= {p.stem for p in (ROOT / "bench").rglob("*.py")}  # the project's own scripts (sys.path)
     return {m: f for m, f in needed.items() if m not in sys.stdlib_module_names and m not in local}
 
 

@@ -38,7 +38,8 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
     conv_fields = {"tile_conv_igemm_kxk", "tile_conv_igemm_1x1"}
     step_fields = {"cpu_op_us", "cpu_bwd_op_us", "cpu_view_op_us", "cpu_step_us", "host_fit_rows",
                    "matmul_tflops", "matmul_half_gflop", "attention_tflops", "attention_half_gflop",
-                   "remote_rw_GBps", "remote_colreduce_GBps"}
+                   "remote_rw_GBps", "remote_colreduce_GBps", "conv_tflops", "conv_half_gflop", "hbm_GBps",
+                   "norm_fwd_hbm_passes", "norm_bwd_hbm_passes"}
     assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields
     for name in step_fields - {"host_fit_rows"}:  # fitted on per-op training steps, each with its range
         info = packaged["measured"]["primitives"][name]

@@ -13,7 +13,16 @@ Two kinds of input, both plain dicts (JSON-ready):
 
 :func:`measure_on_gpu` collects both on the local GPU (it needs CUDA and the real backend); without
 CUDA it raises :class:`um_lab.errors.CudaUnavailableError`. ``um_lab/sim/profiles/h200.json`` was
-made by :func:`build_h200_profile` from the H200 probe (2026-11-30).
+made by :func:`build_h200_profile` from the H200 probe (2026-11-30), the UM primitives, the in-step
+convolutions and the per-op training steps of ``bench/diagnostics/step_detail.py``
+(:mod:`um_lab.sim.step_fit`: host costs, GEMM / attention / convolution / HBM rates and remote
+elementwise rates are fitted op by op there; whole step times then fit only what is left). To rebuild::
+
+    build_h200_profile("calibration/h200-probe.json", "um_lab/sim/profiles/h200.json",
+                       fidelity_path="bench/results/sim_fidelity.json",
+                       primitives_path="bench/results/uvm_primitives.json",
+                       conv_path="bench/results/conv_in_step.json",
+                       step_detail_path="bench/results/step_detail.json")
 """
 
 from __future__ import annotations

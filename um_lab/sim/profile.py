@@ -2,7 +2,8 @@
 
 A profile is a JSON file. The packaged ``profiles/h200.json`` was built from measurements on an NVIDIA
 H200 (PCIe Gen5 host link), recorded in ``calibration/h200-probe.json`` (2026-11-30), the primitives of
-``bench/uvm_primitives.py`` and the convolutions of ``bench/conv_in_step.py``;
+``bench/uvm_primitives.py``, the convolutions of ``bench/conv_in_step.py`` and the per-op training
+steps of ``bench/diagnostics/step_detail.py``;
 see :mod:`um_lab.sim.calibration` for how the constants are derived and fitted.
 """
 
