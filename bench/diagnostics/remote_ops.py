@@ -13,12 +13,10 @@ Writes ``{"device", "date", "configs": [{"model", "model_kwargs", "policy", "ste
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import gc
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,8 @@ from um_lab.models import ModelCase, get_model
 from um_lab.types import RunSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiled_runs import new_result, run_config  # noqa: E402
 from sim_fidelity import policy_named  # noqa: E402  (presets and the held-out rows' "act-remote")
 
 CONFIGS: list[tuple[str, dict[str, Any], str]] = [
@@ -94,24 +94,12 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", help="only these models' configurations")
     ap.add_argument("--configs", nargs="+", type=int, help="only these configurations (indices into CONFIGS)")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                              "configs": []}
+    result = new_result()
     for i, (model, kwargs, policy) in enumerate(CONFIGS):
         if (args.models and model not in args.models) or (args.configs and i not in args.configs):
             continue
-        t = time.perf_counter()
-        try:
-            row = profile_config(model, kwargs, policy)
-        except Exception as e:  # noqa: BLE001 - one failure must not lose the others
-            row = {"model": model, "model_kwargs": kwargs, "policy": policy, "error": f"{type(e).__name__}: {e}"}
-        row["seconds"] = round(time.perf_counter() - t, 1)
-        result["configs"].append(row)
-        print(model, policy, row.get("step_ms"), row.get("error", ""), f"{row['seconds']} s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
+        row = {"model": model, "model_kwargs": kwargs, "policy": policy}
+        run_config(result, args.out, row, functools.partial(profile_config, model, kwargs, policy))
 
 if __name__ == "__main__":
     main()

@@ -17,12 +17,10 @@ self host time.
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import gc
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,8 @@ from um_lab.models import get_model
 from um_lab.types import RunSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiled_runs import new_result, run_config  # noqa: E402
 from sim_fidelity import policy_named  # noqa: E402
 
 #: (kind, model, knobs, policy). The ``host`` rows use the models the host constants are fitted on.
@@ -125,27 +125,14 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", help="only these models' configurations")
     ap.add_argument("--configs", nargs="+", type=int, help="only these configurations (indices into CONFIGS)")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                              "configs": []}
+    result = new_result()
     for i, (kind, model, knobs, policy) in enumerate(CONFIGS):
         if ((args.kind and kind not in args.kind) or (args.models and model not in args.models)
                 or (args.configs and i not in args.configs)):
             continue
-        t = time.perf_counter()
         row: dict[str, Any] = {"kind": kind, "model": model, "model_kwargs": knobs, "policy": policy}
-        try:
-            row.update(detail(model, knobs, policy, args.steps))
-        except Exception as e:  # noqa: BLE001 - one failure must not lose the others
-            row["error"] = f"{type(e).__name__}: {e}"
-        row["seconds"] = round(time.perf_counter() - t, 1)
-        result["configs"].append(row)
-        print(kind, model, knobs, policy, row.get("step_ms"), row.get("gpu_busy_ms"), row.get("error", ""),
-              f"{row['seconds']} s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
+        run_config(result, args.out, row, functools.partial(detail, model, knobs, policy, args.steps),
+                   show=("step_ms", "gpu_busy_ms"))
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from um_lab.sim.trace import PHASE_BWD, StepTrace
+from um_lab.sim.ops import BATCH_NORM, BATCH_NORM_BWD, CONV_FORWARD
+from um_lab.sim.profile import Profile
+from um_lab.sim.replicas import model_case
+from um_lab.sim.roofline import op_host_us
+from um_lab.sim.trace import KIND_ATTENTION, StepTrace, cached_trace
 
 GEMM_OPS = ("aten::mm", "aten::addmm")
 #: elementwise ops whose every tensor operand is an activation (remote under act-remote)
@@ -38,17 +42,14 @@ def _configs(detail: Mapping[str, Any], kind: str, policy: str) -> list[Mapping[
             and not c.get("repeat")]
 
 
-def host_features(trace: StepTrace) -> list[float]:
-    """Counts the host model charges: forward/optimizer kernel ops, backward kernel ops, host-only ops
-    outside the backward, one step."""
-    bwd = trace.op_phase == PHASE_BWD
-    timed = np.ones(trace.n_ops, bool)
-    timed[0] = False  # the batch copy is issued before the timed step
-    views = trace.op_host_only if trace.op_host_only is not None else np.zeros(trace.n_ops)
-    return [float((timed & ~bwd).sum()), float((timed & bwd).sum()), float(views[timed & ~bwd].sum()), 1.0]
-
-
 HOST_FIELDS = ("cpu_op_us", "cpu_bwd_op_us", "cpu_view_op_us", "cpu_step_us")
+
+
+def host_features(trace: StepTrace) -> list[float]:
+    """The step's host time per unit of each of :data:`HOST_FIELDS` (the host model is linear in them):
+    forward/optimizer kernel ops, backward kernel ops, host-only ops outside the backward, one step."""
+    zero = Profile().replace(cpu_cudnn_call_us=0.0, cpu_foreach_tensor_us=0.0, **{f: 0.0 for f in HOST_FIELDS})
+    return [float(op_host_us(trace, zero.replace(**{field: 1.0})).sum()) for field in HOST_FIELDS]
 
 
 def fit_host_costs(detail: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
@@ -57,8 +58,6 @@ def fit_host_costs(detail: Mapping[str, Any]) -> tuple[dict[str, float], dict[st
     cuDNN and foreach per-call extras are set to zero: on these steps they are not separable from the
     per-op costs (the fit found no positive share for them). Ranges: leave-one-step-out refits.
     """
-    from um_lab.sim.replicas import model_case
-    from um_lab.sim.trace import cached_trace
 
     rows = _configs(detail, "host", "um-default")
     if len(rows) < len(HOST_FIELDS):
@@ -169,8 +168,6 @@ def fit_attention_rate(detail: Mapping[str, Any]) -> tuple[dict[str, float], dic
     """``attention_tflops`` and ``attention_half_gflop`` (``peak * f / (f + f_half)`` per fused attention
     kernel, as for GEMMs) from the ``shapes`` um-default steps: the kernels' FLOPs in each step's trace
     against their measured GPU time (forward and backward together), squared log error over the steps."""
-    from um_lab.sim.replicas import model_case
-    from um_lab.sim.trace import KIND_ATTENTION, cached_trace
 
     steps = []  # (per-kernel GFLOP array, measured us)
     for c in _configs(detail, "shapes", "um-default"):
@@ -216,9 +213,6 @@ def fit_resident_ops(detail: Mapping[str, Any], kernel_us: float) -> tuple[dict[
     time less ``kernel_us`` each), ``norm_fwd_hbm_passes`` / ``norm_bwd_hbm_passes`` (batch norms' measured
     time over their traced bytes at that rate) and ``conv_tflops`` / ``conv_half_gflop`` (convolution
     kernels, forward and backward apart, per step; squared log error)."""
-    from um_lab.sim.ops import BATCH_NORM, BATCH_NORM_BWD, CONV_FORWARD
-    from um_lab.sim.replicas import model_case
-    from um_lab.sim.trace import cached_trace
 
     elem_bytes = elem_us = 0.0
     norm: dict[str, list[tuple[float, float]]] = {"fwd": [], "bwd": []}  # (traced bytes, measured us)
