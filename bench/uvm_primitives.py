@@ -9,6 +9,9 @@ models are fitted to. ``python bench/uvm_primitives.py [--quick] [--sections ...
   (remote_ms - resident_ms) * LINK_GBPS / 1e3 / operand bytes: how often the operand crossed the link.
 * migration: prefetch GPU->host of fresh and re-used pages per cycle, host->GPU, fault-driven host->GPU,
   GPU first touch, both directions at once.
+* gemm_tiles (only when named; ``--out bench/results/gemm_tiles.json``): a grid of GEMM shapes in the four
+  layouts a weight is read in (x @ W^T and x @ W, with and without a bias), W remote: how the re-read count
+  of a remote weight depends on the layout and the shape.
 
 Medians of ``repeats`` CUDA-event timings after a warm-up. Every managed byte is counted by a ManagedBudget
 (min(16 GiB, free/8)) before it is allocated and freed on gpu_lab's exit: nothing is oversubscribed. An
@@ -45,7 +48,10 @@ from um_lab.basics_sim import NO_ADVICE, ZERO_COPY  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 LINK_GBPS = 47.77  #: the h200 profile's remote read rate, the unit of effective_link_passes
-SECTIONS = ("remote", "kernel", "migration")
+SECTIONS = ("remote", "kernel", "migration", "gemm_tiles")
+#: What a plain run measures (the profile's inputs); ``--sections gemm_tiles`` writes its grid apart
+#: (bench/results/gemm_tiles.json).
+DEFAULT_SECTIONS = ("remote", "kernel", "migration")
 DUPLEX_MODES = ("two streams, one thread", "two streams, two threads", "one stream")
 Rows = list[dict[str, Any]]
 
@@ -68,7 +74,7 @@ extern "C" __global__ void reread_sum(const float* __restrict__ x, unsigned long
 
 #: Sizes and shapes. conv: (N, C, H=W, K, R), stride 1, same padding; gemm: (M tokens, K, N).
 FULL: dict[str, Any] = dict(
-    repeats=5, budget_s={"remote": 60, "kernel": 150, "migration": 110},
+    repeats=5, budget_s={"remote": 60, "kernel": 150, "migration": 110, "gemm_tiles": 150},
     remote_sizes=(64 * MiB, 256 * MiB, GiB), reread_sizes=(16 * MiB, 64 * MiB), slice_buffer=64 * MiB,
     slice_sizes=(64 * KiB, MiB),
     gemm=((512, 1024, 1024), (512, 4096, 4096), (2048, 1024, 1024), (2048, 4096, 4096), (8192, 1024, 1024),
@@ -76,13 +82,16 @@ FULL: dict[str, Any] = dict(
     conv=((128, 64, 56, 64, 3), (128, 64, 56, 256, 1), (128, 128, 28, 128, 3), (128, 256, 14, 256, 3),
           (128, 1024, 14, 256, 1), (128, 512, 7, 512, 3), (64, 64, 56, 64, 3), (64, 256, 14, 256, 3)),
     act=(128, 64, 56, 56), norm=(16384, 1024), softmax=(32768, 1024), gelu=(8192, 4096), pool=(64, 64, 112, 112),
-    migration_sizes=(256 * MiB, GiB, 4 * GiB), cpu_written_sizes=(256 * MiB, GiB), duplex_sizes=(GiB, 4 * GiB))
+    migration_sizes=(256 * MiB, GiB, 4 * GiB), cpu_written_sizes=(256 * MiB, GiB), duplex_sizes=(GiB, 4 * GiB),
+    gemm_tiles=tuple((m, k, n) for m in (512, 2048, 3152, 8192, 12608)
+                     for k, n in ((768, 768), (768, 2304), (768, 3072), (3072, 768), (1024, 1024), (1024, 4096),
+                                  (4096, 1024), (4096, 4096))))
 QUICK: dict[str, Any] = FULL | dict(
-    repeats=2, budget_s={"remote": 60, "kernel": 60, "migration": 60}, remote_sizes=(4 * MiB,),
+    repeats=2, budget_s={"remote": 60, "kernel": 60, "migration": 60, "gemm_tiles": 60}, remote_sizes=(4 * MiB,),
     reread_sizes=(4 * MiB,), slice_buffer=4 * MiB, gemm=((256, 256, 512),),
     conv=((4, 16, 14, 16, 3), (4, 32, 7, 16, 1)), act=(4, 16, 14, 14), norm=(256, 256), softmax=(256, 256),
     gelu=(256, 256), pool=(4, 16, 28, 28),
-    migration_sizes=(8 * MiB,), cpu_written_sizes=(8 * MiB,), duplex_sizes=(8 * MiB,))
+    migration_sizes=(8 * MiB,), cpu_written_sizes=(8 * MiB,), duplex_sizes=(8 * MiB,), gemm_tiles=((256, 256, 512),))
 
 
 class RunBudget(ManagedBudget):
@@ -421,6 +430,37 @@ def kernel_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
     torch.cuda.empty_cache()
 
 
+def gemm_tile_cases(plan: dict[str, Any]) -> list[KernelCase]:
+    """A weight W read by the GEMM layouts of a training step, with and without a bias (cuBLASLt's epilogue
+    kernels for ``addmm``): how often each re-reads W when W is remote (zero-copy parameters)."""
+    cases = []
+    for m, k, n in plan["gemm_tiles"]:
+        shape = f"M={m} K={k} N={n}"
+        nt = {"x": (m, k), "W": (n, k), "b": (n,)}
+        nn = {"x": (m, k), "W": (k, n), "b": (n,)}
+        cases += [KernelCase("nt x@W^T", shape, nt, ("W",), lambda t: torch.mm(t["x"], t["W"].t())),
+                  KernelCase("nt x@W^T+b", shape, nt, ("W",), lambda t: torch.addmm(t["b"], t["x"], t["W"].t())),
+                  KernelCase("nn x@W", shape, nn, ("W",), lambda t: torch.mm(t["x"], t["W"])),
+                  KernelCase("nn x@W+b", shape, nn, ("W",), lambda t: torch.addmm(t["b"], t["x"], t["W"]))]
+    return cases
+
+
+def gemm_tile_rows(lab: GpuLab, case: KernelCase, tensors: dict[str, torch.Tensor], repeats: int) -> Rows:
+    """:func:`remote_operand_row` for W, filed under the ``gemm_tile`` group."""
+    return [{**row, "group": "gemm_tile"} for row in remote_operand_row(lab, case, tensors, "W", [], repeats)]
+
+
+def gemm_tile_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
+    """D. GEMM layouts with the weight remote, over a grid of shapes (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for case in gemm_tile_cases(plan):
+        tensors = {name: torch.empty(shape, device="cuda").uniform_(-1, 1) for name, shape in case.specs.items()}
+        rec.attempt(f"{case.name} {case.shape} [W remote]",
+                    functools.partial(gemm_tile_rows, lab, case, tensors, plan["repeats"]))
+        del tensors
+    torch.cuda.empty_cache()
+
+
 # ---- C. migration primitives --------------------------------------------------------------------------------
 
 
@@ -540,7 +580,8 @@ COLUMNS = {"remote": ["name", "pattern", "shape", "resident_ms", "remote_ms", "r
            "kernel": ["name", "operand", "shape", "bytes", "resident_ms", "remote_ms", "ratio", "GBps",
                       "effective_link_passes"],
            "migration": ["name", "pattern", "shape", "cycle", "ms", "issue_ms", "GBps", "warmup_GBps", "d2h_GBps",
-                         "h2d_GBps"]}
+                         "h2d_GBps"],
+           "gemm_tile": ["name", "shape", "bytes", "resident_ms", "remote_ms", "effective_link_passes"]}
 
 
 def print_table(rows: Rows) -> None:
@@ -568,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats (< 30 s)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "uvm_primitives.json")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -580,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: {free / GiB:.1f} of {total / GiB:.1f} GiB free; managed memory limit "
           f"{budget.limit / GiB:.2f} GiB; {'quick' if args.quick else 'full'} run", flush=True)
     rec, t0, mem_total = Recorder(), time.perf_counter(), host_mem_total()
-    sections = {"remote": remote_section, "kernel": kernel_section, "migration": migration_section}
+    sections = {"remote": remote_section, "kernel": kernel_section, "migration": migration_section,
+                "gemm_tiles": gemm_tile_section}
     with gpu_lab(budget) as lab:
         for group in args.sections:
             with rec.section(group, plan["budget_s"][group]):
