@@ -220,8 +220,9 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
     (:mod:`um_lab.sim.primitives`; they override the probe's), and the in-step convolutions of
     ``bench/conv_in_step.py``, which set ``tile_conv_igemm_kxk`` / ``_1x1`` (:mod:`um_lab.sim.conv_act`), and
-    the per-op training steps of ``bench/diagnostics/step_detail.py``, which set the host costs, the GEMM
-    rate and the remote elementwise rates (:mod:`um_lab.sim.step_fit`)."""
+    the per-op training steps of ``bench/diagnostics/step_detail.py``, which set the host costs, the GEMM,
+    attention, convolution and HBM rates, the batch-norm passes and the remote elementwise rates
+    (:mod:`um_lab.sim.step_fit`); the whole-step fit then keeps those peaks fixed."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])

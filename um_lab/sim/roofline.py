@@ -15,8 +15,7 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     GEMM-like ops (GEMM, convolution, fused attention: each with its own peak) run at
     ``peak * f / (f + f_half)`` (small GEMMs fill the GPU badly), bounded below by their HBM traffic;
     memory-bound ops move ``op_bytes`` at the HBM bandwidth (batch norms ``norm_*_hbm_passes`` times);
-    the batch copy runs at the pinned
-    host-to-device bandwidth. Every kernel adds ``kernel_us``.
+    the batch copy runs at the pinned host-to-device bandwidth. Every kernel adds ``kernel_us``.
     """
     flops = trace.op_flops
     kind = trace.op_kind
