@@ -3,8 +3,8 @@
 Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and the README define them:
 
 * ``fitted``: the H200 profile's constants were fitted on these rows (MLP, GPT-2 small/medium): in-sample.
-* ``hand-set``: ResNet-50 bs 32; not fitted, but host costs and the convolution tile were set by hand
-  after seeing them, so they are not a clean test either.
+* ``hand-set``: ResNet-50 bs 32; host costs and the convolution tile were once set by hand after seeing
+  them, and ResNet-50 is one of the models the per-op fits (:mod:`um_lab.sim.step_fit`) use: not a test.
 * ``held-out-1``: round 1 (session 2), predictions committed (``sim_fidelity_predicted.json``) before they
   were measured; re-simulated since with later profiles (``sim_fidelity_round1.json``), so no longer blind.
 * ``held-out-2`` .. ``held-out-4``: rounds 2 to 4 (issue 10), predictions committed
