@@ -22,6 +22,15 @@ from um_lab.sim.backend import SimBackend
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sim_fidelity import policy_named  # noqa: E402
 
+#: Profiler names of the kernels CUDA runs -> the traced op they stand for (cuDNN and fused-attention ops
+#: trace under their generic names on a CPU; in-place ReLU dispatches to clamp_min_).
+MEASURED_AS_TRACED = {
+    "aten::cudnn_convolution": "aten::convolution", "aten::cudnn_batch_norm": "aten::native_batch_norm",
+    "aten::cudnn_batch_norm_backward": "aten::native_batch_norm_backward", "aten::clamp_min_": "aten::relu_",
+    "aten::_efficient_attention_forward": "aten::_scaled_dot_product_efficient_attention",
+    "aten::_efficient_attention_backward": "aten::_scaled_dot_product_efficient_attention_backward",
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,9 +49,10 @@ def main() -> None:
         sim = {name.replace("aten.", "aten::"): v for name, v in traced.items()}
         measured: dict[str, tuple[int, float]] = {}
         for o in cfg["ops"]:  # a step_detail.py file has one entry per (op, input shapes)
-            if o["op"].startswith("aten::"):
-                n, ms = measured.get(o["op"], (0, 0.0))
-                measured[o["op"]] = (n + o["count"], ms + o["self_device_ms"])
+            if o["op"].startswith("aten::") and o["self_device_ms"] > 0:
+                name = MEASURED_AS_TRACED.get(o["op"], o["op"])
+                n, ms = measured.get(name, (0, 0.0))
+                measured[name] = (n + o["count"], ms + o["self_device_ms"])
         print(f"\n{cfg['model']} {cfg['model_kwargs']} {cfg['policy']}: measured {cfg['step_ms']:.1f} ms, "
               f"simulated {step_ms:.1f} ms")
         print(f"  {'op':44s} {'n meas':>6s} {'n sim':>6s} {'meas ms':>9s} {'sim ms':>9s} {'sim/meas':>8s}")
