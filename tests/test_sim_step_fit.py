@@ -179,3 +179,14 @@ def test_vit_replica_has_torchvision_vit_b16_size_and_traces_like_it() -> None:
     assert mine.op_names == real.op_names
     for field in ("op_bytes", "op_flops", "op_host_only", "st_nbytes", "acc_lo", "acc_hi"):
         assert np.array_equal(getattr(mine, field), getattr(real, field)), field
+
+
+def test_saturating_fit_recovers_peak_and_half_size_from_summed_kernel_times() -> None:
+    """The attention and convolution fits share one grid search over whole steps' kernel sums."""
+    peak, half = 40.0, 1.0
+    steps = []
+    for sizes in ([0.2, 0.5, 1.0], [2.0, 4.0], [8.0, 16.0, 32.0]):
+        g = np.array(sizes)
+        steps.append((g, float((g * 1e3 * (g + half) / (peak * g)).sum())))
+    got_peak, got_half = step_fit._fit_saturating(steps, np.arange(20.0, 60.01, 0.5), np.geomspace(0.1, 10.0, 41))
+    assert got_peak == pytest.approx(peak) and got_half == pytest.approx(half, rel=1e-6)

@@ -7,6 +7,9 @@ time is the host's dispatch time) and per-(op, input shapes) GPU times of modera
   reshapes) and per step, by least squares over the tiny-batch um-default steps;
 - :func:`fit_gemm_rate`: the fp32 GEMM peak and half-size of ``peak * f / (f + f_half)`` over the
   GEMMs of the resident (um-default) steps;
+- :func:`fit_attention_rate`: the same form for fused attention kernels;
+- :func:`fit_resident_ops`: the HBM rate of elementwise kernels, batch norms' HBM passes and the
+  convolution peak and half-size;
 - :func:`fit_remote_elementwise`: ``remote_rw_GBps`` (elementwise kernels that read and write remote
   activations) and ``remote_colreduce_GBps`` (column sums of remote activations) from the act-remote steps.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import ast
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,7 +61,6 @@ def fit_host_costs(detail: Mapping[str, Any]) -> tuple[dict[str, float], dict[st
     cuDNN and foreach per-call extras are set to zero: on these steps they are not separable from the
     per-op costs (the fit found no positive share for them). Ranges: leave-one-step-out refits.
     """
-
     rows = _configs(detail, "host", "um-default")
     if len(rows) < len(HOST_FIELDS):
         raise ValueError(f"fit_host_costs needs at least {len(HOST_FIELDS)} host steps, got {len(rows)}")
@@ -122,7 +124,7 @@ def resident_gemms(primitives: Mapping[str, Any]) -> list[tuple[float, float]]:
 
 
 def fit_gemm_rate(detail: Mapping[str, Any],
-                  extra: list[tuple[float, float]] = ()) -> tuple[dict[str, float], dict[str, Any]]:  # type: ignore[assignment]
+                  extra: Sequence[tuple[float, float]] = ()) -> tuple[dict[str, float], dict[str, Any]]:
     """``matmul_tflops`` and ``matmul_half_gflop`` from the resident GEMMs of the ``shapes`` um-default steps
     (fp32, TF32 off) and ``extra`` (GFLOP, us) kernels (:func:`resident_gemms`: the large ones a training
     step of the fit models lacks), minimising squared log error of per-GEMM time; each training shape is
@@ -168,7 +170,6 @@ def fit_attention_rate(detail: Mapping[str, Any]) -> tuple[dict[str, float], dic
     """``attention_tflops`` and ``attention_half_gflop`` (``peak * f / (f + f_half)`` per fused attention
     kernel, as for GEMMs) from the ``shapes`` um-default steps: the kernels' FLOPs in each step's trace
     against their measured GPU time (forward and backward together), squared log error over the steps."""
-
     steps = []  # (per-kernel GFLOP array, measured us)
     for c in _configs(detail, "shapes", "um-default"):
         ms = sum(o["self_device_ms"] for o in c["ops"] if "attention" in o["op"])
@@ -181,14 +182,9 @@ def fit_attention_rate(detail: Mapping[str, Any]) -> tuple[dict[str, float], dic
     if not steps:
         raise ValueError("fit_attention_rate needs resident steps with fused attention")
 
-    def loss(peak: float, half: float) -> float:
-        return sum(math.log(float((g * 1e3 * (g + half) / (peak * g)).sum()) / us) ** 2 for g, us in steps)
-
-    if len(steps) >= 3:
-        grid = [(loss(p, h), p, h) for p in np.arange(10.0, 60.01, 0.25) for h in np.geomspace(0.01, 10.0, 61)]
-        _, peak, half = min(grid)
-    else:  # too few steps for two constants: a plain rate
-        peak, half = float(sum(g.sum() for g, _ in steps) * 1e3 / sum(us for _, us in steps)), 0.0
+    # fewer than three steps cannot pin two constants: the peak alone, at the default half-size
+    halves = np.geomspace(0.01, 10.0, 61) if len(steps) >= 3 else [Profile().attention_half_gflop]
+    peak, half = _fit_saturating(steps, np.arange(10.0, 60.01, 0.25), halves)
     rates = [float(g.sum()) * 1e3 / us for g, us in steps]
     fields = {"attention_tflops": round(float(peak), 3), "attention_half_gflop": round(float(half), 4)}
     src = (f"fused attention kernels of {len(steps)} resident training steps (step_detail.json, "
@@ -208,12 +204,16 @@ _ELEMENTWISE = {"aten::add": ("aten.add",), "aten::add_": ("aten.add_",), "aten:
                 "aten::gelu": ("aten.gelu",), "aten::gelu_backward": ("aten.gelu_backward",)}
 
 
+#: traced op names -> the profiler name of the kernels measured for them (forward, backward)
+_CONV_OPS: tuple[tuple[frozenset[str], str], ...] = (
+    (CONV_FORWARD, "aten::cudnn_convolution"), (frozenset({"aten.convolution_backward"}), "aten::convolution_backward"))
+
+
 def fit_resident_ops(detail: Mapping[str, Any], kernel_us: float) -> tuple[dict[str, float], dict[str, Any]]:
     """From the ``shapes`` um-default steps: ``hbm_GBps`` (elementwise kernels: traced bytes over measured
     time less ``kernel_us`` each), ``norm_fwd_hbm_passes`` / ``norm_bwd_hbm_passes`` (batch norms' measured
     time over their traced bytes at that rate) and ``conv_tflops`` / ``conv_half_gflop`` (convolution
     kernels, forward and backward apart, per step; squared log error)."""
-
     elem_bytes = elem_us = 0.0
     norm: dict[str, list[tuple[float, float]]] = {"fwd": [], "bwd": []}  # (traced bytes, measured us)
     convs: list[tuple[np.ndarray, float]] = []  # (per-kernel GFLOP, measured us)
@@ -238,10 +238,7 @@ def fit_resident_ops(detail: Mapping[str, Any], kernel_us: float) -> tuple[dict[
             sel = np.isin(names, list(norm_names))
             if sel.any() and measured.get(op, 0.0) > 0:
                 norm[key].append((float(trace.op_bytes[sel].sum()), measured[op] - kernel_us * int(sel.sum())))
-        conv_ops: tuple[tuple[frozenset[str], str], ...] = (
-            (CONV_FORWARD, "aten::cudnn_convolution"),
-            (frozenset({"aten.convolution_backward"}), "aten::convolution_backward"))
-        for conv_names, op in conv_ops:
+        for conv_names, op in _CONV_OPS:
             sel = np.isin(names, list(conv_names))
             if sel.sum() >= 10 and measured.get(op, 0.0) > 0:  # CNNs (not a ViT's one patch projection)
                 convs.append((trace.op_flops[sel] / 1e9, measured[op]))
@@ -262,20 +259,28 @@ def fit_resident_ops(detail: Mapping[str, Any], kernel_us: float) -> tuple[dict[
                                                              round(max(passes + [fields[name]]), 3)],
                             "source": f"batch norms of {len(pairs)} {src}, at hbm_GBps"}
 
-    def loss(peak: float, half: float) -> float:
-        return sum(math.log(float((g * 1e3 * (g + half) / (peak * g)).sum()) / us) ** 2 for g, us in convs)
-
-    grid = [(loss(pk, h), pk, h) for pk in np.arange(20.0, 600.01, 2.0) for h in np.geomspace(0.01, 100.0, 81)]
-    _, peak, half = min(grid)
+    peak, half = _fit_saturating(convs, np.arange(20.0, 600.01, 2.0), np.geomspace(0.01, 100.0, 81))
     rates = [float(g.sum()) * 1e3 / us for g, us in convs]
     fields.update(conv_tflops=float(peak), conv_half_gflop=round(float(half), 4))
     provenance["conv_tflops"] = {"value": fields["conv_tflops"], "range": [round(min(rates + [peak]), 2),
                                                                            round(max(rates + [peak]), 2)],
                                  "source": f"convolution kernels (forward, backward) of {len(convs) // 2} {src}"}
     provenance["conv_half_gflop"] = {"value": fields["conv_half_gflop"],
-                                     "range": [round(float(half) / 2, 4), round(float(half) * 2, 4)],
+                                     "range": _factor_two(half),
                                      "source": "fitted with conv_tflops on step_detail.json; range: a factor of 2"}
     return fields, provenance
+
+
+def _fit_saturating(steps: Sequence[tuple[np.ndarray, float]], peaks: Iterable[float],
+                    halves: Iterable[float]) -> tuple[float, float]:
+    """(peak TFLOPS, half-size GFLOP) of ``peak * f / (f + half)`` per kernel on a grid, minimising the squared
+    log error of each step's summed kernel time (``steps``: per-kernel GFLOP, measured us)."""
+    def loss(peak: float, half: float) -> float:
+        return sum(math.log(float((g * 1e3 * (g + half) / (peak * g)).sum()) / us) ** 2 for g, us in steps)
+
+    halves = list(halves)
+    _, peak, half = min((loss(pk, h), pk, h) for pk in peaks for h in halves)
+    return float(peak), float(half)
 
 
 def _factor_two(value: float) -> list[float]:
