@@ -26,3 +26,28 @@ def test_a_failing_configuration_is_recorded_and_the_others_are_kept(tmp_path, c
     assert saved["configs"][1]["error"] == "RuntimeError: no memory"
     assert all(c["seconds"] >= 0 for c in saved["configs"])
     assert "no memory" in capsys.readouterr().out
+
+
+def test_step_gaps_charges_gpu_idle_to_the_op_that_launched_the_late_work(tmp_path) -> None:
+    from step_gaps import analyse
+
+    def x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: object) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    events = [
+        x("user_annotation", "um_lab_step", 0, 100),
+        x("cpu_op", "aten::mm", 1, 4), x("cuda_runtime", "cudaLaunchKernel", 2, 2, correlation=1),
+        x("kernel", "gemm", 5, 20, tid=7, correlation=1),           # busy 5..25
+        x("cpu_op", "slow_host_thing", 6, 40),
+        x("cuda_runtime", "cudaStreamSynchronize", 10, 30),
+        x("cpu_op", "aten::add", 50, 4), x("cuda_runtime", "cudaLaunchKernel", 51, 2, correlation=2),
+        x("kernel", "add", 55, 10, tid=7, correlation=2),          # idle 25..55, busy 55..65
+    ]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    r = analyse(trace)
+    assert r["steps"] == 1
+    assert r["gpu_busy_ms"] == 0.03 and r["gpu_idle_in_span_ms"] == 0.03 and r["gpu_span_ms"] == 0.06
+    assert r["idle_ms_by_next_op"] == [("aten::add", 0.03)]
+    assert r["idle_ms_by_op_pair"] == [("aten::mm -> aten::add", 0.03)]
+    assert dict(r["api_calls_per_step"]) == {"cudaLaunchKernel": 2, "cudaStreamSynchronize": 1}
