@@ -54,6 +54,7 @@ class SimBackend(BackendBase):
 
     name = "sim"
     simulates_capacity = True  # RunSpec.capacity_bytes / oversubscription_ratio set the simulated GPU
+    reports_uncertainty_band = True  # compare(band=True): each run at both ends of the profile's ranges
 
     def __init__(self, profile: str | Profile = "h200", prefetch_stream: str = "compute") -> None:
         """``profile``: a packaged profile name, a profile JSON path or a :class:`Profile`;
