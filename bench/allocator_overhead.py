@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
@@ -79,10 +78,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
                           "own allocator: their routes are no-ops from before place(); activations and input "
                           "still managed", "-0.4 / -0.8 ms if the persistent tensors' managed placement is the cost "
                           "(session 6: the MLP's gap is GPU time and survives no_routing)"),
-    "stage_device": ("the batch copied pageable -> device (torch's own allocator), then device -> input pool",
-                     "-0.11 / -0.3 ms: the pageable -> managed copy ran 0.50 vs 0.39 ms for the MLP's 4 MiB"),
-    "stage_pinned": ("the batch copied into a persistent pinned host buffer, then pinned -> input pool",
-                     "-0.1 / -0.3 ms if the host memcpy is cheaper than the driver's pageable staging"),
+    "no_staging": ("the batch copied pageable -> input pool directly (synchronous), not through the pinned buffer",
+                   "+0.6 / +5 ms: session 7 measured staging variants on the MLP (3 repeats): pinned buffer "
+                   "9.75/9.40/9.95 ms vs direct 10.43/9.76/10.51 ms; a device buffer then a copy, 10.70/10.26/10.99"),
 }
 #: Variants applied before the model is placed (the others after attach).
 BEFORE_PLACE = frozenset({"native_persistent"})
@@ -124,35 +122,6 @@ def expose_step_end() -> None:
     session_module._StepTimer = Exposed  # type: ignore[misc]
 
 
-def _stage_inputs(lab: Any, how: str) -> None:
-    """Replace ``lab.inputs`` by a copy staged through a device buffer (torch's own allocator) or a
-    persistent pinned host buffer, then into the input pool."""
-    import torch
-
-    from um_lab.types import DataType
-
-    pools = lab._pools
-    pinned: dict[tuple[Any, ...], Any] = {}
-
-    def staged(*tensors: Any) -> Any:
-        out = []
-        for t in tensors:
-            if how == "stage_device":
-                dev = t.to(lab.device)  # pageable -> device, native allocator
-            else:
-                key = (tuple(t.shape), t.dtype)
-                buf = pinned.get(key)
-                if buf is None:
-                    buf = pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t)
-                dev = buf
-            with pools.route(DataType.INPUT):
-                out.append(dev.to(lab.device, copy=True, non_blocking=how == "stage_pinned"))
-        return out[0] if len(out) == 1 else tuple(out)
-
-    lab.inputs = staged
-
-
 def apply_variants(lab: object, variants: list[str]) -> None:
     """Leave out the pieces named by ``variants`` (see :data:`VARIANTS`) on an open, attached session."""
     import contextlib
@@ -183,8 +152,8 @@ def apply_variants(lab: object, variants: list[str]) -> None:
             route = pools.route
             pools.route = lambda data_type, route=route, persistent=persistent: (
                 contextlib.nullcontext() if data_type in persistent else route(data_type))
-        elif v in ("stage_device", "stage_pinned"):
-            _stage_inputs(lab, v)
+        elif v == "no_staging":
+            lab.stage_inputs = False  # type: ignore[attr-defined]
         elif v != "caller":
             raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
 

@@ -113,8 +113,37 @@ def profile_mode(mode: str, model_name: str, steps: int, trace_path: str, warmup
     return result
 
 
-def _intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events)
+def host_profile(mode: str, model_name: str, steps: int = 50, warmup: int = 10, top: int = 25) -> dict[str, Any]:
+    """cProfile of ``steps`` unprofiled-by-torch steps: the Python functions with the most own time, and
+    um_lab's own functions by cumulative time, in microseconds per step."""
+    import contextlib
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with contextlib.ExitStack() as stack:
+        step = make_step(mode, model_name, stack.enter_context)
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = [(f"{Path(file).name}:{line}({name})", tt / steps * 1e6, ct / steps * 1e6, nc / steps)
+            for (file, line, name), (_cc, nc, tt, ct, _callers) in stats.items()]
+    own = sorted(rows, key=lambda r: -r[1])[:top]
+    ours = sorted((r for r, key in zip(rows, stats, strict=True) if "um_lab" in key[0]), key=lambda r: -r[2])[:top]
+    fmt = [{"function": r[0], "own_us": round(r[1], 1), "cum_us": round(r[2], 1), "calls": round(r[3], 2)}
+           for r in own]
+    return {"mode": mode, "model": model_name, "steps": steps, "by_own_time": fmt,
+            "um_lab_by_cumulative_time": [{"function": r[0], "own_us": round(r[1], 1), "cum_us": round(r[2], 1),
+                                           "calls": round(r[3], 2)} for r in ours]}
 
 
 def analyse(trace_path: str | Path, top: int = 12) -> dict[str, Any]:
@@ -212,6 +241,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default="step_gaps")
     ap.add_argument("--analyse", nargs="+", metavar="TRACE")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the host side instead (no torch profiler)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.analyse:
@@ -222,15 +252,28 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.worker:
+        if args.cprofile:
+            result = host_profile(args.worker, args.model)
+            (out / f"{args.model}-{args.worker}.cprofile.json").write_text(json.dumps(result, indent=1) + "\n")
+            for key in ("by_own_time", "um_lab_by_cumulative_time"):
+                print(f"{args.worker} {key}:", flush=True)
+                for r in result[key]:
+                    print(f"  own {r['own_us']:8.1f} us  cum {r['cum_us']:8.1f} us  {r['calls']:6.2f}x  "
+                          f"{r['function']}")
+            return
         trace = out / f"{args.model}-{args.worker}.trace.json"
         print(json.dumps(profile_mode(args.worker, args.model, args.steps, str(trace))), flush=True)
         return
     results = []
     for mode in args.modes:
         proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--model", args.model,
-                               "--steps", str(args.steps), "--out", str(out)], capture_output=True, text=True)
+                               "--steps", str(args.steps), "--out", str(out)] + ["--cprofile"] * args.cprofile,
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{mode} failed:\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        if args.cprofile:
+            print(proc.stdout, flush=True)
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         show(results[-1])
