@@ -71,7 +71,8 @@ def measure(config_name: str, repeats: int, steps: int | None, display_widget: b
                 stamps.append(time.perf_counter())
                 warm[0] += bool(record.warmup)
 
-            active = Run(spec, out_dir=out_dir, backend=shared, on_record=stamp)
+            active = Run(spec, out_dir=out_dir, backend=shared)
+            active.add_listener(stamp)
             board = None
             if mode == "on":  # one board for all runs, reset before each, as the lab panel does
                 board = shared_board

@@ -142,8 +142,8 @@ def test_summary_reports_unmeasured_quantities_as_none_not_zero():
 
 def test_keep_records_and_listener(tmp_path):
     seen = []
-    active = Run(spec(steps=3), out_dir=tmp_path, backend=FakeBackend(), keep_records=True,
-                 on_record=seen.append)
+    active = Run(spec(steps=3), out_dir=tmp_path, backend=FakeBackend(), keep_records=True)
+    active.add_listener(seen.append)
     list(active)
     assert [r.step for r in active.records] == [0, 1, 2, 3, 4]
     assert [r.step for r in seen] == [0, 1, 2, 3, 4]

@@ -472,7 +472,7 @@ def test_session_fills_measured_fields_every_step(env):
         lab.attach(model, opt)
         x = torch.randn(4, 8)
         seen = []
-        lab.on_step.append(seen.append)
+        lab.add_listener(seen.append)
         r1 = lab.step(lambda: model(x).sum(), opt)
         r2 = lab.step(lambda: model(x).sum(), opt)
         assert r1.telemetry == "cupti" and seen == [r1, r2]

@@ -26,13 +26,14 @@ import threading
 import traceback
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from um_lab import runexit
 from um_lab.backend import backend_class, get_backend, resolve_backend_name
 from um_lab.backend_base import Backend
 from um_lab.errors import UmLabError
+from um_lab.listeners import Listenable, RecordListeners
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy
 from um_lab.runexit import RunInterrupted
@@ -62,24 +63,32 @@ class RunStateError(UmLabError, RuntimeError):
 # ------------------------------------------------------------------------------------------ Run
 
 
-class Run(RunFolderWriter):
+class Run(RunFolderWriter, Listenable):
     """One training run: an iterable of :class:`StepRecord` that logs each step to its folder.
 
     Foreground: ``for record in Run(spec): ...``. Background: ``r = Run(spec).start()``, then
     ``r.latest`` / ``r.tail`` / ``r.steps_completed`` while it runs, ``r.stop()`` to end it after the
     current step, ``r.join()`` to wait (re-raises a backend error). A Run runs once.
 
+    Listeners are the stream, ``tail`` / ``latest`` / ``steps_completed`` the current state:
+    ``remove = r.add_listener(callback)`` calls ``callback(record)`` with every record, once, after it is
+    written to ``records.jsonl`` and before the foreground loop gets it, on the thread running the steps,
+    in registration order (rules in :mod:`um_lab.listeners`); ``remove()`` or ``r.remove_listener(callback)``
+    stops it, from any thread, mid-run too. A listener that raises ends the run as a backend error does:
+    the record it was given is already on disk, the status is ``failed`` with that error, and the error
+    is raised to the foreground loop or by ``join()`` (kept in ``error``).
+
     ``case``/``policy`` override what ``spec`` names (your own :func:`~um_lab.models.custom` model or
     :class:`Policy`); ``backend`` is a backend instance (default: ``get_backend(spec.backend)``).
-    Records are not kept in memory unless ``keep_records=True``: the last ``tail`` records are
-    (a bounded deque), and all are on disk. ``on_record(record)`` is called after each step is
-    written. The folder goes under ``out_dir`` (default: :func:`~um_lab.runlog.default_out_dir`,
-    ``$UM_LAB_RUNS_DIR`` or ``runs/``), named ``name`` if given (one plain folder name, else
-    :class:`~um_lab.runlog.RunNameError`); it and its ``spec.json`` are written here, so an unwritable
-    ``out_dir`` fails before anything runs. Before that, a backend named by ``spec`` must be able to run
-    here (``check_available``), a backend that does not simulate capacity refuses ``capacity_bytes`` and
-    ``oversubscription_ratio``, and ``preflight=True`` runs the backend's pre-flight (on cuda: the memory
-    estimate against the safety cap), recorded in ``model.json``.
+    Records are not kept in memory unless ``keep_records=True``: the last ``tail`` records are (a
+    bounded deque), and all are on disk. The folder goes under ``out_dir`` (default:
+    :func:`~um_lab.runlog.default_out_dir`, ``$UM_LAB_RUNS_DIR`` or ``runs/``), named ``name`` if given
+    (one plain folder name, else :class:`~um_lab.runlog.RunNameError`); it and its ``spec.json`` are
+    written here, so an unwritable ``out_dir`` fails before anything runs. Before that, a backend named
+    by ``spec`` must be able to run here (``check_available``), a backend that does not simulate
+    capacity refuses ``capacity_bytes`` and ``oversubscription_ratio``, and ``preflight=True`` runs the
+    backend's pre-flight (on cuda: the memory estimate against the safety cap), recorded in
+    ``model.json``.
 
     While it runs, ``status.json`` is rewritten every :data:`~um_lab.runlog.HEARTBEAT_S` with the step
     count. SIGTERM ends a foreground run on the main thread as Ctrl-C does (``interrupted``), and a
@@ -96,7 +105,6 @@ class Run(RunFolderWriter):
         backend: Backend | None = None,
         keep_records: bool = False,
         tail: int = 128,
-        on_record: Callable[[StepRecord], None] | None = None,
         name: str | None = None,
         preflight: bool = True,
     ) -> None:
@@ -121,7 +129,7 @@ class Run(RunFolderWriter):
         self.steps_completed = 0
         self.status = "pending"
         self.error: BaseException | None = None
-        self._callbacks = [on_record] if on_record else []
+        self._listeners = RecordListeners()
         self._stop = threading.Event()
         self._claimed = False
         self._thread: threading.Thread | None = None
@@ -150,10 +158,6 @@ class Run(RunFolderWriter):
         self._write_status()
 
     # -- consumers ---------------------------------------------------------------------------------
-
-    def add_listener(self, callback: Callable[[StepRecord], None]) -> None:
-        """Call ``callback(record)`` after each step is written (from the thread running the steps)."""
-        self._callbacks.append(callback)
 
     def __iter__(self) -> Iterator[StepRecord]:
         """Run in the foreground, yielding each record after it is on disk."""
@@ -256,8 +260,7 @@ class Run(RunFolderWriter):
                 for record in records:
                     if not self._log(log, record):
                         break  # ended from outside (SIGTERM, interpreter exit): status already written
-                    for callback in self._callbacks:
-                        callback(record)
+                    self._listeners.emit(record)
                     yield record
                     self._heartbeat()
                     if self._stop.is_set():

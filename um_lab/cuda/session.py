@@ -34,12 +34,17 @@ from torch import nn
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
 from um_lab.errors import SessionStateError
+from um_lab.listeners import Listenable, RecordListeners
 from um_lab.policy import PREFETCH_BEFORE, Policy, get_policy
 from um_lab.types import DataType, StepRecord
 
 
-class Session:
-    """A managed-memory training session on one GPU (see the module docstring)."""
+class Session(Listenable):
+    """A managed-memory training session on one GPU (see the module docstring).
+
+    ``remove = lab.add_listener(callback)`` calls ``callback(record)`` with each step's record at the
+    end of :meth:`step` (rules in :mod:`um_lab.listeners`); ``last_record`` is the current state.
+    """
 
     _open_lock = threading.Lock()
     _open_session: Session | None = None
@@ -88,7 +93,7 @@ class Session:
         self.baseline_live_bytes = 0
         self.steps_done = 0
         self.last_record: StepRecord | None = None
-        self.on_step: list[Callable[[StepRecord], None]] = []
+        self._listeners = RecordListeners()
 
     # ---- lifecycle ----
 
@@ -295,7 +300,9 @@ class Session:
         unscaling); its temporaries go to the act pool.
 
         Timed with CUDA events; the policy's prefetches run at the phase boundaries. Returns the
-        step's :class:`StepRecord` (also passed to every callback in ``on_step``). With
+        step's :class:`StepRecord`, after passing it to each listener (:meth:`add_listener`). A listener
+        that raises makes ``step`` raise that error; the step still counts (``steps_done``,
+        ``last_record``) and the session stays usable. With
         ``telemetry`` on, the measured fields are filled after the end event has synchronised,
         outside ``wall_ms`` (their cost on this thread: ``extra["telemetry_ms"]``); by default CUPTI
         is flushed by a background thread, so records still in flight count in the next step.
@@ -351,8 +358,7 @@ class Session:
             self.telemetry.fill(record, pools.source.segments())
         self.steps_done += 1
         self.last_record = record
-        for callback in self.on_step:
-            callback(record)
+        self._listeners.emit(record)
         return record
 
     def _prefetch_phase(self, phase: str) -> None:
