@@ -264,3 +264,62 @@ def test_a_backend_module_is_enough_even_from_a_fresh_interpreter(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])})
     assert out.stdout.strip() == "complete third ['third', 'third']"
+
+
+# ------------------------------------------------------------- capabilities, options, entry points
+
+
+def test_capabilities_and_options_are_asked_of_the_class_never_its_name(third):
+    from um_lab.backend import backend_options
+
+    assert backend_class("sim").reports_uncertainty_band and not backend_class("cuda").reports_uncertainty_band
+    assert not third.ThirdBackend.reports_uncertainty_band and not third.ThirdBackend.simulates_capacity
+    assert backend_options("sim") == ("profile", "prefetch_stream")
+    assert backend_options("cuda") == ("cap_bytes", "allow_oversubscription", "telemetry")
+    assert backend_options("third") == ("scale",)
+
+    class Open(BackendBase):  # **options names no option: nothing is passed to it by name
+        name = "open"
+
+        def __init__(self, **options) -> None:
+            self.options = options
+
+    register_backend("open", Open)
+    try:
+        assert backend_options("open") == ()
+    finally:
+        unregister_backend("open")
+
+
+def test_installed_packages_register_backends_through_entry_points(tmp_path, monkeypatch):
+    """``[project.entry-points."um_lab.backends"] third = "um_lab_third:ThirdBackend"``: registered by name on
+    first use of the registry, imported when first built; the module's own register_backend is no clash."""
+    from importlib.metadata import EntryPoint
+
+    import um_lab.backend as registry
+
+    (tmp_path / "um_lab_third.py").write_text(THIRD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    group = registry.ENTRY_POINT_GROUP
+    entries = [EntryPoint("third", "um_lab_third:ThirdBackend", group),
+               EntryPoint("sim", "um_lab_third:ThirdBackend", group),  # a built-in's name: the built-in stays
+               EntryPoint("broken", "no_colon_here", group)]
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points",
+                        lambda group: entries if group == registry.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(registry, "_entry_points_read", False)
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # forgotten after the test
+    sys.modules.pop("um_lab_third", None)
+    try:
+        with pytest.warns(RuntimeWarning, match="entry point broken = 'no_colon_here'.*skipped"):
+            assert backend_names() == ("cuda", "sim", "third")
+        assert "um_lab_third" not in sys.modules  # by name only, until used
+        assert resolve_backend_name("third") == "third" and RunSpec(backend="third").backend == "third"
+        kind = backend_class("third")  # imports the module, which registers its class itself: no clash
+        assert kind.__module__ == "um_lab_third" and backend_class("sim").__name__ == "SimBackend"
+        result = um_lab.run(RunSpec(model="mlp", model_kwargs=TINY_MLP, backend="third", steps=1, warmup_steps=0),
+                            out_dir=tmp_path / "runs")
+        assert result.complete and [r.backend for r in result.records()] == ["third"]
+        with pytest.raises(ValueError, match="registered already"):  # another class under its name: refused
+            register_backend("third", type("ThirdBackend", (kind,), {}))
+    finally:
+        sys.modules.pop("um_lab_third", None)

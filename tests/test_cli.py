@@ -12,15 +12,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from test_backend_registry import THIRD_MODULE
 from test_runner import FakeBackend
 
 import um_lab.runner
 import um_lab.sweep
 from um_lab import cli, labserver
+from um_lab.backend import register_backend, unregister_backend
 from um_lab.cli import main
-from um_lab.cli_args import parse_bytes, parse_model_kwargs, parse_ratio
+from um_lab.cli_args import format_table, parse_bytes, parse_model_kwargs, parse_ratio
 from um_lab.runlog import list_runs
-from um_lab.runread import load
+from um_lab.runread import iter_records, load
 
 TINY = ["--model-kw", "width=16", "--model-kw", "depth=1", "--batch-size", "4"]
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +41,23 @@ def fake_backend(monkeypatch):
     monkeypatch.setattr(um_lab.runner, "get_backend", make)  # Run
     monkeypatch.setattr(um_lab.sweep, "get_backend", make)  # compare
     return created
+
+
+@pytest.fixture
+def third(tmp_path, monkeypatch):
+    """A third backend, registered by importing its module (as a user would); forgotten afterwards."""
+    import importlib
+
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "um_lab_third.py").write_text(THIRD_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    module = importlib.import_module("um_lab_third")
+    try:
+        yield module
+    finally:
+        unregister_backend("third")
+        sys.modules.pop("um_lab_third", None)
 
 
 def run_dirs(out: Path) -> list[Path]:
@@ -69,7 +88,8 @@ def test_sim_profile_option(tmp_path, capsys):
     assert main(["run", "--backend", "sim", "--profile", "no-such-card", "--out", str(tmp_path), *TINY]) == 2
     assert "unknown profile 'no-such-card'" in capsys.readouterr().err
     assert main(["run", "--profile", "h200", "--backend", "cuda", "--out", str(tmp_path)]) == 2
-    assert "--profile is a simulator option" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--profile is not an option of backend 'cuda'" in err and "backends that take one: sim" in err
 
 
 def test_auto_backend_is_always_printed(fake_backend, tmp_path, capsys):
@@ -285,3 +305,95 @@ def test_subprocess_smoke_on_sim(tmp_path):
     done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--model", "nope"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert done.returncode == 2 and "valid: mlp" in done.stderr
+
+
+# ------------------------------------------------------------------ a third backend, no CLI edits
+
+
+def test_a_registered_third_backend_runs_compares_and_shows_from_the_cli(third, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "third" in capsys.readouterr().out  # --backend's help lists the registry's names
+    rc = main(["run", "--backend", "third", "--policy", "gpu-first", "--steps", "3", "--warmup", "1",
+               "--out", str(tmp_path / "runs"), "--no-progress", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.splitlines()[0] == "backend: third" and "status: complete" in out
+    (path,) = run_dirs(tmp_path / "runs")
+    loaded = load(path)
+    assert loaded.complete and loaded.environment["backend"] == "third"
+    assert [r.backend for r in loaded.records()] == ["third"] * 4
+    assert main(["show", str(path)]) == 0
+    assert "on third, state complete, 4/4 steps" in capsys.readouterr().out
+
+    rc = main(["compare", "--backend", "third", "--policies", "gpu-first", "--steps", "2", "--warmup", "0",
+               "--out", str(tmp_path / "cmp"), "--no-progress", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "gpu-first" in out and "2.333" in out and "none" in out  # 10.5 ms / 4.5 ms
+    assert "NaN" not in out and "None" not in out and "—" in out  # its records measure no traffic
+
+
+def test_options_go_to_the_backends_that_take_them(third, tmp_path, capsys):
+    out = str(tmp_path / "runs")
+    assert main(["run", "--backend", "third", "--profile", "h200", "--out", out, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--profile is not an option of backend 'third'" in err and "backends that take one: sim" in err
+    assert main(["run", "--backend", "third", "--ratio", "1.5", "--out", out, *TINY]) == 2
+    assert "size the model instead" in capsys.readouterr().err
+    assert run_dirs(tmp_path / "runs") == []
+
+    class Profiled(third.ThirdBackend):  # a backend of its own that takes a calibration profile
+        name = "profiled"
+
+        def __init__(self, profile: str = "default") -> None:
+            super().__init__()
+            self.profile = profile
+
+        def environment(self):
+            return {"device": {"name": f"profiled by {self.profile}"}}
+
+    register_backend("profiled", Profiled)
+    try:
+        assert main(["run", "--backend", "profiled", "--profile", "my-card", "--steps", "1", "--out", out,
+                     "--no-progress", *TINY]) == 0
+        assert load(run_dirs(tmp_path / "runs")[0]).environment["device"] == {"name": "profiled by my-card"}
+        assert main(["run", "--backend", "cuda", "--profile", "x", "--out", out]) == 2
+        assert "backends that take one: sim, profiled" in capsys.readouterr().err
+    finally:
+        unregister_backend("profiled")
+
+
+def test_an_installed_backend_is_found_by_the_cli_through_its_entry_point(tmp_path):
+    """A package declaring ``[project.entry-points."um_lab.backends"] third = ...``: no import by hand."""
+    (tmp_path / "um_lab_third.py").write_text(THIRD_MODULE)
+    dist = tmp_path / "um_lab_third-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: um_lab_third\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[um_lab.backends]\nthird = um_lab_third:ThirdBackend\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--backend", "third", "--steps", "2",
+                           "--out", str(tmp_path / "runs"), "--no-progress", *TINY],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("backend: third\n") and "status: complete" in done.stdout
+    (path,) = run_dirs(tmp_path / "runs")
+    assert [r.backend for r in iter_records(path / "records.jsonl")] == ["third"] * 4  # 2 warm-up + 2
+    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--backend", "tpu"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 2 and "valid: cuda, sim, third, auto" in done.stderr
+
+
+def test_tables_show_no_ratio_as_none_and_nothing_as_nan(tmp_path, capsys):
+    table = pd.DataFrame({"model": ["mlp", "mlp"], "policy": ["um-default", "gpu-first"], "ratio": [None, None],
+                          "steps": [3, 0], "median_ms": [2.0, float("nan")], "status": ["complete", "refused"]})
+    text = format_table(table)
+    assert "none" in text and "NaN" not in text and "nan" not in text.lower().replace("none", "")
+    assert "—" in text  # the refused run's time: not measured
+    # a comparison folder read back from its summary.csv (where no ratio is an empty cell, NaN when read)
+    sweep = tmp_path / "compare-x"
+    sweep.mkdir()
+    table.assign(ratio=[None, 1.5]).to_csv(sweep / "summary.csv", index=False)
+    assert main(["show", str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "none" in out and "1.5" in out and "NaN" not in out

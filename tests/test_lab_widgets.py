@@ -406,3 +406,102 @@ def test_compare_view_stop_ends_after_the_current_run(tmp_path):
     runs = list(tmp_path.glob("compare-*/*/status.json"))
     assert len(runs) in (done, done + 1)  # the run in progress when Stop was pressed ends too
     assert view.run_button.disabled is False and view.stop_button.disabled is True
+
+
+# ------------------------------------------------------------ a third backend: no widget edits
+
+
+@pytest.fixture
+def third(tmp_path, monkeypatch):
+    """A third backend (tests/test_backend_registry.py's), registered by importing its module."""
+    import importlib
+
+    from test_backend_registry import THIRD_MODULE
+
+    from um_lab.backend import unregister_backend
+
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "um_lab_third.py").write_text(THIRD_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    module = importlib.import_module("um_lab_third")
+    try:
+        yield module
+    finally:
+        unregister_backend("third")
+        sys.modules.pop("um_lab_third", None)
+
+
+def test_a_registered_backend_is_in_the_lab_dropdown_and_runs_from_the_panel(third, tmp_path):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, policy="gpu-first", backend="sim", steps=3, warmup_steps=1,
+              out_dir=tmp_path)
+    assert list(lab.workload.backend.options) == ["auto", "cuda", "sim", "third"]
+    assert lab.workload.capacity_box.layout.display is None  # the simulator's capacity controls
+    lab.workload.backend.value = "third"
+    assert lab.workload.resolved_backend == "third" and not lab.workload.simulates_capacity
+    assert lab.workload.capacity_box.layout.display == "none"  # it does not simulate capacity: no controls
+    assert lab.workload.cap_note.value == ""  # available, and no limit it puts on a run
+    assert lab.workload.wait_estimate() is not None and "ratio" not in lab.workload.estimate.value
+    spec = lab.spec()
+    assert spec.backend == "third" and spec.oversubscription_ratio is None and spec.capacity_bytes is None
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete", lab.status.value
+    assert "on third" in lab.status.value and [r.backend for r in lab.records] == ["third"] * 4
+    assert lab.result.environment["device"] == {"name": "third device"}
+    assert len(_trace(lab.dashboard.widget, "step time").x) == 4
+    assert Lab(backend="third", out_dir=tmp_path).workload.backend.value == "third"
+
+
+def test_the_lab_asks_a_backend_whether_it_can_run_and_what_options_it_takes(third, tmp_path):
+    from um_lab.backend import register_backend, unregister_backend
+    from um_lab.errors import UmLabError
+
+    built = []
+
+    class Asleep(third.ThirdBackend):
+        name = "asleep"
+
+        def __init__(self, telemetry="auto") -> None:
+            super().__init__()
+            built.append(telemetry)
+
+        @classmethod
+        def check_available(cls) -> None:
+            raise UmLabError("the asleep card is asleep")
+
+    register_backend("asleep", Asleep)
+    try:
+        lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="asleep", telemetry=False, out_dir=tmp_path / "runs")
+        assert "asleep: the asleep card is asleep" in lab.workload.cap_note.value
+        assert lab.run() is None and lab.state == "error" and "asleep card" in lab.status.value
+        assert built == [] and not (tmp_path / "runs").exists()  # refused before it was built
+        Asleep.check_available = classmethod(lambda cls: None)  # type: ignore[method-assign]
+        lab.workload.backend.value = "sim"
+        lab.workload.backend.value = "asleep"
+        assert lab.workload.cap_note.value == ""
+        lab.run(wait=True, timeout=60)
+        assert lab.state == "complete" and built == [False]  # the lab's telemetry: it takes that option
+    finally:
+        unregister_backend("asleep")
+    with pytest.raises(ValueError, match="unknown backend 'asleep'; valid: cuda, sim, third, auto"):
+        Lab(backend="asleep")
+
+
+def test_a_registered_backend_is_in_the_compare_dropdown_without_the_simulators_band(third, tmp_path):
+    view = CompareView(models={"mlp": TINY_MLP}, policies=["gpu-first"], ratios=[None], steps=2,
+                       out_dir=tmp_path)
+    assert set(view.backend.options) == {"auto", "cuda", "sim", "third"}
+    assert view.band.disabled is False and view.band.value  # the simulator reports a band
+    view.backend.value = "third"
+    assert view.band.disabled is True and "not on this backend" in view.band.description
+    view.run(wait=True, timeout=120)
+    assert "done: 2 runs" in view.status.value, view.status.value
+    assert (view.table["backend"] == "third").all() and "band_fast_ms" not in view.table
+    table = readable(view.table)
+    assert list(table["ratio"]) == ["none", "none"] and "speed-up band" not in table
+    assert list(table["speed-up vs um-default"]) == ["1.00x", "2.33x"]  # 10.5 ms / 4.5 ms
+    assert "NaN" not in table.to_string() and "nan" not in table.to_string()
+    view.backend.value = "sim"
+    assert view.band.disabled is False
+    with pytest.raises(ValueError, match="unknown backend 'tpu'; valid: cuda, sim, third, auto"):
+        CompareView(backend="tpu")

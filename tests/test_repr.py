@@ -26,7 +26,8 @@ from um_lab.sweep import compare
     ("evictions", None, "—"),
     ("oversubscription", 1.4999, "1.50"),
     ("ratio", 2.0, "2.00"),
-    ("ratio", None, "card"),  # no ratio asked: the profile's card
+    ("ratio", None, "none"),  # no ratio asked: the profile's card, as --ratios none names it
+    ("ratio", math.nan, "none"),  # ... as a float column holds it: never NaN
     ("speedup_vs_um-default", 1.8765, "1.88x"),
     ("last_loss", 6.911341, "6.911"),
     ("policy", "gpu-first", "gpu-first"),
@@ -76,7 +77,20 @@ def test_readable_table_rounds_a_compare_table(tmp_path):
     assert rows["gpu-first"]["speedup_vs_um-default"] == "1.83x"  # 11 / 6
     assert rows["um-default"]["speedup_vs_um-default"] == "1.00x"
     assert rows["gpu-first"]["migrated_bytes"] == "165 B" and rows["gpu-first"]["remote_bytes"] == "—"
-    assert rows["gpu-first"]["ratio"] == "card" and rows["gpu-first"]["steps"] == "3"
+    assert rows["gpu-first"]["ratio"] == "none" and rows["gpu-first"]["steps"] == "3"
     assert "run_dir" not in readable.columns and "run_dir" in readable_table(table, keep_paths=True).columns
     assert list(readable.columns) == [c for c in table.columns if c != "run_dir"]  # same order
     assert table["median_ms"].dtype.kind == "f"  # the original is left as it was
+
+
+def test_a_ratio_of_none_reads_none_never_nan_in_tables_and_read_back_csvs(tmp_path):
+    import pandas as pd
+
+    table = compare({"mlp": TINY_MLP}, ["gpu-first"], ratios=[None, 1.5], steps=2, warmup_steps=0,
+                    out_dir=tmp_path, backend_instance=FakeBackend())
+    assert table["ratio"].isna().sum() == 2  # None in a float column: NaN
+    for source in (table, pd.read_csv(f"{table.attrs['sweep_dir']}/summary.csv")):
+        readable = readable_table(source)
+        assert list(readable["ratio"]) == ["none", "none", "1.50", "1.50"]
+        text = readable.to_string()
+        assert "NaN" not in text and "nan" not in text and "card" not in text

@@ -167,8 +167,8 @@ def default_sigterm():
 
 def test_um_lab_handles_sigterm_only_during_a_foreground_run_and_restores_the_default(tmp_path, default_sigterm):
     seen = []
-    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend(),
-                 on_record=lambda r: seen.append(signal.getsignal(signal.SIGTERM)))
+    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
+    active.add_listener(lambda r: seen.append(signal.getsignal(signal.SIGTERM)))
     list(active)
     assert seen and all(h is runexit._on_sigterm for h in seen)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -186,13 +186,15 @@ def test_a_users_sigterm_handler_is_never_replaced(tmp_path, default_sigterm):
 
     signal.signal(signal.SIGTERM, mine)
     seen = []
-    list(Run(spec(), out_dir=tmp_path, backend=InstantBackend(),
-             on_record=lambda r: seen.append(signal.getsignal(signal.SIGTERM))))
+    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
+    active.add_listener(lambda r: seen.append(signal.getsignal(signal.SIGTERM)))
+    list(active)
     assert seen and all(h is mine for h in seen) and signal.getsignal(signal.SIGTERM) is mine
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # installed by the user during a run: kept after it
-    list(Run(spec(), out_dir=tmp_path, backend=InstantBackend(),
-             on_record=lambda r: r.step == 1 and signal.signal(signal.SIGTERM, theirs)))
+    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
+    active.add_listener(lambda r: r.step == 1 and signal.signal(signal.SIGTERM, theirs))
+    list(active)
     assert signal.getsignal(signal.SIGTERM) is theirs
 
 
@@ -201,8 +203,9 @@ def test_a_run_on_another_thread_installs_no_handler(tmp_path, default_sigterm):
 
     def consume():
         try:
-            list(Run(spec(), out_dir=tmp_path, backend=InstantBackend(),
-                     on_record=lambda r: seen.append(signal.getsignal(signal.SIGTERM))))
+            active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
+            active.add_listener(lambda r: seen.append(signal.getsignal(signal.SIGTERM)))
+            list(active)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -225,22 +228,29 @@ def _rewrite_status(path: Path, **changes) -> None:
     (path / "status.json").write_text(json.dumps(status))
 
 
-def test_a_run_left_running_by_a_gone_process_reports_its_steps_from_the_records(tmp_path, capsys):
+def test_a_run_left_running_by_a_gone_process_is_interrupted_with_its_steps_from_the_records(tmp_path, capsys):
     path = _finished_run(tmp_path)
     _rewrite_status(path, status="running", complete=False, steps_completed=0, pid=2**22 + 12345)
     loaded = load(path)
-    assert loaded.state == "crashed" and not loaded.complete
+    assert loaded.state == "interrupted" and not loaded.complete
     assert loaded.status["steps_completed"] == 7 and loaded.steps_text == "7/7"
-    assert "is gone" in loaded.status["note"]
+    assert loaded.status["interrupted_by"] == "the process running it ended without closing it"
+    assert "is gone" in loaded.status["note"] and "ended without closing it" in loaded.status["note"]
+    assert json.loads((path / "status.json").read_text())["status"] == "running"  # read so; never rewritten
+    assert "state='interrupted', steps=7/7" in repr(loaded) and "interrupted, 7/7 steps" in loaded._repr_html_()
     assert main(["show", str(path)]) == 0
-    assert "state crashed, 7/7 steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "state interrupted, 7/7 steps" in out
+    assert "interrupted by: the process running it ended without closing it" in out
+    assert "note: " in out and "is gone" in out and "crashed" not in out
 
 
 def test_a_running_status_of_this_process_without_its_run_is_left_running(tmp_path):
     path = _finished_run(tmp_path)
     _rewrite_status(path, status="running", complete=False, steps_completed=0, pid=os.getpid())
     loaded = load(path)
-    assert loaded.state == "crashed" and loaded.status["steps_completed"] == 7
+    assert loaded.state == "interrupted" and loaded.status["steps_completed"] == 7
+    assert "no run of this process writes it" in loaded.status["note"]
 
 
 def test_a_live_process_counts_as_running_unless_its_pid_was_reused_or_its_status_is_stale(tmp_path):
@@ -252,20 +262,20 @@ def test_a_live_process_counts_as_running_unless_its_pid_was_reused_or_its_statu
     if started is not None:  # Linux: a pid now naming another process
         _rewrite_status(path, pid_started=started + 1)
         loaded = load(path)
-        assert loaded.state == "crashed" and "another process" in loaded.status["note"]
+        assert loaded.state == "interrupted" and "another process" in loaded.status["note"]
     # another host (the pid cannot be checked): stale once the heartbeat is long overdue
     _rewrite_status(path, host=socket.gethostname() + "-elsewhere", pid_started=started,
                     updated_at="2000-01-01T00:00:00+00:00")
     loaded = load(path)
-    assert loaded.state == "crashed" and "stale" in loaded.status["note"]
+    assert loaded.state == "interrupted" and "stale" in loaded.status["note"]
     assert loaded.status["steps_completed"] == 7
 
 
 def test_status_json_is_a_heartbeat_of_the_step_count(tmp_path, monkeypatch):
     monkeypatch.setattr(um_lab.runlog, "HEARTBEAT_S", 0.0)
     on_disk = []
-    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend(),
-                 on_record=lambda r: on_disk.append(status_of(active.path)["steps_completed"]))
+    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
+    active.add_listener(lambda r: on_disk.append(status_of(active.path)["steps_completed"]))
     list(active)
     assert on_disk == [0, 1, 2, 3, 4, 5, 6]  # written after each step (the callback runs before it)
     assert status_of(active.path)["steps_completed"] == 7
@@ -293,7 +303,8 @@ def test_a_folder_that_becomes_unwritable_is_reported_and_retried_at_exit(tmp_pa
             block.append(active.path / ".status.json.tmp")
             block[0].mkdir()
 
-    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend(), on_record=break_status_file)
+    active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
+    active.add_listener(break_status_file)
     with pytest.warns(RunLogWarning, match="cannot update .*status.json"):
         with pytest.raises(RunDirError, match=r"status\.json.*ended complete after 7 steps"):
             list(active)

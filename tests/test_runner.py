@@ -227,7 +227,7 @@ def test_background_error_is_reraised_by_join(tmp_path):
     assert load(active.path).state == "failed"
 
 
-def test_crashed_run_left_running_is_read_as_crashed_and_truncated_line_skipped(tmp_path):
+def test_a_run_left_running_is_read_as_interrupted_and_truncated_line_skipped(tmp_path):
     active = Run(spec(steps=3), out_dir=tmp_path, backend=FakeBackend())
     list(active)
     status = json.loads((active.path / "status.json").read_text())
@@ -236,7 +236,8 @@ def test_crashed_run_left_running_is_read_as_crashed_and_truncated_line_skipped(
     with open(active.path / "records.jsonl", "a") as f:
         f.write('{"step": 99, "wall_ms": 1')  # cut off mid-write
     loaded = load(active.path)
-    assert loaded.state == "crashed" and not loaded.complete
+    assert loaded.state == "interrupted" and not loaded.complete
+    assert loaded.status["interrupted_by"] == "the process running it ended without closing it"
     assert [r.step for r in loaded.records()] == [0, 1, 2, 3, 4]
 
 
@@ -517,7 +518,7 @@ def test_thousand_sim_steps_do_not_grow_memory(tmp_path):
     assert loaded.complete and sum(1 for _ in loaded.records()) == 1000
 
 
-def test_killed_process_leaves_a_crashed_run_with_its_completed_steps(tmp_path):
+def test_killed_process_leaves_an_interrupted_run_with_its_completed_steps(tmp_path):
     import signal
     import subprocess
     import sys
@@ -545,8 +546,9 @@ def test_killed_process_leaves_a_crashed_run_with_its_completed_steps(tmp_path):
         proc.wait(30)
     (path,) = list_runs(tmp_path)
     loaded = load(path)
-    assert loaded.state == "crashed" and not loaded.complete
+    assert loaded.state == "interrupted" and not loaded.complete
     steps = [r.step for r in loaded.records()]
+    assert loaded.status["steps_completed"] == len(steps)  # its real step count, from records.jsonl
     assert len(steps) >= 50 and steps == list(range(len(steps)))
 
 

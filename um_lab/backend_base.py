@@ -34,8 +34,11 @@ class Backend(Protocol):
     Records are yielded as each step completes (warm-up steps first, flagged ``warmup=True``), each with
     ``backend`` set to :attr:`name`. Closing the generator early must leave the process usable (pools
     released, state restored). The class-level members (:attr:`name`, :attr:`simulates_capacity`,
-    :meth:`check_available`, :meth:`check_case`) are asked before any backend is built.
-    :class:`BackendBase` gives every member but :meth:`run` a default.
+    :attr:`reports_uncertainty_band`, :meth:`check_available`, :meth:`check_case`) are asked before any
+    backend is built. :class:`BackendBase` gives every member but :meth:`run` a default. Options are
+    the constructor's keyword parameters (:func:`um_lab.backend.backend_options` lists them: the CLI's
+    ``--profile`` goes to a backend that takes ``profile``, the lab's ``telemetry`` to one that takes
+    ``telemetry``).
     """
 
     #: the registry name, also written to run folders and records
@@ -43,6 +46,9 @@ class Backend(Protocol):
     #: True when ``RunSpec.capacity_bytes`` / ``oversubscription_ratio`` (and compare's ratios) apply:
     #: the GPU's capacity is simulated. A backend without it refuses specs that set them.
     simulates_capacity: ClassVar[bool]
+    #: True when ``compare(band=True)`` can bracket each run's step time (the simulator: at both ends of
+    #: its profile constants' ranges); the comparison panel offers its band only then.
+    reports_uncertainty_band: ClassVar[bool]
 
     @property
     def measures_residency(self) -> bool:
@@ -80,10 +86,11 @@ class Backend(Protocol):
 
 class BackendBase:
     """Defaults for every :class:`Backend` member but :attr:`name` and :meth:`run`: runs anywhere, no
-    simulated capacity, no residency, no pre-flight, a CPU device."""
+    simulated capacity, no uncertainty band, no residency, no pre-flight, a CPU device."""
 
     name: ClassVar[str]
     simulates_capacity: ClassVar[bool] = False
+    reports_uncertainty_band: ClassVar[bool] = False
 
     @property
     def measures_residency(self) -> bool:

@@ -11,6 +11,9 @@
     um-lab models | um-lab policies                       # what can be named
 
 ``--backend auto`` (the default) picks cuda when a GPU is available, else sim; the choice is printed.
+Any registered backend can be named (an installed package registers one with an entry point in the
+``um_lab.backends`` group; see :mod:`um_lab.backend`). Options go to the backends that take them:
+``--profile`` to one whose class takes ``profile``; ``--capacity`` and ratios to one that simulates capacity.
 A bare preset name always means the preset; a policy file is given with a path or a ``.json`` name and
 may not take a preset's name.
 Runs go to ``--out``, else ``$UM_LAB_RUNS_DIR``, else ``runs/`` in the current folder.
@@ -55,16 +58,22 @@ Ctrl-C (or SIGTERM to um-lab) stops the Jupyter server it started, and its kerne
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="auto", help="cuda, sim or auto (cuda when available, else sim)")
+    from um_lab.backend import backend_names
+
+    p.add_argument("--backend", default="auto",
+                   help=f"a registered backend ({', '.join(backend_names())}) or auto (cuda when a GPU is "
+                        "available, else sim)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps, recorded but not summarised")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the model's)")
     p.add_argument("--model-kw", action="append", metavar="KEY=VALUE",
                    help="a model size knob, repeatable (e.g. width=1024, seq_len=256, n_layer=2)")
     p.add_argument("--capacity", type=parse_bytes, default=None,
-                   help="simulated GPU capacity, e.g. 16GiB or 1e9 (sim only; default: the profile's card)")
+                   help="simulated GPU capacity, e.g. 16GiB or 1e9 (backends that simulate capacity, such "
+                        "as sim; default: the profile's card)")
     p.add_argument("--profile", default=None,
-                   help="simulator calibration profile: a packaged name (h200) or a profile JSON (sim only)")
+                   help="calibration profile, for backends that take one (sim's: a packaged name such as "
+                        "h200, or a profile JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="folder for run logs (default: $UM_LAB_RUNS_DIR if set, else runs/)")
@@ -90,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset names or policy JSON files given with a path or .json "
                         "(um-default is added as the baseline)")
     p.add_argument("--ratios", nargs="+", type=parse_ratio, default=[None],
-                   help="simulated oversubscription ratios (sim only); 'none' = the profile's card")
+                   help="simulated oversubscription ratios (backends that simulate capacity, such as sim); "
+                        "'none' = the profile's card")
     p.add_argument("--csv", type=Path, help="write the table as CSV")
     p.add_argument("--parquet", type=Path, help="write the table as Parquet (needs pyarrow)")
     p.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
@@ -126,6 +136,17 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def _say_summary(summary: dict[str, Any]) -> None:
+    """One line per summary value: floats to 3 decimals, a value not measured (None, NaN) as ``—``."""
+    from um_lab.summary import NOT_MEASURED
+
+    for key, value in summary.items():
+        if value is None or (isinstance(value, float) and value != value):
+            _say(f"  {key:18s} {NOT_MEASURED}")
+        else:
+            _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+
+
 def _announce_backend(requested: str) -> str:
     from um_lab.backend import resolve_backend_name
     from um_lab.runlog import backend_note
@@ -135,15 +156,27 @@ def _announce_backend(requested: str) -> str:
     return resolved
 
 
+def _takes_option(name: str, option: str) -> bool:
+    """True when backend ``name`` is built with keyword ``option`` (False for one that cannot be imported)."""
+    from um_lab.backend import backend_options
+
+    try:
+        return option in backend_options(name)
+    except Exception:  # a backend whose module cannot be imported here takes nothing we could pass
+        return False
+
+
 def _backend_instance(resolved: str, profile: str | None) -> Any:
     """A backend built with the CLI's options (None: let the runner build the default one)."""
     if profile is None:
         return None
-    if resolved != "sim":
-        raise CliError("--profile is a simulator option; use it with --backend sim")
-    from um_lab.backend import get_backend
+    from um_lab.backend import backend_names, get_backend
 
-    return get_backend("sim", profile=profile)
+    if not _takes_option(resolved, "profile"):
+        takers = [name for name in backend_names() if _takes_option(name, "profile")]
+        raise CliError(f"--profile is not an option of backend {resolved!r} (it takes no calibration profile); "
+                       f"backends that take one: {', '.join(takers) or 'none registered'}")
+    return get_backend(resolved, profile=profile)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -176,10 +209,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     bar.close()
     summary = active.summary()
     _say(f"status: {active.status}")
-    for key in ("steps", "median_ms", "mean_ms", "p90_ms", "migrated_bytes", "gpu_page_faults",
-                "evictions", "peak_live_bytes", "oversubscription", "last_loss"):
-        value = summary[key]
-        _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+    _say_summary({key: summary[key] for key in ("steps", "median_ms", "mean_ms", "p90_ms", "migrated_bytes",
+                                                "gpu_page_faults", "evictions", "peak_live_bytes",
+                                                "oversubscription", "last_loss")})
     _say(f"log: {active.path}")
     return EXIT_OK
 
@@ -276,10 +308,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     loaded = load(args.path)
     _say(f"{loaded.path}: {loaded.spec.model} under {loaded.spec.policy} on "
          f"{loaded.environment.get('backend', '?')}, state {loaded.state}, {loaded.steps_text} steps")
-    if loaded.status.get("error"):
-        _say(f"error: {loaded.status['error']}")
-    for key, value in loaded.summary().items():
-        _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+    for key in ("error", "interrupted_by", "note"):  # why it ended (a run left running: interrupted, a note)
+        if loaded.status.get(key):
+            _say(f"{key.replace('_', ' ')}: {loaded.status[key]}")
+    _say_summary(loaded.summary())
     return EXIT_OK
 
 

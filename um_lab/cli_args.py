@@ -121,9 +121,19 @@ def ratio_text(value: Any) -> str:
     return "none" if missing else f"{float(value):g}"
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def format_table(table: Any) -> str:
-    """A comparison table as text: the summary columns, ratios as numbers or ``none``."""
+    """A comparison table as text: the summary columns, ratios as numbers or ``none``, a value not measured
+    (e.g. the times of a run refused before its first step) as ``—``: never ``NaN``."""
+    from um_lab.summary import NOT_MEASURED
+
     shown = table[[c for c in SUMMARY_COLUMNS if c in table.columns]].copy()
-    if "ratio" in shown.columns:
-        shown["ratio"] = [ratio_text(v) for v in shown["ratio"]]
-    return shown.to_string(index=False, float_format=lambda v: f"{v:.3f}")
+    for column in shown.columns:
+        if column == "ratio":
+            shown[column] = [ratio_text(v) for v in shown[column]]
+        elif shown[column].dtype == object:  # a quantity no run measured is None there, not NaN
+            shown[column] = [NOT_MEASURED if _missing(v) else v for v in shown[column]]
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep=NOT_MEASURED)

@@ -14,7 +14,9 @@ ends early (split from :mod:`um_lab.runner`, which registers its runs here):
   not be written is retried.
 
 A process killed outright (SIGKILL, power loss) writes nothing: :func:`um_lab.runread.load` reads such a
-run (``running`` on disk, its process gone) as left running, counting its steps from ``records.jsonl``.
+run (``running`` on disk, its process gone) as ``interrupted`` too, with its real step count (counted from
+``records.jsonl``), ``interrupted_by`` saying that the process running it ended without closing it, and a
+``note`` saying how that was found.
 """
 
 from __future__ import annotations

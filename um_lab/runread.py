@@ -4,8 +4,9 @@ Writing the folder is :mod:`um_lab.runlog`'s job.
 Reading is forgiving where the data allows it: a bad line in ``records.jsonl`` is skipped with one
 :class:`RunLogWarning` naming the file and line; a corrupt ``status.json`` (or other side file) is
 warned about and read as missing; only a corrupt ``spec.json`` raises (:class:`RunLogError`). A run
-left ``running`` by a process that is gone (or whose status is stale) is read as ``crashed``
-(:data:`LEFT_RUNNING`), with its step count taken from ``records.jsonl``.
+left ``running`` by a process that is gone (or whose status is stale) is read as ``interrupted``
+(:data:`LEFT_RUNNING`), with its real step count taken from ``records.jsonl``, ``interrupted_by``
+:data:`ENDED_WITHOUT_CLOSING` and a ``note`` saying how it was found.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summariz
 from um_lab.types import RunSpec, StepRecord
 
 STALE_AFTER_S = 1800.0  #: a ``running`` status with a heartbeat, not rewritten for this long, is stale
-LEFT_RUNNING = "crashed"  #: the state of a run left ``running`` by a process that no longer runs it
+LEFT_RUNNING = "interrupted"  #: the state of a run left ``running`` by a process that no longer runs it
+#: the ``interrupted_by`` of such a run (a signal's name, or ``interpreter exit``, when the process closed it)
+ENDED_WITHOUT_CLOSING = "the process running it ended without closing it"
 
 
 class RunLogError(UmLabError, ValueError):
@@ -105,14 +108,14 @@ class LoadedRun:
 
     @property
     def complete(self) -> bool:
-        """True only for a run that ran every step (a stopped or crashed run is incomplete)."""
+        """True only for a run that ran every step (a stopped, interrupted or failed run is incomplete)."""
         return bool(self.status.get("complete"))
 
     @property
     def state(self) -> str:
-        """``complete``, ``stopped``, ``interrupted``, ``failed``, ``crashed`` (left ``running`` by a
-        process that is gone, or stale: see :func:`left_running_reason`), ``running`` (still being
-        written), or ``unknown`` (no readable ``status.json``)."""
+        """``complete``, ``stopped``, ``interrupted`` (also a run left ``running`` by a process that is
+        gone, or stale: see :func:`left_running_reason`; its status says so), ``failed``, ``running``
+        (still being written), or ``unknown`` (no readable ``status.json``)."""
         state = self.status.get("status", "unknown")
         if state == "running" and left_running_reason(self.path, self.status) is not None:
             return LEFT_RUNNING
@@ -230,7 +233,8 @@ def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict
 
     A ``running`` status written by this process comes from the run itself (its file may lag, or be
     unwritable); one that no longer holds (:func:`left_running_reason`) becomes :data:`LEFT_RUNNING`,
-    incomplete, with the step count of ``records.jsonl`` and a ``note`` saying why.
+    incomplete, with the step count of ``records.jsonl``, ``interrupted_by`` :data:`ENDED_WITHOUT_CLOSING`
+    and a ``note`` saying why.
     """
     if status.get("status") != "running":
         return status
@@ -242,7 +246,9 @@ def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict
         return status
     return {**status, "status": LEFT_RUNNING, "complete": False,
             "steps_completed": count_records(path / "records.jsonl"),
-            "note": f"status.json says running, but {reason}; steps counted from records.jsonl"}
+            "interrupted_by": ENDED_WITHOUT_CLOSING,
+            "note": f"{ENDED_WITHOUT_CLOSING}: status.json says running, but {reason}; "
+                    "steps counted from records.jsonl"}
 
 
 def _read_object(file: Path) -> dict[str, Any]:

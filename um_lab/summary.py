@@ -108,6 +108,7 @@ def with_speedup(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
 # ------------------------------------------------------------------------------- readable values
 
 NOT_MEASURED = "—"  #: shown for a quantity no record measured (None, never 0) or an undefined statistic
+NO_RATIO = "none"  #: shown for a ``ratio`` of None (or NaN, as a table column holds it): the profile's card
 _COUNT_KEYS = frozenset({"steps", "warmup_steps", "gpu_page_faults", "evictions", "steps_completed"})
 _RATIO_KEYS = frozenset({"oversubscription", "ratio", "oversubscription_ratio"})
 
@@ -123,13 +124,14 @@ def format_value(key: str, value: Any) -> str:
 
     ``*_ms``: 2 decimals and ``ms``; ``speedup*``: 2 decimals and ``x``; ``*_bytes``: KiB/MiB/GiB;
     ratios: 2 decimals; counts: whole numbers with thousands separators; other numbers: 4 significant
-    digits. An unmeasured value (None or NaN) is ``—`` (``ratio`` None is the profile's ``card``; a
-    missing text value is empty).
+    digits. An unmeasured value (None or NaN) is ``—``, never ``nan`` (a ``ratio`` of None is ``none``:
+    no ratio was asked, the profile's whole card, as ``um-lab compare --ratios none`` names it; a missing
+    text value is empty).
     """
     numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if _missing(value):
         if key == "ratio":
-            return "card"
+            return NO_RATIO
         if key.endswith(("_ms", "_bytes")) or key.startswith("speedup") or key in _COUNT_KEYS | _RATIO_KEYS \
                 or key == "last_loss":
             return NOT_MEASURED
@@ -156,7 +158,8 @@ def format_summary(summary: Mapping[str, Any]) -> dict[str, str]:
 
 def readable_table(table: pd.DataFrame, keep_paths: bool = False) -> pd.DataFrame:
     """A copy of a ``compare()`` table for reading: times in ms with 2 decimals, speed-ups as ``1.23x``,
-    bytes in KiB/MiB/GiB, unmeasured values as ``—``. ``run_dir`` is dropped unless ``keep_paths``."""
+    bytes in KiB/MiB/GiB, unmeasured values as ``—``, a ratio of None as ``none`` (never ``NaN``).
+    ``run_dir`` is dropped unless ``keep_paths``."""
     readable = table.drop(columns=[] if keep_paths else [c for c in ("run_dir",) if c in table.columns])
     readable = readable.astype(object)
     for column in readable.columns:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from um_lab.backend import resolve_backend_name
+from um_lab.backend import backend_class, resolve_backend_name, valid_backend_names
 from um_lab.errors import UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import presets
@@ -30,6 +30,7 @@ from um_lab.summary import readable_table
 from um_lab.sweep import BASELINE_POLICY, compare
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
+from um_lab.widgets.workload import backend_choices
 
 _TABLE_COLUMNS = {"model": "model", "policy": "policy", "ratio": "ratio", "median_ms": "median ms",
                   "p90_ms": "p90 ms", f"speedup_vs_{BASELINE_POLICY}": "speed-up", "migrated_bytes": "migrated",
@@ -58,6 +59,15 @@ def parse_ratios(text: str) -> list[float | None]:
     return out
 
 
+def reports_band(backend: str) -> bool:
+    """True when backend ``backend`` (``auto`` resolved) can bracket its runs' step times with an
+    uncertainty band (its ``reports_uncertainty_band``); False for one that cannot be resolved here."""
+    try:
+        return bool(getattr(backend_class(resolve_backend_name(backend)), "reports_uncertainty_band", False))
+    except Exception:  # unknown now, or its module cannot be imported: no band to offer
+        return False
+
+
 def readable(table: pd.DataFrame, baseline: str = BASELINE_POLICY) -> pd.DataFrame:
     """The comparison's main columns, renamed and formatted by :func:`um_lab.summary.readable_table`
     (ms to 2 decimals, speed-ups as ``1.23x``, bytes in KiB/MiB/GiB, ``—`` where not measured)."""
@@ -66,7 +76,7 @@ def readable(table: pd.DataFrame, baseline: str = BASELINE_POLICY) -> pd.DataFra
                **dict(list(columns.items())[5:])}
     present = [c for c in columns if c in table.columns]
     out = readable_table(table[present]).rename(columns=columns)
-    if {"speedup_band_lo", "speedup_band_hi"} <= set(table.columns):  # the uncertainty band (sim)
+    if {"speedup_band_lo", "speedup_band_hi"} <= set(table.columns):  # the uncertainty band
         band = [("—" if pd.isna(lo) or pd.isna(hi) else f"{lo:.2f}–{hi:.2f}x")
                 for lo, hi in zip(table["speedup_band_lo"], table["speedup_band_hi"], strict=True)]
         speedup = f"speed-up vs {baseline}"
@@ -97,7 +107,8 @@ class ComparisonStopped(UmLabError):
 
 
 class CompareView:
-    """The comparison panel: policies x ratios x models on one backend, results as figures and a table."""
+    """The comparison panel: policies x ratios x models on one backend (any registered one), results as
+    figures and a table. The uncertainty band is offered on a backend that reports one (the simulator)."""
 
     def __init__(self, models: Sequence[str] | Mapping[str, Mapping[str, Any]] = ("mlp",),
                  policies: Sequence[str] = ("gpu-first", "prefetch-all", "zero-copy-params"),
@@ -105,6 +116,9 @@ class CompareView:
                  warmup_steps: int = 1, out_dir: str | os.PathLike[str] | None = None) -> None:
         import ipywidgets as w
 
+        choices = backend_choices()
+        if backend not in choices:
+            raise ValueError(f"unknown backend {backend!r}; valid: {valid_backend_names()}")
         self.model_kwargs = {m: dict(kw) for m, kw in models.items()} if isinstance(models, Mapping) else {}
         names = list(models)
         unknown = [m for m in names if m not in ZOO] + [p for p in policies if p not in presets]
@@ -116,12 +130,16 @@ class CompareView:
         self.policies = w.SelectMultiple(options=list(presets), value=list(policies), description="policies", rows=7)
         self.ratios = w.Text(value=", ".join("none" if r is None else f"{r:g}" for r in ratios),
                              description="ratios", placeholder="0.8, 1.5, none")
-        self.backend = w.Dropdown(options=["sim", "cuda", "auto"], value=backend, description="backend")
+        self.backend = w.Dropdown(options=choices, value=backend, description="backend")
+        self.backend.add_class("um-lab-compare-backend")
         self.steps = w.BoundedIntText(value=steps, min=1, max=10**6, description="steps")
         self.warmup = warmup_steps
         self.log_scale = w.Checkbox(value=False, description="log scale", indent=False)
-        #: on the simulator: each run also at both ends of the profile constants' ranges (um_lab.sim.band)
-        self.band = w.Checkbox(value=True, description="uncertainty band (sim)", indent=False)
+        #: on a backend that reports one (the simulator: each run also at both ends of the profile constants'
+        #: ranges, um_lab.sim.band); disabled on the others
+        self.band = w.Checkbox(value=True, description="uncertainty band", indent=False)
+        self.backend.observe(lambda _c: self._backend_changed(), names="value")
+        self._backend_changed()
         self.run_button = w.Button(description="Compare", icon="play", button_style="success")
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
         self.stop_button.on_click(lambda _b: self.stop())
@@ -147,6 +165,11 @@ class CompareView:
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _backend_changed(self) -> None:
+        supported = reports_band(self.backend.value)
+        self.band.disabled = not supported
+        self.band.description = "uncertainty band" if supported else "uncertainty band (not on this backend)"
 
     def _say(self, text: str, colour: str = "#000") -> None:
         self.status.value = f"<span style='color:{colour}'>{text}</span>"
@@ -191,7 +214,7 @@ class CompareView:
     def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
         before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
         try:
-            band = bool(self.band.value) and resolve_backend_name(self.backend.value) == "sim"
+            band = bool(self.band.value) and reports_band(self.backend.value)
             self.table = compare(models, policies, ratios, backend=self.backend.value, steps=int(self.steps.value),
                                  warmup_steps=self.warmup, out_dir=self.out_dir, progress=_Progress(self),
                                  keep_going=True, band=band)

@@ -17,8 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from um_lab.backend import cuda_available, get_backend
-from um_lab.errors import CudaUnavailableError
+from um_lab.backend import backend_class, backend_options, get_backend
 from um_lab.policy import Policy
 from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
@@ -38,7 +37,8 @@ class Lab:
 
     ``pace_s`` waits that long after each step (simulator runs are fast; a pace lets a class watch them).
     ``out_dir``: where runs are written (default: ``$UM_LAB_RUNS_DIR``, else ``runs/``). ``telemetry``
-    is passed to the cuda backend (``"auto"``: CUPTI residency where it can be measured).
+    is passed to a backend built with a ``telemetry`` option (the cuda backend; ``"auto"``: CUPTI
+    residency where it can be measured). ``backend`` is ``auto`` or any registered backend.
     """
 
     def __init__(self, model: str = "mlp", policy: Policy | str = "um-default", backend: str = "auto",
@@ -57,7 +57,7 @@ class Lab:
         self._backends: dict[str, Any] = {}
         self._backends_lock = threading.Lock()
         self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib,
-                                       sim_backend=lambda: self._backend("sim"))
+                                       backend_for=self._backend)
         self.advice = AdviceGrid(policy)
         self.steps = w.BoundedIntText(value=steps, min=1, max=10**7, description="steps",
                                       layout=w.Layout(width="170px"))
@@ -109,19 +109,19 @@ class Lab:
     def spec(self) -> RunSpec:
         """The :class:`RunSpec` the panel's controls describe."""
         backend = self.workload.resolved_backend
-        capacity, ratio = self.workload.sim_capacity() if backend == "sim" else (None, None)
+        capacity, ratio = self.workload.sim_capacity() if self.workload.simulates_capacity else (None, None)
         return RunSpec(model=self.workload.model.value, policy=self.policy.name, backend=backend,
                        steps=int(self.steps.value), warmup_steps=int(self.warmup.value),
                        model_kwargs=self.workload.model_kwargs(), capacity_bytes=capacity,
                        oversubscription_ratio=ratio)
 
     def _backend(self, name: str) -> Any:
-        if name == "cuda" and not cuda_available():
-            raise CudaUnavailableError("no CUDA GPU (or a CPU build of torch) in this process")
+        """The panel's one instance of backend ``name`` (refused, as the run would be, where it cannot run)."""
+        backend_class(name).check_available()  # e.g. CudaUnavailableError without a GPU
         with self._backends_lock:  # the estimate thread and Run may ask at once: one simulator, one trace cache
             if name not in self._backends:
-                self._backends[name] = (get_backend(name, telemetry=self.telemetry) if name == "cuda"
-                                        else get_backend(name))
+                options = {"telemetry": self.telemetry} if "telemetry" in backend_options(name) else {}
+                self._backends[name] = get_backend(name, **options)
             return self._backends[name]
 
     # -- running -----------------------------------------------------------------------------------

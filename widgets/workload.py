@@ -1,9 +1,14 @@
-"""What to train and where: model and size knobs, backend, simulated capacity or the safety cap, and a live
-memory estimate per data type with its oversubscription ratio (before anything runs)."""
+"""What to train and where: model and size knobs, backend (any registered one), simulated capacity or the
+safety cap, and a live memory estimate per data type with its oversubscription ratio (before anything runs).
+
+Nothing here tests a backend's name: the backend list is the registry's, the capacity controls show for a
+backend that simulates capacity, and the limit shown otherwise is what the backend says a run must fit in.
+"""
 
 from __future__ import annotations
 
 import atexit
+import html
 import inspect
 import threading
 import weakref
@@ -11,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from um_lab import models
-from um_lab.backend import cuda_available
+from um_lab.backend import AUTO, backend_class, backend_names, get_backend, resolve_backend_name, valid_backend_names
 from um_lab.sizing import MemoryEstimate, estimate_memory, format_bytes
-from um_lab.types import DATA_TYPES
+from um_lab.types import DATA_TYPES, RunSpec
 
 #: config fields worth a knob for the transformer families (the rest stay at the size's defaults)
 _CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd", "n_head"),
@@ -65,28 +70,39 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
     return f"<table><tr>{cells}</tr></table><small>estimate per type: {estimate.method}; {basis}</small>"
 
 
+def backend_choices() -> list[str]:
+    """What a backend dropdown offers: ``auto``, then every registered backend (a third one included)."""
+    return [AUTO, *backend_names()]
+
+
 class WorkloadPicker:
     """Model dropdown, size knobs, backend and capacity controls, and the live memory estimate."""
 
     def __init__(self, model: str = "mlp", model_kwargs: dict[str, Any] | None = None, backend: str = "auto",
                  ratio: float | None = 1.5, capacity_gib: float | None = None,
-                 on_change: Callable[[], None] | None = None, sim_backend: Callable[[], Any] | None = None) -> None:
-        """``sim_backend()`` returns the simulator the runs will use: its segment footprint is what the
-        panel's ratio is of (and its prepared trace is then reused by the run)."""
+                 on_change: Callable[[], None] | None = None,
+                 backend_for: Callable[[str], Any] | None = None) -> None:
+        """``backend_for(name)`` returns the backend instance the runs will use for a registered name
+        (default: one built here with no options). The limit shown is what it says a run must fit in; on a
+        backend that simulates capacity and prepares a case (the simulator: ``prepare(case).footprint_bytes``)
+        the panel's ratio is of that footprint, and the prepared trace is reused by the run."""
         import ipywidgets as w
 
         if model not in models.ZOO:
             raise ValueError(f"unknown model {model!r}; valid: {', '.join(models.ZOO)}")
-        if backend not in ("auto", "cuda", "sim"):
-            raise ValueError(f"unknown backend {backend!r}; valid: auto, cuda, sim")
+        choices = backend_choices()
+        if backend not in choices:
+            raise ValueError(f"unknown backend {backend!r}; valid: {valid_backend_names()}")
         self._on_change = on_change
-        self._sim_backend = sim_backend
+        self._backend_for = backend_for
+        self._own_backends: dict[str, Any] = {}
+        self._own_backends_lock = threading.Lock()  # the estimate thread asks too
         self.last_footprint: int | None = None
         self.model = w.Dropdown(options=list(models.ZOO), value=model, description="model")
         self.model.add_class("um-lab-model")
         self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
         self.knobs: dict[str, Any] = {}
-        self.backend = w.Dropdown(options=["auto", "cuda", "sim"], value=backend, description="backend",
+        self.backend = w.Dropdown(options=choices, value=backend, description="backend",
                                   layout=w.Layout(width="200px"))
         self.backend.add_class("um-lab-backend")
         mode = "card" if ratio is None and capacity_gib is None else ("capacity GiB" if capacity_gib else "ratio")
@@ -116,17 +132,31 @@ class WorkloadPicker:
 
     @property
     def resolved_backend(self) -> str:
-        """``cuda`` or ``sim`` (``auto`` resolved here)."""
-        if self.backend.value == "auto":
-            return "cuda" if cuda_available() else "sim"
-        return str(self.backend.value)
+        """The registered backend the runs use (``auto`` resolved here: cuda with a GPU, else sim)."""
+        return resolve_backend_name(str(self.backend.value))
+
+    @property
+    def simulates_capacity(self) -> bool:
+        """True when the picked backend simulates the GPU's capacity (the capacity controls apply)."""
+        return bool(backend_class(self.resolved_backend).simulates_capacity)
+
+    def backend_instance(self, name: str | None = None) -> Any:
+        """The backend the runs will use for ``name`` (default: the picked one), from ``backend_for``."""
+        name = self.resolved_backend if name is None else resolve_backend_name(name)
+        if self._backend_for is not None:
+            return self._backend_for(name)
+        with self._own_backends_lock:
+            if name not in self._own_backends:
+                self._own_backends[name] = get_backend(name)
+            return self._own_backends[name]
 
     def model_kwargs(self) -> dict[str, Any]:
         """The knob values."""
         return {name: int(control.value) for name, control in self.knobs.items()}
 
     def sim_capacity(self) -> tuple[int | None, float | None]:
-        """``(capacity_bytes, oversubscription_ratio)`` for the RunSpec (sim backend only)."""
+        """``(capacity_bytes, oversubscription_ratio)`` for the RunSpec (on a backend that simulates
+        capacity; see :attr:`simulates_capacity`)."""
         mode, value = self.capacity_mode.value, float(self.capacity_value.value)
         if mode == "ratio":
             return None, value
@@ -135,19 +165,25 @@ class WorkloadPicker:
         return None, None
 
     def capacity_bytes(self, footprint: int | None) -> tuple[int | None, str]:
-        """The capacity the footprint is compared with (the simulated GPU, in whole 2 MiB chunks as the
-        simulator takes it; or the safety cap), and its label."""
-        if self.resolved_backend == "cuda":
+        """The capacity the footprint is compared with, and its label: on a backend that simulates capacity,
+        the simulated GPU the controls describe (in whole 2 MiB chunks, as the simulator takes it); else the
+        limit the backend puts on a run (the cuda backend's safety cap; None: no limit to show)."""
+        if not self.simulates_capacity:
             return self._cap_bytes, "safety cap"
         capacity, ratio = self.sim_capacity()
+        if ratio is not None and not footprint:
+            return None, "simulated GPU"
         label = "simulated GPU"
-        if capacity is None and ratio is not None:
-            capacity = int(footprint / ratio) if footprint else None
-        elif capacity is None:
-            from um_lab.sim.profile import load_profile
-
-            capacity, label = int(load_profile("h200").gpu_memory_bytes), "simulated H200"
-        return (None if capacity is None else capacity // _CHUNK * _CHUNK), label
+        if capacity is None and ratio is None:  # the whole card of the backend's profile
+            profile_name = getattr(getattr(self.backend_instance(), "profile", None), "name", None)
+            label = f"simulated {profile_name}" if profile_name else "simulated card"
+        spec = RunSpec(model=self.model.value, backend=self.resolved_backend, capacity_bytes=capacity,
+                       oversubscription_ratio=ratio)
+        try:
+            capacity = self.backend_instance().capacity_for(spec, int(footprint or 0))
+        except Exception:  # e.g. a ratio leaving less than one chunk: the run says so when it starts
+            capacity = int(footprint / ratio) if ratio is not None and footprint else capacity
+        return (None if capacity is None else int(capacity) // _CHUNK * _CHUNK), label
 
     # -- reacting ----------------------------------------------------------------------------------
 
@@ -172,18 +208,31 @@ class WorkloadPicker:
         self._refresh_estimate()
 
     def _settings_changed(self) -> None:
-        cuda = self.resolved_backend == "cuda"
-        self.capacity_box.layout.display = "none" if cuda else None
+        name = self.resolved_backend
+        simulated = self.simulates_capacity
+        self.capacity_box.layout.display = None if simulated else "none"
         self.capacity_value.disabled = self.capacity_mode.value == "card"
-        if cuda:
-            self._cap_bytes = _safety_cap()
-            self.cap_note.value = (f"cuda: managed bytes are capped at <b>{format_bytes(self._cap_bytes)}</b> "
-                                   "(free GPU memory minus a reserve); a run above it is refused before anything "
-                                   "is allocated" if self._cap_bytes else
-                                   "<span style='color:#c00'>cuda: no CUDA GPU in this process; use sim</span>")
+        self._cap_bytes, self.cap_note.value = None, ""
+        try:
+            backend_class(name).check_available()
+        except Exception as e:  # e.g. no GPU for cuda: said here, before Run is pressed
+            self.cap_note.value = f"<span style='color:#c00'>{html.escape(f'{name}: {e}')}</span>"
         else:
-            self.cap_note.value = ""
+            if not simulated:
+                self._cap_bytes = self._run_limit(name)
+                if self._cap_bytes:
+                    self.cap_note.value = (f"{name}: managed bytes are capped at "
+                                           f"<b>{format_bytes(self._cap_bytes)}</b> (its safety cap); a run "
+                                           "above it is refused before anything is allocated")
         self._refresh_estimate()
+
+    def _run_limit(self, name: str) -> int | None:
+        """What the backend says a run of the picked model must fit in (None: no limit)."""
+        try:
+            limit = self.backend_instance(name).capacity_for(RunSpec(model=self.model.value, backend=name), 0)
+        except Exception:  # no limit it can tell here: none shown (the run's own pre-flight still checks)
+            return None
+        return None if limit is None else int(limit)
 
     def _refresh_estimate(self) -> None:
         """Recompute the estimate in the background; the newest request wins."""
@@ -204,8 +253,9 @@ class WorkloadPicker:
         try:
             case = models.get_model(name, **kwargs)
             estimate: MemoryEstimate | None = estimate_memory(case)
-            if self.resolved_backend == "sim" and self._sim_backend is not None:
-                footprint = self._sim_backend().prepare(case).footprint_bytes  # what the run will oversubscribe
+            prepare = getattr(self.backend_instance(), "prepare", None) if self.simulates_capacity else None
+            if callable(prepare):
+                footprint = int(prepare(case).footprint_bytes)  # what the run will oversubscribe
             text = ""
         except Exception as e:  # shown in the panel; a bad size is the user's to fix
             estimate, text = None, f"<span style='color:#c00'>cannot size {name}: {e}</span>"
@@ -227,14 +277,3 @@ class WorkloadPicker:
             time.sleep(0.02)
         return self.last_estimate
 
-
-def _safety_cap() -> int | None:
-    """The cuda backend's default safety cap here (None without a GPU)."""
-    if not cuda_available():
-        return None
-    import torch
-
-    from um_lab.cuda.allocator import default_cap
-
-    free, total = torch.cuda.mem_get_info()
-    return int(default_cap(free, total))
