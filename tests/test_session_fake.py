@@ -236,6 +236,37 @@ def test_prefetch_follows_the_policy_at_phase_boundaries(env):
     ]
 
 
+def test_the_prefetch_plan_follows_a_policy_switched_between_steps(env):
+    source, driver, api, runtime = env
+    to_gpu = um_lab.presets["um-default"].replace("pf", param=um_lab.Advice(prefetch="to-gpu-before-use"))
+    with make_session(env) as lab:
+        model, opt = tiny()
+        lab.attach(model, opt)
+        p = source.allocate(DataType.PARAM, 4 * MiB)
+        lab.step(lambda: model(torch.randn(2, 8)).sum(), opt)
+        assert runtime.prefetched == []  # um-default prefetches nothing
+        lab.set_policy(to_gpu)
+        lab.step(lambda: model(torch.randn(2, 8)).sum(), opt)
+        assert [c[0] for c in runtime.prefetched] == [p]
+        lab.set_policy("um-default")
+        lab.step(lambda: model(torch.randn(2, 8)).sum(), opt)
+        assert len(runtime.prefetched) == 1
+        source.free(p)
+
+
+def test_gradients_set_to_none_are_recreated_in_the_grad_pool_every_time(env):
+    source, driver, api, runtime = env
+    with make_session(env) as lab:
+        model, opt = tiny()
+        lab.attach(model, opt)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            assert all(p.grad is None for p in model.parameters())
+            lab.step(lambda: model(torch.randn(2, 8)).sum(), opt, zero_grad=False)
+            assert all(p.grad is not None for p in model.parameters())
+        assert routed_types(api).count(DataType.GRAD) == 3  # attach, then once per step
+
+
 def test_set_policy_readvises_live_segments_and_future_ones(env):
     source, driver, api, runtime = env
     with make_session(env) as lab:

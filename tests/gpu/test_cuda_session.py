@@ -251,3 +251,27 @@ def test_exceptions_mid_forward_and_mid_backward_leave_the_session_usable():
         rec = lab.step(lambda: case.loss_fn(model, *batch), opt)
         assert rec.loss == rec.loss  # finite number, the step ran
         batch = opt = None
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_inputs_land_in_the_input_pool_and_a_reused_staging_buffer_never_mixes_batches(stage):
+    with _session("um-default", evacuate_on_close=False, stage_inputs=stage) as lab:
+        host = torch.zeros(1 << 20)  # 4 MiB, pageable
+        labels = torch.arange(256)
+        outs = []
+        for i in range(4):
+            host.fill_(float(i))  # the caller reuses its host tensor at once
+            x, y = lab.inputs(host, labels)
+            outs.append((x, y))
+            assert lab.data_type_of(x) == DataType.INPUT and lab.data_type_of(y) == DataType.INPUT
+        torch.cuda.synchronize()
+        for i, (x, y) in enumerate(outs):
+            assert float(x.min()) == float(x.max()) == float(i)
+            assert torch.equal(y.cpu(), labels)
+        staging = lab._staging
+        assert (staging is not None) == stage
+        if stage:
+            assert staging.capacity >= (1 << 22) and staging.staged_bytes >= 4 * (1 << 22)
+        pinned = torch.ones(8).pin_memory()
+        assert torch.equal(lab.inputs(pinned).cpu(), pinned)  # already pinned: copied directly
+        del outs, x, y

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
+from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
 from um_lab.errors import SessionStateError
 from um_lab.listeners import Listenable, RecordListeners
@@ -44,6 +45,8 @@ class Session(Listenable):
 
     ``remove = lab.add_listener(callback)`` calls ``callback(record)`` with each step's record at the
     end of :meth:`step` (rules in :mod:`um_lab.listeners`); ``last_record`` is the current state.
+    ``stage_inputs=False`` makes :meth:`inputs` copy pageable tensors straight into the input pool
+    (synchronous, as ``tensor.to("cuda")`` is) instead of through a pinned buffer.
     """
 
     _open_lock = threading.Lock()
@@ -59,6 +62,7 @@ class Session(Listenable):
         evacuate_on_close: bool = True,
         backward_thread: str = "worker",
         telemetry: bool | str | Telemetry = False,
+        stage_inputs: bool = True,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
@@ -74,6 +78,8 @@ class Session(Listenable):
         if backward_thread not in ("worker", "caller"):
             raise ValueError(f"backward_thread must be 'worker' or 'caller', got {backward_thread!r}")
         self.backward_thread = backward_thread
+        self.stage_inputs = bool(stage_inputs)
+        self._staging: InputStaging | None = None
         self._telemetry_mode = check_telemetry_mode(telemetry)
         self.telemetry: Telemetry | None = None  # measured residency (CUPTI), see um_lab.cuda.telemetry
         self._requested_cap = cap_bytes
@@ -86,6 +92,9 @@ class Session(Listenable):
         self._real = _pool_api is None
         self._warm_threads: set[int] = set()
         self._modules: list[nn.Module] = []
+        self._trainable: list[nn.Parameter] = []  # the registered modules' parameters, for the per-step check
+        self._prefetch_plan: tuple[Policy, dict[str, tuple[DataType, ...]], tuple[DataType, ...]] | None = None
+        self._timer: _StepTimer | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self.device: torch.device | None = None
         self.cap_bytes: int | None = None
@@ -192,6 +201,7 @@ class Session(Listenable):
                 self.telemetry.close()
         finally:
             self._pools = None
+            self._staging = None  # its pinned buffer goes back to torch's host cache
             with Session._open_lock:
                 if Session._open_session is self:
                     Session._open_session = None
@@ -235,7 +245,9 @@ class Session(Listenable):
         return module
 
     def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Pre-allocate ``module``'s gradients in the grad pool and adopt ``optimizer``'s state."""
+        """Pre-allocate ``module``'s gradients in the grad pool and adopt ``optimizer``'s state.
+
+        Parameters added to ``module`` later are not checked by :meth:`step`: attach it again."""
         pools = self._require_open()
         if module not in self._modules:
             self.place(module)
@@ -251,16 +263,26 @@ class Session(Listenable):
                                 state[key] = value.clone()
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
+        self._trainable = [p for m in self._modules for p in m.parameters()]
         return optimizer
 
     def inputs(self, *tensors: Any) -> Any:
         """Copy tensors to the GPU into the input pool (non-tensors pass through).
 
+        With ``stage_inputs`` (the default) pageable host tensors go through a reused pinned buffer and
+        a non-blocking copy (:mod:`um_lab.cuda.staging`): the call returns once the batch is in the
+        buffer, so the caller may change its tensors at once, and the GPU copy overlaps the next launches.
+
         Returns one value for one argument, else a tuple.
         """
         pools = self._require_open()
-        with pools.route(DataType.INPUT):
-            out = tuple(t.to(self.device, copy=True) if _is_tensor(t) else t for t in tensors)
+        if self._staging is None and self.stage_inputs and self._real and self.device is not None:
+            self._staging = InputStaging(self.device)
+        if self._staging is not None:
+            out = self._staging.copy(tensors, lambda: pools.route(DataType.INPUT))
+        else:
+            with pools.route(DataType.INPUT):
+                out = tuple(t.to(self.device, copy=True) if _is_tensor(t) else t for t in tensors)
         return out[0] if len(out) == 1 else out
 
     def _ensure_grads(self, module: nn.Module) -> None:
@@ -310,13 +332,16 @@ class Session(Listenable):
         pools = self._require_open()
         if optimizer not in self._optimizers:
             raise SessionStateError("attach the optimizer first: opt = lab.attach(model, opt)")
-        for module in self._modules:
-            if any(p.grad is None for p in module.parameters() if p.requires_grad):
-                self._ensure_grads(module)  # the caller set gradients to None: re-create them in place
+        if any(p.grad is None and p.requires_grad for p in self._trainable):
+            for module in self._modules:
+                if any(p.grad is None for p in module.parameters() if p.requires_grad):
+                    self._ensure_grads(module)  # the caller set gradients to None: re-create them in place
         if self._real and self.device is not None and threading.get_ident() not in self._warm_threads:
             _warm_up_outside_pools(self.device)  # cuBLAS handles are per thread
             self._warm_threads.add(threading.get_ident())
-        timer = _StepTimer(self.device)
+        if self._timer is None:
+            self._timer = _StepTimer(self.device)  # its events are reused: stop() synchronises
+        timer = self._timer
         timer.start()
         self._prefetch_phase("forward")
         with pools.route(DataType.ACT):
@@ -363,15 +388,24 @@ class Session(Listenable):
 
     def _prefetch_phase(self, phase: str) -> None:
         pools = self._require_open()
-        for t in PREFETCH_BEFORE[phase]:
-            if self.policy[t].prefetch == "to-gpu-before-use":
-                pools.prefetch(t, "gpu")
+        for t in self._plan()[0][phase]:
+            pools.prefetch(t, "gpu")
 
     def _prefetch_to_cpu_after_use(self) -> None:
         pools = self._require_open()
-        for t in DataType:
-            if self.policy[t].prefetch == "to-cpu-after-use":
-                pools.prefetch(t, "cpu")
+        for t in self._plan()[1]:
+            pools.prefetch(t, "cpu")
+
+    def _plan(self) -> tuple[dict[str, tuple[DataType, ...]], tuple[DataType, ...]]:
+        """The policy's prefetches: types to the GPU before each phase, types to the host after the step
+        (worked out once per policy, not per step)."""
+        plan = self._prefetch_plan
+        if plan is None or plan[0] is not self.policy:
+            to_gpu = {phase: tuple(t for t in types if self.policy[t].prefetch == "to-gpu-before-use")
+                      for phase, types in PREFETCH_BEFORE.items()}
+            to_cpu = tuple(t for t in DataType if self.policy[t].prefetch == "to-cpu-after-use")
+            plan = self._prefetch_plan = (self.policy, to_gpu, to_cpu)
+        return plan[1], plan[2]
 
     @contextlib.contextmanager
     def allocating(self, data_type: DataType | str) -> Iterator[None]:
@@ -444,11 +478,12 @@ class _StepTimer:
 
     def __init__(self, device: torch.device | None) -> None:
         self.cuda = device is not None and device.type == "cuda"
-
-    def start(self) -> None:
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
             self._start.record()
         else:
             self._t0 = time.perf_counter()
