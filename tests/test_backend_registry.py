@@ -120,7 +120,7 @@ def test_a_backend_that_does_not_simulate_capacity_refuses_ratios_before_anythin
                    out_dir=out)
     with pytest.raises(ValueError, match="ratios are simulated .* on third"):
         um_lab.compare(["mlp"], ["gpu-first"], ratios=[1.5], backend="third", out_dir=out)
-    with pytest.raises(ValueError, match="uncertainty bands are the simulator's"):
+    with pytest.raises(ValueError, match="backend 'third' reports no uncertainty band"):
         um_lab.compare(["mlp"], ["gpu-first"], backend="third", band=True, out_dir=out)
     assert not out.exists()
 

@@ -145,8 +145,9 @@ def compare(
     if not kind.simulates_capacity and any(r is not None for r in ratio_list):
         raise ValueError(f"oversubscription ratios are simulated (backend 'sim'); on {backend_name} size the "
                          "model instead (um_lab.sizing.size_for_ratio)")
-    if band and not _is_simulator(kind):
-        raise ValueError("uncertainty bands are the simulator's (profile constants' ranges): use backend='sim'")
+    if band and not kind.reports_uncertainty_band:
+        raise ValueError(f"backend {kind.name!r} reports no uncertainty band (the simulator does: profile constants' "
+                         "ranges); use backend='sim'")
     if backend_instance is None:
         kind.check_available()
     spec_backend = backend_name if backend_name in backend_names() else backend
@@ -225,13 +226,6 @@ def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, A
         except Exception:
             if not keep_going:
                 raise
-
-
-def _is_simulator(kind: type[Backend]) -> bool:
-    """True for the simulator (and backends built on it): the uncertainty band varies its profile."""
-    from um_lab.sim.backend import SimBackend
-
-    return issubclass(kind, SimBackend)
 
 
 def _band_ms(spec: RunSpec, case: ModelCase, policy: Policy, backend: Backend) -> tuple[float, float]:
