@@ -163,18 +163,6 @@ def mappings(group_options: Mapping[str, Sequence[str]] | None = None) -> list[P
     return [base, *(m for m in grid if m != base)]
 
 
-def neighbourhood(center: PaperMapping, group_options: Mapping[str, Sequence[str]] | None = None) -> list[PaperMapping]:
-    """``center``, the baseline, and every mapping that changes one group of ``center`` to another option."""
-    opts = GROUP_OPTIONS if group_options is None else group_options
-    out = [center, PaperMapping()]
-    for i, group in enumerate(GROUPS):
-        for option in opts.get(group, ()):
-            changed = list(center.options)
-            changed[i] = option
-            out.append(PaperMapping(*changed))
-    return list(dict.fromkeys(out))
-
-
 # ------------------------------------------------------------------------------------ running it
 
 

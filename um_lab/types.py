@@ -48,11 +48,6 @@ PAPER_GROUPS: Mapping[str, tuple[DataType, ...]] = {
 }
 
 
-def per_type(value: Any = 0) -> dict[str, Any]:
-    """A dict with one entry per data type name, all set to ``value``."""
-    return {t.value: value for t in DATA_TYPES}
-
-
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """What to run: model, batch, policy, backend, steps and (for the simulator) GPU capacity."""

@@ -184,11 +184,6 @@ def _memory_location(location_type: int, location_id: int) -> Any:
     return loc
 
 
-def location(processor: str, device: int) -> Any:
-    """A ``cudaMemLocation`` for the GPU ``device`` or the host."""
-    return _memory_location(location_code(processor), device if processor == GPU else 0)
-
-
 def _location_api(name: str) -> Any:
     rt = _cudart()
     return getattr(rt, f"{name}_v2", None) or getattr(rt, name)
@@ -215,11 +210,6 @@ def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> N
 def prefetch(ptr: int, nbytes: int, processor: str, device: int, stream: int = 0) -> None:
     """``cudaMemPrefetchAsync`` to ``"gpu"`` or ``"cpu"`` on ``stream`` (a raw stream handle)."""
     prefetch_raw(ptr, nbytes, location_code(processor), device if processor == GPU else 0, stream)
-
-
-def synchronize() -> None:
-    """Wait for all work on the current device."""
-    torch.cuda.synchronize()
 
 
 # ---- standalone managed buffers through CuPy (experiments, telemetry checks) ----
