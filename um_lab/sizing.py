@@ -9,7 +9,6 @@ estimate is above the safety cap (:class:`SizeRefused`). Import them from here.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 
 from um_lab.errors import OversubscriptionRefused, SpecError
 from um_lab.models import Batch, ModelCase, get_model
+from um_lab.types import positive_ratio, whole_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +208,8 @@ def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "ba
 
     Example: ``size_for_ratio("mlp", 80 * 2**30, 1.5, knob="batch_size", width=8192)``.
     """
-    capacity_bytes = _whole_bytes("capacity_bytes", capacity_bytes)
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio) or ratio <= 0:
-        raise SpecError(f"ratio must be a finite number > 0, got {ratio!r}", "ratio")
+    capacity_bytes = whole_bytes("capacity_bytes", capacity_bytes)
+    ratio = positive_ratio("ratio", ratio)
     if isinstance(max_value, bool) or not isinstance(max_value, numbers.Integral) or max_value < 1:
         raise SpecError(f"max_value must be a positive integer, got {max_value!r}", "max_value")
     if knob in fixed:
@@ -267,15 +266,6 @@ def check_fits(estimate: MemoryEstimate, cap_bytes: int | None) -> MemoryEstimat
     if cap_bytes is not None and estimate.total_bytes > cap_bytes:
         raise SizeRefused(estimate.total_bytes, cap_bytes, estimate.describe())
     return estimate
-
-
-def _whole_bytes(name: str, value: Any) -> int:
-    """``value`` as a positive whole number of bytes (``1e9`` is accepted), else :class:`SpecError`."""
-    whole = isinstance(value, numbers.Integral) or (
-        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
-    if isinstance(value, bool) or not whole or value <= 0:
-        raise SpecError(f"{name} must be a whole number of bytes > 0, got {value!r}", name)
-    return int(value)
 
 
 def available_host_bytes() -> int | None:

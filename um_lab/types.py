@@ -77,21 +77,11 @@ class RunSpec:
         if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
             raise SpecError(f"model_kwargs must be a dict of knob names to values, got {self.model_kwargs!r}",
                             "model_kwargs")
-        cap = self.capacity_bytes
-        if cap is not None:
-            whole = isinstance(cap, numbers.Integral) or (
-                isinstance(cap, numbers.Real) and math.isfinite(cap) and float(cap).is_integer())
-            if isinstance(cap, bool) or not whole or cap <= 0:
-                raise SpecError(f"capacity_bytes must be > 0 and a whole number of bytes, got {cap!r}",
-                                "capacity_bytes")
-            object.__setattr__(self, "capacity_bytes", int(cap))
-        ratio = self.oversubscription_ratio
-        if ratio is not None:
-            if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio)
-                    or not ratio > 0):
-                raise SpecError(f"oversubscription_ratio must be > 0 and finite, got {ratio!r}",
-                                "oversubscription_ratio")
-            object.__setattr__(self, "oversubscription_ratio", float(ratio))
+        if self.capacity_bytes is not None:
+            object.__setattr__(self, "capacity_bytes", whole_bytes("capacity_bytes", self.capacity_bytes))
+        if self.oversubscription_ratio is not None:
+            object.__setattr__(self, "oversubscription_ratio",
+                               positive_ratio("oversubscription_ratio", self.oversubscription_ratio))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -107,6 +97,26 @@ class RunSpec:
         if extra:
             raise SpecError(f"unknown RunSpec fields: {sorted(extra)}")
         return cls(**dict(data))
+
+
+def whole_bytes(name: str, value: Any) -> int:
+    """``value`` as a whole number of bytes > 0 (``1e9`` and NumPy integers are accepted), else
+    :class:`SpecError` naming ``name``: the one check of a capacity in bytes (:class:`RunSpec`,
+    :func:`um_lab.sizing.size_for_ratio`, the simulator's capacity)."""
+    whole = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
+    if isinstance(value, bool) or not whole or value <= 0:
+        raise SpecError(f"{name} must be > 0 and a whole number of bytes, got {value!r}", name)
+    return int(value)
+
+
+def positive_ratio(name: str, value: Any) -> float:
+    """``value`` as a finite number > 0 (an oversubscription ratio), else :class:`SpecError` naming ``name``:
+    the one check of a ratio (:class:`RunSpec`, :func:`um_lab.sizing.size_for_ratio`, the simulator)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not float(value) > 0):
+        raise SpecError(f"{name} must be > 0 and finite, got {value!r}", name)
+    return float(value)
 
 
 def _check_int(spec: RunSpec, name: str, minimum: int | None) -> None:

@@ -30,7 +30,7 @@ from um_lab.sim.stepper import readmostly_write_us, run_step
 from um_lab.sim.trace import StepTrace, cached_trace, case_key
 from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
 from um_lab.sizing import available_host_bytes
-from um_lab.types import DATA_TYPES, RunSpec, StepRecord
+from um_lab.types import DATA_TYPES, RunSpec, StepRecord, positive_ratio, whole_bytes
 
 
 @dataclasses.dataclass
@@ -111,15 +111,9 @@ class SimBackend(BackendBase):
         if spec.capacity_bytes is not None and spec.oversubscription_ratio is not None:
             raise SpecError("give capacity_bytes or oversubscription_ratio, not both", "capacity_bytes")
         if spec.capacity_bytes is not None:
-            if spec.capacity_bytes <= 0:
-                raise SpecError(f"capacity_bytes must be > 0, got {spec.capacity_bytes}", "capacity_bytes")
-            cap = int(spec.capacity_bytes)
+            cap = whole_bytes("capacity_bytes", spec.capacity_bytes)
         elif spec.oversubscription_ratio is not None:
-            ratio = float(spec.oversubscription_ratio)
-            if not ratio > 0 or not np.isfinite(ratio):
-                raise SpecError(f"oversubscription_ratio must be a positive number, got {ratio}",
-                                "oversubscription_ratio")
-            cap = int(footprint / ratio)
+            cap = int(footprint / positive_ratio("oversubscription_ratio", spec.oversubscription_ratio))
         else:
             cap = int(self.profile.gpu_memory_bytes)
         if cap < BLOCK:
