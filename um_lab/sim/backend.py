@@ -135,19 +135,9 @@ class SimBackend(BackendBase):
         (count, ms)})`` for the last of ``steps`` steps (a diagnostic: which ops a policy slows)."""
         policy = _as_policy(policy)
         prepared = self.prepare(case)
-        advice = AdviceTable.from_policy(policy)
-        final = prepared.placement.final
-        model = UvmModel(self.profile, advice, int(self.profile.gpu_memory_bytes), final.n_blocks)
-        model.block_type[:] = final.block_type
-        initialise(model, prepared)
         op_us = np.zeros(prepared.trace.n_ops)
         wall_us = 0.0
-        for step in range(steps):
-            li = min(step, len(prepared.placement.layouts) - 1)
-            ob = prepared.op_blocks[li]
-            rm = readmostly_write_us(prepared.trace, ob, final.block_type, advice, self.profile)
-            stats = run_step(model, prepared.trace, prepared.placement.layouts[li], ob, prepared.base_us, rm,
-                             self.prefetch_stream, prepared.host_us, op_us=op_us)
+        for _, _, stats in self._steps(prepared, policy, int(self.profile.gpu_memory_bytes), steps, op_us):
             wall_us = float(stats.wall_us)
         by_op: dict[str, tuple[int, float]] = {}
         for name, us in zip(prepared.trace.op_names, op_us.tolist(), strict=True):
@@ -157,6 +147,15 @@ class SimBackend(BackendBase):
 
     def _records(self, spec: RunSpec, prepared: PreparedCase, policy: Policy,
                  capacity: int) -> Iterator[StepRecord]:
+        for step, li, stats in self._steps(prepared, policy, capacity, spec.warmup_steps + spec.steps):
+            yield _record(self.name, step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
+
+    def _steps(self, prepared: PreparedCase, policy: Policy, capacity: int, steps: int,
+               op_us: np.ndarray | None = None) -> Iterator[tuple[int, int, StepStats]]:
+        """Simulate ``steps`` steps on a fresh driver model of ``capacity`` bytes: ``(step, layout index,
+        stats)`` each. A step that starts from the previous one's driver state on the same layout repeats it
+        exactly and is not simulated again, unless ``op_us`` is given (each op's GPU time, filled by every
+        step: :func:`~um_lab.sim.stepper.run_step`)."""
         advice = AdviceTable.from_policy(policy)
         final = prepared.placement.final
         model = UvmModel(self.profile, advice, capacity, final.n_blocks)
@@ -165,18 +164,17 @@ class SimBackend(BackendBase):
         rm_us = [readmostly_write_us(prepared.trace, ob, final.block_type, advice, self.profile)
                  for ob in prepared.op_blocks]
         last: tuple[str, int, StepStats] | None = None
-        total = spec.warmup_steps + spec.steps
-        for step in range(total):
+        for step in range(steps):
             li = min(step, len(prepared.placement.layouts) - 1)
-            digest = model.state_digest()
+            digest = model.state_digest() if op_us is None else None
             if last is not None and last[0] == digest and last[1] == li:
-                stats = last[2]  # same state, same layout: the step repeats exactly
-            else:
-                stats = run_step(model, prepared.trace, prepared.placement.layouts[li],
-                                 prepared.op_blocks[li], prepared.base_us, rm_us[li], self.prefetch_stream,
-                                 prepared.host_us)
+                yield step, li, last[2]  # same state, same layout: the step repeats exactly
+                continue
+            stats = run_step(model, prepared.trace, prepared.placement.layouts[li], prepared.op_blocks[li],
+                             prepared.base_us, rm_us[li], self.prefetch_stream, prepared.host_us, op_us=op_us)
+            if digest is not None:
                 last = (digest, li, stats)
-            yield _record(self.name, step, step < spec.warmup_steps, stats, prepared, li, capacity, policy)
+            yield step, li, stats
 
 
 #: Host bytes per (access, 2 MiB block) entry of :func:`~um_lab.sim.access.expand`: kept per layout, and
