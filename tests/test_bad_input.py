@@ -18,6 +18,7 @@ import pytest
 from test_runner import FakeBackend
 
 import um_lab.sim.backend
+import um_lab.sim.trace
 import um_lab.sizing
 import um_lab.sweep
 from um_lab.cli import main
@@ -29,6 +30,7 @@ from um_lab.runlog import list_runs
 from um_lab.runread import load
 from um_lab.sim import SimBackend
 from um_lab.sim.backend import batch_bytes, host_bytes_to_simulate
+from um_lab.sim.placement import place
 from um_lab.sim.trace import cached_trace
 from um_lab.sizing import size_for_ratio
 from um_lab.sweep import compare
@@ -174,6 +176,30 @@ def test_arrays_beyond_host_memory_are_refused_after_tracing_before_expanding(mo
     monkeypatch.setattr(um_lab.sim.backend, "expand", lambda *a, **k: pytest.fail("expanded"))
     with pytest.raises(HostMemoryRefused, match=rf"needs about .*\({needed} B\).*\({needed - 1} B\) available"):
         SimBackend().prepare(case)
+
+
+@pytest.mark.parametrize("refused_at", ["before placement", "after placement"])
+def test_a_trace_the_host_check_refuses_is_not_kept_in_the_trace_cache(monkeypatch, refused_at):
+    case = get_model("mlp", width=48, depth=2, batch_size=8)
+    um_lab.sim.trace.forget_trace(case)
+    calls = []
+    real_trace_step = um_lab.sim.trace.trace_step
+    monkeypatch.setattr(um_lab.sim.trace, "trace_step", lambda *a, **k: calls.append(1) or real_trace_step(*a, **k))
+    trace = cached_trace(case)
+    first = host_bytes_to_simulate(trace)
+    layouts = place(trace)
+    second = host_bytes_to_simulate(trace, len(layouts.layouts), layouts.final.n_blocks)
+    available = first - 1 if refused_at == "before placement" else max(first, second - 1)
+    assert available < max(first, second) and (refused_at == "before placement" or available >= first)
+    monkeypatch.setattr(um_lab.sim.backend, "available_host_bytes", lambda: available)
+    with pytest.raises(HostMemoryRefused):
+        SimBackend().prepare(case)
+    cached_trace(case)
+    assert len(calls) == 2  # traced again: the refused trace was dropped
+    monkeypatch.setattr(um_lab.sim.backend, "available_host_bytes", lambda: None)
+    SimBackend().prepare(case)
+    cached_trace(case)
+    assert len(calls) == 2  # an accepted trace stays cached
 
 
 def test_the_host_estimate_bounds_what_the_simulator_builds():

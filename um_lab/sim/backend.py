@@ -27,7 +27,7 @@ from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile, profile_sha256
 from um_lab.sim.roofline import op_host_us, op_times_us
 from um_lab.sim.stepper import readmostly_write_us, run_step
-from um_lab.sim.trace import StepTrace, cached_trace, case_key
+from um_lab.sim.trace import StepTrace, cached_trace, case_key, forget_trace
 from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
 from um_lab.sizing import available_host_bytes
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord, positive_ratio, whole_bytes
@@ -86,7 +86,8 @@ class SimBackend(BackendBase):
 
         A size whose arrays would not fit in host memory raises :class:`HostMemoryRefused` before they
         are built: the batch (the trace makes it for real) before tracing, the per-op block accesses and
-        the driver model's state (which grow with the step's traffic) after tracing, before placement.
+        the driver model's state (which grow with the step's traffic) after tracing and again after
+        placement, before they are expanded; a trace refused there is dropped from the trace cache.
         """
         with self._lock:
             hit = self._prepared.get(case_key(case))
@@ -94,10 +95,14 @@ class SimBackend(BackendBase):
             return hit
         check_batch_fits_host(case)
         trace = cached_trace(case)
-        check_host_memory(host_bytes_to_simulate(trace), f"the simulation of {case.name}")
-        placement = place(trace)
-        check_host_memory(host_bytes_to_simulate(trace, len(placement.layouts), placement.final.n_blocks),
-                          f"the simulation of {case.name}")
+        try:
+            check_host_memory(host_bytes_to_simulate(trace), f"the simulation of {case.name}")
+            placement = place(trace)
+            check_host_memory(host_bytes_to_simulate(trace, len(placement.layouts), placement.final.n_blocks),
+                              f"the simulation of {case.name}")
+        except HostMemoryRefused:
+            forget_trace(case)  # a refused size's trace is not kept in the cache
+            raise
         p = self.profile
         blocks = [expand(trace, layout, p) for layout in placement.layouts]
         prepared = PreparedCase(trace, placement, blocks, op_times_us(trace, self.profile),

@@ -415,6 +415,13 @@ def cached_trace(case: ModelCase, seed: int = 0) -> StepTrace:
     return trace
 
 
+def forget_trace(case: ModelCase) -> None:
+    """Drop ``case``'s trace from the :func:`cached_trace` cache, if it is there (a size the simulator
+    refused: its trace would only hold host memory)."""
+    with _CACHE_LOCK:
+        _CACHE.pop(case_key(case), None)
+
+
 def clear_trace_cache() -> None:
     """Forget all cached traces."""
     with _CACHE_LOCK:
