@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,57 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
     # demand faults: 2 MiB per (overhead + transfer) reproduces the measured median fault-driven rate
     per_block_us = p.fault_block_us + (2 << 20) / (p.fault_xfer_GBps * 1e3)
     assert 9.5 < (2 << 20) / (per_block_us * 1e3) < 12.5
+
+
+ROOT = Path(__file__).parents[1]
+
+
+def packaged_h200() -> Profile:
+    """The packaged file's constants, read directly (not through load_profile)."""
+    return Profile.from_dict(json.loads((ROOT / "um_lab" / "sim" / "profiles" / "h200.json").read_text()))
+
+
+def assert_h200_means_the_packaged_file(profile: Profile, what: str) -> None:
+    """A profile called ``h200`` must have exactly the packaged file's constants."""
+    if profile.name != "h200":
+        return
+    differ = sorted(k for k, v in dataclasses.asdict(profile).items() if v != getattr(packaged_h200(), k))
+    assert not differ, f"{what} is named 'h200' but differs from um_lab/sim/profiles/h200.json in {differ}"
+
+
+def test_only_the_packaged_h200_profile_is_named_h200() -> None:
+    """Profile() holds starting values, not the calibrated card: it must not carry the card's name (and a
+    rename to 'h200' fails here, since its values differ); every way to get 'h200' gives the file."""
+    from um_lab.sim import SimBackend
+    from um_lab.sim.band import corner_profiles
+
+    assert packaged_h200().name == "h200"
+    assert Profile() != packaged_h200()
+    assert_h200_means_the_packaged_file(Profile(), "Profile()")
+    fast, slow = corner_profiles()
+    for what, profile in [("load_profile()", load_profile()), ("load_profile('h200')", load_profile("h200")),
+                          ("SimBackend().profile", SimBackend().profile), ("band fast", fast), ("band slow", slow)]:
+        assert_h200_means_the_packaged_file(profile, what)
+    assert load_profile("h200") == packaged_h200()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:um_lab.sim.trace. aten.select_backward:UserWarning")
+def test_rebuilding_the_h200_profile_gives_the_packaged_file() -> None:
+    """build_h200_profile (the calibration docstring's rebuild) makes a profile named 'h200': it must be the
+    packaged one (about 30 s: it traces the fit models and fits every constant again)."""
+    from um_lab.sim.calibration import build_h200_profile
+
+    results = ROOT / "bench" / "results"
+    rebuilt = build_h200_profile(ROOT / "calibration" / "h200-probe.json",
+                                 fidelity_path=results / "sim_fidelity.json",
+                                 primitives_path=results / "uvm_primitives.json",
+                                 conv_path=results / "conv_in_step.json",
+                                 step_detail_path=results / "step_detail.json")
+    assert rebuilt.name == "h200"
+    packaged = dataclasses.asdict(packaged_h200())
+    for key, value in dataclasses.asdict(rebuilt).items():
+        assert value == (packaged[key] if isinstance(value, str) else pytest.approx(packaged[key], rel=1e-9)), key
 
 
 def test_profile_json_round_trip_and_rejects_bad_fields(tmp_path) -> None:
