@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     from um_lab.cuda import driver
 
-    driver.require_cuda()
+    driver.require_cuda(cupy=True)
     free, total = driver.mem_get_info(torch.cuda.current_device())
     budget = RunBudget(16 * GiB, free_bytes=free)
     print(f"{torch.cuda.get_device_name()}: {free / GiB:.1f} of {total / GiB:.1f} GiB free; managed memory limit "

@@ -22,7 +22,7 @@ from um_lab.backend import (
     unregister_backend,
 )
 from um_lab.backend_base import Backend, BackendBase
-from um_lab.errors import CudaUnavailableError, HostMemoryRefused, UmLabError
+from um_lab.errors import CudaUnavailableError, HostMemoryRefused, SpecError, UmLabError
 from um_lab.types import RunSpec, StepRecord
 
 TINY_MLP = {"width": 16, "depth": 1, "batch_size": 4}
@@ -77,7 +77,8 @@ def third(tmp_path, monkeypatch):
     try:
         yield module
     finally:
-        unregister_backend("third")
+        if "third" in backend_names():  # a test may have unregistered it already
+            unregister_backend("third")
         sys.modules.pop("um_lab_third", None)
 
 
@@ -323,3 +324,14 @@ def test_installed_packages_register_backends_through_entry_points(tmp_path, mon
             register_backend("third", type("ThirdBackend", (kind,), {}))
     finally:
         sys.modules.pop("um_lab_third", None)
+
+
+def test_a_plugins_run_folder_reads_back_without_the_plugin(third, tmp_path):
+    result = um_lab.run(RunSpec(model="mlp", model_kwargs=TINY_MLP, backend="third", steps=2, warmup_steps=0),
+                        out_dir=tmp_path / "runs")
+    unregister_backend("third")
+    with pytest.raises(SpecError, match="unknown backend 'third'"):
+        RunSpec(backend="third")  # a new spec still names a registered backend
+    back = um_lab.load(result.path)
+    assert back.spec.backend == "third" and len(list(back.records())) == 2
+    assert back.spec.to_dict() == result.spec.to_dict()

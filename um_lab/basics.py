@@ -61,7 +61,7 @@ def pick_backend(backend: str = "auto") -> tuple[str, str]:
     try:
         from um_lab.cuda import driver
 
-        driver.require_cuda()
+        driver.require_cuda(cupy=True)
     except CudaUnavailableError as e:
         if backend == "cuda":
             raise
@@ -144,7 +144,7 @@ class GpuLab:
 
         from um_lab.cuda import driver
 
-        driver.require_cuda()
+        driver.require_cuda(cupy=True)
         self.cp, self.drv = cupy, driver
         self.dev = cupy.cuda.Device().id
         info = driver.device_info(self.dev)

@@ -5,7 +5,7 @@ Each run writes a folder: ``spec.json`` (the :class:`RunSpec`), ``policy.json``,
 profile name and SHA-256 on the simulator), ``records.jsonl`` (one
 :class:`StepRecord` per line, appended and flushed as each step completes) and ``status.json``
 (``running`` until the run ends, rewritten as a heartbeat with its step count; then ``complete``,
-``stopped``, ``interrupted`` or ``failed``). A run that crashed keeps every completed step and is
+``stopped``, ``interrupted`` or ``failed``). A run that failed or was killed keeps every completed step and is
 never marked complete. Warm-up steps are recorded (``warmup: true``) and left out of summaries.
 
 Writing a folder is :class:`um_lab.runner.Run`'s job; :func:`list_runs` lists them and

@@ -271,7 +271,7 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
     if not spec_file.is_file():
         raise NotARunFolderError(f"{path} is not a um_lab run folder (no spec.json)")
     try:
-        spec = RunSpec.from_dict(_read_object(spec_file))
+        spec = RunSpec.from_dict(_read_object(spec_file), recorded=True)
     except (ValueError, TypeError, OSError) as e:
         raise RunLogError(f"{spec_file} is not a readable run spec ({type(e).__name__}: {e}); "
                           "the run folder cannot be loaded") from None

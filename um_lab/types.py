@@ -90,13 +90,22 @@ class RunSpec:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
-        """Inverse of :meth:`to_dict`; unknown keys raise :class:`~um_lab.errors.SpecError`."""
+    def from_dict(cls, data: Mapping[str, Any], *, recorded: bool = False) -> RunSpec:
+        """Inverse of :meth:`to_dict`; unknown keys raise :class:`~um_lab.errors.SpecError`.
+
+        ``recorded=True`` reads a spec a run already ran with: its backend need not be registered in
+        this process (a plugin's run folder reads back without the plugin)."""
         known = {f.name for f in dataclasses.fields(cls)}
         extra = set(data) - known
         if extra:
             raise SpecError(f"unknown RunSpec fields: {sorted(extra)}")
-        return cls(**dict(data))
+        fields = dict(data)
+        backend = fields.get("backend", AUTO)
+        if recorded and isinstance(backend, str) and backend != AUTO and backend not in backend_names():
+            spec = cls(**{**fields, "backend": AUTO})
+            object.__setattr__(spec, "backend", backend)  # checked when it ran
+            return spec
+        return cls(**fields)
 
 
 def whole_bytes(name: str, value: Any) -> int:

@@ -27,13 +27,17 @@ GPU = "gpu"
 CPU = "cpu"
 
 
-def require_cuda() -> None:
-    """Raise :class:`CudaUnavailableError` (pointing to the simulator) unless CUDA is usable."""
+def require_cuda(*, cupy: bool = False) -> None:
+    """Raise :class:`CudaUnavailableError` (pointing to the simulator) unless CUDA is usable.
+
+    The real backend needs cuda-bindings only; ``cupy=True`` also asks for CuPy (the teaching
+    experiments' managed arrays)."""
     if not hasattr(torch._C, "_cuda_customAllocator"):
         raise CudaUnavailableError(f"this torch build ({torch.__version__}) has no CUDA support")
     if not torch.cuda.is_available():
         raise CudaUnavailableError("no CUDA GPU is visible to torch")
-    for module, extra in (("cupy", "cuda12 or cuda13"), ("cuda.bindings.runtime", "cuda12 or cuda13")):
+    needed = (("cupy",) if cupy else ()) + ("cuda.bindings.runtime",)
+    for module, extra in ((m, "cuda12 or cuda13") for m in needed):
         try:
             __import__(module)
         except ImportError as e:
