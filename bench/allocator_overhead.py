@@ -17,6 +17,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -236,6 +237,34 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
             "median_gpu_ms": statistics.median(gpu_times), "loss": loss_value, **extra}
 
 
+def _gpu_local_cpus(count: int = 2) -> set[int]:
+    """The first ``count`` CPUs of GPU 0's NUMA affinity (NVML) that this process may run on."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        words = pynvml.nvmlDeviceGetCpuAffinity(pynvml.nvmlDeviceGetHandleByIndex(0), 16)
+    finally:
+        pynvml.nvmlShutdown()
+    local = {64 * i + b for i, word in enumerate(words) for b in range(64) if word >> b & 1}
+    usable = sorted(local & os.sched_getaffinity(0)) or sorted(os.sched_getaffinity(0))
+    return set(usable[:count])
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``2,3`` -> {2, 3} (each CPU must be one this process may run on); ``auto``: two CPUs near GPU 0."""
+    if text == "auto":
+        return _gpu_local_cpus()
+    try:
+        cpus = {int(c) for c in text.split(",") if c.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of CPU numbers: {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(cpus)} are not all in this process's set {sorted(allowed)}")
+    return cpus
+
+
 def versions() -> dict:
     """Library and device versions, read in a child process so this one never touches CUDA."""
     code = (
@@ -261,6 +290,9 @@ def main() -> None:
                         help="fresh processes per mode, interleaved; the row reports the median of their medians")
     parser.add_argument("--fixed-batch", action="store_true",
                         help="copy the batch to the GPU once (isolates the per-step input copy)")
+    parser.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
+                        help="pin every worker process to these CPUs (e.g. 2,3; auto: two CPUs local to GPU 0): "
+                             "host-bound steps then run on the same cores in every mode and repeat")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats < 1:
@@ -269,6 +301,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if args.worker:
+        if args.cpus:
+            os.sched_setaffinity(0, args.cpus)
         print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.fixed_batch)), flush=True)
         return
     info = versions()
@@ -279,6 +313,7 @@ def main() -> None:
             for mode in args.modes:
                 cmd = [sys.executable, __file__, "--worker", mode, model_name, "--steps", str(args.steps),
                        "--warmup", str(args.warmup)] + (["--fixed-batch"] if args.fixed_batch else [])
+                cmd += ["--cpus", ",".join(map(str, sorted(args.cpus)))] if args.cpus else []
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
                     raise SystemExit(f"{mode} {model_name} failed:\n{out.stderr[-3000:]}")
@@ -319,6 +354,7 @@ def _write_report(args: argparse.Namespace, info: dict, rows: list[dict]) -> dic
         "warmup": args.warmup,
         "batch": "copied once" if args.fixed_batch else "copied to the GPU every step (pageable source)",
         "repeats": args.repeats,
+        "cpus": sorted(args.cpus) if args.cpus else "unpinned",
         "rows": rows,
     }
     variants = sorted({v for m in args.modes for v in m.split("+")[1:]})

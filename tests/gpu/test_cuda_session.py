@@ -38,14 +38,6 @@ def _source():
     return SegmentSource()
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-    assert _source().stats()["live_total"] == 0, "a test left managed bytes behind"
-
-
 @pytest.mark.parametrize("name, backward_thread", [(m, "worker") for m in MODELS] + [("mlp", "caller")])
 def test_every_tensor_lies_in_its_own_types_segments(name, backward_thread):
     case = get_model(name, **MODELS[name])

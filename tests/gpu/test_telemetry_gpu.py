@@ -5,7 +5,6 @@ CUPTI cannot be enabled (the skip reason carries the telemetry status). Managed 
 (< 0.5 GiB here) and the safety cap stays on.
 """
 
-import gc
 import json
 import time
 
@@ -20,13 +19,6 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 N = 32 * MiB  # bytes per tensor: > 10 MiB, so each tensor gets a segment of its own (32 MiB)
 TYPES = [t.value for t in DataType]
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _source():
@@ -78,6 +70,8 @@ def test_known_tensors_resident_and_migrated_bytes_per_type():
     from um_lab.cuda.session import Session
     from um_lab.cuda.telemetry import Telemetry
 
+    leftover = _segments_per_type()
+    assert not any(leftover.values()), f"managed segments from an earlier test: {leftover}"
     tel = Telemetry()
     with Session("um-default", telemetry=tel) as lab:
         if not tel.available:
