@@ -6,6 +6,8 @@ Core library; no UI imports. See README.md for the tour.
 from typing import TYPE_CHECKING, Any
 
 from um_lab.errors import (
+    BudgetError,
+    BudgetTooSmall,
     CudaUnavailableError,
     HostMemoryRefused,
     InputError,
@@ -58,7 +60,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "DATA_TYPES", "PAPER_GROUPS", "Advice", "CudaUnavailableError", "DataType", "HostMemoryRefused", "InputError",
+    "DATA_TYPES", "PAPER_GROUPS", "Advice", "BudgetError", "BudgetTooSmall", "CudaUnavailableError", "DataType",
+    "HostMemoryRefused", "InputError",
     "LoadedRun", "Location", "ModelCase", "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused",
     "Policy", "PolicyError", "Prefetch", "Processor", "Run", "RunDirError", "RunLogError", "RunNameError",
     "RunSpec", "RunStateError", "Session", "SessionStateError", "SimBackend", "SizeRefused", "SpecError",

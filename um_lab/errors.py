@@ -101,3 +101,21 @@ class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
 
     def __reduce__(self):  # keep picklable despite the custom signature
         return (type(self), (self.requested, self.live, self.cap, self.data_type))
+
+
+class BudgetError(UmLabError, ValueError):
+    """A GPU budget (``Session(gpu_budget_bytes=...)``) is invalid or cannot be kept."""
+
+
+class BudgetTooSmall(BudgetError):
+    """One layer's working set alone does not fit the GPU budget; the numbers say by how much."""
+
+    def __init__(self, budget: int, needed: int, what: str) -> None:
+        self.budget, self.needed, self.what = budget, needed, what
+        super().__init__(
+            f"the GPU budget of {budget} B ({_gib(budget)}) cannot hold {what}: it needs {needed} B "
+            f"({_gib(needed)}) resident at once (counted in whole 2 MiB blocks). Raise the budget to at "
+            "least that, or use a smaller batch or model.")
+
+    def __reduce__(self):
+        return (type(self), (self.budget, self.needed, self.what))

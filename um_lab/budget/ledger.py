@@ -1,0 +1,311 @@
+"""The budget ledger: which 2 MiB blocks of managed memory are GPU-resident, kept under a budget.
+
+The UM driver moves and places memory in 2 MiB VA blocks, so the ledger accounts per block: a block
+is resident when any byte of it is, and a tensor smaller than a block shares it with its neighbours.
+A block's bytes are the parts of managed segments inside it (a segment's tail may end mid-block).
+
+Every change of residency the scheduler causes or knows of goes through :meth:`Ledger.bring_in`
+(a prefetch to the GPU, or a first touch by a kernel), :meth:`Ledger.evict` (a prefetch to the host)
+or :meth:`Ledger.touched` (the GPU touched data already, e.g. an output written by a layer). Each
+returns the :class:`Move` objects to carry out (prefetches with their byte ranges, coalesced); the
+ledger never lets resident bytes exceed the budget: it evicts first, choosing victims by a rank the
+caller gives (the scheduler ranks by next use in the learned order: Belady), and raises
+:class:`~um_lab.errors.BudgetTooSmall` before anything moves when the blocks wanted at once cannot fit.
+
+Pure Python, no CUDA: the executor (:mod:`um_lab.budget.executor`) turns moves into
+``cudaMemPrefetchAsync`` calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable, Iterable, Iterator
+
+from um_lab.errors import BudgetError, BudgetTooSmall
+
+BLOCK = 2 << 20  #: the UM driver's VA block: the ledger's unit
+GPU = "gpu"
+HOST = "host"
+
+Span = tuple[int, int]  #: a byte range: (address, bytes)
+
+
+def blocks_of_span(ptr: int, nbytes: int) -> range:
+    """The indices of the 2 MiB blocks that a byte range touches (empty for ``nbytes <= 0``)."""
+    if nbytes <= 0:
+        return range(0)
+    return range(ptr // BLOCK, (ptr + nbytes - 1) // BLOCK + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One change of residency: ``kind`` is ``prefetch`` (to the GPU), ``evict`` (to the host) or
+    ``touch`` (the GPU touched it: nothing to issue). ``spans`` are the byte ranges to move (clipped to
+    managed segments, adjacent blocks merged), ``nbytes`` their total, ``resident_after`` the ledger's
+    resident bytes once it is done, ``target`` the position it serves (scheduler's label, -1: none),
+    ``blocks`` the ledger's block indices."""
+
+    kind: str
+    spans: tuple[Span, ...]
+    nbytes: int
+    resident_after: int
+    target: int = -1
+    blocks: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class _Block:
+    nbytes: int  # managed bytes inside this block
+    pieces: list[tuple[int, int, int]]  # (address, bytes, segment start): the segment parts inside it
+    where: str = HOST
+    ever_on_gpu: bool = False
+
+
+class Ledger:
+    """GPU residency of managed memory per 2 MiB block, never above ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise BudgetError(f"the GPU budget must be a positive number of bytes, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._blocks: dict[int, _Block] = {}
+        self._segments: dict[int, int] = {}  # segment start -> size
+        self._gpu: set[int] = set()
+        self.resident_bytes = 0
+        self.max_resident = 0
+        self.prefetched_bytes = 0
+        self.evicted_bytes = 0
+        self.first_touch_bytes = 0
+        self.touched_bytes = 0
+        self.moves: list[Move] = []  #: every move, in order (cleared by :meth:`reset_counters`)
+        self.keep_moves = True
+
+    # ---- the managed memory it accounts for ----
+
+    @property
+    def total_bytes(self) -> int:
+        """All managed bytes the ledger knows (every segment registered)."""
+        return sum(self._segments.values())
+
+    def add_segment(self, ptr: int, size: int) -> None:
+        """Register a managed segment (not resident anywhere on the GPU yet)."""
+        if size <= 0:
+            raise BudgetError(f"a segment needs a positive size, got {size}")
+        if ptr in self._segments:
+            if self._segments[ptr] != size:
+                raise BudgetError(f"segment at {ptr:#x} registered with {self._segments[ptr]} B, now {size} B")
+            return
+        for b in blocks_of_span(ptr, size):
+            lo, hi = max(ptr, b * BLOCK), min(ptr + size, (b + 1) * BLOCK)
+            block = self._blocks.get(b)
+            if block is None:
+                self._blocks[b] = _Block(hi - lo, [(lo, hi - lo, ptr)])
+            else:
+                if any(p < hi and lo < p + n for p, n, _ in block.pieces):
+                    raise BudgetError(f"segment at {ptr:#x} ({size} B) overlaps a registered segment")
+                block.nbytes += hi - lo
+                block.pieces.append((lo, hi - lo, ptr))
+                if block.where == GPU:
+                    self.resident_bytes += hi - lo
+        self._segments[ptr] = size
+
+    def remove_segment(self, ptr: int) -> None:
+        """Forget a freed segment (its resident bytes stop counting)."""
+        size = self._segments.pop(ptr)
+        for b in blocks_of_span(ptr, size):
+            block = self._blocks[b]
+            lo, hi = max(ptr, b * BLOCK), min(ptr + size, (b + 1) * BLOCK)
+            block.pieces.remove((lo, hi - lo, ptr))
+            block.nbytes -= hi - lo
+            if block.where == GPU:
+                self.resident_bytes -= hi - lo
+            if not block.pieces:
+                del self._blocks[b]
+                self._gpu.discard(b)
+
+    def segment_blocks(self) -> set[int]:
+        """Every block index that holds managed bytes."""
+        return set(self._blocks)
+
+    def segments(self) -> dict[int, int]:
+        """Registered segments: start -> size."""
+        return dict(self._segments)
+
+    def blocks(self, spans: Iterable[Span]) -> set[int]:
+        """The managed blocks the byte ranges touch (ranges outside every segment are ignored)."""
+        out: set[int] = set()
+        for ptr, n in spans:
+            out.update(b for b in blocks_of_span(ptr, n) if b in self._blocks
+                       and any(p < ptr + n and ptr < p + m for p, m, _ in self._blocks[b].pieces))
+        return out
+
+    def unknown(self, spans: Iterable[Span]) -> list[Span]:
+        """The byte ranges that lie in no registered segment (wholly or partly)."""
+        out = []
+        for ptr, n in spans:
+            covered = sum(min(p + m, ptr + n) - max(p, ptr) for b in blocks_of_span(ptr, n)
+                          if b in self._blocks for p, m, _ in self._blocks[b].pieces if p < ptr + n and ptr < p + m)
+            if covered < n:
+                out.append((ptr, n))
+        return out
+
+    # ---- state ----
+
+    def where(self, block: int) -> str:
+        """``gpu`` or ``host`` (host also means: never touched by the GPU)."""
+        return self._blocks[block].where
+
+    def bytes_of(self, blocks: Iterable[int]) -> int:
+        """Managed bytes in ``blocks``."""
+        return sum(self._blocks[b].nbytes for b in blocks)
+
+    def resident_blocks(self) -> set[int]:
+        """The blocks on the GPU now."""
+        return set(self._gpu)
+
+    def bytes_by_state(self) -> dict[str, int]:
+        """Managed bytes per state; they add up to :attr:`total_bytes`."""
+        gpu = sum(self._blocks[b].nbytes for b in self._gpu)
+        return {GPU: gpu, HOST: sum(b.nbytes for b in self._blocks.values()) - gpu}
+
+    def check(self) -> None:
+        """Raise AssertionError if the counters disagree with the blocks or exceed the budget."""
+        by_state = self.bytes_by_state()
+        assert by_state[GPU] == self.resident_bytes, (by_state, self.resident_bytes)
+        assert by_state[GPU] + by_state[HOST] == self.total_bytes, (by_state, self.total_bytes)
+        assert self.resident_bytes <= self.budget_bytes, (self.resident_bytes, self.budget_bytes)
+
+    def reset_counters(self) -> None:
+        """Start a new period (a step): max resident from now, byte counters and move log at zero."""
+        self.max_resident = self.resident_bytes
+        self.prefetched_bytes = self.evicted_bytes = self.first_touch_bytes = self.touched_bytes = 0
+        self.moves = []
+
+    # ---- moves ----
+
+    def bring_in(self, blocks: Iterable[int], rank: Callable[[int], float], *, target: int = -1,
+                 what: str = "one layer's working set", protect: Iterable[int] = (),
+                 may_evict: Callable[[int], bool] | None = None) -> list[Move] | None:
+        """Make ``blocks`` resident: evict victims (highest ``rank`` first, never one of ``blocks`` or
+        ``protect``) until they fit, then prefetch the missing ones.
+
+        Raises :class:`BudgetTooSmall` (nothing moved) when ``blocks`` plus ``protect`` exceed the budget.
+        With ``may_evict`` (a look-ahead prefetch) only victims it accepts are taken; if those are not
+        enough nothing moves and None is returned.
+        """
+        wanted = set(blocks)
+        keep = wanted | set(protect)
+        need_all = self.bytes_of(keep)
+        if need_all > self.budget_bytes:
+            raise BudgetTooSmall(self.budget_bytes, need_all, what)
+        missing = sorted(b for b in wanted if self._blocks[b].where != GPU)
+        need = self.bytes_of(missing)
+        excess = self.resident_bytes + need - self.budget_bytes
+        victims: list[int] = []
+        if excess > 0:
+            for b in self._by_rank(keep, rank):
+                if excess <= 0:
+                    break
+                if may_evict is not None and not may_evict(b):
+                    return None
+                victims.append(b)
+                excess -= self._blocks[b].nbytes
+            if excess > 0:  # pragma: no cover - need_all <= budget guarantees room
+                raise BudgetTooSmall(self.budget_bytes, need_all, what)
+        moves = self._evict(victims, target) if victims else []
+        if missing:
+            moves.append(self._move_in(missing, "prefetch", target))
+        return moves
+
+    def make_room(self, nbytes: int, rank: Callable[[int], float], *, protect: Iterable[int] = (),
+                  target: int = -1) -> list[Move]:
+        """Evict victims (highest ``rank`` first, never ``protect``) until ``nbytes`` more would fit."""
+        keep = set(protect)
+        excess = self.resident_bytes + nbytes - self.budget_bytes
+        victims = []
+        for b in self._by_rank(keep, rank):
+            if excess <= 0:
+                break
+            victims.append(b)
+            excess -= self._blocks[b].nbytes
+        return self._evict(victims, target)
+
+    def evict(self, blocks: Iterable[int], target: int = -1) -> list[Move]:
+        """Push resident ``blocks`` to the host (blocks already there are skipped)."""
+        return self._evict([b for b in blocks if self._blocks[b].where == GPU], target)
+
+    def touched(self, blocks: Iterable[int], rank: Callable[[int], float], *, target: int = -1,
+                protect: Iterable[int] = ()) -> list[Move]:
+        """The GPU has touched ``blocks`` (a kernel wrote them): mark them resident, evicting victims to
+        get back under the budget. The touch is not ours to stop, so this never raises: when the blocks
+        alone exceed the budget the excess is recorded (``max_resident``) and ``check`` fails."""
+        missing = sorted(b for b in set(blocks) if self._blocks[b].where != GPU)
+        if not missing:
+            return []
+        moves = [self._move_in(missing, "touch", target)]
+        excess = self.resident_bytes - self.budget_bytes
+        if excess > 0:
+            keep = set(missing) | set(protect)
+            victims = []
+            for b in self._by_rank(keep, rank):
+                if excess <= 0:
+                    break
+                victims.append(b)
+                excess -= self._blocks[b].nbytes
+            moves += self._evict(victims, target)
+        return moves
+
+    def _by_rank(self, keep: set[int], rank: Callable[[int], float]) -> Iterator[int]:
+        """Resident blocks outside ``keep``, highest rank first (ties: lowest block), lazily."""
+        heap = [(-rank(b), b) for b in self._gpu if b not in keep]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[1]
+
+    def _move_in(self, blocks: list[int], kind: str, target: int) -> Move:
+        nbytes = 0
+        for b in blocks:
+            block = self._blocks[b]
+            block.where = GPU
+            nbytes += block.nbytes
+            if not block.ever_on_gpu:
+                self.first_touch_bytes += block.nbytes
+                block.ever_on_gpu = True
+            self._gpu.add(b)
+        self.resident_bytes += nbytes
+        self.max_resident = max(self.max_resident, self.resident_bytes)
+        if kind == "prefetch":
+            self.prefetched_bytes += nbytes
+        else:
+            self.touched_bytes += nbytes
+        return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks)))
+
+    def _evict(self, blocks: list[int], target: int) -> list[Move]:
+        if not blocks:
+            return []
+        nbytes = 0
+        for b in blocks:
+            self._blocks[b].where = HOST
+            self._gpu.discard(b)
+            nbytes += self._blocks[b].nbytes
+        self.resident_bytes -= nbytes
+        self.evicted_bytes += nbytes
+        return [self._log(Move("evict", self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks)))]
+
+    def _log(self, move: Move) -> Move:
+        if self.keep_moves:
+            self.moves.append(move)
+        return move
+
+    def _spans(self, blocks: list[int]) -> tuple[Span, ...]:
+        """The managed byte ranges of ``blocks``, adjacent pieces of one segment merged (one prefetch call
+        each; a prefetch never spans two allocations)."""
+        pieces = sorted(p for b in blocks for p in self._blocks[b].pieces)
+        merged: list[list[int]] = []
+        for ptr, n, seg in pieces:
+            if merged and merged[-1][0] + merged[-1][1] == ptr and merged[-1][2] == seg:
+                merged[-1][1] += n
+            else:
+                merged.append([ptr, n, seg])
+        return tuple((p, n) for p, n, _ in merged)

@@ -1,0 +1,150 @@
+"""The layer-ahead scheduler and its plan for a recorded order.
+
+At each position ``i`` of the step (one layer in forward, backward or the optimizer) the
+:class:`Scheduler` makes position ``i``'s blocks resident (the demand), then prefetches the blocks of
+the next ``lookahead`` positions while that can be done by evicting only blocks needed later than the
+one brought in. Victims are chosen by Belady's rule on the learned order, which repeats every step:
+the block whose next use (cyclically) is furthest away goes first. Every move goes through the
+:class:`~um_lab.budget.ledger.Ledger`, so resident bytes never exceed the budget.
+
+:func:`make_plan` runs the scheduler over a recorded order until it repeats itself (the steady state
+of step 2 onwards) and returns the moves per position with their totals: what a session issues, and
+what tests and the simulator check.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from um_lab.budget.ledger import Ledger, Move
+from um_lab.budget.order import Order
+from um_lab.errors import BudgetTooSmall
+
+
+class Scheduler:
+    """Belady evictions and look-ahead prefetches over a cyclic :class:`Order` (see the module doc)."""
+
+    def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.ledger = ledger
+        self.order = order
+        self.lookahead = lookahead
+        self.n = len(order.positions)
+        self.blocks = [ledger.blocks(p.spans()) for p in order.positions]
+        uses: dict[int, list[int]] = {}
+        for i, blocks in enumerate(self.blocks):
+            for b in blocks:
+                uses.setdefault(b, []).append(i)
+        self._uses = uses
+
+    def next_use(self, block: int, now: int) -> float:
+        """Positions from ``now`` until ``block`` is used again, after ``now`` (cyclic; inf: never)."""
+        uses = self._uses.get(block)
+        if not uses:
+            return math.inf
+        k = bisect.bisect_right(uses, now)
+        return uses[k] - now if k < len(uses) else uses[0] + self.n - now
+
+    def working_set(self, i: int) -> int:
+        """Managed bytes position ``i`` needs resident at once."""
+        return self.ledger.bytes_of(self.blocks[i])
+
+    def check_fits(self) -> None:
+        """Raise :class:`BudgetTooSmall` for the largest position that cannot fit the budget alone."""
+        if not self.n:
+            return
+        i = max(range(self.n), key=self.working_set)
+        if self.working_set(i) > self.ledger.budget_bytes:
+            phase, layer = self.order.positions[i].key
+            raise BudgetTooSmall(self.ledger.budget_bytes, self.working_set(i), f"{phase} of {layer or 'the model'}")
+
+    def enter(self, i: int, extra: Iterable[int] = ()) -> list[Move]:
+        """Moves at position ``i``: its blocks (and ``extra`` blocks seen now) resident, then look-ahead."""
+        now = self.blocks[i] | set(extra)
+        rank = lambda b: self.next_use(b, i)  # noqa: E731
+        phase, layer = self.order.positions[i].key
+        moves = self.ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}")
+        assert moves is not None
+        protect = set(now)
+        for d in range(1, min(self.lookahead, self.n - 1) + 1):
+            j = (i + d) % self.n
+            try:
+                ahead = self.ledger.bring_in(self.blocks[j], rank, target=j, protect=protect,
+                                             may_evict=lambda b, d=d: rank(b) > d)  # type: ignore[misc]
+            except BudgetTooSmall:
+                break  # these positions together do not fit: stop looking ahead
+            if ahead is None:
+                break
+            moves += ahead
+            protect |= self.blocks[j]
+        return moves
+
+
+@dataclasses.dataclass
+class Plan:
+    """The scheduler's steady-state moves for one step of a recorded order, and their totals."""
+
+    budget_bytes: int
+    lookahead: int
+    keys: list[tuple[str, str]]
+    moves: list[list[Move]]  #: per position, in issue order
+    footprint_bytes: int  #: every managed byte the order's segments hold
+    max_resident: int  #: the ledger's highest resident bytes in the steady step
+    prefetched_bytes: int  #: host->GPU bytes per steady step
+    evicted_bytes: int  #: GPU->host bytes per steady step
+    largest_working_set: int  #: the largest single position, in whole blocks
+    steady: bool  #: True when the step after the planned one issues the same moves
+    start_resident: frozenset[int] = frozenset()  #: the blocks resident when the steady step begins
+
+    def evictions(self) -> list[Move]:
+        """Every eviction of the steady step, in order."""
+        return [m for ms in self.moves for m in ms if m.kind == "evict"]
+
+    def summary(self) -> dict[str, int | bool]:
+        """The totals, JSON-able."""
+        return {"budget_bytes": self.budget_bytes, "footprint_bytes": self.footprint_bytes,
+                "max_resident_ledger": self.max_resident, "prefetched_bytes": self.prefetched_bytes,
+                "evicted_bytes": self.evicted_bytes, "largest_working_set": self.largest_working_set,
+                "positions": len(self.keys), "steady": self.steady}
+
+
+def new_ledger(order: Order, budget_bytes: int) -> Ledger:
+    """A ledger over the order's managed segments, nothing resident."""
+    ledger = Ledger(budget_bytes)
+    for ptr, size in order.managed_segments():
+        ledger.add_segment(ptr, size)
+    return ledger
+
+
+def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6) -> Plan:
+    """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
+    until a step repeats the previous one's moves, and return that step's moves.
+
+    Raises :class:`BudgetTooSmall` before planning when one position alone does not fit.
+    """
+    ledger = new_ledger(order, budget_bytes)
+    scheduler = Scheduler(ledger, order, lookahead)
+    scheduler.check_fits()
+    largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)
+    previous: list[list[Move]] | None = None
+    moves: list[list[Move]] = []
+    steady = False
+    start: frozenset[int] = frozenset()
+    for _ in range(max(2, max_cycles)):
+        ledger.reset_counters()
+        start = frozenset(ledger.resident_blocks())
+        moves = [scheduler.enter(i) for i in range(scheduler.n)]
+        if previous is not None and _same(previous, moves):
+            steady = True
+            break
+        previous = moves
+    return Plan(budget_bytes, lookahead, order.keys(), moves, ledger.total_bytes, ledger.max_resident,
+                ledger.prefetched_bytes, ledger.evicted_bytes, largest, steady, start)
+
+
+def _same(a: list[list[Move]], b: list[list[Move]]) -> bool:
+    return [[(m.kind, m.spans) for m in ms] for ms in a] == [[(m.kind, m.spans) for m in ms] for ms in b]
