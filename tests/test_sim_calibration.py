@@ -41,7 +41,8 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
                    "matmul_tflops", "matmul_half_gflop", "attention_tflops", "attention_half_gflop",
                    "remote_rw_GBps", "remote_colreduce_GBps", "conv_tflops", "conv_half_gflop", "hbm_GBps",
                    "norm_fwd_hbm_passes", "norm_bwd_hbm_passes"}
-    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields
+    gemm_fields = {"gemm_nt_passes", "gemm_nn_passes", "gemm_small_m_ctas"}  # tests/test_sim_gemm_passes.py
+    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields | gemm_fields
     for name in step_fields - {"host_fit_rows"}:  # fitted on per-op training steps, each with its range
         info = packaged["measured"]["primitives"][name]
         assert "step_detail" in info["source"] and info["range"][0] <= getattr(p, name) <= info["range"][1], name
@@ -98,7 +99,8 @@ def test_rebuilding_the_h200_profile_gives_the_packaged_file() -> None:
                                  fidelity_path=results / "sim_fidelity.json",
                                  primitives_path=results / "uvm_primitives.json",
                                  conv_path=results / "conv_in_step.json",
-                                 step_detail_path=results / "step_detail.json")
+                                 step_detail_path=results / "step_detail.json",
+                                 gemm_tiles_path=results / "gemm_tiles.json")
     assert rebuilt.name == "h200"
     packaged = dataclasses.asdict(packaged_h200())
     for key, value in dataclasses.asdict(rebuilt).items():

@@ -22,8 +22,13 @@ from um_lab.sim.ops import (
     GEMM_NN,
     GEMM_NT_B,
     GEMM_TN,
+    GEMM_XW,
+    GEMM_XW_BIAS,
+    GEMM_XWT,
+    GEMM_XWT_BIAS,
     NORM_STATS,
 )
+from um_lab.sim.gemm_passes import passes_nn, passes_nt
 from um_lab.sim.placement import BIG_PAGE, BLOCK, Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import ACC_READ, ACC_READ_WRITE, ACC_WRITE_ONLY, StepTrace
@@ -56,7 +61,8 @@ def page_mask(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
-                volume: np.ndarray | None = None) -> np.ndarray:
+                volume: np.ndarray | None = None, gemm_k: np.ndarray | None = None,
+                gemm_n: np.ndarray | None = None) -> np.ndarray:
     """How many times each remote operand's bytes cross the host link (classes: :data:`um_lab.sim.ops.REREAD_CLASSES`).
 
     A tiled kernel re-reads its operand once per tile of the other output dimension
@@ -64,7 +70,9 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
     ``volume`` times the operand's bytes per pass, ``max(1, reuse / tile)`` passes with the k x k or the 1x1
     tile (cuDNN picks smaller tiles for narrow outputs); a training-mode batch norm (and a layer norm's
     backward) reads its input ``norm_input_passes`` times; a column reduction reads at
-    ``remote_colreduce_GBps`` (``remote_GBps / remote_colreduce_GBps`` passes); everything else once.
+    ``remote_colreduce_GBps`` (``remote_GBps / remote_colreduce_GBps`` passes); a 2-d GEMM's weight
+    (classes gemm_xwt*, gemm_xw*; ``reuse`` = M, with its K and N in ``gemm_k`` / ``gemm_n``) by the shape
+    model of :mod:`um_lab.sim.gemm_passes`; everything else once.
     """
     p = profile
     nt_b = np.clip(reuse / 128.0, p.tile_gemm_nt_b_min, p.tile_gemm_nt_b_max)
@@ -80,6 +88,16 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
         conv = reread == cls
         if conv.any():
             passes[conv] = np.maximum(1.0, reuse[conv] / tile)
+    for classes, biased in (((GEMM_XWT, GEMM_XWT_BIAS), GEMM_XWT_BIAS), ((GEMM_XW, GEMM_XW_BIAS), GEMM_XW_BIAS)):
+        sel = np.isin(reread, classes)
+        if sel.any():
+            if gemm_k is None or gemm_n is None:
+                raise ValueError("GEMM weight reads need their K and N (gemm_k, gemm_n)")
+            bias = reread[sel] == biased
+            if biased == GEMM_XWT_BIAS:
+                passes[sel] = passes_nt(reuse[sel], gemm_n[sel], bias, p)
+            else:
+                passes[sel] = passes_nn(reuse[sel], gemm_k[sel], gemm_n[sel], bias, p)
     passes[reread == NORM_STATS] = p.norm_input_passes
     passes[reread == COL_REDUCE] = p.remote_GBps / p.remote_colreduce_GBps
     return passes if volume is None else passes * volume
@@ -102,7 +120,8 @@ def expand(trace: StepTrace, layout: Layout, profile: Profile) -> OpBlocks:
     write = trace.acc_write[keep] != ACC_READ
     inplace = trace.acc_write[keep] == ACC_READ_WRITE
     reads = trace.acc_write[keep] != ACC_WRITE_ONLY  # fresh outputs are not read
-    reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile, trace.acc_volume[keep]) * reads
+    reread = link_passes(trace.acc_reuse[keep], trace.acc_reread[keep], profile, trace.acc_volume[keep],
+                         trace.acc_gemm_k[keep], trace.acc_gemm_n[keep]) * reads
     first_block = lo // BLOCK
     n_blk = (hi - 1) // BLOCK - first_block + 1
     # one entry per (access, block)

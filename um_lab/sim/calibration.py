@@ -22,7 +22,8 @@ elementwise rates are fitted op by op there; whole step times then fit only what
                        fidelity_path="bench/results/sim_fidelity.json",
                        primitives_path="bench/results/uvm_primitives.json",
                        conv_path="bench/results/conv_in_step.json",
-                       step_detail_path="bench/results/step_detail.json")
+                       step_detail_path="bench/results/step_detail.json",
+                       gemm_tiles_path="bench/results/gemm_tiles.json")
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                        fidelity_path: str | Path | None = None,
                        primitives_path: str | Path | None = None,
                        conv_path: str | Path | None = None,
-                       step_detail_path: str | Path | None = None) -> Profile:
+                       step_detail_path: str | Path | None = None,
+                       gemm_tiles_path: str | Path | None = None) -> Profile:
     """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``), when given
     the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), the UM
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
@@ -222,7 +224,9 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     ``bench/conv_in_step.py``, which set ``tile_conv_igemm_kxk`` / ``_1x1`` (:mod:`um_lab.sim.conv_act`), and
     the per-op training steps of ``bench/diagnostics/step_detail.py``, which set the host costs, the GEMM,
     attention, convolution and HBM rates, the batch-norm passes and the remote elementwise rates
-    (:mod:`um_lab.sim.step_fit`); the whole-step fit then keeps those peaks fixed."""
+    (:mod:`um_lab.sim.step_fit`); the whole-step fit then keeps those peaks fixed; and the GEMM grid of
+    ``bench/uvm_primitives.py --sections gemm_tiles``, which sets the link passes over a GEMM's remote weight
+    by layout and shape (:mod:`um_lab.sim.gemm_passes`)."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
@@ -236,6 +240,14 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     source = f"{probe['what']}; fitted by um_lab.sim.calibration.build_h200_profile"
     if primitives_path is not None:
         source += f"; host link and migration from {Path(primitives_path).name} (bench/uvm_primitives.py)"
+    if gemm_tiles_path is not None:
+        from um_lab.sim.gemm_passes import fit_gemm_passes, load_gemm_tiles
+
+        stream = link.get("remote_GBps", Profile().remote_GBps)
+        gemm_fields, gemm_provenance = fit_gemm_passes(load_gemm_tiles(gemm_tiles_path), stream)
+        link.update(gemm_fields)
+        provenance.update(gemm_provenance)
+        source += f"; GEMM weight passes by layout and shape from {Path(gemm_tiles_path).name} (gemm_tiles)"
     fixed: tuple[str, ...] = ()
     if step_detail_path is not None:
         from um_lab.sim.step_fit import (

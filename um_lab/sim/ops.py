@@ -94,19 +94,34 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 #: convolution's implicit GEMM, read ``volume`` times its bytes per pass (the im2col'd input: R*S / stride^2)
 #: and re-read once per tile of the other GEMM dimension.
 #: COL_REDUCE: the input of a column reduction (a sum over leading dims), read at ``remote_colreduce_GBps``.
+#: GEMM_XWT(_BIAS) / GEMM_XW(_BIAS): the B operand (a weight, as a rule) of a 2-d ``mm`` / ``addmm`` in the
+#: layout ``x @ W^T`` (nn.Linear's forward, GPT-2's Conv1D input gradient) or ``x @ W`` (nn.Linear's input
+#: gradient, Conv1D's forward), with or without a fused bias: passes from the shape model of
+#: :mod:`um_lab.sim.gemm_passes` (the read carries the GEMM's K and N). Batched GEMMs keep the tile classes.
 (READ_ONCE, GEMM_A, GEMM_NT_B, GEMM_NN, GEMM_TN, CONV_1X1, CONV_1X1_BWD_FILTER, NORM_STATS, CONV_IGEMM,
- CONV_IGEMM_1X1, COL_REDUCE) = range(11)
+ CONV_IGEMM_1X1, COL_REDUCE, GEMM_XWT, GEMM_XWT_BIAS, GEMM_XW, GEMM_XW_BIAS) = range(15)
 REREAD_CLASSES: tuple[str, ...] = ("once", "gemm_a", "gemm_nt_b", "gemm_nn", "gemm_tn", "conv_1x1",
                                    "conv_1x1_bwd_filter", "norm_stats", "conv_igemm", "conv_igemm_1x1",
-                                   "col_reduce")
+                                   "col_reduce", "gemm_xwt", "gemm_xwt_bias", "gemm_xw", "gemm_xw_bias")
 #: Traced names of a convolution's forward op.
 CONV_FORWARD = frozenset({"aten.convolution", "aten._convolution", "aten.cudnn_convolution"})
 #: Traced names of a batch norm's forward and backward ops.
 BATCH_NORM = {"aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
                "aten.cudnn_batch_norm"}
 BATCH_NORM_BWD = {"aten.native_batch_norm_backward", "aten.cudnn_batch_norm_backward"}
-#: One way a kernel reads an operand: (reuse, re-read class, volume).
+#: One way a kernel reads an operand: (reuse, re-read class, volume), and for the GEMM_XW* classes also the
+#: GEMM's K and N (:data:`GemmRead`).
 Read = tuple[float, int, float]
+GemmRead = tuple[float, int, float, float, float]
+AnyRead = Read | GemmRead
+
+
+def read_fields(way: AnyRead) -> GemmRead:
+    """A read as (reuse, class, volume, gemm K, gemm N); K and N are 0 for reads that are not GEMM_XW*."""
+    if len(way) == 5:
+        return way
+    reuse, cls, volume = way[:3]
+    return float(reuse), int(cls), float(volume), 0.0, 0.0
 
 
 def is_column_reduction(args: tuple) -> bool:
@@ -173,7 +188,7 @@ def conv_geometry(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, d
 
 
 def conv_reads(backward: bool, geo: ConvGeometry,
-               output_mask: tuple[bool, ...] = (True, True)) -> dict[int, list[Read]]:
+               output_mask: tuple[bool, ...] = (True, True)) -> dict[int, list[AnyRead]]:
     """How a cuDNN convolution re-reads its operands, as implicit GEMMs (measured in a training step
     with remote activations: ``bench/conv_in_step.py``).
 
@@ -190,7 +205,7 @@ def conv_reads(backward: bool, geo: ConvGeometry,
     one = geo.taps == 1
     igemm = CONV_IGEMM_1X1 if one else CONV_IGEMM  # cuDNN picks other kernels (tiles) for 1x1 filters
     if not backward:
-        reads: dict[int, list[Read]] = {0: [(float(geo.c_out), igemm, geo.im2col)]}
+        reads: dict[int, list[AnyRead]] = {0: [(float(geo.c_out), igemm, geo.im2col)]}
         reads[1] = [(pixels_out, CONV_1X1, 1.0)] if one else [(1.0, READ_ONCE, 1.0)]
         return reads
     grad_input, grad_weight = bool(output_mask[0]), bool(output_mask[1])
@@ -248,7 +263,21 @@ def conv_workspace(name: str, args: tuple) -> tuple[int, Read] | None:
     return geo.filter_bytes, (float(extent), CONV_IGEMM, 1.0)
 
 
-def remote_reads(name: str, args: tuple) -> dict[int, list[Read]]:
+def _weight_read(name: str, a: torch.Tensor, b: torch.Tensor, cls_b: int) -> AnyRead:
+    """How a 2-d GEMM's B operand is read: by the shape model (``x @ W^T`` or ``x @ W``) for ``mm`` and
+    ``addmm``, with the old tile classes for batched GEMMs."""
+    m = float(a.shape[-2])
+    if name not in ("aten.mm", "aten.addmm") or cls_b not in (GEMM_NT_B, GEMM_NN):
+        return (m, cls_b, 1.0)
+    bias = name == "aten.addmm"
+    if cls_b == GEMM_NT_B:
+        cls = GEMM_XWT_BIAS if bias else GEMM_XWT
+    else:
+        cls = GEMM_XW_BIAS if bias else GEMM_XW
+    return (m, cls, 1.0, float(a.shape[-1]), float(b.shape[-1]))
+
+
+def remote_reads(name: str, args: tuple) -> dict[int, list[AnyRead]]:
     """Arg position -> the ways a kernel reads that operand more than once when it is remote.
 
     ``reuse`` is the extent of the output dimension the operand is re-read along (a GEMM's A operand once
@@ -262,7 +291,7 @@ def remote_reads(name: str, args: tuple) -> dict[int, list[Read]]:
             i = 1 if name in ("aten.addmm", "aten.baddbmm") else 0
             a, b = args[i], args[i + 1]
             ca, cb = _gemm_class(a, b)
-            return {i: [(float(b.shape[-1]), ca, 1.0)], i + 1: [(float(a.shape[-2]), cb, 1.0)]}
+            return {i: [(float(b.shape[-1]), ca, 1.0)], i + 1: [_weight_read(name, a, b, cb)]}
         if name in CONV_FORWARD:
             if not is_dense_conv(name, args):
                 return {}  # transposed or grouped: read once (not measured)

@@ -82,6 +82,24 @@ class Profile:
     tile_conv_igemm_kxk: float = 96.0
     tile_conv_igemm_1x1: float = 96.0
     norm_input_passes: float = 1.83  #: link passes of a training-mode batch norm's remote input (stats + normalise)
+    #: Link passes over a 2-d GEMM's remote B operand (a weight) by layout and shape (um_lab.sim.gemm_passes,
+    #: fitted on the H200 grid of bench/uvm_primitives.py --sections gemm_tiles): x @ W^T, passes at
+    #: M = N = 4096, their exponents in M and 1/N, and the factor of a fused bias ...
+    gemm_nt_passes: float = 50.0
+    gemm_nt_m_exp: float = 0.8
+    gemm_nt_inv_n_exp: float = 0.13
+    gemm_nt_bias_factor: float = 1.14
+    #: ... x @ W, the same, with its own exponent in M and a factor for K <= gemm_nn_small_k ...
+    gemm_nn_passes: float = 22.0
+    gemm_nn_m_exp: float = 0.98
+    gemm_nn_m_exp_small_k: float = 0.74
+    gemm_nn_inv_n_exp: float = 0.11
+    gemm_nn_small_k_factor: float = 1.33
+    gemm_nn_bias_factor: float = 1.29
+    gemm_nn_small_k: float = 768.0
+    #: ... and below gemm_fit_min_rows rows, x @ W^T's passes keep about this many 128-column thread blocks
+    gemm_small_m_ctas: float = 264.0
+    gemm_fit_min_rows: float = 512.0
     # Unified Memory driver
     prefetch_h2d_GBps: float = 47.4
     prefetch_d2h_GBps: float = 3.65

@@ -47,6 +47,7 @@ from um_lab.sim.ops import (
     data_free_init,
     extent_bytes,
     is_causal_attention,
+    read_fields,
     remote_reads,
 )
 from um_lab.types import DATA_TYPES, DataType
@@ -72,7 +73,8 @@ class StepTrace:
     ``acc_hi`` inside the storage, ``acc_write`` (0 read, 1 write only, 2 read and write in place),
     ``acc_reuse`` and ``acc_reread`` (how a kernel re-reads the operand when it is remote: the extent of the
     output dimension it is re-read along, the class of :data:`um_lab.sim.ops.REREAD_CLASSES`), and
-    ``acc_volume`` (bytes read per pass per byte of the operand: a convolution's im2col'd input). An operand
+    ``acc_volume`` (bytes read per pass per byte of the operand: a convolution's im2col'd input),
+    ``acc_gemm_k`` / ``acc_gemm_n`` (a 2-d GEMM's K and N for its B operand's shape model; 0 otherwise). An operand
     read by two kernels of one op (a convolution's backward) has one access per kernel.
     Storages: ``st_nbytes``, ``st_type`` (index into :data:`um_lab.types.DATA_TYPES`), ``st_alloc``
     (op index at which it is allocated; -1 = exists before the step), ``st_free`` (op index before
@@ -93,6 +95,8 @@ class StepTrace:
     acc_reuse: np.ndarray
     acc_reread: np.ndarray
     acc_volume: np.ndarray
+    acc_gemm_k: np.ndarray
+    acc_gemm_n: np.ndarray
     st_nbytes: np.ndarray
     st_type: np.ndarray
     st_alloc: np.ndarray
@@ -144,7 +148,7 @@ class _Recorder(TorchDispatchMode):
         self.free: list[int] = []
         self.transient: list[int] = []  # storage indices that may die during the step
         self.ops: list[tuple[str, int, float, float, int]] = []
-        self.acc: list[tuple[int, int, int, int, int, float, int, float]] = []
+        self.acc: list[tuple[int, int, int, int, int, float, int, float, float, float]] = []
         self.unknown: dict[str, None] = {}
         self.host_only = 0  # host-only ops since the last kernel op
         self.host_only_before: dict[int, int] = {}  # op index -> host-only ops dispatched just before it
@@ -254,19 +258,21 @@ class _Recorder(TorchDispatchMode):
             hbm += nb * (2 if write else 1)
             ways = rereads.get(pos, [(1.0, READ_ONCE, 1.0)])
             code = ACC_READ_WRITE if write else ACC_READ
-            for k, (reuse, reread, volume) in enumerate(ways):  # one access per kernel that reads it
-                self.acc.append((op_index, idx, lo, hi, code if k == 0 else ACC_READ, reuse, reread, volume))
+            for k, way in enumerate(ways):  # one access per kernel that reads it
+                reuse, reread, volume, gemm_k, gemm_n = read_fields(way)
+                self.acc.append((op_index, idx, lo, hi, code if k == 0 else ACC_READ, reuse, reread, volume,
+                                 gemm_k, gemm_n))
         for t in new_outs:
             idx = self.register(t, self.classify_new(), op_index, True)
             lo, hi = extent_bytes(t)
             hbm += t.numel() * t.element_size()
-            self.acc.append((op_index, idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0))
+            self.acc.append((op_index, idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0, 0.0, 0.0))
         workspace = conv_workspace(name, args)
         if workspace is not None:  # the filter's copy: written by the transform, read by the kernel
             nbytes, (reuse, reread, volume) = workspace
             idx = self.register_workspace(nbytes, op_index)
-            self.acc.append((op_index, idx, 0, nbytes, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0))
-            self.acc.append((op_index, idx, 0, nbytes, ACC_READ, reuse, reread, volume))
+            self.acc.append((op_index, idx, 0, nbytes, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0, 0.0, 0.0))
+            self.acc.append((op_index, idx, 0, nbytes, ACC_READ, reuse, reread, volume, 0.0, 0.0))
         packet = func.overloadpacket
         kind = KIND_MEMORY
         if name in _CPU_FLASH:  # what CUDA runs as fused (efficient) attention, where no mode could swap it
@@ -296,7 +302,7 @@ class _Recorder(TorchDispatchMode):
             idx = self.register(t, DataType.INPUT, len(self.ops), False)
             lo, hi = extent_bytes(t)
             nbytes += t.numel() * t.element_size()
-            self.acc.append((len(self.ops), idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0))
+            self.acc.append((len(self.ops), idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0, 0.0, 0.0))
         self.ops.append(("um_lab.input_h2d", PHASE_FWD, 0.0, nbytes, KIND_H2D_COPY))
 
 
@@ -388,6 +394,8 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         acc_reuse=col(5, np.float64),
         acc_reread=col(6, np.int8),
         acc_volume=col(7, np.float64),
+        acc_gemm_k=col(8, np.float64),
+        acc_gemm_n=col(9, np.float64),
         st_nbytes=np.array(rec.nbytes, np.int64),
         st_type=types,
         st_alloc=np.array(rec.alloc, np.int32),

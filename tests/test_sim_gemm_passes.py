@@ -1,0 +1,76 @@
+"""Link passes over a GEMM's remote weight by layout and shape (um_lab.sim.gemm_passes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from um_lab.sim.access import link_passes
+from um_lab.sim.gemm_passes import fit_gemm_passes, grid_rows, passes_nn, passes_nt
+from um_lab.sim.ops import GEMM_A, GEMM_XW, GEMM_XW_BIAS, GEMM_XWT, GEMM_XWT_BIAS, remote_reads
+from um_lab.sim.profile import load_profile
+
+ROOT = Path(__file__).parents[1]
+GRID = ROOT / "bench" / "results" / "gemm_tiles.json"
+
+
+def test_the_packaged_constants_are_the_fit_on_the_grid() -> None:
+    h200 = load_profile("h200")
+    fields, why = fit_gemm_passes(json.loads(GRID.read_text()), h200.remote_GBps)
+    for name, value in fields.items():
+        assert getattr(h200, name) == pytest.approx(value), name
+    lo, hi = why["gemm_nt_passes"]["range"]
+    assert lo < h200.gemm_nt_passes < hi
+
+
+def test_the_fit_follows_the_grid_within_its_scatter() -> None:
+    h200 = load_profile("h200")
+    rows = grid_rows(json.loads(GRID.read_text()), h200.remote_GBps)
+    assert len(rows) == 160
+    errors = []
+    for r in rows:
+        m, k, n, b = (np.array([v]) for v in (r["M"], r["K"], r["N"], r["bias"]))
+        model = passes_nt(m, n, b, h200) if r["layout"] == "nt" else passes_nn(m, k, n, b, h200)
+        errors.append(abs(np.log(model[0] / r["passes"])))
+    assert np.mean(errors) < 0.25
+    assert np.median(errors) < 0.25
+
+
+def test_linear_forward_and_backward_read_the_weight_in_their_layouts() -> None:
+    x = torch.empty(2048, 768, device="meta")
+    w = torch.empty(3072, 768, device="meta")  # nn.Linear weight [out, in]
+    bias = torch.empty(3072, device="meta")
+    fwd = remote_reads("aten.addmm", (bias, x, w.t()))
+    assert fwd[1] == [(3072.0, GEMM_A, 1.0)]
+    assert fwd[2] == [(2048.0, GEMM_XWT_BIAS, 1.0, 768.0, 3072.0)]
+    gy = torch.empty(2048, 3072, device="meta")
+    assert remote_reads("aten.mm", (gy, w))[1] == [(2048.0, GEMM_XW, 1.0, 3072.0, 768.0)]
+    conv1d_w = torch.empty(768, 3072, device="meta")  # GPT-2's Conv1D weight [in, out]: x @ W
+    assert remote_reads("aten.addmm", (bias, x, conv1d_w))[2][0][1] == GEMM_XW_BIAS
+    assert remote_reads("aten.mm", (gy, conv1d_w.t()))[1][0][1] == GEMM_XWT
+
+
+def test_passes_grow_with_rows_and_few_rows_shrink_the_tile() -> None:
+    p = load_profile("h200")
+    no = np.array([False, False])
+    assert np.all(np.diff(passes_nt(np.array([2048.0, 8192.0]), np.array([768.0, 768.0]), no, p)) > 0)
+    assert np.all(np.diff(passes_nn(np.array([2048.0, 8192.0]), np.array([3072.0] * 2), np.array([768.0] * 2),
+                                    no, p)) > 0)
+    # below the grid, x @ W^T keeps enough thread blocks: a wider W gets fewer passes, never over M / 32
+    few = passes_nt(np.array([256.0, 256.0]), np.array([4096.0, 8192.0]), no, p)
+    assert few[0] == pytest.approx(8.0) and few[1] == pytest.approx(p.gemm_small_m_ctas * 128 / 8192)
+    assert passes_nt(np.array([64.0]), np.array([64.0]), np.array([False]), p)[0] == pytest.approx(2.0)
+
+
+def test_link_passes_needs_the_gemm_shape_and_uses_it() -> None:
+    p = load_profile("h200")
+    reuse, cls = np.array([8192.0]), np.array([GEMM_XWT])
+    with pytest.raises(ValueError, match="K and N"):
+        link_passes(reuse, cls, p)
+    narrow = link_passes(reuse, cls, p, None, np.array([768.0]), np.array([768.0]))
+    wide = link_passes(reuse, cls, p, None, np.array([768.0]), np.array([50257.0]))
+    assert wide[0] < narrow[0]
