@@ -169,12 +169,18 @@ class Ledger:
         gpu = sum(self._blocks[b].nbytes for b in self._gpu)
         return {GPU: gpu, HOST: sum(b.nbytes for b in self._blocks.values()) - gpu}
 
-    def check(self) -> None:
-        """Raise AssertionError if the counters disagree with the blocks or exceed the budget."""
+    def check_accounting(self) -> None:
+        """Raise AssertionError unless resident bytes match the blocks and the states add up to all bytes."""
         by_state = self.bytes_by_state()
-        assert by_state[GPU] == self.resident_bytes, (by_state, self.resident_bytes)
-        assert by_state[GPU] + by_state[HOST] == self.total_bytes, (by_state, self.total_bytes)
-        assert self.resident_bytes <= self.budget_bytes, (self.resident_bytes, self.budget_bytes)
+        if by_state[GPU] != self.resident_bytes or by_state[GPU] + by_state[HOST] != self.total_bytes:
+            raise AssertionError(f"ledger out of balance: {by_state}, resident {self.resident_bytes}, "
+                                 f"total {self.total_bytes}")
+
+    def check(self) -> None:
+        """:meth:`check_accounting`, and resident bytes within the budget now."""
+        self.check_accounting()
+        if self.resident_bytes > self.budget_bytes:
+            raise AssertionError(f"resident {self.resident_bytes} B above the budget {self.budget_bytes} B")
 
     def reset_counters(self) -> None:
         """Start a new period (a step): max resident from now, byte counters and move log at zero."""

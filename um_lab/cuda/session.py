@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,10 +34,13 @@ from torch import nn
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
-from um_lab.errors import SessionStateError
+from um_lab.errors import BudgetError, SessionStateError
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.policy import PREFETCH_BEFORE, Policy, get_policy
 from um_lab.types import DataType, StepRecord
+
+if TYPE_CHECKING:
+    from um_lab.budget.control import BudgetControl
 
 
 class Session(Listenable):
@@ -47,6 +50,14 @@ class Session(Listenable):
     end of :meth:`step` (rules in :mod:`um_lab.listeners`); ``last_record`` is the current state.
     ``stage_inputs=False`` makes :meth:`inputs` copy pageable tensors straight into the input pool
     (synchronous, as ``tensor.to("cuda")`` is) instead of through a pinned buffer.
+
+    ``gpu_budget_bytes=B`` keeps GPU-resident managed bytes at most ``B`` (total managed bytes stay under
+    the safety cap as always): the layer-ahead scheduler of :mod:`um_lab.budget` learns the order of use
+    in the first step and then prefetches the next layers' data on a side stream and pushes data that is
+    done with to the host; the optimizer is stepped one layer at a time, and the policy's phase
+    prefetches are left to the scheduler. Each record's ``extra["budget"]`` holds the ledger's numbers.
+    ``budget_lookahead`` is how many positions ahead it prefetches. Without a budget nothing changes:
+    no hooks are installed.
     """
 
     _open_lock = threading.Lock()
@@ -63,12 +74,17 @@ class Session(Listenable):
         backward_thread: str = "worker",
         telemetry: bool | str | Telemetry = False,
         stage_inputs: bool = True,
+        gpu_budget_bytes: int | None = None,
+        budget_lookahead: int = 2,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
         _device_memory: tuple[int, int] | None = None,
     ) -> None:
         self.policy = get_policy(policy)
+        self.gpu_budget_bytes = _check_budget(gpu_budget_bytes, budget_lookahead)
+        self.budget_lookahead = budget_lookahead
+        self._budget: BudgetControl | None = None
         if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
             raise ValueError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}")
         if device is not None and (not isinstance(device, int) or device < 0):
@@ -158,9 +174,16 @@ class Session(Listenable):
         self.baseline_live_bytes = source.stats()["live_total"]
         cap = self._requested_cap if self._requested_cap is not None else default_cap(free, total)
         self.cap_bytes = cap
+        budget = self.gpu_budget_bytes
+        if budget is not None and not self.allow_oversubscription and budget > cap:
+            raise BudgetError(f"gpu_budget_bytes={budget} B ({budget / 2**30:.2f} GiB) is above the safety cap of "
+                              f"{cap} B ({cap / 2**30:.2f} GiB): a budget can only be smaller than the managed "
+                              "memory the card may hold")
         pools = ManagedPools(index, self._pool_api or TorchPoolAPI(), runtime, source)
         pools.open(self.policy, cap, self.allow_oversubscription)
         self._pools = pools
+        if budget is not None:
+            self._budget = self._new_budget_control(budget, index, runtime, pools)
         self.telemetry = open_telemetry(self._telemetry_mode, index)
 
     def close(self) -> int:
@@ -196,6 +219,9 @@ class Session(Listenable):
         return self._report_residual(pools)
 
     def _close_bookkeeping(self) -> None:
+        if self._budget is not None:
+            self._budget.close()
+            self._budget = None
         try:
             if self.telemetry is not None:
                 self.telemetry.close()
@@ -242,6 +268,9 @@ class Session(Listenable):
             for tensor in _module_tensors(module):
                 if index.data_type_of(tensor.data_ptr()) is not DataType.PARAM and self._is_device(tensor):
                     tensor.data = tensor.data.clone()
+        if self._budget is not None:
+            self._budget.watch(self._modules)
+            self._budget.settle(_module_tensors(module))
         return module
 
     def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -264,6 +293,11 @@ class Session(Listenable):
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
         self._trainable = [p for m in self._modules for p in m.parameters()]
+        if self._budget is not None:
+            self._budget.watch(self._modules)
+            self._budget.settle([p.grad for p in module.parameters() if p.grad is not None] +
+                                [v for st in optimizer.state.values() for v in st.values() if _is_tensor(v)])
+            self._budget.check_layers(module)
         return optimizer
 
     def inputs(self, *tensors: Any) -> Any:
@@ -283,6 +317,8 @@ class Session(Listenable):
         else:
             with pools.route(DataType.INPUT):
                 out = tuple(t.to(self.device, copy=True) if _is_tensor(t) else t for t in tensors)
+        if self._budget is not None:
+            self._budget.inputs_written(t for t in out if _is_tensor(t))
         return out[0] if len(out) == 1 else out
 
     def _ensure_grads(self, module: nn.Module) -> None:
@@ -343,30 +379,32 @@ class Session(Listenable):
             self._timer = _StepTimer(self.device)  # its events are reused: stop() synchronises
         timer = self._timer
         timer.start()
-        self._prefetch_phase("forward")
-        with pools.route(DataType.ACT):
-            loss = closure()
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise TypeError(
-                "the step closure must return a scalar loss tensor that requires grad, got "
-                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
-            )
-        self._prefetch_phase("backward")
-        if self.backward_thread == "caller":
-            with pools.route(DataType.ACT), torch.autograd.set_multithreading_enabled(False):
-                loss.backward()
+        budget_extra: dict[str, Any] | None = None
+        if self._budget is not None:
+            loss, budget_extra = self._budget.run_step(
+                pools, closure, optimizer, zero_grad=zero_grad, before_optimizer=before_optimizer,
+                backward_thread=self.backward_thread, check_loss=_check_loss)
         else:
-            with pools.route_backward(DataType.ACT, loss):
-                loss.backward()
-        if before_optimizer is not None:
+            self._prefetch_phase("forward")
             with pools.route(DataType.ACT):
-                before_optimizer()
-        self._prefetch_phase("optimizer")
-        with pools.route(DataType.OPTIM):
-            optimizer.step()
-        if zero_grad:
-            optimizer.zero_grad(set_to_none=False)
-        self._prefetch_to_cpu_after_use()
+                loss = closure()
+            _check_loss(loss)
+            self._prefetch_phase("backward")
+            if self.backward_thread == "caller":
+                with pools.route(DataType.ACT), torch.autograd.set_multithreading_enabled(False):
+                    loss.backward()
+            else:
+                with pools.route_backward(DataType.ACT, loss):
+                    loss.backward()
+            if before_optimizer is not None:
+                with pools.route(DataType.ACT):
+                    before_optimizer()
+            self._prefetch_phase("optimizer")
+            with pools.route(DataType.OPTIM):
+                optimizer.step()
+            if zero_grad:
+                optimizer.zero_grad(set_to_none=False)
+            self._prefetch_to_cpu_after_use()
         wall_ms = timer.stop()
         record = StepRecord(
             step=self.steps_done,
@@ -379,12 +417,36 @@ class Session(Listenable):
             loss=float(loss.detach()),
             telemetry="unavailable: telemetry not enabled",
         )
+        if budget_extra is not None:
+            record.extra["budget"] = budget_extra
         if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
             self.telemetry.fill(record, pools.source.segments())
         self.steps_done += 1
         self.last_record = record
         self._listeners.emit(record)
         return record
+
+    def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
+        """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
+        from um_lab.budget.control import BudgetControl  # imported only with a budget
+        from um_lab.budget.executor import CudaStreams, RecordingStreams, StreamOps
+
+        source = pools.source
+        device = self.device
+        streams: StreamOps = CudaStreams(device) if self._real and device is not None else RecordingStreams()
+
+        def generation() -> int:
+            stats = source.stats()
+            return int(stats["malloc_calls"]) + int(stats["free_calls"])
+
+        return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
+                             cover_unknown=not self._real, generation=generation if self._real else None,
+                             keep_tensor=self._is_device if self._real else None)
+
+    @property
+    def budget(self) -> BudgetControl | None:
+        """The scheduler's state with ``gpu_budget_bytes`` (ledger, plan, hooks); None without a budget."""
+        return self._budget
 
     def _prefetch_phase(self, phase: str) -> None:
         pools = self._require_open()
@@ -462,6 +524,26 @@ class Session(Listenable):
                     for key, value in state.items():
                         if _is_tensor(value) and managed(value):
                             state[key] = value.clone()
+
+
+def _check_loss(loss: Any) -> None:
+    """Raise TypeError unless the step closure returned a scalar loss tensor that requires grad."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise TypeError(
+            "the step closure must return a scalar loss tensor that requires grad, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+        )
+
+
+def _check_budget(budget: int | None, lookahead: int) -> int | None:
+    """Validate ``gpu_budget_bytes`` and ``budget_lookahead`` (typed errors, before anything opens)."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise BudgetError(f"budget_lookahead must be an int >= 0, got {lookahead!r}")
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise BudgetError(f"gpu_budget_bytes must be a positive number of bytes or None, got {budget!r}")
+    return budget
 
 
 def _is_tensor(value: Any) -> bool:

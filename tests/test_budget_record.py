@@ -1,0 +1,200 @@
+"""Orders recorded by hooks on the CPU (an MLP, a small GPT-2, a CNN), planned under budgets, and the
+executor replaying a plan: never above B, every byte accounted, evictions in the planned order."""
+
+import copy
+import functools
+
+import pytest
+import torch
+from fakes import FakeRuntime
+from test_budget_ledger import replay
+
+from um_lab import BudgetTooSmall
+from um_lab.budget.executor import BudgetExecutor, RecordingStreams
+from um_lab.budget.ledger import BLOCK
+from um_lab.budget.order import Order
+from um_lab.budget.plan import make_plan
+from um_lab.budget.record import StepRecorder, optimizer_chunks, step_optimizer_in_chunks
+from um_lab.types import DataType
+
+MiB = 1 << 20
+
+
+def mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU())
+                                  for _ in range(4)], torch.nn.Linear(1024, 10))
+    x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
+    return model, lambda: torch.nn.functional.cross_entropy(model(x), y)
+
+
+def cnn():
+    torch.manual_seed(0)
+    c = 64
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, c, 3, padding=1), torch.nn.BatchNorm2d(c), torch.nn.ReLU(),
+        torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.BatchNorm2d(c), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(2 * c, 10))
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    return model, lambda: torch.nn.functional.cross_entropy(model(x), y)
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=4000, n_positions=128)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 4000, (4, 128))
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+def record(build, steps=2):
+    """Train ``steps`` steps with hooks on; the last step's order (and the model, optimizer)."""
+    model, loss_fn = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recorder = StepRecorder([model])
+    recorder.install()
+    for _ in range(steps):
+        with recorder.recording():
+            loss = loss_fn()
+        with recorder.backward():
+            loss.backward()
+        recorder.active = True
+        step_optimizer_in_chunks(opt, optimizer_chunks([model], opt),
+                                 before_chunk=lambda n, p: recorder.optimizer_position(n, p, opt))
+        recorder.active = False
+    recorder.remove()
+    return recorder.order, model, opt
+
+
+BUILDS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2}
+
+
+@functools.cache
+def recorded(name):
+    """One recording per model for the whole module (each takes seconds on the CPU)."""
+    return record(BUILDS[name])
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_recorded_order_has_forward_backward_reversed_and_one_optimizer_position_per_layer(name):
+    order, model, opt = recorded(name)
+    phases = [p.phase for p in order.positions]
+    assert phases == sorted(phases, key=("forward", "backward", "optimizer").index)  # three phases, in order
+    fwd = [p.layer for p in order.positions if p.phase == "forward"]
+    bwd = [p.layer for p in order.positions if p.phase == "backward"]
+    seen, with_params = set(), []  # modules owning parameters not seen before (tied weights count once)
+    for n, m in model.named_modules():
+        new = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        if new:
+            with_params.append(n)
+    assert [n for n in fwd if n in with_params][0] == with_params[0]
+    assert set(bwd) <= set(fwd) and bwd[0] == [n for n in fwd if n in bwd][-1]  # backward starts at the end
+    opt_layers = [p.layer for p in order.positions if p.phase == "optimizer"]
+    assert sorted(opt_layers) == sorted(with_params)
+    for p in order.positions:
+        if p.phase == "optimizer":  # step 2: parameters, gradients and the AdamW state are all recorded
+            assert p.spans(DataType.PARAM) and p.spans(DataType.GRAD) and p.spans(DataType.OPTIM)
+    assert sum(len(p.spans(DataType.ACT)) for p in order.positions if p.phase == "backward") > 0
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+@pytest.mark.parametrize("ratio", [1.5, 2, 3])
+def test_plans_of_recorded_orders_never_exceed_the_budget(name, ratio):
+    order, _, _ = recorded(name)
+    footprint = sum(n for _, n in order.managed_segments())
+    first = make_plan(order, footprint)
+    budget = max(int(footprint / ratio) // BLOCK * BLOCK, first.largest_working_set)
+    plan = make_plan(order, budget)
+    assert plan.footprint_bytes == footprint and plan.max_resident <= budget
+    if budget < footprint:
+        assert plan.evicted_bytes > 0
+    replay(plan, order)  # every position resident when it runs, never above B, all bytes accounted
+
+
+def test_a_budget_below_the_largest_layer_of_a_recorded_order_is_refused():
+    order, _, _ = recorded("gpt2")
+    largest = make_plan(order, 1 << 40).largest_working_set
+    with pytest.raises(BudgetTooSmall) as info:
+        make_plan(order, largest - BLOCK)
+    assert info.value.needed == largest
+
+
+def test_chunked_optimizer_step_equals_one_full_step():
+    model, _ = mlp()
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
+    chunked = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    full = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        step_optimizer_in_chunks(chunked, optimizer_chunks([model], chunked))
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        full.step()
+        full.zero_grad(set_to_none=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+    assert chunked.param_groups[0]["params"] == list(model.parameters())  # groups restored
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())  # zeroed in place
+    assert len(optimizer_chunks([model], chunked)) == 5  # one per Linear
+
+
+def drive(executor, order):
+    """Feed an order's positions to the executor as the hooks would."""
+    executor.begin_step()
+    for i, position in enumerate(order.positions):
+        executor.enter(i, position)
+    return executor.end_step()
+
+
+def test_executor_replays_the_plan_evictions_in_order_on_the_side_stream():
+    order, _, _ = recorded("mlp")
+    footprint = sum(n for _, n in order.managed_segments())
+    order = Order(order.positions, order.managed_segments())
+    runtime, streams = FakeRuntime(), RecordingStreams()
+    budget = footprint // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, runtime, 0, streams, lambda: [], cover_unknown=True)
+    for ptr, size in order.segments:
+        ex.ledger.add_segment(ptr, size)
+    learning = drive(ex, order)
+    assert not learning["planned"] and learning["unplanned_positions"] == len(order.positions)
+    plan = ex.set_order(order)
+    for _ in range(2):
+        runtime.prefetched.clear()
+        stats = drive(ex, order)
+        assert stats["followed_plan"] and stats["unplanned_positions"] == 0
+        assert stats["max_resident_ledger"] <= budget and not stats["over_budget"]
+        ex.ledger.check()
+    # the second planned step is the steady state: it issues exactly the plan's moves, in order
+    assert stats["realign_bytes"] == 0
+    issued = [m for m in ex.ledger.moves if m.kind != "touch"]
+    planned = [m for ms in plan.moves for m in ms]
+    assert [(m.kind, m.spans) for m in issued] == [(m.kind, m.spans) for m in planned]
+    assert [m.blocks for m in issued if m.kind == "evict"] == [m.blocks for m in plan.evictions()]
+    calls = [(ptr, n, "gpu" if loc == runtime.codes.location_device else "host")
+             for ptr, n, loc, _, _ in runtime.prefetched]
+    expected = [(p, n, "gpu" if m.kind == "prefetch" else "host") for m in planned for p, n in m.spans]
+    assert calls == expected and {s for *_, s in runtime.prefetched} == {RecordingStreams.SIDE}
+    assert stats["prefetched_bytes"] == plan.prefetched_bytes and stats["evicted_bytes"] == plan.evicted_bytes
+
+
+def test_executor_orders_evictions_after_compute_and_compute_after_prefetch():
+    order, _, _ = recorded("mlp")
+    order = Order(order.positions, order.managed_segments())
+    streams = RecordingStreams()
+    footprint = sum(n for _, n in order.segments)
+    ex = BudgetExecutor(footprint // 3 // BLOCK * BLOCK, FakeRuntime(), 0, streams, lambda: [], cover_unknown=True)
+    for ptr, size in order.segments:
+        ex.ledger.add_segment(ptr, size)
+    drive(ex, order)
+    ex.set_order(order)
+    streams.log.clear()
+    drive(ex, order)
+    log = streams.log
+    for i, (call, ev) in enumerate(log):
+        if call == "side_wait":  # each eviction batch waits for an event just recorded on the compute stream
+            assert log[i - 1] == ("record_compute", ev)
+        if call == "compute_wait":  # compute waits only for events recorded on the side stream
+            assert ("record_side", ev) in log[:i]
+    assert any(c == "compute_wait" for c, _ in log) and any(c == "side_wait" for c, _ in log)

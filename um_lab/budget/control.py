@@ -1,0 +1,181 @@
+"""What a :class:`~um_lab.cuda.session.Session` with ``gpu_budget_bytes`` adds: hooks, the scheduler's
+executor, and the budgeted training step.
+
+The budgeted step differs from the plain one in three ways: hooks record the order of use and drive
+the executor; the optimizer is stepped one layer at a time (each layer's gradients zeroed in place
+after its step) so its working set is one layer, not the whole model; and the policy's whole-type
+phase prefetches are skipped (the scheduler moves the data). After each step the recorded order is
+planned for the next one when it changed (``extra["budget"]["replanned"]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from um_lab.budget.executor import BudgetExecutor, StreamOps
+from um_lab.budget.ledger import Span
+from um_lab.budget.order import Order
+from um_lab.budget.record import (
+    StepRecorder,
+    optimizer_chunks,
+    own_tensors,
+    step_optimizer_in_chunks,
+    tensor_span,
+    tensors_in,
+)
+from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
+from um_lab.errors import BudgetTooSmall
+from um_lab.types import DataType
+
+
+class BudgetControl:
+    """The budget parts of a session (see the module docstring)."""
+
+    def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
+                 segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2, cover_unknown: bool = False,
+                 generation: Callable[[], int] | None = None,
+                 keep_tensor: Callable[[torch.Tensor], bool] | None = None) -> None:
+        self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
+                                       cover_unknown=cover_unknown, generation=generation)
+        self.keep_tensor = keep_tensor
+        self.recorder: StepRecorder | None = None
+        self._roots: list[nn.Module] = []
+        self._chunks: dict[int, list[tuple[str, list[nn.Parameter]]]] = {}
+        self.pending_error: BudgetTooSmall | None = None
+        self.last_order: Order | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget on GPU-resident managed bytes."""
+        return self.executor.ledger.budget_bytes
+
+    def watch(self, modules: Sequence[nn.Module]) -> None:
+        """Hook ``modules`` (re-hooks when the set changed)."""
+        if list(modules) == self._roots and self.recorder is not None:
+            return
+        if self.recorder is not None:
+            self.recorder.remove()
+        self._roots = list(modules)
+        self._chunks.clear()
+        self.recorder = StepRecorder(self._roots, listener=self.executor, classify=self.executor.classify,
+                                     keep=self.keep_tensor)
+        self.recorder.install()
+
+    def close(self) -> None:
+        """Take the hooks off."""
+        if self.recorder is not None:
+            self.recorder.remove()
+            self.recorder = None
+        self._roots = []
+
+    # ---- outside a step ----
+
+    def settle(self, tensors: Iterable[torch.Tensor]) -> int:
+        """The GPU just wrote ``tensors`` (a model placed, gradients created): record the touch, then push
+        everything resident to the host so the first step starts from nothing resident. Returns bytes."""
+        self.executor.touch_now(self._spans(tensors))
+        return self.executor.evict_all()
+
+    def inputs_written(self, tensors: Iterable[torch.Tensor]) -> None:
+        """An input batch was copied to the GPU: record the touch (evicting to stay under the budget)."""
+        self.executor.touch_now(self._spans(tensors))
+
+    def check_layers(self, module: nn.Module) -> None:
+        """Raise :class:`BudgetTooSmall` before any step when one layer's parameters and gradients alone
+        exceed the budget (optimizer state, unknown before the first step, is checked by the plan)."""
+        for name, m in module.named_modules():
+            own = own_tensors(m) + [p.grad for p in m.parameters(recurse=False) if p.grad is not None]
+            if not own:
+                continue
+            need = self.executor.ledger.bytes_of(self.executor.blocks(self._spans(own)))
+            if need > self.budget_bytes:
+                raise BudgetTooSmall(self.budget_bytes, need, f"the parameters and gradients of {name or 'the model'}")
+
+    # ---- the step ----
+
+    def run_step(self, pools: ManagedPools, closure: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+                 *, zero_grad: bool, before_optimizer: Callable[[], object] | None, backward_thread: str,
+                 check_loss: Callable[[Any], None]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Forward, backward and a layer-by-layer optimizer step under the budget; returns the loss and
+        ``extra["budget"]``. Any exception leaves hooks idle and the session usable."""
+        if self.pending_error is not None:
+            error, self.pending_error = self.pending_error, None
+            raise error
+        recorder = self.recorder
+        if recorder is None:
+            raise BudgetTooSmall(self.budget_bytes, 0, "a model: place() or attach() one first")
+        executor = self.executor
+        executor.begin_step()
+        try:
+            with recorder.recording():
+                with pools.route(DataType.ACT):
+                    loss = closure()
+            check_loss(loss)
+            with recorder.backward():
+                if backward_thread == "caller":
+                    with pools.route(DataType.ACT), torch.autograd.set_multithreading_enabled(False):
+                        loss.backward()
+                else:
+                    with pools.route_backward(DataType.ACT, loss):
+                        loss.backward()
+            recorder.active = True
+            if before_optimizer is not None:
+                grads = [p.grad for m in self._roots for p in m.parameters() if p.grad is not None]
+                recorder.open_position("optimizer", "(before optimizer)",
+                                       [(DataType.GRAD, s) for s in self._spans(grads)])
+                with pools.route(DataType.ACT):
+                    before_optimizer()
+            with pools.route(DataType.OPTIM):
+                step_optimizer_in_chunks(
+                    optimizer, self._chunks_of(optimizer),
+                    before_chunk=lambda name, params: recorder.optimizer_position(name, params, optimizer),
+                    after_chunk=lambda name, params, index: recorder.touched(
+                        cast(int, index), DataType.OPTIM, self._state_spans(optimizer, params)),
+                    zero_grad=zero_grad)
+        except BaseException:
+            executor.abort()
+            raise
+        finally:
+            recorder.active = False
+        extra = executor.end_step()
+        extra["replanned"] = self._replan(recorder.order)
+        if executor.plan is not None:
+            extra["plan"] = executor.plan.summary()
+        return loss, extra
+
+    def _chunks_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, list[nn.Parameter]]]:
+        key = id(optimizer)
+        if key not in self._chunks:
+            self._chunks[key] = optimizer_chunks(self._roots, optimizer)
+        return self._chunks[key]
+
+    def _replan(self, order: Order) -> bool:
+        """Plan on ``order`` when it differs from the planned one; a budget too small for it is raised
+        at the start of the next step, before anything runs."""
+        self.last_order = order
+        planned = self.executor.plan_order
+        pairs = zip(planned.positions, order.positions, strict=False) if planned is not None else iter(())
+        if planned is not None and planned.keys() == order.keys() and all(
+                sorted(a.spans()) == sorted(b.spans()) for a, b in pairs):
+            return False
+        try:
+            self.executor.set_order(order)
+        except BudgetTooSmall as e:
+            self.pending_error = e
+            return False
+        return True
+
+
+    def _spans(self, tensors: Iterable[torch.Tensor | None]) -> list[Span]:
+        keep = self.keep_tensor
+        return [tensor_span(t) for t in tensors_in(list(tensors))
+                if t.numel() > 0 and (keep is None or keep(t))]
+
+    def _state_spans(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[Span]:
+        return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
+                           if isinstance(v, torch.Tensor))
+

@@ -1,0 +1,330 @@
+"""The scheduler in a live session: hook events in, ``cudaMemPrefetchAsync`` calls out.
+
+:class:`BudgetExecutor` is the :class:`~um_lab.budget.record.PositionListener` of a session's
+recorder. Every residency change goes through its :class:`~um_lab.budget.ledger.Ledger`:
+
+- **learning** (no plan yet, or the step left the plan): at each position the ranges it is about to
+  use are brought in, least-recently-used blocks evicted first; outputs written by a layer are
+  recorded as touched (a first touch on the GPU) and the ledger evicts to get back under the budget;
+- **planned** (the step follows the recorded order): the plan's moves for each position are replayed
+  (Belady evictions, look-ahead prefetches), after one realignment at step start to the resident set
+  the steady step begins with; ranges the plan did not foresee are brought in on demand, and room is
+  made before a position for the most it wrote outside the plan in an earlier step (new output addresses).
+
+Moves are issued on a side stream: before an eviction the side stream waits for the compute stream
+(an event recorded at this position: the layers that used the data are done), and a prefetch is
+followed by an event the compute stream waits on at the position the data is for. Both directions
+share the one side stream, so an eviction always completes before the prefetch that needs its room.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
+from um_lab.budget.order import Order, Position
+from um_lab.budget.plan import Plan, Scheduler, make_plan
+from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
+from um_lab.types import DataType
+
+
+class StreamOps(Protocol):
+    """The stream and event calls the executor makes (CUDA, or a recording fake on the CPU)."""
+
+    def side_handle(self) -> int:
+        """The raw handle of the side stream prefetches go on."""
+
+    def record_compute(self) -> Any:
+        """An event recorded now on the compute (current) stream."""
+
+    def record_side(self) -> Any:
+        """An event recorded now on the side stream."""
+
+    def side_wait(self, event: Any) -> None:
+        """The side stream waits for ``event``."""
+
+    def compute_wait(self, event: Any) -> None:
+        """The compute (current) stream waits for ``event``."""
+
+
+class CudaStreams:
+    """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def side_handle(self) -> int:
+        return int(self.stream.cuda_stream)
+
+    def record_compute(self) -> Any:
+        return torch.cuda.current_stream(self.device).record_event()
+
+    def record_side(self) -> Any:
+        return self.stream.record_event()
+
+    def side_wait(self, event: Any) -> None:
+        self.stream.wait_event(event)
+
+    def compute_wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class RecordingStreams:
+    """:class:`StreamOps` for CPU tests: events are numbers, every call is logged."""
+
+    SIDE = 7
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self._ids = itertools.count(1)
+
+    def side_handle(self) -> int:
+        return self.SIDE
+
+    def record_compute(self) -> Any:
+        ev = next(self._ids)
+        self.log.append(("record_compute", ev))
+        return ev
+
+    def record_side(self) -> Any:
+        ev = next(self._ids)
+        self.log.append(("record_side", ev))
+        return ev
+
+    def side_wait(self, event: Any) -> None:
+        self.log.append(("side_wait", event))
+
+    def compute_wait(self, event: Any) -> None:
+        self.log.append(("compute_wait", event))
+
+
+class BudgetExecutor:
+    """Keeps GPU-resident managed bytes under ``budget_bytes`` in a live session (module docstring).
+
+    ``segments()`` lists the live managed segments, ``generation()`` (optional) changes whenever one is
+    allocated or freed, so unknown ranges re-read the segments only then; with ``cover_unknown`` (CPU
+    tests, where tensors are not in managed segments) every 2 MiB block a range touches counts as managed
+    memory.
+    """
+
+    def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
+                 segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
+                 cover_unknown: bool = False, generation: Callable[[], int] | None = None) -> None:
+        self.ledger = Ledger(budget_bytes)
+        self.runtime = runtime
+        self.device = device
+        self.streams = streams
+        self._segments = segments
+        self._generation = generation
+        self._seen_generation: int | None = None
+        self.lookahead = lookahead
+        self.cover_unknown = cover_unknown
+        self.plan: Plan | None = None
+        self.plan_order: Order | None = None
+        self._scheduler: Scheduler | None = None
+        self._index = SegmentIndex([])
+        self._pending: dict[int, Any] = {}
+        self._current: set[int] = set()
+        self._last_use: dict[int, int] = {}
+        self._tick = 0
+        self.following_plan = False
+        self.stats: dict[str, int] = {}
+        self._touch_estimate: dict[tuple[int, tuple[str, str]], int] = {}  # most written outside the plan
+        self._touch_now: dict[tuple[int, tuple[str, str]], int] = {}
+        self._keys: dict[int, tuple[str, str]] = {}
+
+    # ---- segments ----
+
+    def refresh_segments(self) -> None:
+        """Bring the ledger's segments in line with the live ones (new ones host, freed ones gone)."""
+        if self._generation is not None:
+            self._seen_generation = self._generation()
+        live = list(self._segments())
+        known = self.ledger.segments()
+        current = {s.ptr: s.size for s in live}
+        for ptr, size in known.items():
+            if current.get(ptr) != size and not self.cover_unknown:
+                self.ledger.remove_segment(ptr)
+        known = self.ledger.segments()
+        for ptr, size in current.items():
+            if ptr not in known:
+                self.ledger.add_segment(ptr, size)
+        self._index = SegmentIndex(live)
+
+    def classify(self, address: int) -> DataType | None:
+        """The data type of the segment holding ``address`` (None: not in a known segment)."""
+        return self._index.data_type_of(address)
+
+    def blocks(self, spans: Iterable[Span]) -> set[int]:
+        """The managed blocks ``spans`` touch, registering new segments (or covering blocks) first."""
+        spans = list(spans)
+        unknown = self.ledger.unknown(spans)
+        if unknown:
+            if self.cover_unknown:
+                known = self.ledger.segments()
+                for b in sorted({b for p, n in unknown for b in blocks_of_span(p, n)}):
+                    if b * BLOCK not in known:
+                        self.ledger.add_segment(b * BLOCK, BLOCK)
+            elif self._generation is None or self._generation() != self._seen_generation:
+                self.refresh_segments()  # new segments may hold them; else they are not managed memory
+        return self.ledger.blocks(spans)
+
+    # ---- plan ----
+
+    def set_order(self, order: Order) -> Plan:
+        """Plan the next steps on ``order`` (raises :class:`~um_lab.errors.BudgetTooSmall` when one
+        position cannot fit the budget; the previous plan is then kept)."""
+        if not order.segments:
+            order = Order(order.positions, sorted(self.ledger.segments().items()))
+        plan = make_plan(order, self.ledger.budget_bytes, self.lookahead)
+        self.plan, self.plan_order = plan, order
+        self._scheduler = Scheduler(self.ledger, order, self.lookahead)
+        return plan
+
+    # ---- a step ----
+
+    def begin_step(self) -> None:
+        """Start a step: counters at zero; with a plan, realign residency to its starting state."""
+        if not self.cover_unknown:
+            self.refresh_segments()
+        self.ledger.reset_counters()
+        self._pending.clear()
+        self._current = set()
+        self._touch_now = {}
+        self._keys = {}
+        self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
+                      "realign_bytes": 0}
+        self.following_plan = self.plan is not None and self._scheduler is not None
+        if self.plan is not None and self.following_plan:
+            start = {b for b in self.plan.start_resident if b in self.ledger.segment_blocks()}
+            moves = self.ledger.evict(sorted(self.ledger.resident_blocks() - start))
+            moves += self.ledger.bring_in(start, self._rank(0), target=0, what="the plan's starting set") or []
+            self.stats["realign_bytes"] = sum(m.nbytes for m in moves)
+            self._issue(moves, -1)
+
+    def enter(self, index: int, position: Position) -> None:
+        """A position opens (the recorder's listener call)."""
+        self._tick += 1
+        self.stats["positions"] += 1
+        actual = self.blocks(position.spans())
+        self._wait_pending(index)
+        plan = self.plan
+        if self.following_plan and plan is not None and index < len(plan.keys) and plan.keys[index] == position.key:
+            rank = self._rank(index)
+            moves: list[Move] = []
+            for planned in plan.moves[index]:
+                if planned.kind == "evict":
+                    moves += self.ledger.evict(planned.blocks, target=planned.target)
+                elif planned.kind == "prefetch":
+                    protect = actual if planned.target != index else ()
+                    got = self.ledger.bring_in(planned.blocks, rank, target=planned.target, protect=protect,
+                                               what=f"{position.phase} of {position.layer}")
+                    moves += got or []
+            moves += self.ledger.bring_in(actual, rank, target=index,
+                                          what=f"{position.phase} of {position.layer}") or []
+        else:
+            if self.following_plan:
+                self.following_plan = False
+            self.stats["unplanned_positions"] += 1
+            moves = self.ledger.bring_in(actual, self._lru_rank, target=index,
+                                         what=f"{position.phase} of {position.layer or 'the model'}") or []
+        reserve = self._touch_estimate.get((index, position.key), 0)
+        if reserve:  # last step this position wrote that much outside the plan: make room before it runs
+            moves += self.ledger.make_room(reserve, self._rank(index) if self.following_plan else self._lru_rank,
+                                           protect=actual, target=index)
+        self._current = actual
+        self._keys[index] = position.key
+        for b in actual:
+            self._last_use[b] = self._tick
+        self._issue(moves, index)
+
+    def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
+        """Kernels of position ``index`` wrote ``spans``: record them resident, evict to stay under budget."""
+        blocks = self.blocks(spans)
+        rank = self._rank(index) if self.following_plan else self._lru_rank
+        missing = self.ledger.bytes_of(b for b in blocks if self.ledger.where(b) != "gpu")
+        if missing:
+            key = (index, self._keys.get(index, ("", "")))
+            self._touch_now[key] = self._touch_now.get(key, 0) + missing
+        moves = self.ledger.touched(blocks, rank, target=index, protect=self._current)
+        for b in blocks:
+            self._last_use[b] = self._tick
+        self._issue(moves, index)
+
+    def touch_now(self, spans: Iterable[Span]) -> None:
+        """Outside a step (placement, inputs): the GPU wrote ``spans``."""
+        blocks = self.blocks(spans)
+        self._issue(self.ledger.touched(blocks, self._lru_rank), -1)
+
+    def evict_all(self) -> int:
+        """Push every resident block to the host (after placing a model); returns bytes moved."""
+        moves = self.ledger.evict(sorted(self.ledger.resident_blocks()))
+        self._issue(moves, -1)
+        return sum(m.nbytes for m in moves)
+
+    def abort(self) -> None:
+        """A step failed: forget pending events (the ledger still holds what was issued)."""
+        self._pending.clear()
+        self._current = set()
+        self.following_plan = False
+
+    def end_step(self) -> dict[str, Any]:
+        """The step's numbers for ``StepRecord.extra["budget"]``."""
+        self._pending.clear()
+        for key, nbytes in self._touch_now.items():  # the most any step wrote there: room only grows
+            self._touch_estimate[key] = max(nbytes, self._touch_estimate.get(key, 0))
+        ledger = self.ledger
+        return {"budget_bytes": ledger.budget_bytes, "max_resident_ledger": ledger.max_resident,
+                "resident_at_end": ledger.resident_bytes, "managed_bytes": ledger.total_bytes,
+                "prefetched_bytes": ledger.prefetched_bytes, "evicted_bytes": ledger.evicted_bytes,
+                "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
+                "over_budget": ledger.max_resident > ledger.budget_bytes,
+                "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
+
+    # ---- internals ----
+
+    def _rank(self, now: int) -> Callable[[int], float]:
+        scheduler = self._scheduler
+        if scheduler is None:
+            return self._lru_rank
+        return lambda b: scheduler.next_use(b, now)
+
+    def _lru_rank(self, block: int) -> float:
+        return float(self._tick - self._last_use.get(block, -1))
+
+    def _wait_pending(self, index: int) -> None:
+        for target in [t for t in self._pending if t <= index]:
+            self.streams.compute_wait(self._pending.pop(target))
+
+    def _issue(self, moves: list[Move], index: int) -> None:
+        """Carry out ``moves`` on the side stream in order (see the module docstring)."""
+        if not moves:
+            return
+        codes = self.runtime.codes
+        side = self.streams.side_handle()
+        if any(m.kind == "evict" for m in moves):
+            self.streams.side_wait(self.streams.record_compute())
+        targets: set[int] = set()
+        for m in moves:
+            if m.kind == "touch":
+                continue
+            to_gpu = m.kind == "prefetch"
+            loc = (codes.location_device, self.device) if to_gpu else (codes.location_host, 0)
+            for ptr, n in m.spans:
+                self.runtime.prefetch(ptr, n, loc[0], loc[1], side)
+            if to_gpu:
+                targets.add(m.target)
+                key = "demand_bytes" if m.target <= index else "ahead_bytes"
+                self.stats[key] = self.stats.get(key, 0) + m.nbytes
+        if targets:
+            event = self.streams.record_side()
+            if any(t <= index for t in targets):
+                self.streams.compute_wait(event)
+            for t in targets:
+                if t > index:
+                    self._pending[t] = event

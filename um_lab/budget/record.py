@@ -1,0 +1,291 @@
+"""Hooks that record which byte ranges each layer touches, in order, during a training step.
+
+- forward: a pre-hook per hooked module (every module with parameters or buffers of its own, and
+  every leaf) opens a position with the module's own parameters and buffers and its input tensors; a
+  post-hook adds the outputs (written by the layer: touched on the GPU) and puts a tensor hook on the
+  first output that requires grad, which opens the module's **backward** position when the gradient
+  reaches it (parameters, their gradients, the tensors saved for it, the incoming gradient);
+- ``saved_tensors_hooks`` attribute each tensor autograd saves to the innermost open forward position;
+- the optimizer: the session steps it one layer at a time (:func:`optimizer_chunks`) and calls
+  :meth:`StepRecorder.optimizer_position` for each (parameters, gradients, optimizer state).
+
+A listener (the executor) hears each position as it opens (:meth:`PositionListener.enter`) and each
+range written after the fact (:meth:`PositionListener.touched`); without one the recorder only builds
+the :class:`~um_lab.budget.order.Order`, e.g. on the CPU for tests and planning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from um_lab.budget.ledger import Span
+from um_lab.budget.order import Order, Position
+from um_lab.types import DataType
+
+Touch = tuple[DataType, Span]
+
+
+class PositionListener(Protocol):
+    """What the executor hears from the recorder."""
+
+    def enter(self, index: int, position: Position) -> None:
+        """Position ``index`` opens: the ranges in ``position`` are about to be used."""
+
+    def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
+        """Position ``index``'s kernels wrote ``spans`` (outputs, saved tensors): they are on the GPU now."""
+
+
+def tensor_span(t: torch.Tensor) -> Span:
+    """The bytes a (possibly strided) tensor's elements occupy: (address, extent)."""
+    if t.numel() == 0:
+        return (int(t.data_ptr()), 0)
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+    return (int(t.data_ptr()), int(extent * t.element_size()))
+
+
+def tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or outputs (tuples, lists, dicts, model outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 0 and isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v, depth - 1)
+    elif depth > 0 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors_in(v, depth - 1)
+
+
+def hooked_modules(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules that get hooks: each with parameters or buffers of its own, and each leaf."""
+    out = []
+    for name, m in root.named_modules(prefix=prefix):
+        own = any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+        if own or not any(True for _ in m.children()):
+            out.append((name or type(m).__name__, m))
+    return out
+
+
+def own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's own parameters and buffers (not its children's)."""
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+class StepRecorder:
+    """Records a step's :class:`Order` through hooks on ``roots`` (see the module docstring).
+
+    ``classify(address)`` may name the data type of a range (the session asks its segment index);
+    ranges it returns None for keep the role's type (parameters, gradients, optimizer state,
+    activations). ``keep(tensor)`` (optional) drops tensors that cannot be managed memory (on a GPU:
+    tensors on another device, such as an optimizer's step counters on the CPU).
+    """
+
+    def __init__(self, roots: Sequence[nn.Module], listener: PositionListener | None = None,
+                 classify: Callable[[int], DataType | None] | None = None,
+                 keep: Callable[[torch.Tensor], bool] | None = None) -> None:
+        self.roots = list(roots)
+        self.keep = keep
+        self.listener = listener
+        self.classify = classify
+        self.order = Order()
+        self._handles: list[Any] = []
+        self._stack: list[int] = []  # open forward positions (innermost last)
+        self._saved: dict[int, list[Span]] = {}  # forward position -> saved tensor ranges
+        self._lock = threading.Lock()
+        self.active = False
+
+    # ---- install / remove ----
+
+    def install(self) -> None:
+        """Put the hooks on every hooked module (idempotent)."""
+        if self._handles:
+            return
+        multi = len(self.roots) > 1
+        for r, root in enumerate(self.roots):
+            for name, module in hooked_modules(root, prefix=f"m{r}" if multi else ""):
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Order]:
+        """Record one step's forward and backward (and optimizer positions added inside) into a new order."""
+        self.order = Order()
+        self._stack.clear()
+        self._saved.clear()
+        self.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield self.order
+        finally:
+            self.active = False
+            self._stack.clear()
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Keep recording while backward runs (called outside :meth:`recording`'s forward context)."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    # ---- hooks ----
+
+    def _spans(self, tensors: Iterable[torch.Tensor]) -> list[Span]:
+        keep = self.keep
+        return [tensor_span(t) for t in tensors if t.numel() > 0 and (keep is None or keep(t))]
+
+    def _type(self, span: Span, default: DataType) -> DataType:
+        found = self.classify(span[0]) if self.classify is not None else None
+        return found or default
+
+    def open_position(self, phase: str, layer: str, touches: Iterable[Touch]) -> int:
+        """Append a position touching ``touches`` and tell the listener; returns its index."""
+        position = Position(phase, layer)
+        for data_type, span in touches:
+            position.add(self._type(span, data_type), [span])
+        with self._lock:
+            self.order.positions.append(position)
+            index = len(self.order.positions) - 1
+        if self.listener is not None:
+            self.listener.enter(index, position)
+        return index
+
+    def _pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not self.active:
+                return
+            touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
+            touches += [(DataType.ACT, s) for s in self._spans(tensors_in((args, kwargs)))]
+            self._stack.append(self.open_position("forward", name, touches))
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if not self.active or not self._stack:
+                return
+            index = self._stack.pop()
+            outs = list(tensors_in(output))
+            self._touch(index, self._spans(outs))
+            grad_root = next((t for t in outs if t.requires_grad and t.grad_fn is not None), None)
+            if grad_root is not None:
+                grad_root.register_hook(self._backward_hook(name, module, index))
+        return hook
+
+    def _backward_hook(self, name: str, module: nn.Module, forward_index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self.active:
+                return
+            touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
+            touches += [(DataType.GRAD, s) for s in self._spans(
+                p.grad for p in module.parameters(recurse=False) if p.grad is not None)]
+            touches += [(DataType.ACT, s) for s in self._saved.get(forward_index, [])]
+            touches += [(DataType.ACT, s) for s in self._spans([grad])]
+            self.open_position("backward", name, touches)
+        return hook
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active and self._stack:
+            spans = self._spans([t])
+            index = self._stack[-1]
+            self._saved.setdefault(index, []).extend(spans)
+            self._touch(index, spans)
+        return t
+
+    def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
+        """Position ``index`` wrote ``spans`` of ``data_type`` (e.g. optimizer state created by its step)."""
+        spans = [s for s in spans if s[1] > 0]
+        if spans:
+            self.order.positions[index].add(data_type, spans)
+            if self.listener is not None:
+                self.listener.touched(index, data_type, spans)
+
+    def _touch(self, index: int, spans: list[Span]) -> None:
+        spans = [s for s in spans if s[1] > 0]
+        if not spans:
+            return
+        by_type: dict[DataType, list[Span]] = {}
+        for s in spans:
+            by_type.setdefault(self._type(s, DataType.ACT), []).append(s)
+        position = self.order.positions[index]
+        for data_type, group in by_type.items():
+            position.add(data_type, group)
+            if self.listener is not None:
+                self.listener.touched(index, data_type, group)
+
+    # ---- the optimizer ----
+
+    def optimizer_position(self, layer: str, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
+        """Open the optimizer position for one chunk of parameters (before stepping it)."""
+        touches = [(DataType.PARAM, s) for s in self._spans(params)]
+        touches += [(DataType.GRAD, s) for s in self._spans(p.grad for p in params if p.grad is not None)]
+        touches += [(DataType.OPTIM, s) for s in self._spans(
+            v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))]
+        return self.open_position("optimizer", layer, touches)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+Chunks = list[tuple[str, list[nn.Parameter]]]
+
+
+def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> Chunks:
+    """The optimizer's parameters grouped by the module that owns them, in module order (each once);
+    parameters no registered module owns form a last chunk."""
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    seen: set[int] = set()
+    chunks: Chunks = []
+    multi = len(roots) > 1
+    for r, root in enumerate(roots):
+        for name, module in root.named_modules(prefix=f"m{r}" if multi else ""):
+            params = [p for p in module.parameters(recurse=False) if id(p) in in_optimizer and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            if params:
+                chunks.append((name or type(module).__name__, params))
+    rest = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in seen]
+    if rest:
+        chunks.append(("(other parameters)", rest))
+    return chunks
+
+
+def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[tuple[str, list[nn.Parameter]]],
+                             before_chunk: Callable[[str, list[nn.Parameter]], object] | None = None,
+                             after_chunk: Callable[[str, list[nn.Parameter], object], None] | None = None,
+                             zero_grad: bool = True) -> None:
+    """``optimizer.step()`` one chunk at a time: each call sees only the chunk's parameters in its
+    groups (per-parameter state, so the result equals one full step for element-wise optimizers such as
+    SGD, Adam, AdamW), then the chunk's gradients are zeroed in place. ``before_chunk(name, params)``
+    runs before each chunk's step, ``after_chunk(name, params, what before_chunk returned)`` after it.
+    The groups are restored on any exit.
+    """
+    groups = optimizer.param_groups
+    originals = [g["params"] for g in groups]
+    try:
+        for name, params in chunks:
+            ids = {id(p) for p in params}
+            for g, full in zip(groups, originals, strict=True):
+                g["params"] = [p for p in full if id(p) in ids]
+            token = before_chunk(name, params) if before_chunk is not None else None
+            optimizer.step()
+            if after_chunk is not None:
+                after_chunk(name, params, token)
+            if zero_grad:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+    finally:
+        for g, full in zip(groups, originals, strict=True):
+            g["params"] = full
