@@ -62,6 +62,9 @@ def _install_naive_allocator() -> None:
 VARIANTS: dict[str, tuple[str, str]] = {
     "no_timer": ("the step's CUDA-event timer (record + synchronize) replaced by a wall clock",
                  "-0.02 / -0.02 ms: one event pair and a sync the loop does anyway"),
+    "loss_item": ("the loss read with float(loss) after the step's synchronisation (before session 8) instead "
+                  "of a pinned copy queued before the end event",
+                  "+0.05 / +0.6 ms: session 8 saw um_lab's wall minus GPU span 0.15 / 0.65 ms above native's"),
     "no_record": ("the StepRecord's live bytes per type (a locked copy in the C shim) read once, not per step",
                   "-0.01 / -0.01 ms"),
     "no_gradcheck": ("the per-step scan for parameters whose .grad is None skipped",
@@ -96,8 +99,33 @@ class _WallTimer:
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
-    def stop(self) -> float:
-        return (time.perf_counter() - self._t0) * 1e3
+    def stop(self, loss: object) -> tuple[float, float]:
+        import torch
+
+        assert isinstance(loss, torch.Tensor)
+        return (time.perf_counter() - self._t0) * 1e3, float(loss.detach())
+
+
+class _ItemReadTimer:
+    """The session timer as it was before session 8 (variant ``loss_item``): the loss is read with
+    ``float(loss)`` after the end event's synchronisation, a second device-to-host round trip."""
+
+    def __init__(self, device: object) -> None:
+        import torch
+
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self._start.record()
+
+    def stop(self, loss: object) -> tuple[float, float]:
+        import torch
+
+        assert isinstance(loss, torch.Tensor)
+        self._end.record()
+        self._end.synchronize()
+        return float(self._start.elapsed_time(self._end)), float(loss.detach())
 
 
 class _StepEnd:
@@ -106,21 +134,27 @@ class _StepEnd:
     work as the native loop's (host work after the sync is in the wall time only)."""
 
     event: object = None
+    host_stopped: float = 0.0  # perf_counter when the timer's stop() returned: the step's host tail follows
+
+
+def _exposed(base: type) -> type:
+    """``base`` (a step timer class) whose ``stop`` leaves its end event and return time in :class:`_StepEnd`."""
+
+    class Exposed(base):  # type: ignore[misc, valid-type]
+        def stop(self, loss: object) -> tuple[float, float]:
+            out = super().stop(loss)
+            _StepEnd.event = getattr(self, "_end", None)
+            _StepEnd.host_stopped = time.perf_counter()
+            return out
+
+    return Exposed
 
 
 def expose_step_end() -> None:
     """Make the session's step timer leave its end event in :class:`_StepEnd`."""
     from um_lab.cuda import session as session_module
 
-    base = session_module._StepTimer
-
-    class Exposed(base):  # type: ignore[misc, valid-type]
-        def stop(self) -> float:
-            ms = super().stop()
-            _StepEnd.event = getattr(self, "_end", None)
-            return ms
-
-    session_module._StepTimer = Exposed  # type: ignore[misc]
+    session_module._StepTimer = _exposed(session_module._StepTimer)  # type: ignore[misc]
 
 
 def apply_variants(lab: object, variants: list[str]) -> None:
@@ -134,6 +168,8 @@ def apply_variants(lab: object, variants: list[str]) -> None:
     for v in variants:
         if v == "no_timer":
             session_module._StepTimer = _WallTimer  # type: ignore[misc]
+        elif v == "loss_item":
+            session_module._StepTimer = _exposed(_ItemReadTimer)  # type: ignore[misc]
         elif v == "no_record":
             frozen = pools.source.live_bytes()
             pools.source.live_bytes = lambda frozen=frozen: dict(frozen)
@@ -178,6 +214,7 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(warmup + steps)]
     loss_value = float("nan")
+    tails: list[float] = []  # um_lab: host time from the step timer's return to the step's (record, listeners)
     if mode.startswith("um_lab"):
         from um_lab.cuda.session import Session
 
@@ -199,6 +236,7 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
                 batch = batch if isinstance(batch, tuple) else (batch,)
                 _StepEnd.event = None
                 rec = lab.step(lambda batch=batch: case.loss_fn(model, *batch), opt)
+                tails.append(time.perf_counter() - _StepEnd.host_stopped)
                 events[i][1].record()
                 torch.cuda.synchronize()
                 if i >= warmup:
@@ -234,7 +272,8 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
                 gpu_times.append(events[i][0].elapsed_time(events[i][1]))
         extra = {}
     return {"mode": mode, "model": model_name, "median_ms": statistics.median(times) * 1e3,
-            "median_gpu_ms": statistics.median(gpu_times), "loss": loss_value, **extra}
+            "median_gpu_ms": statistics.median(gpu_times), "loss": loss_value,
+            "median_host_tail_ms": statistics.median(tails[warmup:]) * 1e3 if tails else None, **extra}
 
 
 def _gpu_local_cpus(count: int = 2) -> set[int]:
@@ -328,6 +367,10 @@ def main() -> None:
             if m != "native" and "native" in ms:
                 row[f"{m}_over_native"] = round(ms[m] / ms["native"], 4)
                 row[f"{m}_gpu_over_native"] = round(gpu[m] / gpu["native"], 4)
+        for m, rs in runs.items():
+            tails = [r["median_host_tail_ms"] for r in rs if r.get("median_host_tail_ms") is not None]
+            if tails:
+                row[f"{m}_host_tail_ms"] = round(statistics.median(tails), 4)
         if args.repeats > 1:
             row["runs_ms"] = {m: [round(r["median_ms"], 3) for r in rs] for m, rs in runs.items()}
             row["runs_gpu_ms"] = {m: [round(r["median_gpu_ms"], 3) for r in rs] for m, rs in runs.items()}

@@ -405,7 +405,7 @@ class Session(Listenable):
             if zero_grad:
                 optimizer.zero_grad(set_to_none=False)
             self._prefetch_to_cpu_after_use()
-        wall_ms = timer.stop()
+        wall_ms, loss_value = timer.stop(loss)
         record = StepRecord(
             step=self.steps_done,
             wall_ms=wall_ms,
@@ -414,7 +414,7 @@ class Session(Listenable):
             gpu_capacity_bytes=self.gpu_capacity_bytes,
             backend="cuda",
             policy=self.policy.name,
-            loss=float(loss.detach()),
+            loss=loss_value,
             telemetry="unavailable: telemetry not enabled",
         )
         if budget_extra is not None:
@@ -560,6 +560,7 @@ class _StepTimer:
 
     def __init__(self, device: torch.device | None) -> None:
         self.cuda = device is not None and device.type == "cuda"
+        self._loss_host: torch.Tensor | None = None
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
@@ -570,12 +571,24 @@ class _StepTimer:
         else:
             self._t0 = time.perf_counter()
 
-    def stop(self) -> float:
-        if self.cuda:
-            self._end.record()
-            self._end.synchronize()
-            return float(self._start.elapsed_time(self._end))
-        return (time.perf_counter() - self._t0) * 1e3
+    def stop(self, loss: torch.Tensor) -> tuple[float, float]:
+        """End the step: its time in ms and the loss's value.
+
+        On a GPU the loss is copied into a reused pinned host buffer before the end event, so the one
+        synchronisation on that event also delivers the loss (``float(loss)`` would be a second
+        device-to-host round trip, from managed memory, after the step)."""
+        value = loss.detach()
+        if not self.cuda:
+            return (time.perf_counter() - self._t0) * 1e3, float(value)
+        host = None
+        if value.is_cuda:
+            host = self._loss_host
+            if host is None or host.dtype != value.dtype:
+                host = self._loss_host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            host.copy_(value.reshape(()), non_blocking=True)
+        self._end.record()
+        self._end.synchronize()
+        return float(self._start.elapsed_time(self._end)), float(value if host is None else host)
 
 
 def _warm_up_outside_pools(device: torch.device) -> None:
