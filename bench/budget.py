@@ -1,0 +1,218 @@
+"""Issue 13: training under a GPU budget with the layer-ahead scheduler (Session(gpu_budget_bytes=B)).
+
+    python bench/budget.py                       # gpt2-large (bs 4 x 1024) and resnet50, footprint/B = 1.5, 2, 3
+    python bench/budget.py --models gpt2-large --ratios 2 --steps 8 --telemetry
+    python bench/budget.py --quick               # ~60 s smoke run: a small MLP and a small CNN at ratio 2
+
+For each model: one run with no budget (``fit_step_ms``; ``footprint_bytes`` = the peak of live managed
+bytes), then one run per ratio with B = footprint / ratio. A row per ratio (schema of issue 13):
+``step_ms`` (median of the steps after the first two: the first learns the order, the second may
+re-plan), ``crossing_bytes`` (the ledger's prefetched + evicted bytes per step, median), ``bound_ms`` =
+max(fit_step_ms, crossing_bytes / 47 GB/s), ``over_bound`` = step_ms / bound_ms, ``max_resident_ledger``
+(the ledger's highest resident bytes over the measured steps), ``max_resident_cupti`` (with
+``--telemetry``: the highest CUPTI-measured resident bytes at a step's end, a lower bound: HtoD records
+can be lost in bursts; else null). Not filled yet (null): ``fsdp2_step_ms``, ``fsdp2_peak_bytes``,
+``sim_step_ms``.
+
+Safety: nothing here oversubscribes the card. Every session's cap on live managed bytes is
+``min(the default cap, --max-managed-fraction x free GPU memory at start)`` (default 0.5), so the shim
+refuses any segment past it before CUDA is called; the bench also keeps its own count (the peak of live
+managed bytes after every step) and aborts the model if it ever exceeds that limit. A budget only moves
+data between the GPU and the host; it never raises the managed total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from um_lab.cuda.session import Session  # noqa: E402
+from um_lab.models import ModelCase, custom, get_model  # noqa: E402
+
+LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)
+GiB = 1 << 30
+
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt2-large": {"batch_size": 4, "seq_len": 1024},
+    "gpt2-xl": {"batch_size": 2, "seq_len": 1024},
+    "resnet50": {"batch_size": 64},
+}
+QUICK_MODELS = ("mlp-small", "cnn-small")
+
+
+class ManagedLimitExceeded(RuntimeError):
+    """The bench's own counter saw more live managed bytes than its limit: the model is aborted."""
+
+
+def small_cnn(batch_size: int = 32, channels: int = 128, image: int = 64) -> ModelCase:
+    """A plain CNN (conv/bn/relu blocks) that needs no torchvision: the quick run's CNN."""
+    def build() -> torch.nn.Module:
+        c = channels
+        blocks: list[torch.nn.Module] = [torch.nn.Conv2d(3, c, 3, padding=1)]
+        for _ in range(6):
+            blocks += [torch.nn.BatchNorm2d(c), torch.nn.ReLU(), torch.nn.Conv2d(c, c, 3, padding=1)]
+        blocks += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(c, 10)]
+        return torch.nn.Sequential(*blocks)
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(batch_size, 3, image, image, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+    return custom("cnn-small", build, batch,
+                  lambda model, x, y: torch.nn.functional.cross_entropy(model(x), y))
+
+
+def build_case(name: str) -> ModelCase:
+    """A zoo model at the bench's size, or one of the quick run's small models."""
+    if name == "mlp-small":
+        return get_model("mlp", width=2048, depth=8, batch_size=512)
+    if name == "cnn-small":
+        return small_cnn()
+    return get_model(name, **MODELS.get(name, {}))
+
+
+#: extra Session arguments (the CPU test of this script passes a fake driver here)
+SESSION_KWARGS: dict[str, Any] = {}
+
+
+def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
+                telemetry: bool = False) -> dict[str, Any]:
+    """Train ``steps`` steps in one session; returns the records and the peak of live managed bytes
+    (segments, read after every step: the caching allocator keeps a step's segments, so this is the
+    step's peak)."""
+    torch.manual_seed(0)
+    model = case.build_model()
+    records = []
+    peak = 0
+    with Session("um-default", cap_bytes=limit, gpu_budget_bytes=budget, telemetry=telemetry,
+                 evacuate_on_close=False, **SESSION_KWARGS) as lab:
+        base = lab.stats()["live_total"]
+        model = lab.place(model)
+        opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+        for step in range(steps):
+            batch = lab.inputs(*case.batch(step))
+            batch = batch if isinstance(batch, tuple) else (batch,)
+            records.append(lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt))
+            peak = max(peak, lab.stats()["live_total"] - base)
+            if peak > limit:  # the bench's own counter, beside the shim's cap
+                raise ManagedLimitExceeded(f"{case.name}: live managed bytes reached {peak} B, limit {limit} B")
+        del opt, model, batch  # nothing of the run outlives the session: close frees every segment
+    return {"records": records, "peak_bytes": peak}
+
+
+def measured(records: list[Any], skip: int) -> list[Any]:
+    """The records after the first ``skip`` (at least the last one)."""
+    return records[skip:] or records[-1:]
+
+
+def cupti_max(records: list[Any]) -> int | None:
+    """The highest CUPTI-measured resident total over ``records`` (None: not measured)."""
+    totals = [sum(r.resident_bytes.values()) for r in records if r.resident_bytes]
+    return max(totals) if totals else None
+
+
+def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
+                say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The no-budget run and one budget run per ratio for one model: its rows."""
+    case = build_case(name)
+    fit = run_session(case, steps, limit, telemetry=telemetry)
+    fit_ms = statistics.median(r.wall_ms for r in measured(fit["records"], 2))
+    footprint = int(fit["peak_bytes"])
+    say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
+    rows = []
+    for ratio in ratios:
+        budget = int(footprint / ratio)
+        row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
+                               "fit_step_ms": fit_ms, "fsdp2_step_ms": None, "fsdp2_peak_bytes": None,
+                               "sim_step_ms": None}
+        t0 = time.perf_counter()
+        try:
+            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry)
+        except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
+            row.update({"step_ms": None, "error": f"{type(e).__name__}: {e}"})
+            rows.append(row)
+            say(f"  ratio {ratio}: {row['error']}")
+            continue
+        recs = measured(out["records"], 2)
+        budgets = [r.extra["budget"] for r in recs]
+        step_ms = statistics.median(r.wall_ms for r in recs)
+        crossing = int(statistics.median(b["prefetched_bytes"] + b["evicted_bytes"] for b in budgets))
+        bound_ms = max(fit_ms, crossing / LINK_BYTES_PER_S * 1e3)
+        row.update({
+            "step_ms": step_ms, "crossing_bytes": crossing, "bound_ms": bound_ms, "over_bound": step_ms / bound_ms,
+            "max_resident_ledger": max(b["max_resident_ledger"] for b in budgets),
+            "max_resident_cupti": cupti_max(recs),
+            "prefetched_bytes": int(statistics.median(b["prefetched_bytes"] for b in budgets)),
+            "evicted_bytes": int(statistics.median(b["evicted_bytes"] for b in budgets)),
+            "touched_bytes": max(b["touched_bytes"] for b in budgets),
+            "followed_plan": all(b["followed_plan"] for b in budgets),
+            "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
+            "step_ms_all": [r.wall_ms for r in out["records"]],
+            "run_s": time.perf_counter() - t0,
+        })
+        rows.append(row)
+        say(f"  ratio {ratio}: B {budget / GiB:.2f} GiB, step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
+            f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
+            f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write the JSON (merging rows of other models already in it)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["gpt2-large", "resnet50"])
+    ap.add_argument("--ratios", nargs="+", type=float, default=[1.5, 2.0, 3.0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--telemetry", action="store_true", help="CUPTI residency per step (max_resident_cupti)")
+    ap.add_argument("--max-managed-fraction", type=float, default=0.5,
+                    help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
+    ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget.json")
+    args = ap.parse_args(argv)
+    if not 0 < args.max_managed_fraction <= 0.9:
+        ap.error("--max-managed-fraction must be in (0, 0.9]")
+    if args.quick:
+        args.models, args.ratios, args.steps = list(QUICK_MODELS), [2.0], 4
+        if args.out == ap.get_default("out"):
+            args.out = ROOT / "bench" / "results" / "budget_quick.json"
+    if not torch.cuda.is_available():
+        print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py)")
+        return 2
+    free, total = torch.cuda.mem_get_info()
+    limit = int(free * args.max_managed_fraction)
+    device = torch.cuda.get_device_name()
+    print(f"{device}: free {free / GiB:.1f} of {total / GiB:.1f} GiB; live managed bytes limited to "
+          f"{limit / GiB:.1f} GiB")
+    rows: list[dict[str, Any]] = []
+    for name in args.models:
+        try:
+            rows += bench_model(name, args.ratios, args.steps, limit, args.telemetry, print)
+        except ManagedLimitExceeded as e:
+            print(f"ABORTED {name}: {e}")
+            rows.append({"model": name, "error": f"aborted: {e}"})
+        except ImportError as e:
+            print(f"skipped {name}: {e}")
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
+    kept = [r for r in old.get("rows", []) if r.get("model") not in args.models]
+    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
+              "link_bytes_per_s": LINK_BYTES_PER_S, "steps": args.steps,
+              "managed_limit_bytes": limit, "rows": kept + rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
