@@ -201,7 +201,7 @@ class BudgetExecutor:
                       "realign_bytes": 0}
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.plan is not None and self.following_plan:
-            start = {b for b in self.plan.start_resident if b in self.ledger.segment_blocks()}
+            start = set(self.plan.start_resident) & self.ledger.segment_blocks()
             moves = self.ledger.evict(sorted(self.ledger.resident_blocks() - start))
             moves += self.ledger.bring_in(start, self._rank(0), target=0, what="the plan's starting set") or []
             self.stats["realign_bytes"] = sum(m.nbytes for m in moves)
