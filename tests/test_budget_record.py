@@ -198,3 +198,33 @@ def test_executor_orders_evictions_after_compute_and_compute_after_prefetch():
         if call == "compute_wait":  # compute waits only for events recorded on the side stream
             assert ("record_side", ev) in log[:i]
     assert any(c == "compute_wait" for c, _ in log) and any(c == "side_wait" for c, _ in log)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_every_tensor_saved_for_backward_is_in_a_backward_position(name):
+    model, loss_fn = BUILDS[name]()
+    recorder = StepRecorder([model])
+    recorder.install()
+    saved = []
+    pack = recorder._pack
+
+    def counting_pack(t):
+        saved.append(t)
+        return pack(t)
+
+    recorder._pack = counting_pack
+    with recorder.recording():
+        loss = loss_fn()
+    with recorder.backward():
+        loss.backward()
+    recorder.remove()
+    order = recorder.order
+    spans = {(t.data_ptr(), t.numel() * t.element_size()) for t in saved if t.numel() and t.is_contiguous()}
+    backward = {s for p in order.positions if p.phase == "backward" for s in p.spans()}
+    assert spans and spans <= backward
+    keys = order.keys()
+    if name != "gpt2":  # the loss is computed outside the model: its position opens backward
+        assert ("forward", "(step)") in keys and [k for k in keys if k[0] == "backward"][0] == ("backward", "(step)")
+    else:  # attention's own ops (no parameters of its own) are attributed to the attention module
+        attn = [p for p in order.positions if p.layer == "transformer.h.0.attn"]
+        assert [p.phase for p in attn].count("forward") >= 2 and any(p.spans(DataType.ACT) for p in attn)

@@ -1,11 +1,13 @@
 """Hooks that record which byte ranges each layer touches, in order, during a training step.
 
-- forward: a pre-hook per hooked module (every module with parameters or buffers of its own, and
-  every leaf) opens a position with the module's own parameters and buffers and its input tensors; a
+- forward: a pre-hook per module opens a position with the module's own parameters and buffers and its input tensors; a
   post-hook adds the outputs (written by the layer: touched on the GPU) and puts a tensor hook on the
   first output that requires grad, which opens the module's **backward** position when the gradient
   reaches it (parameters, their gradients, the tensors saved for it, the incoming gradient);
-- ``saved_tensors_hooks`` attribute each tensor autograd saves to the innermost open forward position;
+- ``saved_tensors_hooks`` attribute each tensor autograd saves to the innermost open module call (after
+  a child returned, in a continuation position of the caller, so positions follow the true order; ops
+  outside every module, such as a loss in the step closure, get a ``(step)`` position, whose backward
+  position opens first);
 - the optimizer: the session steps it one layer at a time (:func:`optimizer_chunks`) and calls
   :meth:`StepRecorder.optimizer_position` for each (parameters, gradients, optimizer state).
 
@@ -62,13 +64,22 @@ def tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
 
 
 def hooked_modules(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """The modules that get hooks: each with parameters or buffers of its own, and each leaf."""
-    out = []
-    for name, m in root.named_modules(prefix=prefix):
-        own = any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
-        if own or not any(True for _ in m.children()):
-            out.append((name or type(m).__name__, m))
-    return out
+    """The modules that get hooks: all of them (a container's own functional ops, such as attention
+    inside a block, save tensors for backward too), named by their path (the root by its class)."""
+    return [(name or type(m).__name__, m) for name, m in root.named_modules(prefix=prefix)]
+
+
+class _Call:
+    """One open forward call of a module: its first position, the position it writes into now, and
+    whether a child ran since (the next write then opens a continuation position, in true order)."""
+
+    __slots__ = ("first", "current", "layer", "resumed")
+
+    def __init__(self, first: int, layer: str, resumed: bool = False) -> None:
+        self.first, self.current, self.layer, self.resumed = first, first, layer, resumed
+
+
+STEP_CALL = -1  #: the call id of ops outside every module (a loss computed in the step closure)
 
 
 def own_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -94,8 +105,8 @@ class StepRecorder:
         self.classify = classify
         self.order = Order()
         self._handles: list[Any] = []
-        self._stack: list[int] = []  # open forward positions (innermost last)
-        self._saved: dict[int, list[Span]] = {}  # forward position -> saved tensor ranges
+        self._stack: list[_Call] = []  # open forward calls (innermost last)
+        self._saved: dict[int, list[Span]] = {}  # a call's first position -> the ranges it saved for backward
         self._lock = threading.Lock()
         self.active = False
 
@@ -121,7 +132,7 @@ class StepRecorder:
     def recording(self) -> Iterator[Order]:
         """Record one step's forward and backward (and optimizer positions added inside) into a new order."""
         self.order = Order()
-        self._stack.clear()
+        self._stack[:] = [_Call(STEP_CALL, "(step)", resumed=True)]  # ops outside modules: their own position
         self._saved.clear()
         self.active = True
         try:
@@ -133,8 +144,14 @@ class StepRecorder:
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
-        """Keep recording while backward runs (called outside :meth:`recording`'s forward context)."""
+        """Keep recording while backward runs (called outside :meth:`recording`'s forward context).
+
+        Tensors saved by ops outside every module (the loss) are needed first: their backward position
+        opens here, before ``backward()`` starts."""
         self.active = True
+        outside = self._saved.get(STEP_CALL)
+        if outside:
+            self.open_position("backward", "(step)", [(DataType.ACT, s) for s in outside])
         try:
             yield
         finally:
@@ -168,19 +185,20 @@ class StepRecorder:
                 return
             touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
             touches += [(DataType.ACT, s) for s in self._spans(tensors_in((args, kwargs)))]
-            self._stack.append(self.open_position("forward", name, touches))
+            self._stack.append(_Call(self.open_position("forward", name, touches), name))
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if not self.active or not self._stack:
+            if not self.active or len(self._stack) < 2 or self._stack[-1].layer != name:
                 return
-            index = self._stack.pop()
+            call = self._stack.pop()
+            self._stack[-1].resumed = True  # the caller's next write follows this call
             outs = list(tensors_in(output))
-            self._touch(index, self._spans(outs))
+            self._touch(call.current, self._spans(outs))
             grad_root = next((t for t in outs if t.requires_grad and t.grad_fn is not None), None)
             if grad_root is not None:
-                grad_root.register_hook(self._backward_hook(name, module, index))
+                grad_root.register_hook(self._backward_hook(name, module, call.first))
         return hook
 
     def _backward_hook(self, name: str, module: nn.Module, forward_index: int) -> Callable[[torch.Tensor], None]:
@@ -198,9 +216,12 @@ class StepRecorder:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.active and self._stack:
             spans = self._spans([t])
-            index = self._stack[-1]
-            self._saved.setdefault(index, []).extend(spans)
-            self._touch(index, spans)
+            call = self._stack[-1]
+            if call.resumed:
+                call.current = self.open_position("forward", call.layer, [])
+                call.resumed = False
+            self._saved.setdefault(call.first, []).extend(spans)
+            self._touch(call.current, spans)
         return t
 
     def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
