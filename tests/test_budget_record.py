@@ -228,3 +228,23 @@ def test_every_tensor_saved_for_backward_is_in_a_backward_position(name):
     else:  # attention's own ops (no parameters of its own) are attributed to the attention module
         attn = [p for p in order.positions if p.layer == "transformer.h.0.attn"]
         assert [p.phase for p in attn].count("forward") >= 2 and any(p.spans(DataType.ACT) for p in attn)
+
+
+def test_a_lookahead_past_the_step_end_is_waited_for_in_the_next_step_not_at_once():
+    from test_budget_ledger import layered_order
+
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    footprint = sum(n for _, n in order.segments)
+    streams = RecordingStreams()
+    ex = BudgetExecutor(footprint // 2 // BLOCK * BLOCK, FakeRuntime(), 0, streams, lambda: [], cover_unknown=True)
+    for ptr, size in order.segments:
+        ex.ledger.add_segment(ptr, size)
+    drive(ex, order)
+    plan = ex.set_order(order)
+    wrapped = [m for i, ms in enumerate(plan.moves) for m in ms if m.kind == "prefetch" and m.target < i]
+    assert wrapped  # the plan prefetches the next step's first positions during this step's last ones
+    drive(ex, order)
+    carried = dict(ex._next_pending)
+    assert carried and all(("compute_wait", ev) not in streams.log for ev in carried.values())
+    drive(ex, order)
+    assert all(("compute_wait", ev) in streams.log for ev in carried.values())

@@ -128,7 +128,8 @@ class BudgetExecutor:
         self.plan_order: Order | None = None
         self._scheduler: Scheduler | None = None
         self._index = SegmentIndex([])
-        self._pending: dict[int, Any] = {}
+        self._pending: dict[int, Any] = {}  # position -> the side event its prefetches end with
+        self._next_pending: dict[int, Any] = {}  # the same for the next step (look-ahead across its start)
         self._current: set[int] = set()
         self._last_use: dict[int, int] = {}
         self._tick = 0
@@ -193,7 +194,7 @@ class BudgetExecutor:
         if not self.cover_unknown:
             self.refresh_segments()
         self.ledger.reset_counters()
-        self._pending.clear()
+        self._pending, self._next_pending = self._next_pending, {}
         self._current = set()
         self._touch_now = {}
         self._keys = {}
@@ -270,6 +271,7 @@ class BudgetExecutor:
     def abort(self) -> None:
         """A step failed: forget pending events (the ledger still holds what was issued)."""
         self._pending.clear()
+        self._next_pending.clear()
         self._current = set()
         self.following_plan = False
 
@@ -319,12 +321,14 @@ class BudgetExecutor:
                 self.runtime.prefetch(ptr, n, loc[0], loc[1], side)
             if to_gpu:
                 targets.add(m.target)
-                key = "demand_bytes" if m.target <= index else "ahead_bytes"
+                key = "demand_bytes" if m.target == index else "ahead_bytes"
                 self.stats[key] = self.stats.get(key, 0) + m.nbytes
-        if targets:
+        if targets:  # a target before this position is a look-ahead past the step's end: the next step's
             event = self.streams.record_side()
-            if any(t <= index for t in targets):
+            if index in targets:
                 self.streams.compute_wait(event)
             for t in targets:
                 if t > index:
                     self._pending[t] = event
+                elif t < index:
+                    self._next_pending[t] = event
