@@ -3,6 +3,7 @@
     python bench/budget.py                       # gpt2-large (bs 4 x 1024) and resnet50, footprint/B = 1.5, 2, 3
     python bench/budget.py --models gpt2-large --ratios 2 --steps 8 --telemetry
     python bench/budget.py --quick               # ~60 s smoke run: a small MLP and a small CNN at ratio 2
+    python bench/budget.py --models gpt2-large --ratios 2 --issue thread inline   # who issues the prefetches
 
 For each model: one run with no budget (``fit_step_ms``; ``footprint_bytes`` = the peak of live managed
 bytes), then one run per ratio with B = footprint / ratio. A row per ratio (schema of issue 13):
@@ -87,7 +88,7 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
-                telemetry: bool = False) -> dict[str, Any]:
+                telemetry: bool = False, issue: str = "thread") -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records and the peak of live managed bytes
     (segments, read after every step: the caching allocator keeps a step's segments, so this is the
     step's peak)."""
@@ -96,7 +97,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     records = []
     peak = 0
     with Session("um-default", cap_bytes=limit, gpu_budget_bytes=budget, telemetry=telemetry,
-                 evacuate_on_close=False, **SESSION_KWARGS) as lab:
+                 evacuate_on_close=False, budget_issue=issue, **SESSION_KWARGS) as lab:
         base = lab.stats()["live_total"]
         model = lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
@@ -123,7 +124,7 @@ def cupti_max(records: list[Any]) -> int | None:
 
 
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
-                say: Callable[[str], None]) -> list[dict[str, Any]]:
+                say: Callable[[str], None], issues: tuple[str, ...] = ("thread",)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -131,14 +132,14 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio in ratios:
+    for ratio, issue in ((r, i) for r in ratios for i in issues):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
-                               "fit_step_ms": fit_ms, "fsdp2_step_ms": None, "fsdp2_peak_bytes": None,
-                               "sim_step_ms": None}
+                               "issue": issue, "fit_step_ms": fit_ms, "fsdp2_step_ms": None,
+                               "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
-            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry)
+            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue)
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
             row.update({"step_ms": None, "error": f"{type(e).__name__}: {e}"})
             rows.append(row)
@@ -157,12 +158,13 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "evicted_bytes": int(statistics.median(b["evicted_bytes"] for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
             "followed_plan": all(b["followed_plan"] for b in budgets),
+            "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
             "step_ms_all": [r.wall_ms for r in out["records"]],
             "run_s": time.perf_counter() - t0,
         })
         rows.append(row)
-        say(f"  ratio {ratio}: B {budget / GiB:.2f} GiB, step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
+        say(f"  ratio {ratio} ({issue}): B {budget / GiB:.2f} GiB, step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
             f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}")
     return rows
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratios", nargs="+", type=float, default=[1.5, 2.0, 3.0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--telemetry", action="store_true", help="CUPTI residency per step (max_resident_cupti)")
+    ap.add_argument("--issue", nargs="+", choices=["thread", "inline"], default=["thread"],
+                    help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
     ap.add_argument("--max-managed-fraction", type=float, default=0.5,
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
     ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.models:
         try:
-            rows += bench_model(name, args.ratios, args.steps, limit, args.telemetry, print)
+            rows += bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue))
         except ManagedLimitExceeded as e:
             print(f"ABORTED {name}: {e}")
             rows.append({"model": name, "error": f"aborted: {e}"})

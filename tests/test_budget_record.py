@@ -244,7 +244,34 @@ def test_a_lookahead_past_the_step_end_is_waited_for_in_the_next_step_not_at_onc
     wrapped = [m for i, ms in enumerate(plan.moves) for m in ms if m.kind == "prefetch" and m.target < i]
     assert wrapped  # the plan prefetches the next step's first positions during this step's last ones
     drive(ex, order)
-    carried = dict(ex._next_pending)
-    assert carried and all(("compute_wait", ev) not in streams.log for ev in carried.values())
+    carried = [batch.side_event for batch in ex._next_pending.values()]
+    assert carried and all(("compute_wait", ev) not in streams.log for ev in carried)
     drive(ex, order)
-    assert all(("compute_wait", ev) in streams.log for ev in carried.values())
+    assert all(("compute_wait", ev) in streams.log for ev in carried)
+
+
+def test_the_mover_thread_issues_the_same_calls_in_the_same_order_as_inline():
+    from um_lab.budget.mover import ThreadMover
+
+    order, _, _ = recorded("mlp")
+    order = Order(order.positions, order.managed_segments())
+    budget = sum(n for _, n in order.segments) // 3 // BLOCK * BLOCK
+    calls = []
+    for threaded in (False, True):
+        runtime, streams = FakeRuntime(), RecordingStreams()
+        mover = ThreadMover(runtime, streams) if threaded else None
+        ex = BudgetExecutor(budget, runtime, 0, streams, lambda: [], cover_unknown=True, mover=mover)
+        for ptr, size in order.segments:
+            ex.ledger.add_segment(ptr, size)
+        drive(ex, order)
+        ex.set_order(order)
+        for _ in range(2):
+            stats = drive(ex, order)
+        ex.mover.drain()
+        ex.close()
+        assert stats["max_resident_ledger"] <= budget
+        calls.append(list(runtime.prefetched))
+        if threaded:  # every compute wait names an event the mover recorded on the side stream first
+            log = streams.log
+            assert all(("record_side", ev) in log[:i] for i, (c, ev) in enumerate(log) if c == "compute_wait")
+    assert calls[0] == calls[1] and calls[0]

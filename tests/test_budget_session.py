@@ -54,6 +54,8 @@ def test_a_bad_budget_is_refused_when_the_session_is_built(env, bad):
         make_session(env, gpu_budget_bytes=bad)
     with pytest.raises(BudgetError):
         make_session(env, gpu_budget_bytes=64 * MiB, budget_lookahead=-1)
+    with pytest.raises(BudgetError):
+        make_session(env, gpu_budget_bytes=64 * MiB, budget_issue="sometimes")
 
 
 def test_a_budget_above_the_cap_is_refused_at_open_and_nothing_stays_open(env):
@@ -74,12 +76,13 @@ def test_without_a_budget_no_hooks_are_installed_and_records_have_no_budget(env)
     assert all("budget" not in r.extra for r in records)
 
 
-def test_budget_steps_keep_the_ledger_under_b_and_train_exactly_as_without(env):
+@pytest.mark.parametrize("issue", ["thread", "inline"])
+def test_budget_steps_keep_the_ledger_under_b_and_train_exactly_as_without(env, issue):
     source, driver, api, runtime = env
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
     budget = 48 * MiB  # the model, gradients and AdamW state alone are ~120 MiB
-    with make_session(env, gpu_budget_bytes=budget) as lab:
+    with make_session(env, gpu_budget_bytes=budget, budget_issue=issue) as lab:
         records = train(lab, model, batches)
         assert all(m._forward_pre_hooks for m in model.modules() if not list(m.children()))
         ledger = lab.budget.executor.ledger

@@ -18,6 +18,7 @@ from torch import nn
 
 from um_lab.budget.executor import BudgetExecutor, StreamOps
 from um_lab.budget.ledger import Span
+from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
 from um_lab.budget.record import (
     StepRecorder,
@@ -28,8 +29,10 @@ from um_lab.budget.record import (
     tensors_in,
 )
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
-from um_lab.errors import BudgetTooSmall
+from um_lab.errors import BudgetError, BudgetTooSmall
 from um_lab.types import DataType
+
+ISSUE_MODES = ("thread", "inline")  #: who makes the prefetch calls (um_lab.budget.mover)
 
 
 class BudgetControl:
@@ -38,9 +41,13 @@ class BudgetControl:
     def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2, cover_unknown: bool = False,
                  generation: Callable[[], int] | None = None,
-                 keep_tensor: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 keep_tensor: Callable[[torch.Tensor], bool] | None = None, issue: str = "thread",
+                 thread_init: Callable[[], None] | None = None) -> None:
+        if issue not in ISSUE_MODES:
+            raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
+        mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
-                                       cover_unknown=cover_unknown, generation=generation)
+                                       cover_unknown=cover_unknown, generation=generation, mover=mover)
         self.keep_tensor = keep_tensor
         self.recorder: StepRecorder | None = None
         self._roots: list[nn.Module] = []
@@ -66,11 +73,12 @@ class BudgetControl:
         self.recorder.install()
 
     def close(self) -> None:
-        """Take the hooks off."""
+        """Take the hooks off and stop the mover (after it issued what it holds)."""
         if self.recorder is not None:
             self.recorder.remove()
             self.recorder = None
         self._roots = []
+        self.executor.close()
 
     # ---- outside a step ----
 

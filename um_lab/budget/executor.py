@@ -11,7 +11,9 @@ recorder. Every residency change goes through its :class:`~um_lab.budget.ledger.
   the steady step begins with; ranges the plan did not foresee are brought in on demand, and room is
   made before a position for the most it wrote outside the plan in an earlier step (new output addresses).
 
-Moves are issued on a side stream: before an eviction the side stream waits for the compute stream
+Moves are issued on a side stream, by a :mod:`~um_lab.budget.mover` (a thread of its own on a GPU,
+where a prefetch call blocks the host until its stream's earlier work is done): before an eviction
+the side stream waits for the compute stream
 (an event recorded at this position: the layers that used the data are done), and a prefetch is
 followed by an event the compute stream waits on at the position the data is for. Both directions
 share the one side stream, so an eviction always completes before the prefetch that needs its room.
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
+from um_lab.budget.mover import InlineMover, MoveBatch, ThreadMover
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, Scheduler, make_plan
 from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
@@ -114,11 +117,13 @@ class BudgetExecutor:
 
     def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
-                 cover_unknown: bool = False, generation: Callable[[], int] | None = None) -> None:
+                 cover_unknown: bool = False, generation: Callable[[], int] | None = None,
+                 mover: InlineMover | ThreadMover | None = None) -> None:
         self.ledger = Ledger(budget_bytes)
         self.runtime = runtime
         self.device = device
         self.streams = streams
+        self.mover = mover or InlineMover(runtime, streams)
         self._segments = segments
         self._generation = generation
         self._seen_generation: int | None = None
@@ -128,8 +133,8 @@ class BudgetExecutor:
         self.plan_order: Order | None = None
         self._scheduler: Scheduler | None = None
         self._index = SegmentIndex([])
-        self._pending: dict[int, Any] = {}  # position -> the side event its prefetches end with
-        self._next_pending: dict[int, Any] = {}  # the same for the next step (look-ahead across its start)
+        self._pending: dict[int, MoveBatch] = {}  # position -> the last batch that prefetches for it
+        self._next_pending: dict[int, MoveBatch] = {}  # the same for the next step (look-ahead past its end)
         self._current: set[int] = set()
         self._last_use: dict[int, int] = {}
         self._tick = 0
@@ -199,7 +204,7 @@ class BudgetExecutor:
         self._touch_now = {}
         self._keys = {}
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
-                      "realign_bytes": 0}
+                      "realign_bytes": 0, "host_waits": 0}
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.plan is not None and self.following_plan:
             start = set(self.plan.start_resident) & self.ledger.segment_blocks()
@@ -300,35 +305,46 @@ class BudgetExecutor:
         return float(self._tick - self._last_use.get(block, -1))
 
     def _wait_pending(self, index: int) -> None:
-        for target in [t for t in self._pending if t <= index]:
-            self.streams.compute_wait(self._pending.pop(target))
+        for target in sorted(t for t in self._pending if t <= index):
+            self._wait(self._pending.pop(target))
+
+    def _wait(self, batch: MoveBatch) -> None:
+        """Compute waits for ``batch``'s transfers (the host first waits until it was issued)."""
+        if not batch.issued:
+            self.stats["host_waits"] = self.stats.get("host_waits", 0) + 1
+        event = batch.wait()
+        if event is not None:
+            self.streams.compute_wait(event)
 
     def _issue(self, moves: list[Move], index: int) -> None:
         """Carry out ``moves`` on the side stream in order (see the module docstring)."""
         if not moves:
             return
         codes = self.runtime.codes
-        side = self.streams.side_handle()
-        if any(m.kind == "evict" for m in moves):
-            self.streams.side_wait(self.streams.record_compute())
+        compute_event = self.streams.record_compute() if any(m.kind == "evict" for m in moves) else None
         targets: set[int] = set()
+        calls = []
         for m in moves:
             if m.kind == "touch":
                 continue
             to_gpu = m.kind == "prefetch"
             loc = (codes.location_device, self.device) if to_gpu else (codes.location_host, 0)
-            for ptr, n in m.spans:
-                self.runtime.prefetch(ptr, n, loc[0], loc[1], side)
+            calls += [(ptr, n, loc[0], loc[1]) for ptr, n in m.spans]
             if to_gpu:
                 targets.add(m.target)
                 key = "demand_bytes" if m.target == index else "ahead_bytes"
                 self.stats[key] = self.stats.get(key, 0) + m.nbytes
-        if targets:  # a target before this position is a look-ahead past the step's end: the next step's
-            event = self.streams.record_side()
-            if index in targets:
-                self.streams.compute_wait(event)
-            for t in targets:
-                if t > index:
-                    self._pending[t] = event
-                elif t < index:
-                    self._next_pending[t] = event
+        if not calls:
+            return
+        batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets)))
+        if index in targets:
+            self._wait(batch)
+        for t in targets:  # a target before this position is a look-ahead past the step's end: the next step's
+            if t > index:
+                self._pending[t] = batch
+            elif t < index:
+                self._next_pending[t] = batch
+
+    def close(self) -> None:
+        """Stop the mover (after issuing what it holds)."""
+        self.mover.close()

@@ -56,8 +56,9 @@ class Session(Listenable):
     in the first step and then prefetches the next layers' data on a side stream and pushes data that is
     done with to the host; the optimizer is stepped one layer at a time, and the policy's phase
     prefetches are left to the scheduler. Each record's ``extra["budget"]`` holds the ledger's numbers.
-    ``budget_lookahead`` is how many positions ahead it prefetches. Without a budget nothing changes:
-    no hooks are installed.
+    ``budget_lookahead`` is how many positions ahead it prefetches; ``budget_issue`` who makes the
+    prefetch calls (``"thread"``: a mover thread, since a call blocks until its stream's earlier work is
+    done; ``"inline"``: the training thread). Without a budget nothing changes: no hooks are installed.
     """
 
     _open_lock = threading.Lock()
@@ -76,6 +77,7 @@ class Session(Listenable):
         stage_inputs: bool = True,
         gpu_budget_bytes: int | None = None,
         budget_lookahead: int = 2,
+        budget_issue: str = "thread",
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
@@ -83,7 +85,10 @@ class Session(Listenable):
     ) -> None:
         self.policy = get_policy(policy)
         self.gpu_budget_bytes = _check_budget(gpu_budget_bytes, budget_lookahead)
+        if budget_issue not in ("thread", "inline"):
+            raise BudgetError(f"budget_issue must be 'thread' or 'inline', got {budget_issue!r}")
         self.budget_lookahead = budget_lookahead
+        self.budget_issue = budget_issue
         self._budget: BudgetControl | None = None
         if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
             raise ValueError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}")
@@ -439,9 +444,13 @@ class Session(Listenable):
             stats = source.stats()
             return int(stats["malloc_calls"]) + int(stats["free_calls"])
 
+        def select_device() -> None:
+            torch.cuda.set_device(index)
+
         return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
                              cover_unknown=not self._real, generation=generation if self._real else None,
-                             keep_tensor=self._is_device if self._real else None)
+                             keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
+                             thread_init=select_device if self._real else None)
 
     @property
     def budget(self) -> BudgetControl | None:

@@ -1,0 +1,136 @@
+"""Who makes the scheduler's CUDA calls: the training thread itself, or a mover thread.
+
+On the H200 a ``cudaMemPrefetchAsync`` call returns only once its stream's earlier work is done
+(the simulator's profile: ``prefetch_host_sync = 1``). Made from the training thread, each call would
+hold up the launches of the next layers until the transfers queued before it finished, and compute
+would stop overlapping the moves. :class:`ThreadMover` makes the calls from a thread of its own
+(cuda-bindings releases the GIL around each call), in submission order; the training thread only
+records the compute event an eviction waits for, and waits on the host for a batch to be *issued*
+only when compute needs its data (then makes the compute stream wait for the batch's side event).
+:class:`InlineMover` makes the calls at once, on the calling thread (CPU tests, and for comparison).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from um_lab.cuda.allocator import Runtime
+
+Call = tuple[int, int, int, int]  #: (address, bytes, location type, location id) of one prefetch
+
+
+class MoveBatch:
+    """One batch of prefetches on the side stream: after ``compute_event`` (if any), the ``calls`` in
+    order, then a side event when ``record`` (what compute waits for)."""
+
+    def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool) -> None:
+        self.compute_event = compute_event
+        self.calls = list(calls)
+        self.record = record
+        self.side_event: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def run(self, runtime: Runtime, streams: Any) -> None:
+        """Make the batch's calls on this thread."""
+        try:
+            if self.compute_event is not None:
+                streams.side_wait(self.compute_event)
+            side = streams.side_handle()
+            for ptr, n, loc_type, loc_id in self.calls:
+                runtime.prefetch(ptr, n, loc_type, loc_id, side)
+            if self.record:
+                self.side_event = streams.record_side()
+        except BaseException as e:  # handed to whoever waits for the batch
+            self.error = e
+        finally:
+            self._done.set()
+
+    def wait(self) -> Any:
+        """Block until the batch was issued; its side event (raises the error it met)."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.side_event
+
+    @property
+    def issued(self) -> bool:
+        """True once every call was made (or one failed)."""
+        return self._done.is_set()
+
+
+class InlineMover:
+    """Issues each batch at once on the calling thread."""
+
+    def __init__(self, runtime: Runtime, streams: Any) -> None:
+        self.runtime, self.streams = runtime, streams
+
+    def submit(self, batch: MoveBatch) -> MoveBatch:
+        """Issue ``batch`` now."""
+        batch.run(self.runtime, self.streams)
+        return batch
+
+    def drain(self) -> None:
+        """Nothing is ever queued."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class ThreadMover:
+    """Issues batches in order from a daemon thread (see the module docstring).
+
+    ``thread_init`` runs first on that thread (on a GPU: select the session's device). An error in a
+    batch is raised to whoever waits for that batch, and by the next :meth:`submit`.
+    """
+
+    def __init__(self, runtime: Runtime, streams: Any, thread_init: Callable[[], None] | None = None) -> None:
+        self.runtime, self.streams = runtime, streams
+        self._queue: queue.Queue[MoveBatch | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._init = thread_init
+        self._thread = threading.Thread(target=self._loop, name="um_lab-budget-mover", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        if self._init is not None:
+            try:
+                self._init()
+            except BaseException as e:
+                self._error = e
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            if self._error is not None:
+                batch.error = self._error
+                batch._done.set()
+                continue
+            batch.run(self.runtime, self.streams)
+            if batch.error is not None:
+                self._error = batch.error
+
+    def submit(self, batch: MoveBatch) -> MoveBatch:
+        """Queue ``batch``; returns it (wait on it for its side event)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if not self._thread.is_alive():
+            raise RuntimeError("the budget mover thread has stopped")
+        self._queue.put(batch)
+        return batch
+
+    def drain(self) -> None:
+        """Block until every queued batch was issued."""
+        marker = MoveBatch(None, (), record=False)
+        self._queue.put(marker)
+        marker._done.wait()
+
+    def close(self) -> None:
+        """Issue what is queued, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=60)
