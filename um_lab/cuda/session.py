@@ -401,6 +401,9 @@ class Session(Listenable):
             else:
                 with pools.route_backward(DataType.ACT, loss):
                     loss.backward()
+            # Free the autograd graph now, while the GPU still runs backward; dropped at the step's
+            # return it cost ~0.4 ms of host time after the sync (ResNet-50 on the H200, session 8).
+            loss = loss.detach()
             if before_optimizer is not None:
                 with pools.route(DataType.ACT):
                     before_optimizer()
