@@ -83,3 +83,14 @@ def test_no_import_cycles_among_um_lab_modules():
 
     cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
     assert cycles == []
+
+
+def test_every_subpackage_is_listed_for_installation():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(um_lab.__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"um_lab." + ".".join(p.parent.relative_to(root / "um_lab").parts)
+             for p in (root / "um_lab").rglob("__init__.py") if p.parent != root / "um_lab"}
+    assert found <= listed, f"packages missing from pyproject.toml's [tool.setuptools] packages: {found - listed}"
