@@ -76,10 +76,12 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "888cd0fadafbd780ddfbbadbb52069fb1ee03a3a7ac73fa246f85854e4f8d48d",
-    "sim_source_sha256": "b7b7fec0cd17497a1b0b713f002002eec47f52536fa44582819b24ffac2a9572",
-    "date": "2026-12-01T10:04:52+00:00",
-    "git_commit": "5dc87022a32a185483affd1b3eea8b5c49d79474",  # working tree, 2-core dev VM, a process per model
+    "profile_sha256": "a487b4b0bc37e26858a318a9fbc8a4932ee695b9678da3274e54edcd8f82ea7a",
+    "sim_source_sha256": "8e5aa8cc14670a2a494aadff133609e83475913532c28569f1a9ccfd0c76ca5f",
+    "date": "2026-12-01T21:53:30+00:00",
+    # 2-core dev VM: GPT-2-medium and BERT-large at 2f2738e (torch 2.13 CPU); ResNet-50 merged at cfa98cb
+    # (torch 2.14.1 + torchvision 0.29.1 in a side venv) with a budget-only simulator change uncommitted
+    "git_commit": "cfa98cbb13b5562ee7153602682132096bd11476+dirty",
     "um_lab_version": "0.1.0",
 }
 
