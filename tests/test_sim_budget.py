@@ -1,0 +1,96 @@
+"""The layer-ahead scheduler on the simulator (um_lab.sim.budget): the order derived from a traced step,
+the real planner's plan on it, and the step time replayed on the host, mover, side-stream and compute clocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from um_lab import get_model
+from um_lab.budget.ledger import BLOCK
+from um_lab.errors import BudgetTooSmall
+from um_lab.sim.backend import SimBackend
+from um_lab.sim.budget import derive_order, plan_budget, replay_plan, simulate_budget
+from um_lab.types import DataType, RunSpec
+
+MLP = {"width": 1024, "depth": 3, "batch_size": 64}
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    sim = SimBackend()
+    return sim, sim.prepare(get_model("mlp", **MLP))
+
+
+def test_the_derived_order_runs_forward_then_backward_then_one_optimizer_position_per_layer(prepared):
+    sim, prep = prepared
+    derived = derive_order(prep.trace, prep.placement.final, sim.profile)
+    phases = [p.phase for p in derived.order.positions]
+    assert phases == sorted(phases, key=["forward", "backward", "optimizer"].index)
+    assert phases.count("optimizer") == derived.layers >= 3
+    assert len(derived.compute_us) == len(derived.host_us) == len(phases)
+    assert all(c >= 0 for c in derived.compute_us) and sum(derived.compute_us) > 0
+    # every parameter, gradient and optimizer-state byte is touched by some position
+    touched = {b for p in derived.order.positions for s in p.spans()
+               for b in range(s[0] // BLOCK, (s[0] + s[1] - 1) // BLOCK + 1)}
+    trace, va = prep.trace, prep.placement.final.st_va
+    for dtype in (DataType.PARAM, DataType.GRAD, DataType.OPTIM):
+        index = list(DataType).index(dtype)
+        stored = [s for s in range(len(trace.st_nbytes)) if trace.st_persistent[s] and trace.st_type[s] == index
+                  and trace.st_nbytes[s] > 0]
+        blocks = {b for s in stored for b in range(va[s] // BLOCK, (va[s] + trace.st_nbytes[s] - 1) // BLOCK + 1)}
+        assert blocks and blocks <= touched, dtype
+    optimizer = [p for p in derived.order.positions if p.phase == "optimizer"]
+    assert all(p.spans(DataType.OPTIM) and p.spans(DataType.GRAD) for p in optimizer[:-1])
+
+
+def test_the_plan_stays_under_the_budget_and_moves_as_much_in_as_out_each_steady_step(prepared):
+    sim, prep = prepared
+    derived = derive_order(prep.trace, prep.placement.final, sim.profile)
+    budget = prep.footprint_bytes // 2
+    plan = plan_budget(derived, budget)
+    assert plan.steady and plan.max_resident <= plan.budget_bytes <= budget
+    assert plan.prefetched_bytes == plan.evicted_bytes > 0
+
+
+def test_the_step_time_falls_as_the_budget_grows_and_needs_no_moves_when_all_fits(prepared):
+    sim, prep = prepared
+    derived = derive_order(prep.trace, prep.placement.final, sim.profile)
+    times = []
+    for fraction in (0.4, 0.6, 0.8):
+        plan = plan_budget(derived, int(prep.footprint_bytes * fraction))
+        times.append(replay_plan(derived, plan, sim.profile).wall_us)
+    assert times[0] >= times[1] >= times[2] and times[0] > times[2]
+    everything = plan_budget(derived, prep.footprint_bytes + 64 * BLOCK)
+    assert everything.prefetched_bytes == everything.evicted_bytes == 0
+    fits = replay_plan(derived, everything, sim.profile)
+    assert fits.side_busy_us == 0 and fits.wall_us <= times[-1] < times[0]
+    assert fits.wall_us >= fits.compute_us
+
+
+def test_slower_evictions_make_a_slower_step(prepared):
+    sim, prep = prepared
+    derived = derive_order(prep.trace, prep.placement.final, sim.profile)
+    plan = plan_budget(derived, prep.footprint_bytes // 2)
+    steady = replay_plan(derived, plan, sim.profile)
+    first = replay_plan(derived, plan, sim.profile, evict_GBps=3.65)
+    assert first.wall_us > steady.wall_us and first.side_busy_us > steady.side_busy_us
+
+
+def test_a_budget_below_one_position_is_refused(prepared):
+    sim, prep = prepared
+    with pytest.raises(BudgetTooSmall):
+        simulate_budget(prep.trace, prep.placement.final, sim.profile, 3 * BLOCK)
+
+
+def test_the_scheduler_beats_the_drivers_demand_paging_on_the_simulator(prepared):
+    sim, prep = prepared
+    case = get_model("mlp", **MLP)
+    spec = RunSpec(model="mlp", model_kwargs=MLP, backend="sim", oversubscription_ratio=2.0, steps=2, warmup_steps=0)
+    paging = [r.wall_ms for r in sim.run(spec, case, "um-default")]
+    scheduled = list(sim.run(dataclasses.replace(spec, policy="layer-ahead"), case, "layer-ahead"))
+    assert max(r.wall_ms for r in scheduled) < min(paging)
+    budget = scheduled[-1].extra["budget"]
+    assert budget["max_resident_ledger"] <= budget["budget_bytes"] <= scheduled[-1].gpu_capacity_bytes
+    assert scheduled[-1].gpu_page_faults == 0 and sum(scheduled[-1].htod_bytes.values()) > 0

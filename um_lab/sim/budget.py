@@ -1,0 +1,383 @@
+"""The layer-ahead scheduler (issue 13) on the simulator: its plan on a traced step, and its step time.
+
+**Order.** The real scheduler plans on positions its module hooks record (one layer in one phase). A
+:class:`~um_lab.sim.trace.StepTrace` has kernel ops, not modules, so :func:`derive_order` groups ops into
+positions by the parameters they touch: parameters first read by one forward op form a *layer* (a
+Linear's weight and bias, a norm's scale and shift); a forward position opens at each op that reads
+another layer's parameters, a backward position at each op that touches another layer's parameters or
+gradients, and ops touching no parameter join the open position. The optimizer is stepped one layer at a
+time, as the budgeted session does (:func:`um_lab.budget.record.step_optimizer_in_chunks`): one position
+per layer with its parameters, gradients and optimizer state. This is coarser than the hooks (which also
+open positions for parameter-free modules and containers), so ``lookahead`` positions reach a little
+further here than on a GPU. Byte ranges come from the placed layout (:mod:`um_lab.sim.placement`);
+the optimizer's temporaries (the foreach step's per-tensor results, one layer's worth when stepped per
+layer) are left out of the order and their largest layer's worth is taken off the budget instead.
+
+**Plan.** The same planner as the session: :func:`um_lab.budget.plan.make_plan` (Belady evictions,
+look-ahead prefetches, the steady-state step), so the moves are the ones the real executor would replay.
+
+**Time.** :func:`replay_plan` walks three steady steps on four clocks: the training thread (each
+position's hook cost and its ops' dispatch times), the mover thread that makes the prefetch calls
+(``prefetch_call_us`` + ``prefetch_call_us_per_block`` each; with ``prefetch_host_sync`` a call first
+waits until the side stream's earlier work is done), the side stream (evictions wait for the compute
+queued before their position; transfers at ``prefetch_h2d_GBps`` to the GPU and ``prefetch_d2h_GBps``
+to the host, ``prefetch_block_us`` per block; both directions share the stream, so they never overlap)
+and the compute stream (each position's ops at their resident roofline times, after the prefetches it
+waits for). The step time is the compute stream's, as the session's CUDA-event timer measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from um_lab.budget.ledger import BLOCK, Span
+from um_lab.budget.order import Order, Position
+from um_lab.budget.plan import Plan, make_plan
+from um_lab.errors import BudgetTooSmall
+from um_lab.sim.placement import Layout
+from um_lab.sim.profile import Profile
+from um_lab.sim.trace import ACC_WRITE_ONLY, KIND_H2D_COPY, PHASE_BWD, PHASE_FWD, PHASE_OPT, StepTrace
+from um_lab.types import DATA_TYPES, DataType, StepRecord
+
+#: host time of the recorder's Python hooks and the executor's ledger work per position (an assumption,
+#: not measured: a forward pre/post hook pair, a tensor hook, a few dict look-ups)
+HOOK_US_PER_POSITION = 40.0
+STEADY_STEPS = 3  #: steady steps replayed; the last one's time is reported
+_PARAM, _GRAD, _OPTIM = (DATA_TYPES.index(t) for t in (DataType.PARAM, DataType.GRAD, DataType.OPTIM))
+
+
+@dataclasses.dataclass
+class DerivedOrder:
+    """A traced step as the scheduler's :class:`Order`, with each position's GPU and host time."""
+
+    order: Order
+    compute_us: list[float]  #: resident GPU time of each position's ops
+    host_us: list[float]  #: host dispatch time of each position's ops (hooks excluded)
+    optim_scratch_bytes: int  #: the largest layer's optimizer temporaries (kept resident: off the budget)
+    layers: int  #: parameter layers found (optimizer positions)
+
+
+@dataclasses.dataclass
+class BudgetStep:
+    """One simulated steady step under the budget: the step time and where it went."""
+
+    wall_us: float
+    compute_us: float  #: the positions' resident GPU time
+    side_busy_us: float  #: time the side stream spent moving data (both directions)
+    host_waits: int  #: positions whose prefetches the training thread had to wait to see issued
+    calls: int  #: prefetch calls made per step
+
+
+def _layer_of_params(trace: StepTrace) -> tuple[dict[int, int], int]:
+    """Storage -> layer for persistent parameters, gradients and optimizer state (see the module doc)."""
+    persistent = trace.st_persistent & (trace.st_nbytes > 0)
+    params = [int(s) for s in np.flatnonzero(persistent & (trace.st_type == _PARAM))]
+    grads = [int(s) for s in np.flatnonzero(persistent & (trace.st_type == _GRAD))]
+    states = [int(s) for s in np.flatnonzero(persistent & (trace.st_type == _OPTIM))]
+    param_set = set(params)
+    first_use: dict[int, int] = {}
+    for op in range(trace.n_ops):
+        if trace.op_phase[op] != PHASE_FWD:
+            continue
+        for s in trace.acc_storage[trace.acc_ptr[op]:trace.acc_ptr[op + 1]].tolist():
+            if s in param_set and s not in first_use:
+                first_use[s] = op
+    ops_in_order = sorted(set(first_use.values()))
+    layer_at_op = {op: k for k, op in enumerate(ops_in_order)}
+    layer = {s: layer_at_op[op] for s, op in first_use.items()}
+    n_layers = len(ops_in_order)
+    for s in params:  # used by no forward op (or only by the optimizer): a layer of its own at the end
+        if s not in layer:
+            layer[s] = n_layers
+            n_layers += 1
+    trainable = params[:len(grads)]  # grads are registered in parameter order, parameters first
+    for g, p in zip(grads, trainable, strict=False):
+        layer[g] = layer[p]
+    if trainable and states:
+        per = max(1, len(states) // len(trainable))  # each parameter's state tensors, registered together
+        for k, s in enumerate(states):
+            layer[s] = layer[trainable[min(k // per, len(trainable) - 1)]]
+    return layer, n_layers
+
+
+def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedOrder:
+    """Group ``trace``'s ops into the scheduler's positions on ``layout`` (see the module docstring)."""
+    from um_lab.sim.roofline import op_host_us, op_times_us
+
+    base = op_times_us(trace, profile)
+    host = op_host_us(trace, profile)
+    layer, n_layers = _layer_of_params(trace)
+    st_va = layout.st_va
+    types = [DATA_TYPES[int(t)] for t in trace.st_type]
+    positions: list[Position] = []
+    compute: list[float] = []
+    host_us: list[float] = []
+    current: tuple[str, int] | None = None
+    previous: tuple[str, int] | None = None
+    opt_ops: list[int] = []
+    scratch = np.zeros(max(n_layers, 1))
+    phase_name = {PHASE_FWD: "forward", PHASE_BWD: "backward"}
+
+    def spans_of(op: int) -> Iterator[tuple[DataType, Span, int]]:
+        for k in range(int(trace.acc_ptr[op]), int(trace.acc_ptr[op + 1])):
+            s = int(trace.acc_storage[k])
+            va = int(st_va[s])
+            lo, hi = int(trace.acc_lo[k]), int(trace.acc_hi[k])
+            if va >= 0 and hi > lo:
+                yield types[s], (va + lo, hi - lo), s
+
+    for op in range(trace.n_ops):
+        phase = int(trace.op_phase[op])
+        if op == 0 and trace.op_kind[0] == KIND_H2D_COPY:
+            continue  # the batch copy precedes the timed step (lab.inputs)
+        if phase == PHASE_OPT:
+            opt_ops.append(op)
+            continue
+        owners = [layer[s] for _, _, s in spans_of(op) if s in layer
+                  and (phase == PHASE_BWD or trace.st_type[s] == _PARAM)]
+        owner = owners[0] if owners else None
+        key = (phase_name[phase], owner if owner is not None else -1)
+        if current is None or current[0] != key[0] or (
+                owner is not None and owner != current[1] and (previous is None or previous != key)):
+            previous = current
+            current = key
+            positions.append(Position(key[0], f"layer {key[1]}" if key[1] >= 0 else "(step)"))
+            compute.append(0.0)
+            host_us.append(0.0)
+        for dtype, span, _ in spans_of(op):
+            positions[-1].add(dtype, [span])
+        compute[-1] += float(base[op])
+        host_us[-1] += float(host[op])
+
+    # the optimizer, one layer at a time: its state, parameters and gradients; temporaries kept apart
+    opt_layers: dict[int, Position] = {}
+    out_layer: dict[int, int] = {}
+    own_us = {"compute": np.zeros(max(n_layers, 1)), "host": np.zeros(max(n_layers, 1))}
+    shared_ops: list[int] = []  # ops over many layers (foreach): launched again for every layer's step
+    for op in opt_ops:
+        accesses = list(spans_of(op))
+        lo, hi = int(trace.acc_ptr[op]), int(trace.acc_ptr[op + 1])
+        inputs = [layer.get(s, out_layer.get(s)) for s in trace.acc_storage[lo:hi].tolist()]
+        inputs_known = [lay for k, lay in enumerate(inputs) if lay is not None
+                        and trace.acc_write[lo + k] != ACC_WRITE_ONLY]
+        new = [int(trace.acc_storage[lo + k]) for k in range(hi - lo)
+               if trace.acc_write[lo + k] == ACC_WRITE_ONLY and int(trace.acc_storage[lo + k]) not in layer]
+        for k, s in enumerate(new):  # a foreach result: the layer of the k-th element of its input lists
+            if inputs_known:
+                out_layer.setdefault(s, inputs_known[k % len(inputs_known)])
+        touched: set[int] = set()
+        for dtype, span, s in accesses:
+            if s in layer:
+                lay = layer[s]
+                touched.add(lay)
+                if lay not in opt_layers:
+                    opt_layers[lay] = Position("optimizer", f"layer {lay}")
+                opt_layers[lay].add(dtype, [span])
+        if len(touched) == 1:  # one layer's own op (a gradient's zero_): that layer's step only
+            lay = touched.pop()
+            own_us["compute"][lay] += float(base[op])
+            own_us["host"][lay] += float(host[op])
+        else:
+            shared_ops.append(op)
+    for s, lay in out_layer.items():
+        scratch[lay] += int(trace.st_nbytes[s])
+    param_bytes = np.zeros(max(n_layers, 1))
+    for s, lay in layer.items():
+        if trace.st_type[s] == _PARAM:
+            param_bytes[lay] += int(trace.st_nbytes[s])
+    total_param = float(param_bytes.sum()) or 1.0
+    shared_compute = float(base[shared_ops].sum()) if shared_ops else 0.0
+    shared_host = float(host[shared_ops].sum()) if shared_ops else 0.0  # each layer's step launches them
+    for lay in sorted(opt_layers):
+        positions.append(opt_layers[lay])
+        compute.append(shared_compute * float(param_bytes[lay]) / total_param + float(own_us["compute"][lay]))
+        host_us.append(shared_host + float(own_us["host"][lay]))
+    segments = _type_runs(layout)
+    return DerivedOrder(Order(positions, segments), compute, host_us, int(scratch.max()) if len(scratch) else 0,
+                        len(opt_layers))
+
+
+def _type_runs(layout: Layout) -> list[Span]:
+    """The layout's managed memory as runs of consecutive blocks of one data type (a prefetch call each;
+    the real pools' segments may split a run further, so calls are a lower bound)."""
+    types = layout.block_type
+    runs: list[Span] = []
+    start = 0
+    for b in range(1, len(types) + 1):
+        if b == len(types) or types[b] != types[start]:
+            runs.append((start * BLOCK, (b - start) * BLOCK))
+            start = b
+    return runs
+
+
+def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2) -> Plan:
+    """The scheduler's steady-state plan of ``derived`` under ``budget_bytes`` less the optimizer's
+    temporaries (whole blocks). Raises :class:`BudgetTooSmall` when one position cannot fit."""
+    scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
+    usable = budget_bytes - scratch
+    if usable < BLOCK:
+        raise BudgetTooSmall(budget_bytes, scratch + BLOCK, "the optimizer's temporaries of one layer")
+    return make_plan(derived.order, usable, lookahead)
+
+
+def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
+                evict_GBps: float | None = None) -> BudgetStep:
+    """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
+    GPU->host rate, default the profile's ``prefetch_d2h_GBps``)."""
+    p = profile
+    h2d = p.prefetch_h2d_GBps * 1e3  # bytes per microsecond
+    d2h = (evict_GBps or p.prefetch_d2h_GBps) * 1e3
+    sync = p.prefetch_host_sync >= 0.5
+    cpu = mover = side = gpu = 0.0
+    next_pending: dict[int, tuple[float, float]] = {}
+    wall = busy = 0.0
+    waits = calls = 0
+    n = len(derived.order.positions)
+    for _ in range(STEADY_STEPS):
+        cpu += p.cpu_step_us
+        t0 = max(gpu, cpu)
+        pending, next_pending = next_pending, {}
+        busy = 0.0
+        waits = calls = 0
+        for i in range(n):
+            cpu += HOOK_US_PER_POSITION
+            ready = 0.0
+            for target in sorted(t for t in pending if t <= i):
+                side_done, issued = pending.pop(target)
+                if issued > cpu:
+                    waits += 1
+                    cpu = issued
+                ready = max(ready, side_done)
+            moves = [m for m in plan.moves[i] if m.kind != "touch"]
+            if moves:
+                compute_event = gpu if any(m.kind == "evict" for m in moves) else 0.0
+                mover = max(mover, cpu)
+                if compute_event:
+                    side = max(side, compute_event)
+                targets: set[int] = set()
+                for m in moves:
+                    for _ptr, nbytes in m.spans:
+                        blocks = -(-nbytes // BLOCK)
+                        if sync:
+                            mover = max(mover, side)
+                        mover += p.prefetch_call_us + p.prefetch_call_us_per_block * blocks
+                        took = nbytes / (h2d if m.kind == "prefetch" else d2h) + p.prefetch_block_us * blocks
+                        side = max(side, mover) + took
+                        busy += took
+                        calls += 1
+                    if m.kind == "prefetch":
+                        targets.add(m.target)
+                for t in targets:
+                    if t == i:
+                        if mover > cpu:
+                            waits += 1
+                            cpu = mover
+                        ready = max(ready, side)
+                    elif t > i:
+                        old = pending.get(t, (0.0, 0.0))
+                        pending[t] = (max(old[0], side), max(old[1], mover))
+                    else:
+                        old = next_pending.get(t, (0.0, 0.0))
+                        next_pending[t] = (max(old[0], side), max(old[1], mover))
+            start = max(gpu, ready, cpu)
+            cpu += derived.host_us[i]
+            gpu = max(start + derived.compute_us[i], cpu + p.kernel_us)
+        wall = gpu - t0
+        cpu = max(cpu, gpu)  # the step's end: the loss is read back
+    return BudgetStep(wall, float(sum(derived.compute_us)), busy, waits, calls)
+
+
+@dataclasses.dataclass
+class BudgetSimulation:
+    """A traced step under a budget: its order, the scheduler's plan and the steady step."""
+
+    derived: DerivedOrder
+    plan: Plan
+    step: BudgetStep
+
+
+_SIMULATED: dict[tuple[str, str, int, int], BudgetSimulation] = {}
+_SIMULATED_KEEP = 16
+
+
+def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
+                    lookahead: int = 2) -> BudgetSimulation:
+    """Order, plan and steady step of ``trace`` placed by ``layout`` (the steady one) under ``budget_bytes``
+    (memoised per trace, profile constants, budget and look-ahead; a pre-flight and the run that follows plan
+    once). Raises :class:`BudgetTooSmall`."""
+    from um_lab.sim.profile import profile_sha256
+
+    key = (trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead))
+    hit = _SIMULATED.get(key)
+    if hit is not None:
+        return hit
+    derived = derive_order(trace, layout, profile)
+    plan = plan_budget(derived, budget_bytes, lookahead)
+    result = BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
+    if len(_SIMULATED) >= _SIMULATED_KEEP:
+        _SIMULATED.pop(next(iter(_SIMULATED)))
+    _SIMULATED[key] = result
+    return result
+
+
+def budget_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
+                   budget_bytes: int, capacity: int, policy_name: str, backend: str,
+                   lookahead: int = 2) -> Iterator[StepRecord]:
+    """The SimBackend's records for a run under the layer-ahead scheduler on ``trace`` placed by ``layout``:
+    every step the steady step (the first step, which learns the order on a GPU, is not modelled apart)."""
+    simulated = simulate_budget(trace, layout, profile, budget_bytes, lookahead)
+    derived, plan, step = simulated.derived, simulated.plan, simulated.step
+    extra = budget_extra(plan, step, derived, budget_bytes)
+    resident = _resident_by_type(plan, layout)
+    moved_in, moved_out = _moved_by_type(plan, layout)
+    live = {t.value: int(layout.segment_bytes[t.value]) for t in DATA_TYPES}
+    for i in range(warmup_steps + steps):
+        yield StepRecord(step=i, wall_ms=step.wall_us / 1e3, live_bytes=live, cap_bytes=None,
+                         gpu_capacity_bytes=int(capacity // BLOCK * BLOCK), backend=backend, policy=policy_name,
+                         warmup=i < warmup_steps, resident_bytes=resident, htod_bytes=moved_in, dtoh_bytes=moved_out,
+                         gpu_page_faults=0, evictions=sum(len(m.blocks) for m in plan.evictions()), remote_bytes=0,
+                         telemetry="simulated", extra={"budget": dict(extra), "trace_ops": trace.n_ops})
+
+
+def budget_extra(plan: Plan, step: BudgetStep, derived: DerivedOrder, budget_bytes: int) -> dict[str, Any]:
+    """``StepRecord.extra["budget"]`` on the simulator: the plan's totals and where the time went."""
+    summary = plan.summary()
+    return {**summary, "budget_bytes": budget_bytes, "planned_budget_bytes": plan.budget_bytes,
+            "optim_scratch_bytes": derived.optim_scratch_bytes, "followed_plan": True, "planned": True,
+            "over_budget": plan.max_resident > plan.budget_bytes, "compute_ms": step.compute_us / 1e3,
+            "side_busy_ms": step.side_busy_us / 1e3, "host_waits": step.host_waits, "prefetch_calls": step.calls,
+            "model": "sim.budget: steady-state plan replayed on host, mover, side-stream and compute clocks"}
+
+
+def _block_types(layout: Layout) -> np.ndarray:
+    return layout.block_type
+
+
+def _resident_by_type(plan: Plan, layout: Layout) -> dict[str, int]:
+    """GPU-resident bytes per data type when the steady step starts (its end, too)."""
+    types = _block_types(layout)
+    out = {t.value: 0 for t in DATA_TYPES}
+    for b in plan.start_resident:
+        if 0 <= b < len(types):
+            out[DATA_TYPES[int(types[b])].value] += BLOCK
+    return out
+
+
+def _moved_by_type(plan: Plan, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes prefetched to the GPU and evicted to the host per data type in the steady step."""
+    types = _block_types(layout)
+    moved_in = {t.value: 0 for t in DATA_TYPES}
+    moved_out = {t.value: 0 for t in DATA_TYPES}
+    for moves in plan.moves:
+        for m in moves:
+            target = moved_in if m.kind == "prefetch" else moved_out if m.kind == "evict" else None
+            if target is None or not m.blocks:
+                continue
+            per_block = m.nbytes / len(m.blocks)
+            for b in m.blocks:
+                target[DATA_TYPES[int(types[b])].value] += int(per_block)
+    return moved_in, moved_out
