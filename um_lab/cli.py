@@ -4,6 +4,8 @@
 
     um-lab run --model mlp --model-kw width=1024 --policy gpu-first --backend sim --steps 50
     um-lab compare --models mlp gpt2-small --policies um-default gpu-first --ratios 0.8 1.5 --csv out.csv
+    um-lab run --model gpt2-small --policy layer-ahead --budget 0.5x      # GPU-resident bytes <= half the footprint
+    um-lab compare --models mlp --policies um-default layer-ahead --ratios 1.5 2 --backend sim
     um-lab calibrate --out calibration/my-gpu.json        # needs a CUDA GPU
     um-lab lab                                            # JupyterLab on notebooks/, 127.0.0.1, token on
     um-lab lab --allow-root -- --ServerApp.port=9999      # other arguments go to Jupyter as they are
@@ -36,6 +38,7 @@ from um_lab.cli_args import (
     check_out_dir,
     format_table,
     load_policy_arg,
+    parse_budget,
     parse_bytes,
     parse_model_kwargs,
     parse_ratio,
@@ -74,6 +77,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="calibration profile, for backends that take one (sim's: a packaged name such as "
                         "h200, or a profile JSON)")
+    p.add_argument("--budget", type=parse_budget, default=(None, None), metavar="SIZE|Fx",
+                   help="train under the layer-ahead scheduler with GPU-resident managed bytes at most this: a "
+                        "size (8GiB) or a fraction of the footprint (0.5x: footprint/budget = 2); on compare it "
+                        "applies to the layer-ahead runs. Policy layer-ahead without it: on sim the simulated "
+                        "capacity; on cuda required")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="folder for run logs (default: $UM_LAB_RUNS_DIR if set, else runs/)")
@@ -193,7 +201,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
                    warmup_steps=args.warmup, batch_size=args.batch_size,
                    model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
-                   oversubscription_ratio=args.ratio, seed=args.seed)
+                   oversubscription_ratio=args.ratio, seed=args.seed, gpu_budget_bytes=args.budget[0],
+                   gpu_budget_fraction=args.budget[1])
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")
@@ -241,7 +250,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                     warmup_steps=args.warmup, batch_size=args.batch_size,
                     model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
                     seed=args.seed, out_dir=args.out, progress=not args.no_progress,
-                    keep_going=args.keep_going)
+                    keep_going=args.keep_going, gpu_budget_bytes=args.budget[0],
+                    gpu_budget_fraction=args.budget[1])
     _say(format_table(table))
     _say(f"runs: {table.attrs['sweep_dir']}")
     if args.csv is not None:

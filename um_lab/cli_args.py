@@ -61,6 +61,27 @@ def parse_ratio(text: str) -> float | None:
     return value
 
 
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """A GPU budget: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of the run's
+    footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)``."""
+    if text.strip().lower().endswith("x"):
+        raw = text.strip()[:-1]
+        try:
+            fraction = float(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a budget: {text!r} (a size such as 8GiB, or a fraction of the "
+                                             "footprint such as 0.5x)") from None
+        if not math.isfinite(fraction) or not 0 < fraction <= 1:
+            raise argparse.ArgumentTypeError(
+                f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget = 2)")
+        return None, fraction
+    try:
+        return parse_bytes(text), None
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; a budget is a size or a fraction of the footprint such as "
+                                         "0.5x") from None
+
+
 def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
     """``["width=1024", "n_layer=2"]`` -> ``{"width": 1024, "n_layer": 2}`` (JSON values, else text)."""
     kwargs: dict[str, Any] = {}
@@ -82,8 +103,9 @@ def _looks_like_path(value: str) -> bool:
 def load_policy_arg(value: str) -> Any:
     """A preset name (always the preset, whatever files the folder holds), or a policy JSON file given
     with a path (``./mine``) or a ``.json`` name. A file may not take a preset's name."""
-    from um_lab.policy import Policy, get_policy, presets
+    from um_lab.policy import Policy, get_policy, named_policies
 
+    presets = named_policies()  # the scheduled policies (layer-ahead) are names too
     if value in presets:
         return presets[value]
     if not _looks_like_path(value):

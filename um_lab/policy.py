@@ -303,10 +303,40 @@ presets: dict[str, Policy] = {
 }
 
 
+LAYER_AHEAD = "layer-ahead"
+
+#: Named policies that run a scheduler instead of (only) advising the driver. ``layer-ahead``: the
+#: layer-ahead scheduler of :mod:`um_lab.budget` keeps GPU-resident managed bytes under a budget
+#: (``RunSpec.gpu_budget_bytes`` / ``gpu_budget_fraction``; on the simulator, by default, the simulated
+#: capacity), with no advice. Not in :data:`presets` (advice-only sweeps and searches leave it out); a
+#: bare name reaches it through :func:`get_policy`, the CLI and the lab's panel.
+SCHEDULED: dict[str, Policy] = {
+    LAYER_AHEAD: Policy(
+        LAYER_AHEAD, {},
+        "The layer-ahead scheduler (issue 13): module hooks learn the order of use in the first step, then each "
+        "layer's data is prefetched to the GPU a few layers ahead and data done with is pushed to the host, "
+        "keeping GPU-resident managed bytes under a budget (on the simulator by default its capacity; on a GPU "
+        "--budget SIZE or a fraction of the footprint such as 0.5x). No advice."),
+}
+
+
+def named_policies() -> dict[str, Policy]:
+    """Every policy a bare name stands for: the presets and the scheduled policies."""
+    return {**presets, **SCHEDULED}
+
+
+def is_scheduled(policy: Policy | str) -> bool:
+    """True when ``policy`` (or the name) is a scheduled policy such as ``layer-ahead``."""
+    return (policy.name if isinstance(policy, Policy) else policy) in SCHEDULED
+
+
 def get_policy(policy: Policy | str) -> Policy:
-    """Return ``policy`` itself, or the preset of that name (a :class:`PolicyError` lists them)."""
+    """Return ``policy`` itself, or the preset (or scheduled policy) of that name (a :class:`PolicyError`
+    lists them)."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str) and policy in presets:
         return presets[policy]
-    raise PolicyError("policy", f"unknown preset {policy!r}; valid: {', '.join(presets)}")
+    if isinstance(policy, str) and policy in SCHEDULED:
+        return SCHEDULED[policy]
+    raise PolicyError("policy", f"unknown preset {policy!r}; valid: {', '.join(named_policies())}")

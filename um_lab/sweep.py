@@ -18,7 +18,7 @@ from um_lab.backend import backend_class, backend_names, get_backend
 from um_lab.backend_base import Backend
 from um_lab.errors import ModelConfigError, PolicyError
 from um_lab.models import ModelCase, case_for_spec
-from um_lab.policy import Policy, get_policy, presets
+from um_lab.policy import Policy, get_policy, is_scheduled, named_policies
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.summary import summarize, with_speedup
 from um_lab.types import RunSpec
@@ -56,6 +56,7 @@ def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[P
     """The policies, the baseline first when missing; a policy may not reuse a preset's name with other
     advice (it would stand in for the preset, the baseline included) nor share a name with another."""
     objs: list[Policy] = []
+    presets = named_policies()
     for policy in [get_policy(p) for p in policies]:
         preset = presets.get(policy.name)
         if preset is not None and policy.advice != preset.advice:
@@ -110,6 +111,8 @@ def compare(
     keep_going: bool = False,
     backend_instance: Backend | None = None,
     band: bool = False,
+    gpu_budget_bytes: int | None = None,
+    gpu_budget_fraction: float | None = None,
 ) -> pd.DataFrame:
     """Run every model x policy x oversubscription ratio and tabulate them, one row per run.
 
@@ -127,7 +130,9 @@ def compare(
     knobs and the backend's own check of each model (``check_case``; on the simulator an input batch
     larger than the host memory available) raise too unless ``keep_going`` (then that model's runs are
     recorded as refused or failed). ``backend_instance``: a backend object to run on instead of a new
-    ``backend``.
+    ``backend``. ``gpu_budget_bytes`` / ``gpu_budget_fraction``: the GPU budget of the runs under a scheduled
+    policy (``layer-ahead``; without one, on the simulator, each ratio's simulated capacity); the other
+    policies run without a scheduler.
     ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
     ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
     ranking_flips: the run's place among its cell's policies changes inside the band).
@@ -156,6 +161,7 @@ def compare(
                                      model_kwargs=dict(model) if isinstance(model, dict) else {},
                                      capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
              for label, model in model_items for ratio in ratio_list}
+    budget_spec = RunSpec(gpu_budget_bytes=gpu_budget_bytes, gpu_budget_fraction=gpu_budget_fraction)  # checked now
     _check_cases(model_items, specs, kind, keep_going)
     out = resolve_out_dir(out_dir)
     if out.exists() and not out.is_dir():
@@ -174,6 +180,9 @@ def compare(
                     if bar is not None:
                         bar.set_postfix_str(f"{label} {policy.name} ratio={ratio}")
                     spec = dataclasses.replace(specs[(label, ratio)], policy=policy.name)
+                    if is_scheduled(policy):
+                        spec = dataclasses.replace(spec, gpu_budget_bytes=budget_spec.gpu_budget_bytes,
+                                                   gpu_budget_fraction=budget_spec.gpu_budget_fraction)
                     case = model if isinstance(model, ModelCase) else None
                     row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
                                            "backend": backend_name}

@@ -62,6 +62,10 @@ class RunSpec:
     capacity_bytes: int | None = None  #: simulated GPU capacity; None = the profile's card
     oversubscription_ratio: float | None = None  #: alternative to capacity_bytes (sim only)
     seed: int = 0
+    #: a GPU budget for the layer-ahead scheduler (issue 13): GPU-resident managed bytes stay <= it
+    gpu_budget_bytes: int | None = None
+    #: the budget as a fraction of the run's footprint, in (0, 1] (0.5: footprint/budget = 2)
+    gpu_budget_fraction: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "policy", "backend"):
@@ -82,6 +86,17 @@ class RunSpec:
         if self.oversubscription_ratio is not None:
             object.__setattr__(self, "oversubscription_ratio",
                                positive_ratio("oversubscription_ratio", self.oversubscription_ratio))
+        if self.gpu_budget_bytes is not None:
+            object.__setattr__(self, "gpu_budget_bytes", whole_bytes("gpu_budget_bytes", self.gpu_budget_bytes))
+        if self.gpu_budget_fraction is not None:
+            object.__setattr__(self, "gpu_budget_fraction", budget_fraction(self.gpu_budget_fraction))
+            if self.gpu_budget_bytes is not None:
+                raise SpecError("give gpu_budget_bytes or gpu_budget_fraction, not both", "gpu_budget_fraction")
+
+    @property
+    def has_budget(self) -> bool:
+        """True when a GPU budget is given (bytes or a fraction of the footprint)."""
+        return self.gpu_budget_bytes is not None or self.gpu_budget_fraction is not None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -126,6 +141,15 @@ def positive_ratio(name: str, value: Any) -> float:
             or not float(value) > 0):
         raise SpecError(f"{name} must be > 0 and finite, got {value!r}", name)
     return float(value)
+
+
+def budget_fraction(value: Any) -> float:
+    """``value`` as a GPU budget's fraction of the footprint, finite in (0, 1], else :class:`SpecError`."""
+    fraction = positive_ratio("gpu_budget_fraction", value)
+    if fraction > 1:
+        raise SpecError(f"gpu_budget_fraction is the budget / footprint, in (0, 1]; got {value!r} (a budget at "
+                        "or above the footprint constrains nothing)", "gpu_budget_fraction")
+    return fraction
 
 
 def _check_int(spec: RunSpec, name: str, minimum: int | None) -> None:

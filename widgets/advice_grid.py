@@ -9,7 +9,7 @@ from typing import Any
 
 from um_lab.advice_notes import policy_notes
 from um_lab.errors import PolicyError
-from um_lab.policy import PREFERRED_LOCATIONS, PREFETCHES, Advice, Policy, get_policy, presets
+from um_lab.policy import PREFERRED_LOCATIONS, PREFETCHES, Advice, Policy, get_policy, named_policies
 from um_lab.types import DATA_TYPES, PAPER_GROUPS, DataType
 
 CUSTOM = "custom"
@@ -63,7 +63,7 @@ class AdviceGrid:
         self._on_change = on_change
         self._quiet = False
         self._policy = get_policy(policy)
-        self.preset = w.Dropdown(options=[*presets, CUSTOM], description="preset",
+        self.preset = w.Dropdown(options=[*named_policies(), CUSTOM], description="preset",
                                  layout=w.Layout(width="280px"))
         self.preset.add_class("um-lab-preset")
         self.description = w.HTML(layout=w.Layout(width="100%"))
@@ -105,12 +105,12 @@ class AdviceGrid:
         """Show ``policy`` (a preset name or a :class:`Policy`) in the grid. A policy that carries a preset's
         name but other advice is shown as custom and renamed, so runs never record it as that preset."""
         policy = get_policy(policy)
-        if policy.name in presets and policy != presets[policy.name]:
+        if policy.name in named_policies() and policy != named_policies()[policy.name]:
             policy = Policy(f"{policy.name} (edited)", policy.advice, policy.description)
         self._policy = policy
         self._quiet = True
         try:
-            self.preset.value = self._policy.name if self._policy.name in presets else CUSTOM
+            self.preset.value = self._policy.name if self._policy.name in named_policies() else CUSTOM
             self._show()
         finally:
             self._quiet = False
@@ -143,7 +143,7 @@ class AdviceGrid:
             return
         if advice == dict(self._policy.advice):
             return
-        name = CUSTOM if self._policy.name in presets else self._policy.name  # a loaded policy keeps its name
+        name = CUSTOM if self._policy.name in named_policies() else self._policy.name  # a loaded policy keeps its name
         self._policy = Policy(name, advice, "edited: not a preset")
         self._quiet = True
         try:

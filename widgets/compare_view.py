@@ -23,7 +23,7 @@ import pandas as pd
 from um_lab.backend import backend_class, resolve_backend_name, valid_backend_names
 from um_lab.errors import UmLabError
 from um_lab.models import ZOO
-from um_lab.policy import presets
+from um_lab.policy import named_policies
 from um_lab.runlog import default_out_dir
 from um_lab.runread import load
 from um_lab.summary import readable_table
@@ -121,13 +121,14 @@ class CompareView:
             raise ValueError(f"unknown backend {backend!r}; valid: {valid_backend_names()}")
         self.model_kwargs = {m: dict(kw) for m, kw in models.items()} if isinstance(models, Mapping) else {}
         names = list(models)
-        unknown = [m for m in names if m not in ZOO] + [p for p in policies if p not in presets]
+        unknown = [m for m in names if m not in ZOO] + [p for p in policies if p not in named_policies()]
         if unknown:
             raise ValueError(f"unknown model or policy {unknown}; models: {', '.join(ZOO)}; "
-                             f"policies: {', '.join(presets)}")
+                             f"policies: {', '.join(named_policies())}")
         self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.models = w.SelectMultiple(options=list(ZOO), value=names, description="models", rows=5)
-        self.policies = w.SelectMultiple(options=list(presets), value=list(policies), description="policies", rows=7)
+        self.policies = w.SelectMultiple(options=list(named_policies()), value=list(policies), description="policies",
+                                         rows=7)
         self.ratios = w.Text(value=", ".join("none" if r is None else f"{r:g}" for r in ratios),
                              description="ratios", placeholder="0.8, 1.5, none")
         self.backend = w.Dropdown(options=choices, value=backend, description="backend")

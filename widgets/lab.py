@@ -12,12 +12,15 @@ data type, press Run and watch the live dashboard; Stop ends the run after the c
 
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from um_lab.backend import backend_class, backend_options, get_backend
+from um_lab.cli_args import parse_budget
+from um_lab.errors import SpecError
 from um_lab.policy import Policy
 from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
@@ -39,13 +42,16 @@ class Lab:
     ``out_dir``: where runs are written (default: ``$UM_LAB_RUNS_DIR``, else ``runs/``). ``telemetry``
     is passed to a backend built with a ``telemetry`` option (the cuda backend; ``"auto"``: CUPTI
     residency where it can be measured). ``backend`` is ``auto`` or any registered backend.
+    ``budget``: the GPU budget field (``8GiB``, or ``0.5x`` of the footprint; empty: none) for the
+    layer-ahead scheduler (the advice grid's ``layer-ahead`` entry; on the simulator without a budget it
+    keeps resident bytes under the simulated capacity).
     """
 
     def __init__(self, model: str = "mlp", policy: Policy | str = "um-default", backend: str = "auto",
                  steps: int = 20, warmup_steps: int = 2, ratio: float | None = 1.5,
                  capacity_gib: float | None = None, model_kwargs: dict[str, Any] | None = None,
                  pace_s: float = 0.0, out_dir: str | os.PathLike[str] | None = None,
-                 telemetry: bool | str = "auto") -> None:
+                 telemetry: bool | str = "auto", budget: str = "") -> None:
         import ipywidgets as w
 
         if steps < 1 or warmup_steps < 0:
@@ -67,6 +73,9 @@ class Lab:
         self.pace = w.BoundedFloatText(value=pace_s, min=0.0, max=60.0, step=0.05, description="pace (s/step)",
                                        style={"description_width": "initial"}, layout=w.Layout(width="190px"))
         self.pace.add_class("um-lab-pace")
+        self.budget = w.Text(value=budget, description="GPU budget", placeholder="8GiB or 0.5x (layer-ahead)",
+                             style={"description_width": "initial"}, layout=w.Layout(width="260px"))
+        self.budget.add_class("um-lab-budget")
         self.run_button = w.Button(description="Run", icon="play", button_style="success")
         self.run_button.add_class("um-lab-run")
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
@@ -86,7 +95,7 @@ class Lab:
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>um_lab</h3>"), self.workload.widget,
             w.HTML("<b>Advice per data type</b>"), self.advice.widget,
-            w.HBox([self.steps, self.warmup, self.pace]),
+            w.HBox([self.steps, self.warmup, self.pace, self.budget]),
             w.HBox([self.run_button, self.stop_button, self.progress]), self.status, live, self.static_output])
         self.widget.add_class("um-lab")
         self.active: Run | None = None
@@ -110,10 +119,22 @@ class Lab:
         """The :class:`RunSpec` the panel's controls describe."""
         backend = self.workload.resolved_backend
         capacity, ratio = self.workload.sim_capacity() if self.workload.simulates_capacity else (None, None)
+        budget_bytes, budget_fraction = self._budget_field()
         return RunSpec(model=self.workload.model.value, policy=self.policy.name, backend=backend,
                        steps=int(self.steps.value), warmup_steps=int(self.warmup.value),
                        model_kwargs=self.workload.model_kwargs(), capacity_bytes=capacity,
-                       oversubscription_ratio=ratio)
+                       oversubscription_ratio=ratio, gpu_budget_bytes=budget_bytes,
+                       gpu_budget_fraction=budget_fraction)
+
+    def _budget_field(self) -> tuple[int | None, float | None]:
+        """The budget field as (bytes, fraction of the footprint); empty: no budget (SpecError when bad)."""
+        text = str(self.budget.value).strip()
+        if not text:
+            return None, None
+        try:
+            return parse_budget(text)
+        except argparse.ArgumentTypeError as e:
+            raise SpecError(f"GPU budget: {e}", "gpu_budget_bytes") from None
 
     def _backend(self, name: str) -> Any:
         """The panel's one instance of backend ``name`` (refused, as the run would be, where it cannot run)."""

@@ -10,6 +10,7 @@ import torch
 
 import um_lab.backend
 from um_lab.backend_base import BackendBase
+from um_lab.budget.request import resolve_budget, uses_budget
 from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
 from um_lab.errors import CudaUnavailableError
@@ -27,15 +28,19 @@ class CudaBackend(BackendBase):
     ``allow_oversubscription=True`` is passed (meant for one's own machine only); a run whose estimated
     memory does not fit under it is refused by :meth:`preflight` before anything is allocated.
     ``telemetry`` (default ``"auto"``: on when CUPTI can be used, else each record says why not) is
-    passed to the :class:`Session`.
+    passed to the :class:`Session`. A run with a GPU budget (``RunSpec.gpu_budget_bytes`` or
+    ``gpu_budget_fraction``, or the policy ``layer-ahead`` with one of them) trains under the layer-ahead
+    scheduler (``Session(gpu_budget_bytes=...)``, ``budget_lookahead`` positions ahead); each record's
+    ``extra["budget"]`` holds the scheduler's numbers.
     """
 
     name = "cuda"
     simulates_capacity = False  # real memory: size the model instead (um_lab.sizing.size_for_ratio)
 
     def __init__(self, *, cap_bytes: int | None = None, allow_oversubscription: bool = False,
-                 telemetry: bool | str = "auto") -> None:
+                 telemetry: bool | str = "auto", budget_lookahead: int = 2) -> None:
         self.cap_bytes = cap_bytes
+        self.budget_lookahead = budget_lookahead
         self.allow_oversubscription = allow_oversubscription
         self.telemetry = telemetry
 
@@ -72,7 +77,22 @@ class CudaBackend(BackendBase):
         estimate = estimate_memory(case)
         cap = self.capacity_for(spec, estimate.total_bytes)
         check_fits(estimate, cap)
-        return {"estimate": estimate.to_dict(), "cap_bytes": cap}
+        checked: dict[str, Any] = {"estimate": estimate.to_dict(), "cap_bytes": cap}
+        budget = self.budget_for(spec, case, policy)
+        if budget is not None:
+            checked["gpu_budget_bytes"] = budget
+        return checked
+
+    def budget_for(self, spec: RunSpec, case: ModelCase, policy: Policy) -> int | None:
+        """The run's GPU budget in bytes (None: no scheduler): ``gpu_budget_bytes``, or
+        ``gpu_budget_fraction`` of the estimated footprint (:func:`um_lab.sizing.estimate_memory`).
+        ``layer-ahead`` without one, or a budget above the safety cap, raises
+        :class:`~um_lab.errors.BudgetError` before anything is allocated."""
+        if not uses_budget(spec, policy):
+            return None
+        footprint = estimate_memory(case).total_bytes
+        return resolve_budget(spec, policy, footprint, default_bytes=None,
+                              limit_bytes=self.capacity_for(spec, footprint), limit_name="the safety cap")
 
     def environment(self) -> dict[str, Any]:
         """The GPU's name, memory, compute capability and count (``cpu`` without a GPU)."""
@@ -84,11 +104,13 @@ class CudaBackend(BackendBase):
 
     def run(self, spec: RunSpec, case: ModelCase, policy: Policy) -> Iterator[StepRecord]:
         """Yield one record per step (warm-up steps first, flagged); closing early cleans up."""
+        budget = self.budget_for(spec, case, policy)
         torch.manual_seed(spec.seed)
         model = case.build_model()
         batch = case.batch(spec.seed)
         lab = Session(policy, cap_bytes=self.cap_bytes, allow_oversubscription=self.allow_oversubscription,
-                      evacuate_on_close=False, telemetry=self.telemetry)
+                      evacuate_on_close=False, telemetry=self.telemetry, gpu_budget_bytes=budget,
+                      budget_lookahead=self.budget_lookahead)
         lab.open()
         try:
             model = lab.place(model)

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from um_lab.backend_base import BackendBase
+from um_lab.budget.request import resolve_budget
 from um_lab.errors import HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
-from um_lab.policy import Policy, get_policy
+from um_lab.policy import Policy, get_policy, is_scheduled
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile, profile_sha256
@@ -126,12 +127,36 @@ class SimBackend(BackendBase):
                             "oversubscription_ratio" if spec.oversubscription_ratio is not None else "capacity_bytes")
         return cap
 
+    def preflight(self, spec: RunSpec, case: ModelCase, policy: Policy) -> dict[str, Any] | None:
+        """A run with a GPU budget: the budget in bytes, checked against the simulated capacity before the
+        run's folder is written (:class:`~um_lab.errors.BudgetError`); None without one."""
+        if not (spec.has_budget or is_scheduled(policy)):
+            return None
+        from um_lab.sim.budget import simulate_budget
+
+        prepared = self.prepare(case)
+        capacity = self.capacity_for(spec, prepared.footprint_bytes)
+        budget = resolve_budget(spec, policy, prepared.footprint_bytes, default_bytes=capacity // BLOCK * BLOCK,
+                                limit_bytes=capacity, limit_name="the simulated GPU capacity")
+        assert budget is not None
+        simulate_budget(prepared.trace, prepared.placement.final, self.profile, budget)  # too small: refused here
+        return {"gpu_budget_bytes": budget, "footprint_bytes": prepared.footprint_bytes, "capacity_bytes": capacity}
+
     def run(self, spec: RunSpec, case: ModelCase,
             policy: Policy | str | Mapping[str, Any]) -> Iterator[StepRecord]:
-        """Yield one :class:`StepRecord` per step (warm-up steps first, ``warmup=True``)."""
+        """Yield one :class:`StepRecord` per step (warm-up steps first, ``warmup=True``). A run with a GPU budget
+        (or the policy ``layer-ahead``: by default the simulated capacity) is simulated by
+        :mod:`um_lab.sim.budget` (the layer-ahead scheduler's plan and its step time)."""
         policy = _as_policy(policy)
         prepared = self.prepare(case)
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
+        budget = resolve_budget(spec, policy, prepared.footprint_bytes, default_bytes=capacity // BLOCK * BLOCK,
+                                limit_bytes=capacity, limit_name="the simulated GPU capacity")
+        if budget is not None:  # the layer-ahead scheduler instead of the driver's demand paging (sim.budget)
+            from um_lab.sim.budget import budget_records
+
+            return budget_records(prepared.trace, prepared.placement.final, self.profile, spec.steps,
+                                  spec.warmup_steps, budget, capacity, policy.name, self.name)
         return self._records(spec, prepared, policy, capacity)
 
     def op_ms(self, case: ModelCase, policy: Policy | str | Mapping[str, Any],
