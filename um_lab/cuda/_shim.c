@@ -250,6 +250,22 @@ static PyObject *py_stats(PyObject *self, PyObject *noargs) {
         "allow_oversubscription", allow, "segments", (Py_ssize_t)nsegs);
 }
 
+/* The two readings a training step takes (stats() builds a 20-entry dict): refusals so far, live bytes per tag. */
+static PyObject *py_refused(PyObject *self, PyObject *noargs) {
+    pthread_mutex_lock(&g_lock);
+    unsigned long long refused = g_refused;
+    pthread_mutex_unlock(&g_lock);
+    return PyLong_FromUnsignedLongLong(refused);
+}
+
+static PyObject *py_live_by_tag(PyObject *self, PyObject *noargs) {
+    unsigned long long live[N_TAGS];
+    pthread_mutex_lock(&g_lock);
+    memcpy(live, g_live, sizeof(live));
+    pthread_mutex_unlock(&g_lock);
+    return Py_BuildValue("(KKKKK)", live[0], live[1], live[2], live[3], live[4]);
+}
+
 static PyObject *py_segments(PyObject *self, PyObject *noargs) {
     pthread_mutex_lock(&g_lock);
     size_t n = g_n_segs;
@@ -302,6 +318,8 @@ static PyMethodDef methods[] = {
     {"addresses", py_addresses, METH_NOARGS, "((alloc per tag...), free): C function addresses for torch."},
     {"stats", py_stats, METH_NOARGS, "Counters and live bytes."},
     {"segments", py_segments, METH_NOARGS, "Live segments as [(ptr, size, tag)]."},
+    {"refused", py_refused, METH_NOARGS, "Requests refused by the cap so far."},
+    {"live_by_tag", py_live_by_tag, METH_NOARGS, "Live bytes per tag, as a tuple."},
     {"reset_peak", py_reset_peak, METH_NOARGS, "Set the peak to the current live bytes."},
     {"alloc", py_alloc, METH_VARARGS, "alloc(tag, size) -> ptr or 0 (refused or failed)."},
     {"free", py_free, METH_VARARGS, "free(ptr)."},
