@@ -12,8 +12,11 @@ re-plan), ``crossing_bytes`` (the ledger's prefetched + evicted bytes per step, 
 max(fit_step_ms, crossing_bytes / 47 GB/s), ``over_bound`` = step_ms / bound_ms, ``max_resident_ledger``
 (the ledger's highest resident bytes over the measured steps), ``max_resident_cupti`` (with
 ``--telemetry``: the highest CUPTI-measured resident bytes at a step's end, a lower bound: HtoD records
-can be lost in bursts; else null). Not filled yet (null): ``fsdp2_step_ms``, ``fsdp2_peak_bytes``,
-``sim_step_ms``.
+can be lost in bursts; else null). ``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
+own budget, filled after the measurement (``--no-sim`` leaves it null). Not filled yet (null):
+``fsdp2_step_ms``, ``fsdp2_peak_bytes``.
+
+    python bench/budget.py --predict             # no GPU: the simulator's rows (bench/results/budget_predicted.json)
 
 Safety: nothing here oversubscribes the card. Every session's cap on live managed bytes is
 ``min(the default cap, --max-managed-fraction x free GPU memory at start)`` (default 0.5), so the shim
@@ -112,6 +115,22 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     return {"records": records, "peak_bytes": peak}
 
 
+def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
+    """``sim_step_ms`` of each measured row: the simulator at the row's own budget (the measured footprint /
+    ratio), and the simulator's numbers beside it (``sim`` sub-dict); a failure is recorded as ``sim_error``."""
+    for row in rows:
+        if row.get("budget_bytes") is None:
+            continue
+        try:
+            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"])
+        except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
+            row["sim_error"] = f"{type(e).__name__}: {e}"
+            continue
+        row["sim_step_ms"] = sim["sim_step_ms"]
+        row["sim"] = sim
+        say(f"  ratio {row['ratio']}: simulated {sim['sim_step_ms']:.1f} ms at B {row['budget_bytes'] / GiB:.2f} GiB")
+
+
 def measured(records: list[Any], skip: int) -> list[Any]:
     """The records after the first ``skip`` (at least the last one)."""
     return records[skip:] or records[-1:]
@@ -170,6 +189,65 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     return rows
 
 
+FIRST_EVICT_GBPS = 3.65  #: GPU->host prefetch of pages never host-resident before (DESIGN.md): the slow end
+#: the GPU->host rate at which the simulator reproduces both session-8 quick rows (mlp-small 65.4 ms: 6.79 GB/s,
+#: cnn-small 105.7 ms: 6.83 GB/s, at their measured budgets): fitted on those two rows, a second variant only
+QUICK_IMPLIED_EVICT_GBPS = 6.8
+
+
+def simulate_row(name: str, ratio: float, budget_bytes: int | None = None) -> dict[str, Any]:
+    """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
+    simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
+    later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
+    ``sim_step_ms_quick_implied_rate`` at the rate fitted on the two session-8 quick rows (6.8 GB/s)."""
+    from um_lab.sim.backend import SimBackend
+    from um_lab.sim.budget import replay_plan, simulate_budget
+    from um_lab.types import RunSpec
+
+    sim = _SIM.setdefault("sim", SimBackend())
+    case = build_case(name)
+    prepared = sim.prepare(case)
+    budget = int(budget_bytes if budget_bytes is not None else prepared.footprint_bytes / ratio)
+    fit = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), case, "um-default")][-1]
+    result = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, budget)
+    plan, step = result.plan, result.step
+    crossing = plan.prefetched_bytes + plan.evicted_bytes
+    slow = replay_plan(result.derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS)
+    quick_rate = replay_plan(result.derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS)
+    sim_bound = max(fit, crossing / LINK_BYTES_PER_S * 1e3)
+    return {"model": name, "ratio": ratio, "sim_footprint_bytes": prepared.footprint_bytes, "sim_budget_bytes": budget,
+            "sim_step_ms": step.wall_us / 1e3, "sim_step_ms_first_evictions": slow.wall_us / 1e3,
+            "sim_step_ms_quick_implied_rate": quick_rate.wall_us / 1e3,
+            "sim_fit_step_ms": fit, "sim_crossing_bytes": crossing, "sim_bound_ms": sim_bound,
+            "sim_over_bound": step.wall_us / 1e3 / sim_bound, "sim_compute_ms": step.compute_us / 1e3,
+            "sim_side_busy_ms": step.side_busy_us / 1e3, "sim_positions": len(plan.keys),
+            "sim_prefetch_calls": step.calls, "sim_plan_steady": plan.steady}
+
+
+_SIM: dict[str, Any] = {}
+
+
+def predict(models: list[str], ratios: list[float], say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Predicted rows (no GPU): the simulator at each model's simulated footprint / ratio."""
+    rows = []
+    for name in models:
+        for ratio in ratios:
+            t0 = time.perf_counter()
+            try:
+                row = simulate_row(name, ratio)
+            except Exception as e:  # a model the simulator cannot build here: recorded, not hidden
+                rows.append({"model": name, "ratio": ratio, "error": f"{type(e).__name__}: {e}"})
+                say(f"{name} ratio {ratio}: {rows[-1]['error']}")
+                continue
+            row["sim_s"] = time.perf_counter() - t0
+            rows.append(row)
+            say(f"{name} ratio {ratio}: footprint {row['sim_footprint_bytes'] / GiB:.2f} GiB, B "
+                f"{row['sim_budget_bytes'] / GiB:.2f} GiB: {row['sim_step_ms']:.1f} ms "
+                f"({row['sim_step_ms_first_evictions']:.1f} at first-time evictions), "
+                f"fit {row['sim_fit_step_ms']:.1f}, bound {row['sim_bound_ms']:.1f} (x{row['sim_over_bound']:.2f})")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write the JSON (merging rows of other models already in it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
     ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget.json")
+    ap.add_argument("--predict", action="store_true",
+                    help="no GPU: the simulator's predictions only (default out: bench/results/budget_predicted.json)")
+    ap.add_argument("--no-sim", action="store_true", help="measured rows without sim_step_ms")
     args = ap.parse_args(argv)
     if not 0 < args.max_managed_fraction <= 0.9:
         ap.error("--max-managed-fraction must be in (0, 0.9]")
@@ -190,8 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.ratios, args.steps = list(QUICK_MODELS), [2.0], 4
         if args.out == ap.get_default("out"):
             args.out = ROOT / "bench" / "results" / "budget_quick.json"
+    if args.predict:
+        out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
+        old = json.loads(out.read_text()) if out.exists() else {}
+        kept = [r for r in old.get("rows", []) if r.get("model") not in args.models]
+        result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                  "device": "simulated: the h200 profile (um_lab.sim.budget)", "link_bytes_per_s": LINK_BYTES_PER_S,
+                  "rows": kept + predict(args.models, args.ratios, print)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
     if not torch.cuda.is_available():
-        print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py)")
+        print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py; "
+              "--predict runs the simulator alone)")
         return 2
     free, total = torch.cuda.mem_get_info()
     limit = int(free * args.max_managed_fraction)
@@ -201,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.models:
         try:
-            rows += bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue))
+            model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue))
+            if not args.no_sim:
+                fill_sim(model_rows, print)
+            rows += model_rows
         except ManagedLimitExceeded as e:
             print(f"ABORTED {name}: {e}")
             rows.append({"model": name, "error": f"aborted: {e}"})

@@ -191,11 +191,20 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
             param_bytes[lay] += int(trace.st_nbytes[s])
     total_param = float(param_bytes.sum()) or 1.0
     shared_compute = float(base[shared_ops].sum()) if shared_ops else 0.0
-    shared_host = float(host[shared_ops].sum()) if shared_ops else 0.0  # each layer's step launches them
+    # each layer's step launches the shared ops again: their dispatch (cpu_op_us each) per layer, the rest of
+    # their host time (Python over the tensor lists, views) in proportion to the layer's parameter tensors
+    shared_host = float(host[shared_ops].sum()) if shared_ops else 0.0
+    dispatch = min(shared_host, profile.cpu_op_us * len(shared_ops))
+    tensors = np.zeros(max(n_layers, 1))
+    for s, lay in layer.items():
+        if trace.st_type[s] == _PARAM:
+            tensors[lay] += 1
+    total_tensors = float(tensors.sum()) or 1.0
     for lay in sorted(opt_layers):
         positions.append(opt_layers[lay])
         compute.append(shared_compute * float(param_bytes[lay]) / total_param + float(own_us["compute"][lay]))
-        host_us.append(shared_host + float(own_us["host"][lay]))
+        host_us.append(dispatch + (shared_host - dispatch) * float(tensors[lay]) / total_tensors
+                       + float(own_us["host"][lay]))
     segments = _type_runs(layout)
     return DerivedOrder(Order(positions, segments), compute, host_us, int(scratch.max()) if len(scratch) else 0,
                         len(opt_layers))
