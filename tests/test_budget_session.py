@@ -2,6 +2,10 @@
 ledger per step, the same training result as without a budget, a failing step leaves it usable."""
 
 import copy
+import gc
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -9,6 +13,8 @@ from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
 
 from um_lab import BudgetError, BudgetTooSmall
 from um_lab.budget.executor import RecordingStreams
+from um_lab.budget.mover import MoveBatch, ThreadMover
+from um_lab.cuda.allocator import ManagedPools
 from um_lab.cuda.session import Session
 
 MiB = 1 << 20
@@ -161,3 +167,88 @@ def test_an_interrupted_budget_step_leaves_the_session_usable(env):
         assert rec.extra["budget"]["unplanned_positions"] == 0
         lab.budget.executor.ledger.check_accounting()
     assert api.balanced()
+
+
+class SlowRuntime(FakeRuntime):
+    """A fake runtime whose prefetch calls take a while and are logged beside the pools' close."""
+
+    def __init__(self, events, delay=0.05):
+        super().__init__()
+        self.events, self.delay = events, delay
+
+    def prefetch(self, ptr, nbytes, location_type, location_id, stream):
+        time.sleep(self.delay)
+        super().prefetch(ptr, nbytes, location_type, location_id, stream)
+        self.events.append("prefetch")
+
+
+def test_close_issues_every_queued_prefetch_before_the_pools_free_their_segments(env, monkeypatch):
+    source, driver, api, _ = env
+    events = []
+    real_close = ManagedPools.close
+
+    def close(pools):
+        events.append("pools.close")
+        real_close(pools)
+
+    monkeypatch.setattr(ManagedPools, "close", close)
+    model, batches = model_and_data()
+    lab = Session("um-default", _pool_api=api, _runtime=SlowRuntime(events, delay=0.0), _source=source,
+                  gpu_budget_bytes=48 * MiB, budget_issue="thread")
+    with lab:
+        train(lab, model, batches[:2])
+        executor = lab.budget.executor
+        executor.runtime.delay = 0.05
+        streams = executor.streams
+        # prefetches still queued on the mover thread when the session closes (a look-ahead past the step)
+        executor.mover.submit(MoveBatch(None, [(1 << 40, 4096, 0, 0)] * 4, record=False))
+    assert events[-1] == "pools.close" and events.count("prefetch") >= 4
+    assert streams.log[-1] == ("synchronize_side", 0)  # and the side stream finished before anything was freed
+
+
+def test_a_failing_budget_close_still_closes_the_session_and_another_may_open(env, monkeypatch):
+    source, driver, api, runtime = env
+    model, batches = model_and_data()
+    lab = make_session(env, gpu_budget_bytes=48 * MiB)
+    lab.open()
+    train(lab, model, batches[:1])
+    executor = lab.budget.executor
+
+    def broken_close():
+        raise RuntimeError("mover broke")
+
+    monkeypatch.setattr(executor, "close", broken_close)
+    with pytest.raises(RuntimeError, match="mover broke"):
+        lab.close()
+    assert not lab.is_open and Session._open_session is None and api.balanced()
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    with make_session(env, gpu_budget_bytes=48 * MiB) as again:
+        assert again.is_open
+
+
+def test_a_mover_that_does_not_stop_in_time_is_reported():
+    release = threading.Event()
+
+    class Stuck(FakeRuntime):
+        def prefetch(self, *args):
+            release.wait(10)
+            super().prefetch(*args)
+
+    mover = ThreadMover(Stuck(), RecordingStreams())
+    mover.submit(MoveBatch(None, [(1 << 40, 4096, 0, 0)], record=False))
+    with pytest.warns(RuntimeWarning, match="did not stop"):
+        assert not mover.close(timeout=0.1)
+    release.set()
+    assert mover.close()
+
+
+def test_closing_drops_the_models_and_parameters_the_budget_held(env):
+    model, batches = model_and_data()
+    with make_session(env, gpu_budget_bytes=48 * MiB, evacuate_on_close=False) as lab:
+        train(lab, model, batches[:1])
+        control = lab.budget
+    assert control._roots == [] and control._chunks == {} and control.recorder is None
+    ref = weakref.ref(model[0][0].weight)
+    del model, lab
+    gc.collect()
+    assert ref() is None  # nothing of the budget keeps a parameter (and its managed segment) alive

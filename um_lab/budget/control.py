@@ -73,12 +73,16 @@ class BudgetControl:
         self.recorder.install()
 
     def close(self) -> None:
-        """Take the hooks off and stop the mover (after it issued what it holds)."""
-        if self.recorder is not None:
-            self.recorder.remove()
-            self.recorder = None
-        self._roots = []
-        self.executor.close()
+        """Take the hooks off, drop the models and parameters it holds, and stop the mover after it issued
+        what it holds (its side stream synchronised): call before the session frees managed memory."""
+        try:
+            if self.recorder is not None:
+                self.recorder.remove()
+                self.recorder = None
+        finally:
+            self._roots = []
+            self._chunks.clear()
+            self.executor.close()
 
     # ---- outside a step ----
 

@@ -53,6 +53,9 @@ class StreamOps(Protocol):
     def compute_wait(self, event: Any) -> None:
         """The compute (current) stream waits for ``event``."""
 
+    def synchronize_side(self) -> None:
+        """Block the host until everything issued on the side stream is done."""
+
 
 class CudaStreams:
     """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream."""
@@ -75,6 +78,9 @@ class CudaStreams:
 
     def compute_wait(self, event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize_side(self) -> None:
+        self.stream.synchronize()
 
 
 class RecordingStreams:
@@ -104,6 +110,9 @@ class RecordingStreams:
 
     def compute_wait(self, event: Any) -> None:
         self.log.append(("compute_wait", event))
+
+    def synchronize_side(self) -> None:
+        self.log.append(("synchronize_side", 0))
 
 
 class BudgetExecutor:
@@ -346,5 +355,9 @@ class BudgetExecutor:
                 self._next_pending[t] = batch
 
     def close(self) -> None:
-        """Stop the mover (after issuing what it holds)."""
-        self.mover.close()
+        """Stop the mover after it issued what it holds, then wait for the side stream's transfers: after
+        this no prefetch of this executor is queued or in flight, so managed memory may be freed."""
+        try:
+            self.mover.close()
+        finally:
+            self.streams.synchronize_side()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,8 +77,9 @@ class InlineMover:
     def drain(self) -> None:
         """Nothing is ever queued."""
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> bool:
         """Nothing to stop."""
+        return True
 
 
 class ThreadMover:
@@ -124,13 +126,25 @@ class ThreadMover:
         return batch
 
     def drain(self) -> None:
-        """Block until every queued batch was issued."""
+        """Block until every queued batch was issued (at once when the thread has stopped)."""
+        if not self._thread.is_alive():
+            return
         marker = MoveBatch(None, (), record=False)
         self._queue.put(marker)
-        marker._done.wait()
+        while not marker._done.wait(timeout=1.0):
+            if not self._thread.is_alive():  # pragma: no cover - the loop only ends on close's None
+                return
 
-    def close(self) -> None:
-        """Issue what is queued, then stop the thread."""
+    def close(self, timeout: float = 60.0) -> bool:
+        """Issue what is queued, then stop the thread; returns True once it has stopped.
+
+        Warns (RuntimeWarning) when the thread is still issuing after ``timeout`` seconds: the caller
+        must not free managed memory it may still prefetch."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            warnings.warn(f"the budget mover thread did not stop within {timeout:g} s; prefetches it still "
+                          "holds may be issued late", RuntimeWarning, stacklevel=2)
+            return False
+        return True

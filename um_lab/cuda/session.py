@@ -203,19 +203,22 @@ class Session(Listenable):
         pools = self._pools
         assert pools is not None
         try:
-            if self.evacuate_on_close:
-                try:
-                    self._evacuate()
-                except Exception as e:  # e.g. no room for the copies: still release the pools
-                    warnings.warn(f"could not move the model out of managed memory ({e}); its tensors "
-                                  "stay in managed segments until they are deleted", RuntimeWarning,
-                                  stacklevel=2)
-            self._modules.clear()
-            self._optimizers.clear()
-            gc.collect()
-            if self._real and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-                torch.cuda.synchronize(self.device)
-                torch._C._cuda_clearCublasWorkspaces()  # a workspace created in a pool would pin it
+            try:
+                self._close_budget()  # first: no prefetch may be queued or in flight once segments are freed
+            finally:
+                if self.evacuate_on_close:
+                    try:
+                        self._evacuate()
+                    except Exception as e:  # e.g. no room for the copies: still release the pools
+                        warnings.warn(f"could not move the model out of managed memory ({e}); its tensors "
+                                      "stay in managed segments until they are deleted", RuntimeWarning,
+                                      stacklevel=2)
+                self._modules.clear()
+                self._optimizers.clear()
+                gc.collect()
+                if self._real and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                    torch.cuda.synchronize(self.device)
+                    torch._C._cuda_clearCublasWorkspaces()  # a workspace created in a pool would pin it
         finally:
             try:
                 pools.close()
@@ -223,10 +226,13 @@ class Session(Listenable):
                 self._close_bookkeeping()
         return self._report_residual(pools)
 
+    def _close_budget(self) -> None:
+        """Hooks off, the mover drained and stopped, its side stream synchronised (before anything is freed)."""
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget.close()
+
     def _close_bookkeeping(self) -> None:
-        if self._budget is not None:
-            self._budget.close()
-            self._budget = None
         try:
             if self.telemetry is not None:
                 self.telemetry.close()
