@@ -21,6 +21,7 @@ share the one side stream, so an eviction always completes before the prefetch t
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -152,6 +153,7 @@ class BudgetExecutor:
         self._touch_estimate: dict[tuple[int, tuple[str, str]], int] = {}  # most written outside the plan
         self._touch_now: dict[tuple[int, tuple[str, str]], int] = {}
         self._keys: dict[int, tuple[str, str]] = {}
+        self._live: tuple[int | None, list[int], list[int]] | None = None  # (generation, starts, ends)
 
     # ---- segments ----
 
@@ -170,6 +172,22 @@ class BudgetExecutor:
             if ptr not in known:
                 self.ledger.add_segment(ptr, size)
         self._index = SegmentIndex(live)
+
+    def span_live(self, ptr: int, nbytes: int) -> bool:
+        """True when ``[ptr, ptr + nbytes)`` lies inside one live segment now (the mover asks this right
+        before each prefetch call: a range freed since the move was planned is never prefetched). The
+        live segments are re-read when ``generation()`` changed (always without one); safe to call
+        from the mover thread."""
+        return self.cover_unknown or _inside(self._live_segments(), ptr, nbytes)
+
+    def _live_segments(self) -> tuple[int | None, list[int], list[int]]:
+        """(generation, starts, ends) of the live segments, re-read when the generation changed."""
+        gen = self._generation() if self._generation is not None else None
+        live = self._live
+        if live is None or gen is None or live[0] != gen:
+            segs = sorted((s.ptr, s.ptr + s.size) for s in self._segments())
+            live = self._live = (gen, [a for a, _ in segs], [b for _, b in segs])
+        return live
 
     def classify(self, address: int) -> DataType | None:
         """The data type of the segment holding ``address`` (None: not in a known segment)."""
@@ -204,7 +222,9 @@ class BudgetExecutor:
     # ---- a step ----
 
     def begin_step(self) -> None:
-        """Start a step: counters at zero; with a plan, realign residency to its starting state."""
+        """Start a step: the mover drained (what the last step queued is issued), segments freed since
+        then forgotten, counters at zero; with a plan, realign residency to its starting state."""
+        self.mover.drain()
         if not self.cover_unknown:
             self.refresh_segments()
         self.ledger.reset_counters()
@@ -233,11 +253,14 @@ class BudgetExecutor:
             rank = self._rank(index)
             moves: list[Move] = []
             for planned in plan.moves[index]:
+                blocks = self.ledger.known_blocks(planned.blocks)  # a segment freed since planning: gone
+                if not blocks:
+                    continue
                 if planned.kind == "evict":
-                    moves += self.ledger.evict(planned.blocks, target=planned.target)
+                    moves += self.ledger.evict(blocks, target=planned.target)
                 elif planned.kind == "prefetch":
                     protect = actual if planned.target != index else ()
-                    got = self.ledger.bring_in(planned.blocks, rank, target=planned.target, protect=protect,
+                    got = self.ledger.bring_in(blocks, rank, target=planned.target, protect=protect,
                                                what=f"{position.phase} of {position.layer}")
                     moves += got or []
             moves += self.ledger.bring_in(actual, rank, target=index,
@@ -326,10 +349,15 @@ class BudgetExecutor:
             self.streams.compute_wait(event)
 
     def _issue(self, moves: list[Move], index: int) -> None:
-        """Carry out ``moves`` on the side stream in order (see the module docstring)."""
+        """Carry out ``moves`` on the side stream in order (see the module docstring). Segments allocated
+        or freed since the ledger last read them are brought in line first, and a range that is not in a
+        live segment is never prefetched (checked here and again by the mover right before each call)."""
         if not moves:
             return
+        if not self.cover_unknown and self._generation is not None and self._generation() != self._seen_generation:
+            self.refresh_segments()
         codes = self.runtime.codes
+        segments = None if self.cover_unknown else self._live_segments()
         compute_event = self.streams.record_compute() if any(m.kind == "evict" for m in moves) else None
         targets: set[int] = set()
         calls = []
@@ -338,14 +366,16 @@ class BudgetExecutor:
                 continue
             to_gpu = m.kind == "prefetch"
             loc = (codes.location_device, self.device) if to_gpu else (codes.location_host, 0)
-            calls += [(ptr, n, loc[0], loc[1]) for ptr, n in m.spans]
+            calls += [(ptr, n, loc[0], loc[1]) for ptr, n in m.spans
+                      if segments is None or _inside(segments, ptr, n)]
             if to_gpu:
                 targets.add(m.target)
                 key = "demand_bytes" if m.target == index else "ahead_bytes"
                 self.stats[key] = self.stats.get(key, 0) + m.nbytes
         if not calls:
             return
-        batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets)))
+        live = None if self.cover_unknown else self.span_live
+        batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live))
         if index in targets:
             self._wait(batch)
         for t in targets:  # a target before this position is a look-ahead past the step's end: the next step's
@@ -361,3 +391,9 @@ class BudgetExecutor:
             self.mover.close()
         finally:
             self.streams.synchronize_side()
+
+
+def _inside(live: tuple[int | None, list[int], list[int]], ptr: int, nbytes: int) -> bool:
+    """True when ``[ptr, ptr + nbytes)`` lies inside one of the segments (sorted starts and ends)."""
+    i = bisect.bisect_right(live[1], ptr) - 1
+    return i >= 0 and ptr + nbytes <= live[2][i]

@@ -124,6 +124,10 @@ class Ledger:
                 del self._blocks[b]
                 self._gpu.discard(b)
 
+    def known_blocks(self, blocks: Iterable[int]) -> list[int]:
+        """The blocks of ``blocks`` that still hold managed bytes (a freed segment's blocks are gone)."""
+        return [b for b in blocks if b in self._blocks]
+
     def segment_blocks(self) -> set[int]:
         """Every block index that holds managed bytes."""
         return set(self._blocks)

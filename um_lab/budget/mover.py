@@ -25,12 +25,17 @@ Call = tuple[int, int, int, int]  #: (address, bytes, location type, location id
 
 class MoveBatch:
     """One batch of prefetches on the side stream: after ``compute_event`` (if any), the ``calls`` in
-    order, then a side event when ``record`` (what compute waits for)."""
+    order, then a side event when ``record`` (what compute waits for). ``live(address, bytes)``
+    (optional) is asked right before each call: a range it rejects (its segment was freed since the
+    batch was made) is skipped, never prefetched (``skipped`` counts them)."""
 
-    def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool) -> None:
+    def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool,
+                 live: Callable[[int, int], bool] | None = None) -> None:
         self.compute_event = compute_event
         self.calls = list(calls)
         self.record = record
+        self.live = live
+        self.skipped = 0
         self.side_event: Any = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -41,7 +46,11 @@ class MoveBatch:
             if self.compute_event is not None:
                 streams.side_wait(self.compute_event)
             side = streams.side_handle()
+            live = self.live
             for ptr, n, loc_type, loc_id in self.calls:
+                if live is not None and not live(ptr, n):
+                    self.skipped += 1
+                    continue
                 runtime.prefetch(ptr, n, loc_type, loc_id, side)
             if self.record:
                 self.side_event = streams.record_side()

@@ -1,0 +1,121 @@
+"""The budget executor when the world changes under its plan: segments freed between or during steps
+(``torch.cuda.empty_cache()``, an allocator retry), planned look-aheads that no longer fit, mover errors.
+A freed range is never prefetched, and a step never fails for what only the look-ahead wanted."""
+
+import threading
+
+import pytest
+from fakes import FakeRuntime
+from test_budget_ledger import layered_order
+
+from um_lab.budget.executor import BudgetExecutor, RecordingStreams
+from um_lab.budget.ledger import BLOCK
+from um_lab.budget.mover import ThreadMover
+from um_lab.budget.order import Order, Position
+from um_lab.cuda.allocator import Segment
+from um_lab.types import DataType
+
+
+class World:
+    """Live segments and a generation counter, as the session's segment source gives them."""
+
+    def __init__(self, segments):
+        self.live = [Segment(p, n, DataType.ACT) for p, n in segments]
+        self.gen = 0
+
+    def segments(self):
+        return list(self.live)
+
+    def generation(self):
+        return self.gen
+
+    def free(self, ptr):
+        self.live = [s for s in self.live if s.ptr != ptr]
+        self.gen += 1
+
+
+def drive(ex, order, between=None):
+    ex.begin_step()
+    for i, p in enumerate(order.positions):
+        if between is not None:
+            between(i)
+        ex.enter(i, p)
+    return ex.end_step()
+
+
+def without(order, span):
+    """The order with every use of ``span`` dropped (its tensors died)."""
+    return Order([Position(p.phase, p.layer, [a for a in p.accesses if span not in a.spans])
+                  for p in order.positions], [])
+
+
+def on(span, calls):
+    return [c for c in calls if span[0] <= c[0] < span[0] + span[1]]
+
+
+def planned_executor(world, order, *, mover=None, runtime=None):
+    runtime = runtime or FakeRuntime()
+    budget = sum(n for _, n in order.segments) // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, runtime, 0, RecordingStreams(), world.segments, generation=world.generation,
+                        mover=mover)
+    ex.refresh_segments()
+    drive(ex, order)
+    ex.set_order(order)
+    drive(ex, order)
+    return ex, runtime
+
+
+@pytest.mark.parametrize("k", range(16))
+def test_a_segment_freed_between_steps_is_never_prefetched_and_the_step_runs(k):
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    ex, runtime = planned_executor(world, order)
+    gone = order.segments[k]
+    world.free(gone[0])  # e.g. torch.cuda.empty_cache() between steps
+    runtime.prefetched.clear()
+    for _ in range(2):
+        stats = drive(ex, without(order, gone))
+        assert stats["max_resident_ledger"] <= ex.ledger.budget_bytes
+        ex.ledger.check()
+    assert not on(gone, runtime.prefetched)
+    assert gone[0] not in ex.ledger.segments()
+
+
+def test_a_segment_freed_during_a_step_is_forgotten_before_the_next_move_is_issued():
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    ex, runtime = planned_executor(world, order)
+    # an optimizer-state segment the plan prefetches ahead late in the step; freed (an allocator retry)
+    # after the first position ran, while the ledger still holds it
+    gone = next(s for s in reversed(order.segments) if on(s, runtime.prefetched))
+    runtime.prefetched.clear()
+    drive(ex, without(order, gone), between=lambda i: world.free(gone[0]) if i == 1 else None)
+    assert not on(gone, runtime.prefetched)
+    ex.ledger.check()
+
+
+def test_the_mover_skips_a_range_freed_after_its_batch_was_queued():
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    gate = threading.Event()
+
+    class Gated(FakeRuntime):
+        def prefetch(self, *args):
+            gate.wait(10)
+            super().prefetch(*args)
+
+    runtime = Gated()
+    gate.set()
+    ex, _ = planned_executor(world, order, mover=ThreadMover(runtime, RecordingStreams()), runtime=runtime)
+    ex.mover.drain()
+    gate.clear()  # the mover is now held at its first call
+    runtime.prefetched.clear()
+    first, second = order.segments[0], order.segments[1]
+    both = ex.ledger.blocks([first, second])
+    ex._issue(ex.ledger.evict(both), -1)  # the mover holds this batch at the gate
+    ex._issue(ex.ledger.bring_in(both, lambda b: 0.0, target=5), -1)  # queued behind it (a look-ahead)
+    world.free(second[0])  # freed while the batch waits in the mover's queue
+    gate.set()
+    ex.mover.drain()
+    ex.close()
+    assert on(first, runtime.prefetched) and not on(second, runtime.prefetched)
