@@ -8,6 +8,7 @@ import pytest
 from fakes import FakeRuntime
 from test_budget_ledger import layered_order
 
+from um_lab import BudgetTooSmall
 from um_lab.budget.executor import BudgetExecutor, RecordingStreams
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.mover import ThreadMover
@@ -119,3 +120,29 @@ def test_the_mover_skips_a_range_freed_after_its_batch_was_queued():
     ex.mover.drain()
     ex.close()
     assert on(first, runtime.prefetched) and not on(second, runtime.prefetched)
+
+
+def test_a_lookahead_that_no_longer_fits_is_skipped_not_raised():
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    budget = sum(n for _, n in order.segments) // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), lambda: [], cover_unknown=True)
+    for ptr, size in order.segments:
+        ex.ledger.add_segment(ptr, size)
+    drive(ex, order)
+    plan = ex.set_order(order)
+    drive(ex, order)
+    ahead = [m for m in plan.moves[1] if m.kind == "prefetch" and m.target != 1]
+    assert ahead  # position 1 prefetches for later positions
+    # the next step: same layers, but position 1 writes new activations, so its own ranges fill the budget
+    own = ex.ledger.bytes_of(ex.blocks(order.positions[1].spans()))
+    extra = (budget - own) // BLOCK
+    new = Position(order.positions[1].phase, order.positions[1].layer, list(order.positions[1].accesses))
+    new.add(DataType.ACT, [(1 << 44, extra * BLOCK)])
+    step = Order([*order.positions[:1], new, *order.positions[2:]], [])
+    stats = drive(ex, step)  # before: BudgetTooSmall from the look-ahead prefetch
+    assert stats["skipped_ahead"] >= 1 and stats["followed_plan"]
+    assert stats["max_resident_ledger"] <= budget
+    ex.ledger.check()
+    with pytest.raises(BudgetTooSmall):  # the position's own ranges above the budget still fail the step
+        new.add(DataType.ACT, [(1 << 45, BLOCK)])
+        drive(ex, step)

@@ -9,7 +9,9 @@ recorder. Every residency change goes through its :class:`~um_lab.budget.ledger.
 - **planned** (the step follows the recorded order): the plan's moves for each position are replayed
   (Belady evictions, look-ahead prefetches), after one realignment at step start to the resident set
   the steady step begins with; ranges the plan did not foresee are brought in on demand, and room is
-  made before a position for the most it wrote outside the plan in an earlier step (new output addresses).
+  made before a position for the most it wrote outside the plan in an earlier step (new output addresses);
+  a planned look-ahead that no longer fits beside the position's actual ranges is skipped
+  (``skipped_ahead``), never an error: only the position's own ranges can fail a step.
 
 Moves are issued on a side stream, by a :mod:`~um_lab.budget.mover` (a thread of its own on a GPU,
 where a prefetch call blocks the host until its stream's earlier work is done): before an eviction
@@ -33,6 +35,7 @@ from um_lab.budget.mover import InlineMover, MoveBatch, ThreadMover
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, Scheduler, make_plan
 from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
+from um_lab.errors import BudgetTooSmall
 from um_lab.types import DataType
 
 
@@ -233,7 +236,7 @@ class BudgetExecutor:
         self._touch_now = {}
         self._keys = {}
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
-                      "realign_bytes": 0, "host_waits": 0}
+                      "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0}
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.plan is not None and self.following_plan:
             start = set(self.plan.start_resident) & self.ledger.segment_blocks()
@@ -258,10 +261,16 @@ class BudgetExecutor:
                     continue
                 if planned.kind == "evict":
                     moves += self.ledger.evict(blocks, target=planned.target)
+                elif planned.kind == "prefetch" and planned.target == index:
+                    moves += self.ledger.bring_in(blocks, rank, target=index,
+                                                  what=f"{position.phase} of {position.layer}") or []
                 elif planned.kind == "prefetch":
-                    protect = actual if planned.target != index else ()
-                    got = self.ledger.bring_in(blocks, rank, target=planned.target, protect=protect,
-                                               what=f"{position.phase} of {position.layer}")
+                    try:  # a look-ahead: with this position's actual ranges it may no longer fit; skip it
+                        got = self.ledger.bring_in(blocks, rank, target=planned.target, protect=actual,
+                                                   what=f"{position.phase} of {position.layer}")
+                    except BudgetTooSmall:
+                        self.stats["skipped_ahead"] += 1
+                        continue
                     moves += got or []
             moves += self.ledger.bring_in(actual, rank, target=index,
                                           what=f"{position.phase} of {position.layer}") or []
