@@ -232,3 +232,15 @@ def test_order_round_trips_through_json_and_covering_segments_are_whole_blocks()
     assert covering_segments([(BASE + 10, 5), (BASE + BLOCK - 1, 2)]) == [(BASE, BLOCK), (BASE + BLOCK, BLOCK)]
     cpu_order = Order(order.positions)  # no segments recorded
     assert sum(n for _, n in cpu_order.managed_segments()) == sum(n for _, n in order.segments)
+
+
+def test_a_segment_added_into_a_resident_block_raises_the_peak_too():
+    ledger = Ledger(8 * MiB)
+    ledger.add_segment(BASE, 1 * MiB)
+    ledger.bring_in(ledger.blocks([(BASE, 1)]), far)
+    assert ledger.max_resident == 1 * MiB
+    ledger.add_segment(BASE + 1 * MiB, 1 * MiB)  # the block's other half: resident at once
+    assert ledger.resident_bytes == 2 * MiB and ledger.max_resident == 2 * MiB
+    ledger.remove_segment(BASE + 1 * MiB)
+    assert ledger.resident_bytes == 1 * MiB and ledger.max_resident == 2 * MiB
+    ledger.check()

@@ -109,6 +109,7 @@ class Ledger:
                 if block.where == GPU:
                     self.resident_bytes += hi - lo
         self._segments[ptr] = size
+        self.max_resident = max(self.max_resident, self.resident_bytes)  # a new piece of a resident block
 
     def remove_segment(self, ptr: int) -> None:
         """Forget a freed segment (its resident bytes stop counting)."""
