@@ -17,8 +17,17 @@ def _session(*args, **kw):
 
 
 def _train(budget, steps=6, interrupt_at=None):
-    torch.manual_seed(0)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _train_deterministic(budget, steps, interrupt_at)
+    finally:  # restored: later tests in the process run as they would alone
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+def _train_deterministic(budget, steps, interrupt_at):
+    torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
                                   for _ in range(8)], torch.nn.Linear(4096, 10))
     g = torch.Generator().manual_seed(0)
@@ -65,3 +74,13 @@ def test_an_interrupted_budget_step_leaves_the_session_usable_on_the_gpu():
     records, _, _ = _train(footprint // 2, steps=6, interrupt_at=3)
     assert len(records) == 6 and all(r.loss == r.loss for r in records)  # no NaN, every step ran
     assert records[-1].extra["budget"]["followed_plan"]
+
+
+def _deterministic_setting():
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def test_training_leaves_the_deterministic_setting_as_it_found_it():
+    before = _deterministic_setting()
+    _train(None, steps=1)
+    assert _deterministic_setting() == before
