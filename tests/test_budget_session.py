@@ -83,7 +83,7 @@ def test_without_a_budget_no_hooks_are_installed_and_records_have_no_budget(env)
 
 
 @pytest.mark.parametrize("issue", ["thread", "inline"])
-def test_budget_steps_keep_the_ledger_under_b_and_train_exactly_as_without(env, issue):
+def test_budget_steps_keep_the_ledger_under_b_plus_unforeseen_writes_and_train_exactly_as_without(env, issue):
     source, driver, api, runtime = env
     model, batches = model_and_data()
     twin = copy.deepcopy(model)

@@ -56,6 +56,11 @@ class Session(Listenable):
     in the first step and then prefetches the next layers' data on a side stream and pushes data that is
     done with to the host; the optimizer is stepped one layer at a time, and the policy's phase
     prefetches are left to the scheduler. Each record's ``extra["budget"]`` holds the ledger's numbers.
+    The ledger sees data at layer boundaries only (each layer's parameters, gradients, optimizer state,
+    inputs, outputs and saved tensors, as the hooks report them): temporaries a layer allocates and frees
+    inside itself are not tracked, and a kernel's first write to a block the plan did not foresee is
+    recorded after the fact (``touched_bytes``; ``over_budget`` when it took the ledger above ``B``).
+    CUPTI-measured residency (``telemetry=True``) is the cross-check.
     ``budget_lookahead`` is how many positions ahead it prefetches; ``budget_issue`` who makes the
     prefetch calls (``"thread"``: a mover thread, since a call blocks until its stream's earlier work is
     done; ``"inline"``: the training thread). Without a budget nothing changes: no hooks are installed.
