@@ -18,11 +18,15 @@ own budget, filled after the measurement (``--no-sim`` leaves it null). Not fill
 
     python bench/budget.py --predict             # no GPU: the simulator's rows (bench/results/budget_predicted.json)
 
-Safety: nothing here oversubscribes the card. Every session's cap on live managed bytes is
-``min(the default cap, --max-managed-fraction x free GPU memory at start)`` (default 0.5), so the shim
-refuses any segment past it before CUDA is called; the bench also keeps its own count (the peak of live
-managed bytes after every step) and aborts the model if it ever exceeds that limit. A budget only moves
-data between the GPU and the host; it never raises the managed total.
+Safety: nothing here oversubscribes the card. ``limit`` = ``--max-managed-fraction`` (default 0.5) x the
+free GPU memory when the bench starts. Before each session ``torch.cuda.mem_get_info()`` is read again and
+the session's cap on live managed bytes is ``min(limit, um_lab.cuda.allocator.default_cap(free, total))``
+(free memory now minus the reserve), so the shim refuses any segment past it before CUDA is called. The
+bench's own counter, a session listener run after every step, reads the absolute live managed total (every
+live segment of the process, not only this session's) and aborts the model (``ManagedLimitExceeded``) once
+it passes 0.8 x that cap, before the shim's refusal can be reached. After each session the managed bytes
+``Session.close()`` reports still held must be 0, else the model is aborted too (``ManagedBytesLeft``).
+A budget only moves data between the GPU and the host; it never raises the managed total.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
 
@@ -56,8 +61,27 @@ MODELS: dict[str, dict[str, Any]] = {
 QUICK_MODELS = ("mlp-small", "cnn-small")
 
 
+SAFETY_FRACTION = 0.8  #: the bench's own counter aborts once live managed bytes pass this fraction of the cap
+
+
 class ManagedLimitExceeded(RuntimeError):
-    """The bench's own counter saw more live managed bytes than its limit: the model is aborted."""
+    """The bench's own counter saw more live managed bytes than 0.8 x the session's cap: the model is aborted."""
+
+
+class ManagedBytesLeft(RuntimeError):
+    """A session closed with managed bytes still held (``Session.close()`` returned more than 0)."""
+
+
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes of the current GPU now (the CPU test replaces it)."""
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+def session_cap(limit: int) -> int:
+    """The cap for the next session: ``min(limit, default_cap(free, total))`` with memory read now."""
+    free, total = device_memory()
+    return min(limit, default_cap(free, total))
 
 
 def small_cnn(batch_size: int = 32, channels: int = 128, image: int = 64) -> ModelCase:
@@ -92,16 +116,28 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread") -> dict[str, Any]:
-    """Train ``steps`` steps in one session; returns the records and the peak of live managed bytes
-    (segments, read after every step: the caching allocator keeps a step's segments, so this is the
-    step's peak)."""
+    """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
+    managed bytes above the session's start (segments, read after every step: the caching allocator keeps
+    a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
+    cap = session_cap(limit)
+    abort_at = int(SAFETY_FRACTION * cap)
     torch.manual_seed(0)
     model = case.build_model()
     records = []
     peak = 0
-    with Session("um-default", cap_bytes=limit, gpu_budget_bytes=budget, telemetry=telemetry,
-                 evacuate_on_close=False, budget_issue=issue, **SESSION_KWARGS) as lab:
+    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, telemetry=telemetry,
+                  evacuate_on_close=False, budget_issue=issue, **SESSION_KWARGS)
+    lab.open()
+    try:
         base = lab.stats()["live_total"]
+
+        def guard(record: Any) -> None:  # the bench's own counter, beside the shim's cap: after every step
+            live = int(lab.stats()["live_total"])
+            if live > abort_at:
+                raise ManagedLimitExceeded(f"{case.name}: live managed bytes reached {live} B after step "
+                                           f"{record.step}, above {SAFETY_FRACTION} x the cap {cap} B")
+
+        lab.add_listener(guard)
         model = lab.place(model)
         opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
         for step in range(steps):
@@ -109,10 +145,12 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
             batch = batch if isinstance(batch, tuple) else (batch,)
             records.append(lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt))
             peak = max(peak, lab.stats()["live_total"] - base)
-            if peak > limit:  # the bench's own counter, beside the shim's cap
-                raise ManagedLimitExceeded(f"{case.name}: live managed bytes reached {peak} B, limit {limit} B")
         del opt, model, batch  # nothing of the run outlives the session: close frees every segment
-    return {"records": records, "peak_bytes": peak}
+    finally:
+        left = lab.close()
+    if left != 0:
+        raise ManagedBytesLeft(f"{case.name}: {left} managed bytes still held after the session closed")
+    return {"records": records, "peak_bytes": peak, "cap_bytes": cap}
 
 
 def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
@@ -159,6 +197,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue)
+        except (ManagedLimitExceeded, ManagedBytesLeft):
+            raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
             row.update({"step_ms": None, "error": f"{type(e).__name__}: {e}"})
             rows.append(row)
@@ -179,7 +219,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
-            "step_ms_all": [r.wall_ms for r in out["records"]],
+            "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
             "run_s": time.perf_counter() - t0,
         })
         rows.append(row)
@@ -286,11 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py; "
               "--predict runs the simulator alone)")
         return 2
-    free, total = torch.cuda.mem_get_info()
+    free, total = device_memory()
     limit = int(free * args.max_managed_fraction)
     device = torch.cuda.get_device_name()
     print(f"{device}: free {free / GiB:.1f} of {total / GiB:.1f} GiB; live managed bytes limited to "
-          f"{limit / GiB:.1f} GiB")
+          f"{limit / GiB:.1f} GiB (each session: min(that, the default cap then); the bench aborts at "
+          f"{SAFETY_FRACTION} x the session's cap)")
     rows: list[dict[str, Any]] = []
     for name in args.models:
         try:
@@ -298,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows
-        except ManagedLimitExceeded as e:
+        except (ManagedLimitExceeded, ManagedBytesLeft) as e:
             print(f"ABORTED {name}: {e}")
             rows.append({"model": name, "error": f"aborted: {e}"})
         except ImportError as e:

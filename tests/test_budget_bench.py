@@ -9,6 +9,8 @@ import pytest
 import torch
 from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
 
+from um_lab.types import DataType
+
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 SCHEMA = {"model", "footprint_bytes", "budget_bytes", "ratio", "step_ms", "fit_step_ms", "crossing_bytes",
@@ -24,6 +26,15 @@ def bench(monkeypatch):
     spec.loader.exec_module(module)
     source, driver = install_fake_driver(cap=1 << 40)
     module.SESSION_KWARGS.update(_pool_api=FakePoolAPI(), _runtime=FakeRuntime(), _source=source)
+    module.memory_reads = []
+
+    def device_memory():  # free GPU memory drops by 1 GiB at every read (another user of the card)
+        free = (64 << 30) - len(module.memory_reads) * (1 << 30)
+        module.memory_reads.append(free)
+        return free, 80 << 30
+
+    monkeypatch.setattr(module, "device_memory", device_memory)
+    module.fake_source = source
     real_run = module.run_session
 
     def run(case, steps, limit, **kw):
@@ -54,3 +65,48 @@ def test_bench_rows_carry_the_issue_schema_and_the_ledger_numbers(bench):
         assert row["max_resident_cupti"] is None and row["fsdp2_step_ms"] is None and row["sim_step_ms"] is None
     assert refused["step_ms"] is None and refused["error"].startswith("BudgetTooSmall")  # 4.8 MiB: not one layer
     assert any("ratio 2.0" in line for line in lines)
+
+
+def test_each_session_caps_at_the_smaller_of_the_limit_and_the_default_cap_read_just_before_it(bench):
+    from um_lab.cuda.allocator import default_cap
+
+    torch.manual_seed(0)
+    case = bench.build_case("mlp")
+    small = bench.run_session(case, 1, 1 << 30)  # the limit is the smaller one
+    assert small["cap_bytes"] == 1 << 30
+    big = bench.run_session(case, 1, 1 << 40)  # the default cap, from free memory read again now
+    assert len(bench.memory_reads) == 2
+    assert big["cap_bytes"] == default_cap(bench.memory_reads[-1], 80 << 30) < default_cap(64 << 30, 80 << 30)
+
+
+def test_the_bench_aborts_at_0_8_of_the_cap_on_the_absolute_live_total_after_a_step(bench, monkeypatch):
+    torch.manual_seed(0)
+    case = bench.build_case("mlp")
+    monkeypatch.setattr(bench, "device_memory", lambda: ((3 << 30) + (100 << 20), 40 << 30))  # cap 1.1 GiB
+    other = bench.fake_source.allocate(DataType.ACT, 900 << 20)  # managed bytes held outside the session
+    try:
+        with pytest.raises(bench.ManagedLimitExceeded, match="after step 0"):
+            bench.run_session(case, 3, 1 << 40)  # 0.9 GiB > 0.8 x 1.1 GiB, below the shim's own cap
+        with pytest.raises(bench.ManagedLimitExceeded):  # and it stops the model, not only the row
+            bench.bench_model("mlp", [2.0], 2, 1 << 40, False, lambda line: None)
+    finally:
+        bench.fake_source.free(other)
+
+
+def test_a_session_that_leaves_managed_bytes_behind_aborts_the_model(bench, monkeypatch):
+    torch.manual_seed(0)
+    kept = []
+
+    class Leaky(bench.Session):
+        def step(self, *args, **kw):
+            if not kept:  # a segment nothing frees: close() reports it still held
+                kept.append(self._pools.source.allocate(DataType.ACT, 4 << 20))
+            return super().step(*args, **kw)
+
+    monkeypatch.setattr(bench, "Session", Leaky)
+    try:
+        with pytest.raises(bench.ManagedBytesLeft, match="still held"):
+            bench.run_session(bench.build_case("mlp"), 1, 1 << 40)
+    finally:
+        for ptr in kept:
+            bench.fake_source.free(ptr)
