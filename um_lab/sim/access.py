@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from um_lab.sim.gemm_passes import passes_nn, passes_nt
 from um_lab.sim.ops import (
     COL_REDUCE,
     CONV_1X1,
@@ -28,7 +29,6 @@ from um_lab.sim.ops import (
     GEMM_XWT_BIAS,
     NORM_STATS,
 )
-from um_lab.sim.gemm_passes import passes_nn, passes_nt
 from um_lab.sim.placement import BIG_PAGE, BLOCK, Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import ACC_READ, ACC_READ_WRITE, ACC_WRITE_ONLY, StepTrace
