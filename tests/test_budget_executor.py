@@ -146,3 +146,59 @@ def test_a_lookahead_that_no_longer_fits_is_skipped_not_raised():
     with pytest.raises(BudgetTooSmall):  # the position's own ranges above the budget still fail the step
         new.add(DataType.ACT, [(1 << 45, BLOCK)])
         drive(ex, step)
+
+
+class Failing(FakeRuntime):
+    """Fails the prefetch calls while ``fail`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def prefetch(self, *args):
+        if self.fail:
+            raise RuntimeError("cudaMemPrefetchAsync failed")
+        super().prefetch(*args)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failed_move_is_raised_and_the_next_step_starts_from_everything_evicted(threaded):
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    runtime = Failing()
+    mover = ThreadMover(runtime, RecordingStreams()) if threaded else None
+    ex, _ = planned_executor(world, order, mover=mover, runtime=runtime)
+    runtime.fail = True
+    with pytest.raises(RuntimeError, match="cudaMemPrefetchAsync failed"):
+        drive(ex, order)  # raised inside a position (a batch it waits for) or at the step's end
+    ex.abort()
+    assert ex.residency_unknown
+    runtime.fail = False
+    runtime.prefetched.clear()
+    stats = drive(ex, order)
+    host = runtime.codes.location_host
+    evicted = {(p, n) for p, n, loc, _, _ in runtime.prefetched if loc == host}
+    assert set(order.segments) <= evicted  # every segment pushed to the host, whatever the ledger believed
+    assert not ex.residency_unknown and stats["max_resident_ledger"] <= ex.ledger.budget_bytes
+    ex.ledger.check()
+    ex.close()
+
+
+def test_a_failed_move_nobody_waited_for_is_raised_at_the_step_end_and_at_close():
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    runtime = Failing()
+    ex, _ = planned_executor(world, order, runtime=runtime)
+    ex.begin_step()
+    runtime.fail = True
+    ex.evict_all()  # no position waits for an eviction
+    runtime.fail = False
+    with pytest.raises(RuntimeError, match="failed"):
+        ex.end_step()
+    assert ex.residency_unknown
+    ex.touch_now([order.segments[0]])  # the GPU wrote a segment: resident, to be evicted
+    runtime.fail = True
+    assert ex.evict_all() > 0
+    runtime.fail = False
+    with pytest.raises(RuntimeError, match="failed"):
+        ex.close()

@@ -19,6 +19,11 @@ the side stream waits for the compute stream
 (an event recorded at this position: the layers that used the data are done), and a prefetch is
 followed by an event the compute stream waits on at the position the data is for. Both directions
 share the one side stream, so an eviction always completes before the prefetch that needs its room.
+
+The ledger applies a move when it is planned, before the mover issues it, so a failed prefetch call
+leaves the ledger wrong: the error is raised (to the position waiting for the batch, else at the step's
+end, the next step's start or :meth:`BudgetExecutor.close`) and the residency is marked unknown; the next
+step begins by pushing every managed range to the host.
 """
 
 from __future__ import annotations
@@ -157,6 +162,7 @@ class BudgetExecutor:
         self._touch_now: dict[tuple[int, tuple[str, str]], int] = {}
         self._keys: dict[int, tuple[str, str]] = {}
         self._live: tuple[int | None, list[int], list[int]] | None = None  # (generation, starts, ends)
+        self.residency_unknown = False  # a move failed after the ledger applied it: evict all at the next step
 
     # ---- segments ----
 
@@ -230,6 +236,7 @@ class BudgetExecutor:
         self.mover.drain()
         if not self.cover_unknown:
             self.refresh_segments()
+        self._raise_mover_error()  # a batch of the last step failed after it ended: nothing has run yet
         self.ledger.reset_counters()
         self._pending, self._next_pending = self._next_pending, {}
         self._current = set()
@@ -238,11 +245,17 @@ class BudgetExecutor:
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
                       "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0}
         self.following_plan = self.plan is not None and self._scheduler is not None
+        if self.residency_unknown:  # a move failed: the ledger may be wrong, so start from nothing resident
+            moves = self.ledger.evict_everything()
+            self.stats["realign_bytes"] = sum(m.nbytes for m in moves)
+            self.residency_unknown = False
+            self._pending = {}  # batches carried over from the failed step: not waited for
+            self._issue(moves, -1)
         if self.plan is not None and self.following_plan:
             start = set(self.plan.start_resident) & self.ledger.segment_blocks()
             moves = self.ledger.evict(sorted(self.ledger.resident_blocks() - start))
             moves += self.ledger.bring_in(start, self._rank(0), target=0, what="the plan's starting set") or []
-            self.stats["realign_bytes"] = sum(m.nbytes for m in moves)
+            self.stats["realign_bytes"] += sum(m.nbytes for m in moves)
             self._issue(moves, -1)
 
     def enter(self, index: int, position: Position) -> None:
@@ -322,8 +335,10 @@ class BudgetExecutor:
         self.following_plan = False
 
     def end_step(self) -> dict[str, Any]:
-        """The step's numbers for ``StepRecord.extra["budget"]``."""
+        """The step's numbers for ``StepRecord.extra["budget"]``; raises an error a move of this step met
+        (the ledger is then marked unknown: the next step starts by evicting everything)."""
         self._pending.clear()
+        self._raise_mover_error()
         for key, nbytes in self._touch_now.items():  # the most any step wrote there: room only grows
             self._touch_estimate[key] = max(nbytes, self._touch_estimate.get(key, 0))
         ledger = self.ledger
@@ -349,11 +364,23 @@ class BudgetExecutor:
         for target in sorted(t for t in self._pending if t <= index):
             self._wait(self._pending.pop(target))
 
+    def _raise_mover_error(self) -> None:
+        """Raise an error a batch met that nobody raised yet, marking the ledger's residency unknown."""
+        error = self.mover.take_error()
+        if error is not None:
+            self.residency_unknown = True
+            raise error
+
     def _wait(self, batch: MoveBatch) -> None:
         """Compute waits for ``batch``'s transfers (the host first waits until it was issued)."""
         if not batch.issued:
             self.stats["host_waits"] = self.stats.get("host_waits", 0) + 1
-        event = batch.wait()
+        try:
+            event = batch.wait()
+        except BaseException:
+            self.residency_unknown = True  # the ledger applied moves that did not all happen
+            self.mover.take_error()  # raised here: not again at the step's end
+            raise
         if event is not None:
             self.streams.compute_wait(event)
 
@@ -384,7 +411,11 @@ class BudgetExecutor:
         if not calls:
             return
         live = None if self.cover_unknown else self.span_live
-        batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live))
+        try:
+            batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live))
+        except BaseException:  # an earlier batch failed: the ledger holds moves that did not happen
+            self.residency_unknown = True
+            raise
         if index in targets:
             self._wait(batch)
         for t in targets:  # a target before this position is a look-ahead past the step's end: the next step's
@@ -400,6 +431,7 @@ class BudgetExecutor:
             self.mover.close()
         finally:
             self.streams.synchronize_side()
+        self._raise_mover_error()
 
 
 def _inside(live: tuple[int | None, list[int], list[int]], ptr: int, nbytes: int) -> bool:

@@ -246,6 +246,16 @@ class Ledger:
         """Push resident ``blocks`` to the host (blocks already there are skipped)."""
         return self._evict([b for b in blocks if self._blocks[b].where == GPU], target)
 
+    def evict_everything(self, target: int = -1) -> list[Move]:
+        """Push every block to the host, whatever the ledger believes about it (after moves that may
+        not have happened: its state is unknown); afterwards nothing counts as resident."""
+        blocks = sorted(self._blocks)
+        for b in blocks:
+            self._blocks[b].where = GPU
+        self._gpu.update(blocks)
+        self.resident_bytes = sum(self._blocks[b].nbytes for b in blocks)
+        return self._evict(blocks, target)
+
     def touched(self, blocks: Iterable[int], rank: Callable[[int], float], *, target: int = -1,
                 protect: Iterable[int] = ()) -> list[Move]:
         """The GPU has touched ``blocks`` (a kernel wrote them): mark them resident, evicting victims to

@@ -77,11 +77,19 @@ class InlineMover:
 
     def __init__(self, runtime: Runtime, streams: Any) -> None:
         self.runtime, self.streams = runtime, streams
+        self._error: BaseException | None = None
 
     def submit(self, batch: MoveBatch) -> MoveBatch:
-        """Issue ``batch`` now."""
+        """Issue ``batch`` now (an error it meets is kept for :meth:`take_error`)."""
         batch.run(self.runtime, self.streams)
+        if batch.error is not None and self._error is None:
+            self._error = batch.error
         return batch
+
+    def take_error(self) -> BaseException | None:
+        """The first error a batch met since the last call (None: none), cleared."""
+        error, self._error = self._error, None
+        return error
 
     def drain(self) -> None:
         """Nothing is ever queued."""
@@ -95,7 +103,9 @@ class ThreadMover:
     """Issues batches in order from a daemon thread (see the module docstring).
 
     ``thread_init`` runs first on that thread (on a GPU: select the session's device). An error in a
-    batch is raised to whoever waits for that batch, and by the next :meth:`submit`.
+    batch is raised to whoever waits for that batch, and by the next :meth:`submit` (or handed out by
+    :meth:`take_error`); batches queued after it are not issued (they fail with the same error) until
+    the error has been raised or taken.
     """
 
     def __init__(self, runtime: Runtime, streams: Any, thread_init: Callable[[], None] | None = None) -> None:
@@ -133,6 +143,11 @@ class ThreadMover:
             raise RuntimeError("the budget mover thread has stopped")
         self._queue.put(batch)
         return batch
+
+    def take_error(self) -> BaseException | None:
+        """The error a batch met that was not raised yet (None: none), cleared."""
+        error, self._error = self._error, None
+        return error
 
     def drain(self) -> None:
         """Block until every queued batch was issued (at once when the thread has stopped)."""
