@@ -9,7 +9,7 @@ import torch
 from fakes import FakeRuntime
 from test_budget_ledger import replay
 
-from um_lab import BudgetTooSmall
+from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
 from um_lab.budget.executor import BudgetExecutor, RecordingStreams
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order
@@ -275,3 +275,47 @@ def test_the_mover_thread_issues_the_same_calls_in_the_same_order_as_inline():
             log = streams.log
             assert all(("record_side", ev) in log[:i] for i, (c, ev) in enumerate(log) if c == "compute_wait")
     assert calls[0] == calls[1] and calls[0]
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "sgd-nesterov-wd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd-foreach": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adam-foreach-wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True, weight_decay=1e-2),
+    "adamw-wd": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw-amsgrad-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_allowed_optimizer_steps_in_chunks_exactly_as_in_one_step(name):
+    model, _ = mlp()
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(64, 1024), torch.randint(0, 10, (64,))
+    chunked, full = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](twin.parameters())
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        step_optimizer_in_chunks(chunked, optimizer_chunks([model], chunked))
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        full.step()
+        full.zero_grad(set_to_none=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+class MyAdam(torch.optim.Adam):
+    pass
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adagrad(ps), lambda ps: torch.optim.LBFGS(ps),
+                                  lambda ps: MyAdam(ps)], ids=["adagrad", "lbfgs", "adam-subclass"])
+def test_other_optimizers_are_refused_by_name_before_anything_steps(make):
+    model, _ = mlp()
+    optimizer = make(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UnsupportedOptimizer, match="SGD, torch.optim.Adam, torch.optim.AdamW") as info:
+        step_optimizer_in_chunks(optimizer, optimizer_chunks([model], optimizer))
+    assert isinstance(info.value, BudgetError) and type(optimizer).__name__ in str(info.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

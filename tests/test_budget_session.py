@@ -11,7 +11,7 @@ import pytest
 import torch
 from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
 
-from um_lab import BudgetError, BudgetTooSmall
+from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
 from um_lab.budget.executor import RecordingStreams
 from um_lab.budget.mover import MoveBatch, ThreadMover
 from um_lab.cuda.allocator import ManagedPools
@@ -252,3 +252,13 @@ def test_closing_drops_the_models_and_parameters_the_budget_held(env):
     del model, lab
     gc.collect()
     assert ref() is None  # nothing of the budget keeps a parameter (and its managed segment) alive
+
+
+def test_a_budget_session_refuses_an_unsupported_optimizer_at_attach(env):
+    model, _ = model_and_data()
+    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+        with pytest.raises(UnsupportedOptimizer, match="Adagrad"):
+            lab.attach(model, torch.optim.Adagrad(model.parameters()))
+        assert model not in lab._modules  # refused before anything was placed
+    with make_session(env) as plain:  # without a budget any optimizer goes
+        plain.attach(model, torch.optim.Adagrad(model.parameters()))

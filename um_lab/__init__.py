@@ -18,6 +18,7 @@ from um_lab.errors import (
     SpecError,
     UmLabError,
     UnsupportedDeviceError,
+    UnsupportedOptimizer,
 )
 from um_lab.policy import Advice, Location, Policy, Prefetch, Processor, get_policy, presets
 from um_lab.types import DATA_TYPES, PAPER_GROUPS, DataType, RunSpec, StepRecord
@@ -65,8 +66,8 @@ __all__ = [
     "LoadedRun", "Location", "ModelCase", "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused",
     "Policy", "PolicyError", "Prefetch", "Processor", "Run", "RunDirError", "RunLogError", "RunNameError",
     "RunSpec", "RunStateError", "Session", "SessionStateError", "SimBackend", "SizeRefused", "SpecError",
-    "StepRecord", "UmLabError", "UnsupportedDeviceError", "compare", "custom", "get_model", "get_policy",
-    "list_runs", "load", "presets", "run",
+    "StepRecord", "UmLabError", "UnsupportedDeviceError", "UnsupportedOptimizer", "compare", "custom", "get_model",
+    "get_policy", "list_runs", "load", "presets", "run",
 ]
 
 

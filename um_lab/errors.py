@@ -119,3 +119,8 @@ class BudgetTooSmall(BudgetError):
 
     def __reduce__(self):
         return (type(self), (self.budget, self.needed, self.what))
+
+
+class UnsupportedOptimizer(BudgetError):
+    """A budget steps the optimizer one layer at a time; only optimizers whose step is per parameter (and
+    known to be) are allowed: ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (not subclasses)."""

@@ -22,6 +22,7 @@ from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
 from um_lab.budget.record import (
     StepRecorder,
+    check_chunkable,
     optimizer_chunks,
     own_tensors,
     step_optimizer_in_chunks,
@@ -95,6 +96,11 @@ class BudgetControl:
     def inputs_written(self, tensors: Iterable[torch.Tensor]) -> None:
         """An input batch was copied to the GPU: record the touch (evicting to stay under the budget)."""
         self.executor.touch_now(self._spans(tensors))
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise :class:`~um_lab.errors.UnsupportedOptimizer` unless the optimizer can be stepped one layer
+        at a time (torch.optim.SGD, Adam, AdamW)."""
+        check_chunkable(optimizer)
 
     def check_layers(self, module: nn.Module) -> None:
         """Raise :class:`BudgetTooSmall` before any step when one layer's parameters and gradients alone

@@ -28,6 +28,7 @@ from torch import nn
 
 from um_lab.budget.ledger import Span
 from um_lab.budget.order import Order, Position
+from um_lab.errors import UnsupportedOptimizer
 from um_lab.types import DataType
 
 Touch = tuple[DataType, Span]
@@ -282,6 +283,22 @@ def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimize
     return chunks
 
 
+#: optimizers whose step is per parameter, so stepping them one layer at a time equals one full step
+CHUNKABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def check_chunkable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`~um_lab.errors.UnsupportedOptimizer` unless ``optimizer`` is exactly one of
+    :data:`CHUNKABLE_OPTIMIZERS` (a subclass may change ``step``; others may mix parameters: LBFGS, or
+    optimizers with a global norm)."""
+    if type(optimizer) not in CHUNKABLE_OPTIMIZERS:
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in CHUNKABLE_OPTIMIZERS)
+        raise UnsupportedOptimizer(
+            f"a GPU budget steps the optimizer one layer at a time, which is known to equal one full step only "
+            f"for {names}; got {type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those, "
+            "or train without gpu_budget_bytes.")
+
+
 def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[tuple[str, list[nn.Parameter]]],
                              before_chunk: Callable[[str, list[nn.Parameter]], object] | None = None,
                              after_chunk: Callable[[str, list[nn.Parameter], object], None] | None = None,
@@ -290,8 +307,10 @@ def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[
     groups (per-parameter state, so the result equals one full step for element-wise optimizers such as
     SGD, Adam, AdamW), then the chunk's gradients are zeroed in place. ``before_chunk(name, params)``
     runs before each chunk's step, ``after_chunk(name, params, what before_chunk returned)`` after it.
-    The groups are restored on any exit.
+    The groups are restored on any exit. Other optimizers raise
+    :class:`~um_lab.errors.UnsupportedOptimizer` (:func:`check_chunkable`) before anything runs.
     """
+    check_chunkable(optimizer)
     groups = optimizer.param_groups
     originals = [g["params"] for g in groups]
     try:

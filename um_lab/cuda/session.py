@@ -294,6 +294,8 @@ class Session(Listenable):
 
         Parameters added to ``module`` later are not checked by :meth:`step`: attach it again."""
         pools = self._require_open()
+        if self._budget is not None:  # before anything is placed or allocated
+            self._budget.check_optimizer(optimizer)
         if module not in self._modules:
             self.place(module)
         self._ensure_grads(module)
