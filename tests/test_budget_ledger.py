@@ -166,7 +166,8 @@ def replay(plan, order):
             by_state = ledger.bytes_by_state()
             assert by_state[GPU] + by_state[HOST] == ledger.total_bytes == plan.footprint_bytes
         assert scheduler.blocks[i] <= ledger.resident_blocks(), f"position {i} runs without its data"
-    assert ledger.resident_blocks() == start  # the step leaves the state the next one starts from
+    if plan.steady:  # the step leaves the state the next one starts from (else the executor realigns first)
+        assert ledger.resident_blocks() == start
     assert ledger.prefetched_bytes == plan.prefetched_bytes and ledger.evicted_bytes == plan.evicted_bytes
     return ledger
 
