@@ -122,18 +122,23 @@ def test_a_budget_below_the_largest_layer_of_a_recorded_order_is_refused():
     assert info.value.needed == largest
 
 
-def test_chunked_optimizer_step_equals_one_full_step():
+def train_chunked_and_full(make_optimizer, batch=256):
+    """Three steps of an MLP with the optimizer stepped in per-layer chunks, and of its twin in one step."""
     model, _ = mlp()
     twin = copy.deepcopy(model)
-    x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
-    chunked = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    full = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    x, y = torch.randn(batch, 1024), torch.randint(0, 10, (batch,))
+    chunked, full = make_optimizer(model.parameters()), make_optimizer(twin.parameters())
     for _ in range(3):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         step_optimizer_in_chunks(chunked, optimizer_chunks([model], chunked))
         torch.nn.functional.cross_entropy(twin(x), y).backward()
         full.step()
         full.zero_grad(set_to_none=False)
+    return model, twin, chunked
+
+
+def test_chunked_optimizer_step_equals_one_full_step():
+    model, twin, chunked = train_chunked_and_full(lambda params: torch.optim.AdamW(params, lr=1e-2))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
     assert chunked.param_groups[0]["params"] == list(model.parameters())  # groups restored
     assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())  # zeroed in place
@@ -292,16 +297,7 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_allowed_optimizer_steps_in_chunks_exactly_as_in_one_step(name):
-    model, _ = mlp()
-    twin = copy.deepcopy(model)
-    x, y = torch.randn(64, 1024), torch.randint(0, 10, (64,))
-    chunked, full = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](twin.parameters())
-    for _ in range(3):
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        step_optimizer_in_chunks(chunked, optimizer_chunks([model], chunked))
-        torch.nn.functional.cross_entropy(twin(x), y).backward()
-        full.step()
-        full.zero_grad(set_to_none=False)
+    model, twin, _ = train_chunked_and_full(OPTIMIZERS[name], batch=64)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
 
 

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
+from fakes import FakeRuntime
 
 from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
 from um_lab.budget.executor import RecordingStreams
@@ -19,14 +19,6 @@ from um_lab.cuda.session import Session
 
 MiB = 1 << 20
 WIDTH = 1024  # a 4 MiB weight per layer
-
-
-@pytest.fixture
-def env():
-    source, driver = install_fake_driver(cap=1 << 40)
-    api, runtime = FakePoolAPI(), FakeRuntime()
-    yield source, driver, api, runtime
-    drain(source)
 
 
 def make_session(env, **kw):

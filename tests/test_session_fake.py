@@ -2,21 +2,13 @@
 
 import pytest
 import torch
-from fakes import CODES, FakePoolAPI, FakeRuntime, drain, install_fake_driver
+from fakes import CODES
 
 import um_lab
 from um_lab import DataType, OversubscriptionRefused, SessionStateError
 from um_lab.cuda.session import Session
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def env():
-    source, driver = install_fake_driver(cap=1 << 40)
-    api, runtime = FakePoolAPI(), FakeRuntime()
-    yield source, driver, api, runtime
-    drain(source)
 
 
 def make_session(env, policy="um-default", **kw):

@@ -232,15 +232,8 @@ class Ledger:
     def make_room(self, nbytes: int, rank: Callable[[int], float], *, protect: Iterable[int] = (),
                   target: int = -1) -> list[Move]:
         """Evict victims (highest ``rank`` first, never ``protect``) until ``nbytes`` more would fit."""
-        keep = set(protect)
         excess = self.resident_bytes + nbytes - self.budget_bytes
-        victims = []
-        for b in self._by_rank(keep, rank):
-            if excess <= 0:
-                break
-            victims.append(b)
-            excess -= self._blocks[b].nbytes
-        return self._evict(victims, target)
+        return self._evict(self._victims(excess, set(protect), rank), target)
 
     def evict(self, blocks: Iterable[int], target: int = -1) -> list[Move]:
         """Push resident ``blocks`` to the host (blocks already there are skipped)."""
@@ -267,15 +260,19 @@ class Ledger:
         moves = [self._move_in(missing, "touch", target)]
         excess = self.resident_bytes - self.budget_bytes
         if excess > 0:
-            keep = set(missing) | set(protect)
-            victims = []
-            for b in self._by_rank(keep, rank):
-                if excess <= 0:
-                    break
-                victims.append(b)
-                excess -= self._blocks[b].nbytes
-            moves += self._evict(victims, target)
+            moves += self._evict(self._victims(excess, set(missing) | set(protect), rank), target)
         return moves
+
+    def _victims(self, excess: int, keep: set[int], rank: Callable[[int], float]) -> list[int]:
+        """Resident blocks to push out, highest ``rank`` first and never ``keep``, until ``excess`` bytes
+        are freed (fewer when nothing else may go)."""
+        victims = []
+        for b in self._by_rank(keep, rank):
+            if excess <= 0:
+                break
+            victims.append(b)
+            excess -= self._blocks[b].nbytes
+        return victims
 
     def _by_rank(self, keep: set[int], rank: Callable[[int], float]) -> Iterator[int]:
         """Resident blocks outside ``keep``, highest rank first (ties: lowest block), lazily."""
