@@ -134,7 +134,7 @@ class _StepEnd:
     work as the native loop's (host work after the sync is in the wall time only)."""
 
     event: object = None
-    host_stopped: float = 0.0  # perf_counter when the timer's stop() returned: the step's host tail follows
+    host_stopped: float | None = None  # perf_counter when the timer's stop() returned: the host tail follows
 
 
 def _exposed(base: type) -> type:
@@ -167,7 +167,7 @@ def apply_variants(lab: object, variants: list[str]) -> None:
     pools = lab._pools  # type: ignore[attr-defined]
     for v in variants:
         if v == "no_timer":
-            session_module._StepTimer = _WallTimer  # type: ignore[misc]
+            session_module._StepTimer = _exposed(_WallTimer)  # type: ignore[misc]
         elif v == "loss_item":
             session_module._StepTimer = _exposed(_ItemReadTimer)  # type: ignore[misc]
         elif v == "no_record":
@@ -234,9 +234,10 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
                 events[i][0].record()
                 batch = fixed if fixed_batch else lab.inputs(*batch_cpu)
                 batch = batch if isinstance(batch, tuple) else (batch,)
-                _StepEnd.event = None
+                _StepEnd.event, _StepEnd.host_stopped = None, None
                 rec = lab.step(lambda batch=batch: case.loss_fn(model, *batch), opt)
-                tails.append(time.perf_counter() - _StepEnd.host_stopped)
+                if _StepEnd.host_stopped is not None:
+                    tails.append(time.perf_counter() - _StepEnd.host_stopped)
                 events[i][1].record()
                 torch.cuda.synchronize()
                 if i >= warmup:

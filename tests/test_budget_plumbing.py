@@ -149,6 +149,16 @@ def test_a_budget_too_small_for_one_layer_is_refused_on_the_simulator_before_the
     assert not list(tmp_path.iterdir())
 
 
+def test_a_budget_with_advice_is_refused_on_the_simulator_which_models_the_scheduler_alone(tmp_path):
+    case = get_model("mlp", **TINY)
+    with pytest.raises(BudgetError, match="without memory advice.*gpu-first"):
+        Run(RunSpec(model="mlp", backend="sim", policy="gpu-first", gpu_budget_fraction=0.9), case,
+            out_dir=tmp_path, backend=SimBackend())
+    assert list(tmp_path.iterdir()) == []
+    Run(RunSpec(model="mlp", backend="sim", policy="um-default", gpu_budget_fraction=0.9), case,
+        out_dir=tmp_path / "ok", backend=SimBackend())  # no advice: the budget is simulated
+
+
 def test_the_lab_panel_lists_layer_ahead_and_passes_its_budget_field(tmp_path):
     pytest.importorskip("ipywidgets")
     from um_lab.widgets import Lab

@@ -134,12 +134,7 @@ class BudgetControl:
                     loss = closure()
             check_loss(loss)
             with recorder.backward():
-                if backward_thread == "caller":
-                    with pools.route(DataType.ACT), torch.autograd.set_multithreading_enabled(False):
-                        loss.backward()
-                else:
-                    with pools.route_backward(DataType.ACT, loss):
-                        loss.backward()
+                loss = pools.backward(loss, DataType.ACT, backward_thread)  # detached: graph freed
             recorder.active = True
             if before_optimizer is not None:
                 grads = [p.grad for m in self._roots for p in m.parameters() if p.grad is not None]

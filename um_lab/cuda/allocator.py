@@ -391,6 +391,21 @@ class ManagedPools:
             handle.remove()
             finish()
 
+    def backward(self, loss: torch.Tensor, data_type: DataType, backward_thread: str) -> torch.Tensor:
+        """``loss.backward()`` with its allocations routed into ``data_type``'s pool, on the calling
+        thread (``"caller"``) or autograd's device thread (``"worker"``, :meth:`route_backward`).
+
+        Returns the loss detached: the autograd graph is freed here, while the GPU still runs the
+        backward kernels (dropped after the step's synchronisation it cost ~0.4 ms of host time on
+        ResNet-50, H200, session 8)."""
+        if backward_thread == "caller":
+            with self.route(data_type), torch.autograd.set_multithreading_enabled(False):
+                loss.backward()
+        else:
+            with self.route_backward(data_type, loss):
+                loss.backward()
+        return loss.detach()
+
     def _set_advice_table(self, policy: Policy) -> None:
         for t in DATA_TYPES:
             self.source.set_advice(t, advice_entries(policy[t], self.device, self.runtime.codes))

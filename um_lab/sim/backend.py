@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from um_lab.backend_base import BackendBase
-from um_lab.budget.request import resolve_budget
-from um_lab.errors import HostMemoryRefused, PolicyError, SpecError
+from um_lab.budget.request import resolve_budget, uses_budget
+from um_lab.errors import BudgetError, HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
-from um_lab.policy import Policy, get_policy, is_scheduled
+from um_lab.policy import Policy, get_policy
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile, profile_sha256
@@ -128,18 +128,18 @@ class SimBackend(BackendBase):
         return cap
 
     def preflight(self, spec: RunSpec, case: ModelCase, policy: Policy) -> dict[str, Any] | None:
-        """A run with a GPU budget: the budget in bytes, checked against the simulated capacity before the
-        run's folder is written (:class:`~um_lab.errors.BudgetError`); None without one."""
-        if not (spec.has_budget or is_scheduled(policy)):
+        """A run with a GPU budget: the budget in bytes, checked against the simulated capacity (and a
+        budget too small for one layer refused) before the run's folder is written
+        (:class:`~um_lab.errors.BudgetError`); None without one."""
+        if not uses_budget(spec, policy):
             return None
         from um_lab.sim.budget import simulate_budget
 
         prepared = self.prepare(case)
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
-        budget = resolve_budget(spec, policy, prepared.footprint_bytes, default_bytes=capacity // BLOCK * BLOCK,
-                                limit_bytes=capacity, limit_name="the simulated GPU capacity")
+        budget = self._budget(spec, prepared, policy, capacity)
         assert budget is not None
-        simulate_budget(prepared.trace, prepared.placement.final, self.profile, budget)  # too small: refused here
+        simulate_budget(prepared.trace, prepared.placement.final, self.profile, budget)
         return {"gpu_budget_bytes": budget, "footprint_bytes": prepared.footprint_bytes, "capacity_bytes": capacity}
 
     def run(self, spec: RunSpec, case: ModelCase,
@@ -150,14 +150,25 @@ class SimBackend(BackendBase):
         policy = _as_policy(policy)
         prepared = self.prepare(case)
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
-        budget = resolve_budget(spec, policy, prepared.footprint_bytes, default_bytes=capacity // BLOCK * BLOCK,
-                                limit_bytes=capacity, limit_name="the simulated GPU capacity")
+        budget = self._budget(spec, prepared, policy, capacity)
         if budget is not None:  # the layer-ahead scheduler instead of the driver's demand paging (sim.budget)
             from um_lab.sim.budget import budget_records
 
             return budget_records(prepared.trace, prepared.placement.final, self.profile, spec.steps,
                                   spec.warmup_steps, budget, capacity, policy.name, self.name)
         return self._records(spec, prepared, policy, capacity)
+
+    @staticmethod
+    def _budget(spec: RunSpec, prepared: PreparedCase, policy: Policy, capacity: int) -> int | None:
+        """The run's budget (None: none), refused when the policy also gives advice: the simulator models
+        the scheduler alone (um_lab.sim.budget), so advice under a budget would be silently ignored."""
+        budget = resolve_budget(spec, policy, prepared.footprint_bytes, default_bytes=capacity // BLOCK * BLOCK,
+                                limit_bytes=capacity, limit_name="the simulated GPU capacity")
+        if budget is not None and not all(policy[t].is_default for t in DATA_TYPES):
+            raise BudgetError(f"the simulator models a GPU budget without memory advice, and policy {policy.name!r} "
+                              "gives some: use the policy layer-ahead (or um-default) with a budget on sim; on a "
+                              "GPU the advice and the budget work together")
+        return budget
 
     def op_ms(self, case: ModelCase, policy: Policy | str | Mapping[str, Any],
               steps: int = 2) -> tuple[float, dict[str, tuple[int, float]]]:
