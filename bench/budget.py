@@ -313,14 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out = ROOT / "bench" / "results" / "budget_quick.json"
     if args.predict:
         out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
-        old = json.loads(out.read_text()) if out.exists() else {}
-        kept = [r for r in old.get("rows", []) if r.get("model") not in args.models]
-        result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                  "device": "simulated: the h200 profile (um_lab.sim.budget)", "link_bytes_per_s": LINK_BYTES_PER_S,
-                  "rows": kept + predict(args.models, args.ratios, print)}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}")
+        write_merged(out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},
+                     predict(args.models, args.ratios, print))
         return 0
     if not torch.cuda.is_available():
         print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py; "
@@ -344,15 +338,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"model": name, "error": f"aborted: {e}"})
         except ImportError as e:
             print(f"skipped {name}: {e}")
-    old = json.loads(args.out.read_text()) if args.out.exists() else {}
-    kept = [r for r in old.get("rows", []) if r.get("model") not in args.models]
-    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
-              "link_bytes_per_s": LINK_BYTES_PER_S, "steps": args.steps,
-              "managed_limit_bytes": limit, "rows": kept + rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_merged(args.out, args.models, {"device": device, "steps": args.steps, "managed_limit_bytes": limit}, rows)
     return 0
+
+
+def write_merged(out: Path, models: list[str], header: dict, rows: list[dict]) -> None:
+    """Write ``rows`` to ``out``, keeping the rows of other models an earlier run left there."""
+    old = json.loads(out.read_text()) if out.exists() else {}
+    kept = [r for r in old.get("rows", []) if r.get("model") not in models]
+    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **header,
+              "link_bytes_per_s": LINK_BYTES_PER_S, "rows": kept + rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

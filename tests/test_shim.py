@@ -50,6 +50,7 @@ def test_request_over_the_cap_is_refused_before_the_driver_is_called(fake):
     stats = source.stats()
     assert stats["refused"] == refused + 1 == source.refused()
     assert tuple(source.live_bytes().values()) == stats["live_by_tag"]
+    assert source.generation() == stats["malloc_calls"] + stats["free_calls"]
     assert stats["last_refusal"] == (41 * MiB, 60 * MiB, 100 * MiB, 2)  # tag 2 = optim
     assert source.live_bytes()["optim"] == 0
     assert source.allocate(DataType.OPTIM, 40 * MiB) != 0  # exactly up to the cap is allowed

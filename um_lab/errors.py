@@ -46,8 +46,8 @@ class HostMemoryRefused(UmLabError, MemoryError):
     def __init__(self, needed: int, available: int, what: str) -> None:
         self.needed, self.available, self.what = needed, available, what
         super().__init__(
-            f"the simulator refused to build {what}: it needs about {_gib(needed)} ({needed} B) of host "
-            f"memory, more than the {_gib(available)} ({available} B) available here; it was not built. "
+            f"the simulator refused to build {what}: it needs about {gib(needed)} ({needed} B) of host "
+            f"memory, more than the {gib(available)} ({available} B) available here; it was not built. "
             "Use a smaller batch or model (the simulated GPU capacity can shrink with it: a ratio is "
             "relative to the footprint).")
 
@@ -73,7 +73,8 @@ class SessionStateError(UmLabError, RuntimeError):
     """A session method was called in the wrong state (closed, already open, nested)."""
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
+    """``n`` bytes as a short GiB figure for messages, e.g. ``1.50 GiB``."""
     return f"{n / 2**30:.2f} GiB"
 
 
@@ -92,8 +93,8 @@ class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
         self.data_type = data_type
         kind = f" for {data_type}" if data_type else ""
         super().__init__(message or
-            f"um_lab refused a managed segment{kind}: requested {requested} B ({_gib(requested)}), "
-            f"live {live} B ({_gib(live)}), cap {cap} B ({_gib(cap)}). Nothing was allocated. "
+            f"um_lab refused a managed segment{kind}: requested {requested} B ({gib(requested)}), "
+            f"live {live} B ({gib(live)}), cap {cap} B ({gib(cap)}). Nothing was allocated. "
             "The cap keeps managed memory below the GPU's free memory; asking for more can hang a "
             "shared GPU. Use a smaller model or batch, study oversubscription in the simulator "
             "(backend='sim'), or on your own machine pass allow_oversubscription=True."
@@ -113,8 +114,8 @@ class BudgetTooSmall(BudgetError):
     def __init__(self, budget: int, needed: int, what: str) -> None:
         self.budget, self.needed, self.what = budget, needed, what
         super().__init__(
-            f"the GPU budget of {budget} B ({_gib(budget)}) cannot hold {what}: it needs {needed} B "
-            f"({_gib(needed)}) resident at once (counted in whole 2 MiB blocks). Raise the budget to at "
+            f"the GPU budget of {budget} B ({gib(budget)}) cannot hold {what}: it needs {needed} B "
+            f"({gib(needed)}) resident at once (counted in whole 2 MiB blocks). Raise the budget to at "
             "least that, or use a smaller batch or model.")
 
     def __reduce__(self):

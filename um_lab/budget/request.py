@@ -10,7 +10,7 @@ on the simulator) or below one 2 MiB block raises :class:`~um_lab.errors.BudgetE
 from __future__ import annotations
 
 from um_lab.budget.ledger import BLOCK
-from um_lab.errors import BudgetError
+from um_lab.errors import BudgetError, gib
 from um_lab.policy import Policy, is_scheduled
 from um_lab.types import RunSpec
 
@@ -44,7 +44,7 @@ def resolve_budget(spec: RunSpec, policy: Policy | str, footprint_bytes: int, *,
         raise BudgetError(f"a GPU budget of {budget} B is below one 2 MiB block ({BLOCK} B): nothing could "
                           "be resident; give a larger budget")
     if limit_bytes is not None and budget > limit_bytes:
-        raise BudgetError(f"the GPU budget of {budget} B ({budget / 2**30:.2f} GiB) is above {limit_name} "
-                          f"({limit_bytes} B, {limit_bytes / 2**30:.2f} GiB): a budget bounds GPU-resident "
+        raise BudgetError(f"the GPU budget of {budget} B ({gib(budget)}) is above {limit_name} "
+                          f"({limit_bytes} B, {gib(limit_bytes)}): a budget bounds GPU-resident "
                           "bytes below it; nothing was allocated")
     return budget

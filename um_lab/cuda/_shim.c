@@ -258,6 +258,14 @@ static PyObject *py_refused(PyObject *self, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong(refused);
 }
 
+/* Changes whenever a segment is allocated or freed: whoever caches the segment list re-reads it then. */
+static PyObject *py_generation(PyObject *self, PyObject *noargs) {
+    pthread_mutex_lock(&g_lock);
+    unsigned long long generation = g_malloc_calls + g_free_calls;
+    pthread_mutex_unlock(&g_lock);
+    return PyLong_FromUnsignedLongLong(generation);
+}
+
 static PyObject *py_live_by_tag(PyObject *self, PyObject *noargs) {
     unsigned long long live[N_TAGS];
     pthread_mutex_lock(&g_lock);
@@ -320,6 +328,7 @@ static PyMethodDef methods[] = {
     {"segments", py_segments, METH_NOARGS, "Live segments as [(ptr, size, tag)]."},
     {"refused", py_refused, METH_NOARGS, "Requests refused by the cap so far."},
     {"live_by_tag", py_live_by_tag, METH_NOARGS, "Live bytes per tag, as a tuple."},
+    {"generation", py_generation, METH_NOARGS, "Allocations plus frees so far: changes with the segment list."},
     {"reset_peak", py_reset_peak, METH_NOARGS, "Set the peak to the current live bytes."},
     {"alloc", py_alloc, METH_VARARGS, "alloc(tag, size) -> ptr or 0 (refused or failed)."},
     {"free", py_free, METH_VARARGS, "free(ptr)."},

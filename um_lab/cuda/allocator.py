@@ -205,6 +205,11 @@ class SegmentSource:
         """Live managed bytes per data type name."""
         return dict(zip(DATA_TYPE_NAMES, self._shim.live_by_tag(), strict=True))
 
+    def generation(self) -> int:
+        """Changes whenever a segment is allocated or freed (the shim's calls so far), so a cached
+        :meth:`segments` list can tell it is stale without building :meth:`stats`."""
+        return int(self._shim.generation())
+
     def refused(self) -> int:
         """Requests the cap has refused so far (cheaper than :meth:`stats`: read on every routing)."""
         return int(self._shim.refused())

@@ -78,21 +78,26 @@ class CudaBackend(BackendBase):
         cap = self.capacity_for(spec, estimate.total_bytes)
         check_fits(estimate, cap)
         checked: dict[str, Any] = {"estimate": estimate.to_dict(), "cap_bytes": cap}
-        budget = self.budget_for(spec, case, policy)
+        budget = self.budget_for(spec, case, policy, footprint=estimate.total_bytes, cap=cap)
         if budget is not None:
             checked["gpu_budget_bytes"] = budget
         return checked
 
-    def budget_for(self, spec: RunSpec, case: ModelCase, policy: Policy) -> int | None:
+    def budget_for(self, spec: RunSpec, case: ModelCase, policy: Policy, *, footprint: int | None = None,
+                   cap: int | None = None) -> int | None:
         """The run's GPU budget in bytes (None: no scheduler): ``gpu_budget_bytes``, or
-        ``gpu_budget_fraction`` of the estimated footprint (:func:`um_lab.sizing.estimate_memory`).
-        ``layer-ahead`` without one, or a budget above the safety cap, raises
-        :class:`~um_lab.errors.BudgetError` before anything is allocated."""
+        ``gpu_budget_fraction`` of the estimated footprint (:func:`um_lab.sizing.estimate_memory`;
+        ``footprint`` and ``cap`` when the caller has them already). ``layer-ahead`` without one, or a
+        budget above the safety cap, raises :class:`~um_lab.errors.BudgetError` before anything is
+        allocated."""
         if not uses_budget(spec, policy):
             return None
-        footprint = estimate_memory(case).total_bytes
-        return resolve_budget(spec, policy, footprint, default_bytes=None,
-                              limit_bytes=self.capacity_for(spec, footprint), limit_name="the safety cap")
+        if footprint is None:
+            footprint = estimate_memory(case).total_bytes
+        if cap is None:
+            cap = self.capacity_for(spec, footprint)
+        return resolve_budget(spec, policy, footprint, default_bytes=None, limit_bytes=cap,
+                              limit_name="the safety cap")
 
     def environment(self) -> dict[str, Any]:
         """The GPU's name, memory, compute capability and count (``cpu`` without a GPU)."""

@@ -34,7 +34,7 @@ from torch import nn
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
-from um_lab.errors import BudgetError, SessionStateError
+from um_lab.errors import BudgetError, SessionStateError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.policy import PREFETCH_BEFORE, Policy, get_policy
 from um_lab.types import DataType, StepRecord
@@ -186,8 +186,8 @@ class Session(Listenable):
         self.cap_bytes = cap
         budget = self.gpu_budget_bytes
         if budget is not None and not self.allow_oversubscription and budget > cap:
-            raise BudgetError(f"gpu_budget_bytes={budget} B ({budget / 2**30:.2f} GiB) is above the safety cap of "
-                              f"{cap} B ({cap / 2**30:.2f} GiB): a budget can only be smaller than the managed "
+            raise BudgetError(f"gpu_budget_bytes={budget} B ({gib(budget)}) is above the safety cap of "
+                              f"{cap} B ({gib(cap)}): a budget can only be smaller than the managed "
                               "memory the card may hold")
         pools = ManagedPools(index, self._pool_api or TorchPoolAPI(), runtime, source)
         pools.open(self.policy, cap, self.allow_oversubscription)
@@ -448,15 +448,11 @@ class Session(Listenable):
         device = self.device
         streams: StreamOps = CudaStreams(device) if self._real and device is not None else RecordingStreams()
 
-        def generation() -> int:
-            stats = source.stats()
-            return int(stats["malloc_calls"]) + int(stats["free_calls"])
-
         def select_device() -> None:
             torch.cuda.set_device(index)
 
         return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
-                             cover_unknown=not self._real, generation=generation if self._real else None,
+                             cover_unknown=not self._real, generation=source.generation if self._real else None,
                              keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
                              thread_init=select_device if self._real else None)
 
