@@ -63,6 +63,11 @@ def test_bench_rows_carry_the_issue_schema_and_the_ledger_numbers(bench):
         assert SCHEMA <= set(row) and row["budget_bytes"] == int(96 * MiB / row["ratio"])
         assert row["max_resident_ledger"] > 0 and row["crossing_bytes"] > 0 and row["followed_plan"]
         assert row["bound_ms"] >= row["fit_step_ms"] and row["over_bound"] == row["step_ms"] / row["bound_ms"]
+        # the primitives: 50.6 GB/s in, 18.0 GB/s out, not overlapped; a steady step moves out about what it
+        # brings in, so that bound lies above the one at 47 GB/s both ways
+        assert row["evicted_bytes"] >= row["prefetched_bytes"] / 2 > 0
+        assert row["primitive_bound_ms"] >= row["bound_ms"]
+        assert row["over_primitive_bound"] == row["step_ms"] / row["primitive_bound_ms"]
         assert row["max_resident_cupti"] is None and row["fsdp2_step_ms"] is None and row["sim_step_ms"] is None
     assert refused["step_ms"] is None and refused["error"].startswith("BudgetTooSmall")  # 2.4 MiB: not one layer
     assert any("ratio 2.0" in line for line in lines)
