@@ -14,8 +14,9 @@ measured primitives: ``primitive_bound_ms``, ``over_primitive_bound``), ``max_re
 (the ledger's highest resident bytes over the measured steps), ``max_resident_cupti`` (with
 ``--telemetry``: the highest CUPTI-measured resident bytes at a step's end, a lower bound: HtoD records
 can be lost in bursts; else null). ``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
-own budget, filled after the measurement (``--no-sim`` leaves it null). Not filled yet (null):
-``fsdp2_step_ms``, ``fsdp2_peak_bytes``.
+own budget, filled after the measurement (``--no-sim`` leaves it null). ``fsdp2_step_ms``,
+``fsdp2_peak_bytes``: the peer, PyTorch FSDP2 with CPUOffloadPolicy on the same model and batch
+(``--fsdp2``: bench/fsdp2_peer.py in a process of its own; else null).
 
     python bench/budget.py --predict             # no GPU: the simulator's rows (bench/results/budget_predicted.json)
 
@@ -36,6 +37,7 @@ import argparse
 import datetime
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -308,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict", action="store_true",
                     help="no GPU: the simulator's predictions only (default out: bench/results/budget_predicted.json)")
     ap.add_argument("--no-sim", action="store_true", help="measured rows without sim_step_ms")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="the peer: FSDP2 with CPUOffloadPolicy on the same model (bench/fsdp2_peer.py, a process "
+                         "of its own) fills fsdp2_step_ms and fsdp2_peak_bytes")
     args = ap.parse_args(argv)
     if not 0 < args.max_managed_fraction <= 0.9:
         ap.error("--max-managed-fraction must be in (0, 0.9]")
@@ -336,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue))
             if not args.no_sim:
                 fill_sim(model_rows, print)
+            if args.fsdp2:
+                fill_fsdp2(model_rows, name, args.steps, print)
             rows += model_rows
         except (ManagedLimitExceeded, ManagedBytesLeft) as e:
             print(f"ABORTED {name}: {e}")
@@ -344,6 +351,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped {name}: {e}")
     write_merged(args.out, args.models, {"device": device, "steps": args.steps, "managed_limit_bytes": limit}, rows)
     return 0
+
+
+def fill_fsdp2(rows: list[dict], name: str, steps: int, say: Any) -> None:
+    """Run the FSDP2 peer on ``name`` in a fresh process (its process group and allocator stay out of this
+    one) and put its step time and GPU peak into every row of that model; a failure is recorded, not raised."""
+    cmd = [sys.executable, str(ROOT / "bench" / "fsdp2_peer.py"), "--model", name, "--steps", str(steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        error = f"fsdp2 peer failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        say(f"  {error}")
+        for row in rows:
+            row["fsdp2_error"] = error
+        return
+    peer = json.loads(done.stdout.strip().splitlines()[-1])
+    say(f"  fsdp2 (CPUOffloadPolicy): step {peer['fsdp2_step_ms']:.1f} ms, GPU peak {peer['fsdp2_peak_bytes']} B")
+    for row in rows:
+        row.update(fsdp2_step_ms=peer["fsdp2_step_ms"], fsdp2_peak_bytes=peer["fsdp2_peak_bytes"])
 
 
 def primitive_bound_ms(fit_ms: float, prefetched_bytes: int, evicted_bytes: int) -> float:

@@ -2,6 +2,7 @@
 schema, the ratios and the error rows do)."""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -116,3 +117,16 @@ def test_a_session_that_leaves_managed_bytes_behind_aborts_the_model(bench, monk
     finally:
         for ptr in kept:
             bench.fake_source.free(ptr)
+
+
+def test_the_fsdp2_peer_shards_every_layer_deepest_first_and_trains_on_the_cpu():
+    spec = importlib.util.spec_from_file_location("fsdp2_peer", ROOT / "bench" / "fsdp2_peer.py")
+    fsdp2_peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fsdp2_peer)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 2))
+    layers = fsdp2_peer.layer_modules(model)
+    assert layers[0] is model[0][0] and set(map(id, layers)) == {id(model[0]), id(model[0][0]), id(model[1])}
+    row = fsdp2_peer.run("mlp-small", steps=1)  # without CUDA: gloo, no offload, a check of the code path
+    cuda = torch.cuda.is_available()
+    assert row["units"] == 18 and row["offload"] == ("CPUOffloadPolicy" if cuda else "none")
+    assert row["fsdp2_step_ms"] > 0 and math.isfinite(row["loss"]) and (row["fsdp2_peak_bytes"] is None) != cuda
