@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from um_lab.budget import ISSUE_MODES
 from um_lab.budget.executor import BudgetExecutor, StreamOps
 from um_lab.budget.ledger import Span
 from um_lab.budget.mover import InlineMover, ThreadMover
@@ -32,8 +33,6 @@ from um_lab.budget.record import (
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
 from um_lab.types import DataType
-
-ISSUE_MODES = ("thread", "inline")  #: who makes the prefetch calls (um_lab.budget.mover)
 
 
 class BudgetControl:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from um_lab.budget import ISSUE_MODES
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
@@ -89,9 +90,7 @@ class Session(Listenable):
         _device_memory: tuple[int, int] | None = None,
     ) -> None:
         self.policy = get_policy(policy)
-        self.gpu_budget_bytes = _check_budget(gpu_budget_bytes, budget_lookahead)
-        if budget_issue not in ("thread", "inline"):
-            raise BudgetError(f"budget_issue must be 'thread' or 'inline', got {budget_issue!r}")
+        self.gpu_budget_bytes = _check_budget(gpu_budget_bytes, budget_lookahead, budget_issue)
         self.budget_lookahead = budget_lookahead
         self.budget_issue = budget_issue
         self._budget: BudgetControl | None = None
@@ -548,8 +547,11 @@ def _check_loss(loss: Any) -> None:
         )
 
 
-def _check_budget(budget: int | None, lookahead: int) -> int | None:
-    """Validate ``gpu_budget_bytes`` and ``budget_lookahead`` (typed errors, before anything opens)."""
+def _check_budget(budget: int | None, lookahead: int, issue: str) -> int | None:
+    """Validate ``gpu_budget_bytes``, ``budget_lookahead`` and ``budget_issue`` (typed errors, before
+    anything opens)."""
+    if issue not in ISSUE_MODES:
+        raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise BudgetError(f"budget_lookahead must be an int >= 0, got {lookahead!r}")
     if budget is None:
