@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from um_lab.errors import UmLabError
+from um_lab.errors import SpecError, UmLabError
+from um_lab.types import budget_fraction
 
 SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
                    "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
@@ -71,10 +72,11 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a budget: {text!r} (a size such as 8GiB, or a fraction of the "
                                              "footprint such as 0.5x)") from None
-        if not math.isfinite(fraction) or not 0 < fraction <= 1:
+        try:
+            return None, budget_fraction(fraction)
+        except SpecError:
             raise argparse.ArgumentTypeError(
-                f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget = 2)")
-        return None, fraction
+                f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget = 2)") from None
     try:
         return parse_bytes(text), None
     except argparse.ArgumentTypeError as e:
