@@ -29,7 +29,8 @@ class Managed:
     """Live managed bytes allocated by this script; refuses anything past LIMIT."""
 
     def __init__(self, rt: ctypes.CDLL) -> None:
-        self.rt, self.live, self.ptrs = rt, 0, []
+        self.rt, self.live = rt, 0
+        self.ptrs: list[tuple[int, int]] = []
 
     def alloc(self, nbytes: int) -> int:
         if self.live + nbytes > LIMIT:
@@ -37,8 +38,9 @@ class Managed:
         p = ctypes.c_void_p()
         check(self.rt.cudaMallocManaged(ctypes.byref(p), ctypes.c_size_t(nbytes), 1), "cudaMallocManaged")
         self.live += nbytes
-        self.ptrs.append((p.value, nbytes))
-        return p.value
+        ptr = int(p.value or 0)
+        self.ptrs.append((ptr, nbytes))
+        return ptr
 
     def free_all(self) -> None:
         for ptr, n in self.ptrs:
