@@ -176,3 +176,15 @@ def test_the_lab_panel_lists_layer_ahead_and_passes_its_budget_field(tmp_path):
     assert active is not None and lab.state == "complete"
     [record] = lab.records
     assert record.extra["budget"]["max_resident_ledger"] <= record.extra["budget"]["budget_bytes"]
+
+
+def test_order_and_scheduler_arguments_raise_typed_budget_errors():
+    from um_lab.budget.ledger import Ledger
+    from um_lab.budget.order import Access, Order
+    from um_lab.budget.plan import Scheduler
+    from um_lab.types import DataType
+
+    with pytest.raises(BudgetError, match="phase must be one of"):
+        Access("sideways", "layer", DataType.PARAM, ((0, 4),))
+    with pytest.raises(BudgetError, match="lookahead must be >= 0"):
+        Scheduler(Ledger(1 << 21), Order.from_accesses([]), lookahead=-1)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from um_lab.budget.ledger import BLOCK, Span, blocks_of_span
+from um_lab.errors import BudgetError
 from um_lab.types import DataType
 
 PHASES = ("forward", "backward", "optimizer")
@@ -24,7 +25,7 @@ class Access:
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+            raise BudgetError(f"phase must be one of {PHASES}, got {self.phase!r}")
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from um_lab.budget.ledger import Ledger, Move
 from um_lab.budget.order import Order
-from um_lab.errors import BudgetTooSmall
+from um_lab.errors import BudgetError, BudgetTooSmall
 
 
 class Scheduler:
@@ -29,7 +29,7 @@ class Scheduler:
 
     def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2) -> None:
         if lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+            raise BudgetError(f"lookahead must be >= 0, got {lookahead}")
         self.ledger = ledger
         self.order = order
         self.lookahead = lookahead
