@@ -118,7 +118,7 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
-                telemetry: bool = False, issue: str = "thread") -> dict[str, Any]:
+                telemetry: bool = False, issue: str = "thread", discard: bool = True) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -129,7 +129,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     records = []
     peak = 0
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, telemetry=telemetry,
-                  evacuate_on_close=False, budget_issue=issue, **SESSION_KWARGS)
+                  evacuate_on_close=False, budget_issue=issue, budget_discard=discard, **SESSION_KWARGS)
     lab.open()
     try:
         base = lab.stats()["live_total"]
@@ -184,7 +184,8 @@ def cupti_max(records: list[Any]) -> int | None:
 
 
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
-                say: Callable[[str], None], issues: tuple[str, ...] = ("thread",)) -> list[dict[str, Any]]:
+                say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
+                discards: tuple[bool, ...] = (True,)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -192,14 +193,14 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue in ((r, i) for r in ratios for i in issues):
+    for ratio, issue, discard in ((r, i, d) for r in ratios for i in issues for d in discards):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
-                               "issue": issue, "fit_step_ms": fit_ms, "fsdp2_step_ms": None,
+                               "issue": issue, "discard": discard, "fit_step_ms": fit_ms, "fsdp2_step_ms": None,
                                "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
-            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue)
+            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -221,6 +222,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "max_resident_ledger": max(b["max_resident_ledger"] for b in budgets),
             "max_resident_cupti": cupti_max(recs),
             "prefetched_bytes": prefetched, "evicted_bytes": evicted,
+            "discarded_bytes": int(statistics.median(b.get("discarded_bytes", 0) for b in budgets)),
+            "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
@@ -229,7 +232,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "run_s": time.perf_counter() - t0,
         })
         rows.append(row)
-        say(f"  ratio {ratio} ({issue}): B {budget / GiB:.2f} GiB, step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
+        say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}): B {budget / GiB:.2f} GiB, "
+            f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
             f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}")
     return rows
@@ -303,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--telemetry", action="store_true", help="CUPTI residency per step (max_resident_cupti)")
     ap.add_argument("--issue", nargs="+", choices=["thread", "inline"], default=["thread"],
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
+    ap.add_argument("--discard", nargs="+", choices=["on", "off"], default=["on"],
+                    help="discard dead gradients, not copy them (Session(budget_discard=...)); both: a row each")
     ap.add_argument("--max-managed-fraction", type=float, default=0.5,
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
     ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
@@ -338,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.models:
         try:
-            model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue))
+            model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
+                                     tuple(d == "on" for d in args.discard))
             if not args.no_sim:
                 fill_sim(model_rows, print)
             if args.fsdp2:

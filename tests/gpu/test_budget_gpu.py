@@ -16,24 +16,24 @@ def _session(*args, **kw):
     return Session(*args, **kw)
 
 
-def _train(budget, steps=6, interrupt_at=None):
+def _train(budget, steps=6, interrupt_at=None, **session_kw):
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _train_deterministic(budget, steps, interrupt_at)
+        return _train_deterministic(budget, steps, interrupt_at, session_kw)
     finally:  # restored: later tests in the process run as they would alone
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
-def _train_deterministic(budget, steps, interrupt_at):
+def _train_deterministic(budget, steps, interrupt_at, session_kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
                                   for _ in range(8)], torch.nn.Linear(4096, 10))
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(256, 4096, generator=g), torch.randint(0, 10, (256,), generator=g)) for _ in range(steps)]
     records = []
-    with _session("um-default", gpu_budget_bytes=budget) as lab:
+    with _session("um-default", gpu_budget_bytes=budget, **session_kw) as lab:
         model = lab.place(model)
         opt = lab.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         for i, (xb, yb) in enumerate(data):
@@ -52,10 +52,15 @@ def _train_deterministic(budget, steps, interrupt_at):
     return records, params, footprint
 
 
-def test_budget_run_stays_under_b_and_trains_like_a_run_without_one():
+@pytest.mark.parametrize("discard", [True, False])
+def test_budget_run_stays_under_b_and_trains_like_a_run_without_one(discard):
+    from um_lab.cuda.driver import can_discard
+
     plain, plain_params, footprint = _train(None)
     budget = footprint // 2
-    records, params, _ = _train(budget)
+    records, params, _ = _train(budget, budget_discard=discard)
+    for r in records[2:]:  # dead gradients are discarded (CUDA 13+), not copied to the host
+        assert (r.extra["budget"]["discarded_bytes"] > 0) == (discard and can_discard()), r.extra["budget"]
     for r in records:
         b = r.extra["budget"]
         assert b["budget_bytes"] == budget and b["managed_bytes"] > budget

@@ -42,13 +42,17 @@ class BudgetControl:
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2, cover_unknown: bool = False,
                  generation: Callable[[], int] | None = None,
                  keep_tensor: Callable[[torch.Tensor], bool] | None = None, issue: str = "thread",
-                 thread_init: Callable[[], None] | None = None) -> None:
+                 thread_init: Callable[[], None] | None = None, discard_gradients: bool = False) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
-                                       cover_unknown=cover_unknown, generation=generation, mover=mover)
+                                       cover_unknown=cover_unknown, generation=generation, mover=mover,
+                                       discard_gradients=discard_gradients)
         self.keep_tensor = keep_tensor
+        self._zero_hooks: list[Any] = []
+        self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
+        self._pending_zero: set[int] = set()
         self.recorder: StepRecorder | None = None
         self._roots: list[nn.Module] = []
         self._chunks: dict[int, list[tuple[str, list[nn.Parameter]]]] = {}
@@ -71,11 +75,59 @@ class BudgetControl:
         self.recorder = StepRecorder(self._roots, listener=self.executor, classify=self.executor.classify,
                                      keep=self.keep_tensor)
         self.recorder.install()
+        self._remove_zero_hooks()
+        if self.executor.discard_gradients:
+            seen: set[int] = set()
+            for p in (p for m in self._roots for p in m.parameters()):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._zero_hooks.append(p.register_hook(self._zero_on_first_gradient(p)))
+
+    def _zero_on_first_gradient(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        """A gradient hook: zero ``p.grad`` before the first accumulation of a step when it is owed a zero
+        (its contents may have been discarded since the last optimizer step)."""
+        key = id(p)
+        pending = self._pending_zero
+
+        def hook(grad: torch.Tensor) -> None:
+            if key in pending:
+                pending.discard(key)
+                if p.grad is not None:
+                    p.grad.zero_()
+
+        return hook
+
+    def _remove_zero_hooks(self) -> None:
+        for handle in self._zero_hooks:
+            handle.remove()
+        self._zero_hooks.clear()
+        self._owed_zero.clear()
+        self._pending_zero.clear()
+
+    def _zero_unused_gradients(self) -> None:
+        """After backward: gradients owed a zero that got no accumulation this step are zeroed now."""
+        if not self._pending_zero:
+            return
+        for p in (p for m in self._roots for p in m.parameters()):
+            if id(p) in self._pending_zero and p.grad is not None:
+                p.grad.zero_()
+        self._pending_zero.clear()
+
+    def _stop_discarding(self) -> None:
+        """Gradients accumulate across steps from now on: plan without discards (before the step runs)."""
+        executor = self.executor
+        executor.discard_gradients = False
+        if executor.plan_order is not None:
+            try:
+                executor.set_order(executor.plan_order)
+            except BudgetTooSmall as e:  # pragma: no cover - the same positions fit with discards
+                self.pending_error = e
 
     def close(self) -> None:
         """Take the hooks off, drop the models and parameters it holds, and stop the mover after it issued
         what it holds (its side stream synchronised): call before the session frees managed memory."""
         try:
+            self._remove_zero_hooks()
             if self.recorder is not None:
                 self.recorder.remove()
                 self.recorder = None
@@ -126,14 +178,20 @@ class BudgetControl:
         if recorder is None:
             raise BudgetTooSmall(self.budget_bytes, 0, "a model: place() or attach() one first")
         executor = self.executor
+        if not zero_grad and executor.discard_gradients:
+            self._stop_discarding()
+        discarding = executor.discard_gradients and zero_grad
         executor.begin_step()
         try:
             with recorder.recording():
                 with pools.route(DataType.ACT):
                     loss = closure()
             check_loss(loss)
+            self._pending_zero |= self._owed_zero
+            self._owed_zero.clear()
             with recorder.backward():
                 loss = pools.backward(loss, DataType.ACT, backward_thread)  # detached: graph freed
+            self._zero_unused_gradients()
             recorder.active = True
             if before_optimizer is not None:
                 grads = [p.grad for m in self._roots for p in m.parameters() if p.grad is not None]
@@ -147,7 +205,9 @@ class BudgetControl:
                     before_chunk=lambda name, params: recorder.optimizer_position(name, params, optimizer),
                     after_chunk=lambda name, params, index: recorder.touched(
                         cast(int, index), DataType.OPTIM, self._state_spans(optimizer, params)),
-                    zero_grad=zero_grad)
+                    zero_grad=zero_grad and not discarding)  # discarding: zeroed by the hooks next backward
+            if discarding:
+                self._owed_zero = {id(p) for m in self._roots for p in m.parameters() if p.requires_grad}
         except BaseException:
             executor.abort()
             raise

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
-from um_lab.budget.mover import InlineMover, MoveBatch, ThreadMover
+from um_lab.budget.mover import DISCARD, InlineMover, MoveBatch, ThreadMover
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, Scheduler, make_plan
 from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
@@ -136,8 +136,10 @@ class BudgetExecutor:
     def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
-                 mover: InlineMover | ThreadMover | None = None) -> None:
+                 mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False) -> None:
         self.ledger = Ledger(budget_bytes)
+        #: plan discards of dead gradient blocks (the caller re-zeroes gradients before they are read)
+        self.discard_gradients = discard_gradients
         self.runtime = runtime
         self.device = device
         self.streams = streams
@@ -223,10 +225,21 @@ class BudgetExecutor:
         position cannot fit the budget; the previous plan is then kept)."""
         if not order.segments:
             order = Order(order.positions, sorted(self.ledger.segments().items()))
-        plan = make_plan(order, self.ledger.budget_bytes, self.lookahead)
+        grads = self.gradient_segments() if self.discard_gradients else set()
+        plan = make_plan(order, self.ledger.budget_bytes, self.lookahead, discard_segments=grads)
         self.plan, self.plan_order = plan, order
-        self._scheduler = Scheduler(self.ledger, order, self.lookahead)
+        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
         return plan
+
+    def gradient_segments(self) -> set[int]:
+        """Starts of the live gradient-pool segments (what a plan may discard while dead)."""
+        return {s.ptr for s in self._segments() if s.data_type is DataType.GRAD}
+
+    @property
+    def plans_discards(self) -> bool:
+        """True when the plan being followed discards gradient blocks."""
+        plan = self.plan
+        return plan is not None and any(m.kind == "discard" for ms in plan.moves for m in ms)
 
     # ---- a step ----
 
@@ -274,6 +287,11 @@ class BudgetExecutor:
                     continue
                 if planned.kind == "evict":
                     moves += self.ledger.evict(blocks, target=planned.target)
+                elif planned.kind == "discard":
+                    if self.discard_gradients:  # only blocks still wholly in gradient segments
+                        grads = self.gradient_segments()
+                        blocks = [b for b in blocks if self.ledger.segment_starts(b) <= grads]
+                        moves += self.ledger.discard(blocks, target=planned.target)
                 elif planned.kind == "prefetch" and planned.target == index:
                     moves += self.ledger.bring_in(blocks, rank, target=index,
                                                   what=f"{position.phase} of {position.layer}") or []
@@ -345,6 +363,7 @@ class BudgetExecutor:
         return {"budget_bytes": ledger.budget_bytes, "max_resident_ledger": ledger.max_resident,
                 "resident_at_end": ledger.resident_bytes, "managed_bytes": ledger.total_bytes,
                 "prefetched_bytes": ledger.prefetched_bytes, "evicted_bytes": ledger.evicted_bytes,
+                "discarded_bytes": ledger.discarded_bytes, "populated_bytes": ledger.populated_bytes,
                 "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
                 "over_budget": ledger.max_resident > ledger.budget_bytes,
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
@@ -394,11 +413,14 @@ class BudgetExecutor:
             self.refresh_segments()
         codes = self.runtime.codes
         segments = None if self.cover_unknown else self._live_segments()
-        compute_event = self.streams.record_compute() if any(m.kind == "evict" for m in moves) else None
+        compute_event = self.streams.record_compute() if any(m.kind in ("evict", "discard") for m in moves) else None
         targets: set[int] = set()
         calls = []
         for m in moves:
             if m.kind == "touch":
+                continue
+            if m.kind == "discard":
+                calls += [(ptr, n, DISCARD, 0) for ptr, n in m.spans if segments is None or _inside(segments, ptr, n)]
                 continue
             to_gpu = m.kind == "prefetch"
             loc = (codes.location_device, self.device) if to_gpu else (codes.location_host, 0)

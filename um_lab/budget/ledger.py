@@ -40,7 +40,8 @@ def blocks_of_span(ptr: int, nbytes: int) -> range:
 
 @dataclasses.dataclass(frozen=True)
 class Move:
-    """One change of residency: ``kind`` is ``prefetch`` (to the GPU), ``evict`` (to the host) or
+    """One change of residency: ``kind`` is ``prefetch`` (to the GPU), ``evict`` (to the host),
+    ``discard`` (contents dead: dropped with no copy; ``nbytes`` is the resident bytes it frees) or
     ``touch`` (the GPU touched it: nothing to issue). ``spans`` are the byte ranges to move (clipped to
     managed segments, adjacent blocks merged), ``nbytes`` their total, ``resident_after`` the ledger's
     resident bytes once it is done, ``target`` the position it serves (scheduler's label, -1: none),
@@ -60,6 +61,7 @@ class _Block:
     pieces: list[tuple[int, int, int]]  # (address, bytes, segment start): the segment parts inside it
     where: str = HOST
     ever_on_gpu: bool = False
+    dead: bool = False  # contents discarded: bringing it in moves no bytes over the link
 
 
 class Ledger:
@@ -78,6 +80,8 @@ class Ledger:
         self.evicted_bytes = 0
         self.first_touch_bytes = 0
         self.touched_bytes = 0
+        self.discarded_bytes = 0
+        self.populated_bytes = 0
         self.moves: list[Move] = []  #: every move, in order (cleared by :meth:`reset_counters`)
         self.keep_moves = True
 
@@ -133,6 +137,10 @@ class Ledger:
         """Every block index that holds managed bytes."""
         return set(self._blocks)
 
+    def segment_starts(self, block: int) -> set[int]:
+        """The starts of the segments that have bytes in ``block``."""
+        return {seg for _, _, seg in self._blocks[block].pieces}
+
     def segments(self) -> dict[int, int]:
         """Registered segments: start -> size."""
         return dict(self._segments)
@@ -160,6 +168,10 @@ class Ledger:
     def where(self, block: int) -> str:
         """``gpu`` or ``host`` (host also means: never touched by the GPU)."""
         return self._blocks[block].where
+
+    def is_dead(self, block: int) -> bool:
+        """True while ``block``'s contents are discarded (not resident; bringing it in copies nothing)."""
+        return self._blocks[block].dead
 
     def bytes_of(self, blocks: Iterable[int]) -> int:
         """Managed bytes in ``blocks``."""
@@ -191,6 +203,7 @@ class Ledger:
         """Start a new period (a step): max resident from now, byte counters and move log at zero."""
         self.max_resident = self.resident_bytes
         self.prefetched_bytes = self.evicted_bytes = self.first_touch_bytes = self.touched_bytes = 0
+        self.discarded_bytes = self.populated_bytes = 0
         self.moves = []
 
     # ---- moves ----
@@ -239,6 +252,25 @@ class Ledger:
         """Push resident ``blocks`` to the host (blocks already there are skipped)."""
         return self._evict([b for b in blocks if self._blocks[b].where == GPU], target)
 
+    def discard(self, blocks: Iterable[int], target: int = -1) -> list[Move]:
+        """Declare the contents of ``blocks`` dead (``cudaMemDiscardBatchAsync``): resident ones stop
+        counting with no transfer, and bringing any of them in later populates pages instead of copying.
+        Blocks already dead are skipped."""
+        chosen = sorted(b for b in set(blocks) if not self._blocks[b].dead)
+        if not chosen:
+            return []
+        freed = 0
+        for b in chosen:
+            block = self._blocks[b]
+            block.dead = True
+            if block.where == GPU:
+                block.where = HOST
+                self._gpu.discard(b)
+                freed += block.nbytes
+        self.resident_bytes -= freed
+        self.discarded_bytes += freed
+        return [self._log(Move("discard", self._spans(chosen), freed, self.resident_bytes, target, tuple(chosen)))]
+
     def evict_everything(self, target: int = -1) -> list[Move]:
         """Push every block to the host, whatever the ledger believes about it (after moves that may
         not have happened: its state is unknown); afterwards nothing counts as resident."""
@@ -282,10 +314,13 @@ class Ledger:
             yield heapq.heappop(heap)[1]
 
     def _move_in(self, blocks: list[int], kind: str, target: int) -> Move:
-        nbytes = 0
+        nbytes = populated = 0
         for b in blocks:
             block = self._blocks[b]
             block.where = GPU
+            if block.dead:
+                block.dead = False
+                populated += block.nbytes
             nbytes += block.nbytes
             if not block.ever_on_gpu:
                 self.first_touch_bytes += block.nbytes
@@ -293,8 +328,9 @@ class Ledger:
             self._gpu.add(b)
         self.resident_bytes += nbytes
         self.max_resident = max(self.max_resident, self.resident_bytes)
+        self.populated_bytes += populated
         if kind == "prefetch":
-            self.prefetched_bytes += nbytes
+            self.prefetched_bytes += nbytes - populated
         else:
             self.touched_bytes += nbytes
         return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks)))

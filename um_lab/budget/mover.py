@@ -21,13 +21,15 @@ from typing import Any
 from um_lab.cuda.allocator import Runtime
 
 Call = tuple[int, int, int, int]  #: (address, bytes, location type, location id) of one prefetch
+#: The location type of a call that discards its range instead (``runtime.discard``, CUDA 13+).
+DISCARD = -1
 
 
 class MoveBatch:
-    """One batch of prefetches on the side stream: after ``compute_event`` (if any), the ``calls`` in
-    order, then a side event when ``record`` (what compute waits for). ``live(address, bytes)``
-    (optional) is asked right before each call: a range it rejects (its segment was freed since the
-    batch was made) is skipped, never prefetched (``skipped`` counts them)."""
+    """One batch of prefetches (and discards, location type :data:`DISCARD`) on the side stream: after
+    ``compute_event`` (if any), the ``calls`` in order, then a side event when ``record`` (what compute
+    waits for). ``live(address, bytes)`` (optional) is asked right before each call: a range it rejects
+    (its segment was freed since the batch was made) is skipped, never touched (``skipped`` counts them)."""
 
     def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool,
                  live: Callable[[int, int], bool] | None = None) -> None:
@@ -51,7 +53,10 @@ class MoveBatch:
                 if live is not None and not live(ptr, n):
                     self.skipped += 1
                     continue
-                runtime.prefetch(ptr, n, loc_type, loc_id, side)
+                if loc_type == DISCARD:
+                    runtime.discard(ptr, n, side)  # type: ignore[attr-defined]  # runtimes that can_discard
+                else:
+                    runtime.prefetch(ptr, n, loc_type, loc_id, side)
             if self.record:
                 self.side_event = streams.record_side()
         except BaseException as e:  # handed to whoever waits for the batch

@@ -22,12 +22,14 @@ from collections.abc import Iterable
 from um_lab.budget.ledger import Ledger, Move
 from um_lab.budget.order import Order
 from um_lab.errors import BudgetError, BudgetTooSmall
+from um_lab.types import DataType
 
 
 class Scheduler:
     """Belady evictions and look-ahead prefetches over a cyclic :class:`Order` (see the module doc)."""
 
-    def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2) -> None:
+    def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2,
+                 discard_segments: Iterable[int] = ()) -> None:
         if lookahead < 0:
             raise BudgetError(f"lookahead must be >= 0, got {lookahead}")
         self.ledger = ledger
@@ -40,6 +42,7 @@ class Scheduler:
             for b in blocks:
                 uses.setdefault(b, []).append(i)
         self._uses = uses
+        self.discard_at = dead_gradient_blocks(ledger, order, set(discard_segments))
 
     def next_use(self, block: int, now: int) -> float:
         """Positions from ``now`` until ``block`` is used again, after ``now`` (cyclic; inf: never)."""
@@ -67,8 +70,10 @@ class Scheduler:
         now = self.blocks[i] | set(extra)
         rank = lambda b: self.next_use(b, i)  # noqa: E731
         phase, layer = self.order.positions[i].key
-        moves = self.ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}")
-        assert moves is not None
+        moves = self.ledger.discard(self.discard_at.get(i, ()), target=i)
+        brought = self.ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}")
+        assert brought is not None
+        moves += brought
         protect = set(now)
         for d in range(1, min(self.lookahead, self.n - 1) + 1):
             j = (i + d) % self.n
@@ -99,6 +104,8 @@ class Plan:
     largest_working_set: int  #: the largest single position, in whole blocks
     steady: bool  #: True when the step after the planned one issues the same moves
     start_resident: frozenset[int] = frozenset()  #: the blocks resident when the steady step begins
+    discarded_bytes: int = 0  #: resident bytes dropped with no copy per steady step (dead gradients)
+    populated_bytes: int = 0  #: bytes brought in with no copy (dead blocks made resident again)
 
     def evictions(self) -> list[Move]:
         """Every eviction of the steady step, in order."""
@@ -108,8 +115,44 @@ class Plan:
         """The totals, JSON-able."""
         return {"budget_bytes": self.budget_bytes, "footprint_bytes": self.footprint_bytes,
                 "max_resident_ledger": self.max_resident, "prefetched_bytes": self.prefetched_bytes,
-                "evicted_bytes": self.evicted_bytes, "largest_working_set": self.largest_working_set,
+                "evicted_bytes": self.evicted_bytes, "discarded_bytes": self.discarded_bytes,
+                "populated_bytes": self.populated_bytes, "largest_working_set": self.largest_working_set,
                 "positions": len(self.keys), "steady": self.steady}
+
+
+def dead_gradient_blocks(ledger: Ledger, order: Order, discard_segments: set[int]) -> dict[int, list[int]]:
+    """Gradient blocks to discard, by the position at which their contents die.
+
+    With ``zero_grad`` every step, a gradient is dead from the optimizer position that last reads it until
+    the backward that writes it next (the session zeroes it again there, :mod:`um_lab.budget.control`). A
+    block qualifies when every piece of it lies in ``discard_segments`` (the gradient pool's) and every
+    access to it is a gradient access, backward before optimizer; it is discarded as the position after its
+    last optimizer read opens (the first position of the next step for the last chunk)."""
+    if not discard_segments or not order.positions:
+        return {}
+    first_backward: dict[int, int] = {}
+    last_optimizer: dict[int, int] = {}
+    excluded: set[int] = set()
+    for i, position in enumerate(order.positions):
+        for access in position.accesses:
+            blocks = ledger.blocks(access.spans)
+            if access.data_type is not DataType.GRAD:
+                excluded |= blocks
+                continue
+            for b in blocks:
+                if position.phase == "backward":
+                    first_backward.setdefault(b, i)
+                elif position.phase == "optimizer":
+                    last_optimizer[b] = i
+    out: dict[int, list[int]] = {}
+    n = len(order.positions)
+    for b, last in last_optimizer.items():
+        if b in excluded or b not in first_backward or first_backward[b] > last:
+            continue
+        if not all(seg in discard_segments for seg in ledger.segment_starts(b)):
+            continue
+        out.setdefault((last + 1) % n, []).append(b)
+    return out
 
 
 def new_ledger(order: Order, budget_bytes: int) -> Ledger:
@@ -120,14 +163,16 @@ def new_ledger(order: Order, budget_bytes: int) -> Ledger:
     return ledger
 
 
-def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6) -> Plan:
+def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6,
+              discard_segments: Iterable[int] = ()) -> Plan:
     """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
-    until a step repeats the previous one's moves, and return that step's moves.
+    until a step repeats the previous one's moves, and return that step's moves. Gradient blocks lying
+    in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`).
 
     Raises :class:`BudgetTooSmall` before planning when one position alone does not fit.
     """
     ledger = new_ledger(order, budget_bytes)
-    scheduler = Scheduler(ledger, order, lookahead)
+    scheduler = Scheduler(ledger, order, lookahead, discard_segments)
     scheduler.check_fits()
     largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)
     previous: list[list[Move]] | None = None
@@ -143,7 +188,8 @@ def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles
             break
         previous = moves
     return Plan(budget_bytes, lookahead, order.keys(), moves, ledger.total_bytes, ledger.max_resident,
-                ledger.prefetched_bytes, ledger.evicted_bytes, largest, steady, start)
+                ledger.prefetched_bytes, ledger.evicted_bytes, largest, steady, start,
+                discarded_bytes=ledger.discarded_bytes, populated_bytes=ledger.populated_bytes)
 
 
 def _same(a: list[list[Move]], b: list[list[Move]]) -> bool:

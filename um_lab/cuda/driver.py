@@ -206,6 +206,22 @@ def prefetch_raw(ptr: int, nbytes: int, location_type: int, location_id: int, st
     _check(fn(ptr, nbytes, _memory_location(location_type, location_id), 0, stream), "cudaMemPrefetchAsync")
 
 
+def can_discard() -> bool:
+    """True when the runtime has ``cudaMemDiscardBatchAsync`` (CUDA 13+)."""
+    return runtime_version() >= 13000 and hasattr(runtime_library(), "cudaMemDiscardBatchAsync")
+
+
+def discard_raw(ptr: int, nbytes: int, stream: int) -> None:
+    """``cudaMemDiscardBatchAsync`` of one range on ``stream``: its pages' contents become undefined and
+    resident ones are dropped without a copy (through ctypes: the GIL is released for the call)."""
+    lib = runtime_library()
+    ptrs, sizes = (ctypes.c_void_p * 1)(ptr), (ctypes.c_size_t * 1)(nbytes)
+    err = lib.cudaMemDiscardBatchAsync(ptrs, sizes, ctypes.c_size_t(1), ctypes.c_ulonglong(0),
+                                       ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"cudaMemDiscardBatchAsync failed: cudaError {err}")
+
+
 def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
     """``cudaMemAdvise`` by name, e.g. ``advise(p, n, "SetPreferredLocation", "cpu", 0)``."""
     advise_raw(ptr, nbytes, advice_code(advice), location_code(processor), device if processor == GPU else 0)
@@ -262,6 +278,14 @@ class CudaRuntime:
     def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
         """Raw ``cudaMemPrefetchAsync`` with a location."""
         prefetch_raw(ptr, nbytes, location_type, location_id, stream)
+
+    def discard(self, ptr: int, nbytes: int, stream: int) -> None:
+        """Raw ``cudaMemDiscardBatchAsync`` of one range (CUDA 13+; see :func:`can_discard`)."""
+        discard_raw(ptr, nbytes, stream)
+
+    def can_discard(self) -> bool:
+        """True when :meth:`discard` is available."""
+        return can_discard()
 
     def current_stream(self) -> int:
         """torch's current stream as a raw handle."""

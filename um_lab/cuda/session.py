@@ -64,7 +64,12 @@ class Session(Listenable):
     CUPTI-measured residency (``telemetry=True``) is the cross-check.
     ``budget_lookahead`` is how many positions ahead it prefetches; ``budget_issue`` who makes the
     prefetch calls (``"thread"``: a mover thread, since a call blocks until its stream's earlier work is
-    done; ``"inline"``: the training thread). Without a budget nothing changes: no hooks are installed.
+    done; ``"inline"``: the training thread). ``budget_discard`` (on where the runtime has
+    ``cudaMemDiscardBatchAsync``, CUDA 13+): gradients are zeroed at their first accumulation in the next
+    backward instead of after the optimizer step, and the plan discards gradient blocks in between, so
+    they never cross the link; between steps their contents are undefined. A step with
+    ``zero_grad=False`` (accumulating gradients) turns discards off for the session.
+    Without a budget nothing changes: no hooks are installed.
     """
 
     _open_lock = threading.Lock()
@@ -84,6 +89,7 @@ class Session(Listenable):
         gpu_budget_bytes: int | None = None,
         budget_lookahead: int = 2,
         budget_issue: str = "thread",
+        budget_discard: bool = True,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
@@ -93,6 +99,7 @@ class Session(Listenable):
         self.gpu_budget_bytes = _check_budget(gpu_budget_bytes, budget_lookahead, budget_issue)
         self.budget_lookahead = budget_lookahead
         self.budget_issue = budget_issue
+        self.budget_discard = bool(budget_discard)
         self._budget: BudgetControl | None = None
         if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
             raise ValueError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}")
@@ -450,10 +457,12 @@ class Session(Listenable):
         def select_device() -> None:
             torch.cuda.set_device(index)
 
+        can_discard = getattr(runtime, "can_discard", None)
+        discard = self.budget_discard and callable(can_discard) and bool(can_discard())
         return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
                              cover_unknown=not self._real, generation=source.generation if self._real else None,
                              keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
-                             thread_init=select_device if self._real else None)
+                             thread_init=select_device if self._real else None, discard_gradients=discard)
 
     @property
     def budget(self) -> BudgetControl | None:
