@@ -53,6 +53,12 @@ class Move:
     resident_after: int
     target: int = -1
     blocks: tuple[int, ...] = ()
+    populated: int = 0  #: bytes of a prefetch or touch that were dead: made resident with no copy
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes this move sends over the host link (none for a discard or a populated block)."""
+        return 0 if self.kind in ("discard", "touch") else self.nbytes - self.populated
 
 
 @dataclasses.dataclass
@@ -271,6 +277,17 @@ class Ledger:
         self.discarded_bytes += freed
         return [self._log(Move("discard", self._spans(chosen), freed, self.resident_bytes, target, tuple(chosen)))]
 
+    def mark_dead(self, blocks: Iterable[int]) -> None:
+        """The contents of ``blocks`` are dead from now on: nothing moves yet, but a resident one picked as a
+        victim is discarded instead of copied, and bringing a non-resident one in populates it."""
+        for b in blocks:
+            self._blocks[b].dead = True
+
+    def mark_live(self, blocks: Iterable[int]) -> None:
+        """``blocks`` are in use again (written before being read): no longer dead."""
+        for b in blocks:
+            self._blocks[b].dead = False
+
     def evict_everything(self, target: int = -1) -> list[Move]:
         """Push every block to the host, whatever the ledger believes about it (after moves that may
         not have happened: its state is unknown); afterwards nothing counts as resident."""
@@ -333,11 +350,18 @@ class Ledger:
             self.prefetched_bytes += nbytes - populated
         else:
             self.touched_bytes += nbytes
-        return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks)))
+        return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks),
+                              populated))
 
     def _evict(self, blocks: list[int], target: int) -> list[Move]:
+        """Push ``blocks`` to the host; those whose contents are dead are discarded instead (no copy)."""
         if not blocks:
             return []
+        dead = [b for b in blocks if self._blocks[b].dead]
+        if dead:
+            for b in dead:
+                self._blocks[b].dead = False  # discard() skips dead blocks: it marks them again
+            return self.discard(dead, target) + self._evict([b for b in blocks if b not in set(dead)], target)
         nbytes = 0
         for b in blocks:
             self._blocks[b].where = HOST

@@ -68,12 +68,13 @@ class Scheduler:
     def enter(self, i: int, extra: Iterable[int] = ()) -> list[Move]:
         """Moves at position ``i``: its blocks (and ``extra`` blocks seen now) resident, then look-ahead."""
         now = self.blocks[i] | set(extra)
-        rank = lambda b: self.next_use(b, i)  # noqa: E731
+        ledger = self.ledger
+        ledger.mark_dead(self.discard_at.get(i, ()))
+        rank = lambda b: math.inf if ledger.is_dead(b) else self.next_use(b, i)  # noqa: E731 - dead go first
         phase, layer = self.order.positions[i].key
-        moves = self.ledger.discard(self.discard_at.get(i, ()), target=i)
-        brought = self.ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}")
-        assert brought is not None
-        moves += brought
+        moves = ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}")
+        assert moves is not None
+        ledger.mark_live(now)
         protect = set(now)
         for d in range(1, min(self.lookahead, self.n - 1) + 1):
             j = (i + d) % self.n
@@ -126,8 +127,9 @@ def dead_gradient_blocks(ledger: Ledger, order: Order, discard_segments: set[int
     With ``zero_grad`` every step, a gradient is dead from the optimizer position that last reads it until
     the backward that writes it next (the session zeroes it again there, :mod:`um_lab.budget.control`). A
     block qualifies when every piece of it lies in ``discard_segments`` (the gradient pool's) and every
-    access to it is a gradient access, backward before optimizer; it is discarded as the position after its
-    last optimizer read opens (the first position of the next step for the last chunk)."""
+    access to it is a gradient access, backward before optimizer; it is marked dead as the position after its
+    last optimizer read opens (the first position of the next step for the last chunk), and discarded only
+    when room is needed (dead blocks are the first victims)."""
     if not discard_segments or not order.positions:
         return {}
     first_backward: dict[int, int] = {}

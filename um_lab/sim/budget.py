@@ -59,6 +59,7 @@ class DerivedOrder:
     host_us: list[float]  #: host dispatch time of each position's ops (hooks excluded)
     optim_scratch_bytes: int  #: the largest layer's optimizer temporaries (kept resident: off the budget)
     layers: int  #: parameter layers found (optimizer positions)
+    grad_segments: frozenset[int] = frozenset()  #: starts of the gradient runs (what a plan may discard)
 
 
 @dataclasses.dataclass
@@ -206,8 +207,9 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
         host_us.append(dispatch + (shared_host - dispatch) * float(tensors[lay]) / total_tensors
                        + float(own_us["host"][lay]))
     segments = _type_runs(layout)
+    grads = frozenset(p for p, _ in segments if DATA_TYPES[int(layout.block_type[p // BLOCK])] is DataType.GRAD)
     return DerivedOrder(Order(positions, segments), compute, host_us, int(scratch.max()) if len(scratch) else 0,
-                        len(opt_layers))
+                        len(opt_layers), grads)
 
 
 def _type_runs(layout: Layout) -> list[Span]:
@@ -223,14 +225,15 @@ def _type_runs(layout: Layout) -> list[Span]:
     return runs
 
 
-def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2) -> Plan:
+def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = True) -> Plan:
     """The scheduler's steady-state plan of ``derived`` under ``budget_bytes`` less the optimizer's
-    temporaries (whole blocks). Raises :class:`BudgetTooSmall` when one position cannot fit."""
+    temporaries (whole blocks), discarding dead gradients as a session on CUDA 13+ does (``discard``).
+    Raises :class:`BudgetTooSmall` when one position cannot fit."""
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
     usable = budget_bytes - scratch
     if usable < BLOCK:
         raise BudgetTooSmall(budget_bytes, scratch + BLOCK, "the optimizer's temporaries of one layer")
-    return make_plan(derived.order, usable, lookahead)
+    return make_plan(derived.order, usable, lookahead, discard_segments=derived.grad_segments if discard else ())
 
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
@@ -263,7 +266,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 ready = max(ready, side_done)
             moves = [m for m in plan.moves[i] if m.kind != "touch"]
             if moves:
-                compute_event = gpu if any(m.kind == "evict" for m in moves) else 0.0
+                compute_event = gpu if any(m.kind in ("evict", "discard") for m in moves) else 0.0
                 mover = max(mover, cpu)
                 if compute_event:
                     side = max(side, compute_event)
@@ -274,7 +277,8 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                         if sync:
                             mover = max(mover, side)
                         mover += p.prefetch_call_us + p.prefetch_call_us_per_block * blocks
-                        took = nbytes / (h2d if m.kind == "prefetch" else d2h) + p.prefetch_block_us * blocks
+                        copied = nbytes * m.link_bytes / m.nbytes if m.nbytes else 0.0  # dead blocks: none
+                        took = copied / (h2d if m.kind == "prefetch" else d2h) + p.prefetch_block_us * blocks
                         side = max(side, mover) + took
                         busy += took
                         calls += 1
@@ -309,23 +313,23 @@ class BudgetSimulation:
     step: BudgetStep
 
 
-_SIMULATED: dict[tuple[str, str, int, int], BudgetSimulation] = {}
+_SIMULATED: dict[tuple[str, str, int, int, bool], BudgetSimulation] = {}
 _SIMULATED_KEEP = 16
 
 
 def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                    lookahead: int = 2) -> BudgetSimulation:
+                    lookahead: int = 2, discard: bool = True) -> BudgetSimulation:
     """Order, plan and steady step of ``trace`` placed by ``layout`` (the steady one) under ``budget_bytes``
-    (memoised per trace, profile constants, budget and look-ahead; a pre-flight and the run that follows plan
-    once). Raises :class:`BudgetTooSmall`."""
+    (memoised per trace, profile constants, budget, look-ahead and ``discard``; a pre-flight and the run that
+    follows plan once). Raises :class:`BudgetTooSmall`."""
     from um_lab.sim.profile import profile_sha256
 
-    key = (trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead))
+    key = (trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead), bool(discard))
     hit = _SIMULATED.get(key)
     if hit is not None:
         return hit
     derived = derive_order(trace, layout, profile)
-    plan = plan_budget(derived, budget_bytes, lookahead)
+    plan = plan_budget(derived, budget_bytes, lookahead, discard)
     result = BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
     if len(_SIMULATED) >= _SIMULATED_KEEP:
         _SIMULATED.pop(next(iter(_SIMULATED)))
@@ -386,7 +390,7 @@ def _moved_by_type(plan: Plan, layout: Layout) -> tuple[dict[str, int], dict[str
             target = moved_in if m.kind == "prefetch" else moved_out if m.kind == "evict" else None
             if target is None or not m.blocks:
                 continue
-            per_block = m.nbytes / len(m.blocks)
+            per_block = (m.link_bytes if m.kind == "prefetch" else m.nbytes) / len(m.blocks)
             for b in m.blocks:
                 target[DATA_TYPES[int(types[b])].value] += int(per_block)
     return moved_in, moved_out
