@@ -254,3 +254,17 @@ def test_a_budget_session_refuses_an_unsupported_optimizer_at_attach(env):
         assert model not in lab._modules  # refused before anything was placed
     with make_session(env) as plain:  # without a budget any optimizer goes
         plain.attach(model, torch.optim.Adagrad(model.parameters()))
+
+
+@pytest.mark.parametrize("budget", [None, 48 * MiB])
+def test_a_closed_session_still_referenced_holds_no_parameter(env, budget):
+    """bench/budget.py keeps its session object after close() and checks the managed bytes left: the
+    session's cached parameter list once kept every parameter and gradient segment alive there."""
+    model, batches = model_and_data()
+    lab = make_session(env, gpu_budget_bytes=budget, evacuate_on_close=False)
+    with lab:
+        train(lab, model, batches[:2])
+    ref = weakref.ref(model[0][0].weight)
+    del model
+    gc.collect()
+    assert ref() is None and not lab.is_open

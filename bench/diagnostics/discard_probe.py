@@ -74,7 +74,8 @@ def main() -> None:
     dev_type = driver.location_code("gpu")
     n = int(args.gib * GiB)
     mem = Managed(rt)
-    stream = torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()  # the batch APIs refuse the legacy default stream (cudaErrorInvalidValue)
+    stream = side.cuda_stream
     results: dict[str, list[float]] = {}
     free_log: list[tuple[str, int]] = []
     has = {name: hasattr(rt, name) for name in ("cudaMemDiscardBatchAsync", "cudaMemDiscardAndPrefetchBatchAsync",

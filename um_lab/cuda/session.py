@@ -225,6 +225,7 @@ class Session(Listenable):
                                       "stay in managed segments until they are deleted", RuntimeWarning,
                                       stacklevel=2)
                 self._modules.clear()
+                self._trainable = []  # it held every parameter (and so its gradient) past close
                 self._optimizers.clear()
                 gc.collect()
                 if self._real and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
