@@ -25,6 +25,20 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKS = ("start", "forward_first", "forward_end", "backward_end", "optimizer_start", "optimizer_end", "end")
 
 
+def prefetch_whole_segments(lab: Any) -> None:
+    """Prefetch every managed segment whole to the GPU once (variant ``um_lab_prefetched``): segments first
+    touched piecemeal by kernels may be mapped with small pages; a whole-segment prefetch maps whole 2 MiB
+    blocks. Tests whether the forward/backward gap is a page-size (TLB) effect."""
+    import torch
+
+    pools = lab._pools
+    runtime = pools.runtime
+    codes = runtime.codes
+    for seg in pools.source.segments():
+        runtime.prefetch(seg.ptr, seg.size, codes.location_device, pools.device, runtime.current_stream())
+    torch.cuda.synchronize()
+
+
 def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict[str, Any]:
     """One process: ``steps`` timed steps with events at each mark; per-phase median ms."""
     import torch
@@ -63,7 +77,7 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict[str, Any
             events.append({k: current[k] for k in MARKS if k in current})
         current.clear()
 
-    if mode == "um_lab":
+    if mode.startswith("um_lab"):
         from um_lab.cuda.session import Session
 
         with Session("um-default", evacuate_on_close=False) as lab:
@@ -82,6 +96,8 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict[str, Any
 
             session_module._StepTimer.stop = stop  # type: ignore[method-assign]
             for i in range(warmup + steps):
+                if i == warmup - 1 and mode == "um_lab_prefetched":
+                    prefetch_whole_segments(lab)
                 torch.cuda.synchronize()
                 mark("start")
                 lab.step(lambda: case.loss_fn(model, *batch), opt)
@@ -119,12 +135,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--modes", nargs="+", default=["native", "um_lab"],
+                    choices=["native", "um_lab", "um_lab_prefetched"])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.model, args.steps, args.warmup)), flush=True)
         return
-    runs: dict[str, list[dict[str, float]]] = {"native": [], "um_lab": []}
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
     for _ in range(args.repeats):
         for mode in runs:
             out = subprocess.run([sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps",
@@ -137,8 +155,10 @@ def main() -> None:
     keys = list(runs["native"][0])
     table = {k: {m: round(statistics.median(r[k] for r in rs), 4) for m, rs in runs.items()} for k in keys}
     for k, v in table.items():
-        v["um_lab_minus_native"] = round(v["um_lab"] - v["native"], 4)
-        print(f"{k:34s} native {v['native']:8.3f}  um_lab {v['um_lab']:8.3f}  diff {v['um_lab_minus_native']:+.3f} ms")
+        for m in [m for m in runs if m != "native" and "native" in runs]:
+            v[f"{m}_minus_native"] = round(v[m] - v["native"], 4)
+        print(f"{k:34s} " + "  ".join(f"{m} {v[m]:8.3f}" for m in runs)
+              + "".join(f"  {m}-native {v[f'{m}_minus_native']:+.3f}" for m in runs if m != "native"))
     import torch
 
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": torch.cuda.get_device_name(),
