@@ -163,7 +163,7 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
         if row.get("budget_bytes") is None:
             continue
         try:
-            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"])
+            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", True))
         except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
             row["sim_error"] = f"{type(e).__name__}: {e}"
             continue
@@ -245,7 +245,7 @@ FIRST_EVICT_GBPS = 3.65  #: GPU->host prefetch of pages never host-resident befo
 QUICK_IMPLIED_EVICT_GBPS = 6.8
 
 
-def simulate_row(name: str, ratio: float, budget_bytes: int | None = None) -> dict[str, Any]:
+def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = True) -> dict[str, Any]:
     """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
     simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
     later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
@@ -259,7 +259,7 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None) -> di
     prepared = sim.prepare(case)
     budget = int(budget_bytes if budget_bytes is not None else prepared.footprint_bytes / ratio)
     fit = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), case, "um-default")][-1]
-    result = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, budget)
+    result = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, budget, discard=discard)
     plan, step = result.plan, result.step
     crossing = plan.prefetched_bytes + plan.evicted_bytes
     slow = replay_plan(result.derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS)

@@ -36,7 +36,8 @@ def test_discarding_frees_resident_bytes_without_a_copy_and_bringing_back_popula
     assert ledger.resident_bytes == BLOCK and ledger.evicted_bytes == 0 and ledger.discarded_bytes == BLOCK
     assert ledger.is_dead(1) and ledger.is_dead(2) and not ledger.is_dead(0)
     assert ledger.discard([1]) == []  # already dead
-    ledger.bring_in([1, 2, 3], far)
+    moves = ledger.bring_in([1, 2, 3], far)
+    assert [(m.kind, m.blocks, m.link_bytes) for m in moves] == [("populate", (1, 2), 0), ("prefetch", (3,), BLOCK)]
     assert ledger.populated_bytes == 2 * BLOCK and ledger.prefetched_bytes == BLOCK  # only block 3 is copied
     assert not ledger.is_dead(1)
     ledger.check()
@@ -90,9 +91,20 @@ class DiscardingRuntime(FakeRuntime):
     def __init__(self):
         super().__init__()
         self.discarded = []
+        self.populated = []
+        self.log = []
 
     def discard(self, ptr, nbytes, stream):
         self.discarded.append((ptr, nbytes, stream))
+        self.log.append(("discard", ptr))
+
+    def discard_and_prefetch(self, ptr, nbytes, device, stream):
+        self.populated.append((ptr, nbytes, device, stream))
+        self.log.append(("populate", ptr))
+
+    def prefetch(self, ptr, nbytes, location_type, location_id, stream):
+        super().prefetch(ptr, nbytes, location_type, location_id, stream)
+        self.log.append(("prefetch" if location_type == self.codes.location_device else "evict", ptr))
 
     def can_discard(self):
         return True
@@ -114,6 +126,13 @@ def test_the_executor_discards_on_the_side_stream_after_compute_and_only_gradien
         stats = drive(ex, order)
     assert stats["discarded_bytes"] > 0 and stats["max_resident_ledger"] <= budget
     assert runtime.discarded and {s for *_, s in runtime.discarded} == {RecordingStreams.SIDE}
+    # dead blocks come back by discard-and-prefetch, never by a plain prefetch or a kernel's faults
+    assert runtime.populated and {(d, s) for _, _, d, s in runtime.populated} == {(0, RecordingStreams.SIDE)}
+    last: dict[int, str] = {}
+    for kind, ptr in runtime.log:
+        if kind in ("prefetch", "evict"):
+            assert last.get(ptr) != "discard", "a discarded range was copied, not populated"
+        last[ptr] = kind
     assert all(any(ptr <= p < ptr + n for ptr, n in order.segments if ptr in grads) for p, *_ in runtime.discarded)
     ex.discard_gradients = False  # e.g. the session stopped discarding: planned discards are not carried out
     before = len(runtime.discarded)

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
-from um_lab.budget.mover import DISCARD, InlineMover, MoveBatch, ThreadMover
+from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, ThreadMover
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, Scheduler, make_plan
 from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
@@ -292,10 +292,10 @@ class BudgetExecutor:
                         grads = self.gradient_segments()
                         blocks = [b for b in blocks if self.ledger.segment_starts(b) <= grads]
                         moves += self.ledger.discard(blocks, target=planned.target)
-                elif planned.kind == "prefetch" and planned.target == index:
+                elif planned.to_gpu and planned.target == index:
                     moves += self.ledger.bring_in(blocks, rank, target=index,
                                                   what=f"{position.phase} of {position.layer}") or []
-                elif planned.kind == "prefetch":
+                elif planned.to_gpu:
                     try:  # a look-ahead: with this position's actual ranges it may no longer fit; skip it
                         got = self.ledger.bring_in(blocks, rank, target=planned.target, protect=actual,
                                                    what=f"{position.phase} of {position.layer}")
@@ -422,8 +422,10 @@ class BudgetExecutor:
             if m.kind == "discard":
                 calls += [(ptr, n, DISCARD, 0) for ptr, n in m.spans if segments is None or _inside(segments, ptr, n)]
                 continue
-            to_gpu = m.kind == "prefetch"
+            to_gpu = m.to_gpu
             loc = (codes.location_device, self.device) if to_gpu else (codes.location_host, 0)
+            if m.kind == "populate":  # a GPU write to discarded pages faults at ~0.7 GB/s: populate them first
+                loc = (POPULATE, self.device)
             calls += [(ptr, n, loc[0], loc[1]) for ptr, n in m.spans
                       if segments is None or _inside(segments, ptr, n)]
             if to_gpu:

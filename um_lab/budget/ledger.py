@@ -41,7 +41,8 @@ def blocks_of_span(ptr: int, nbytes: int) -> range:
 @dataclasses.dataclass(frozen=True)
 class Move:
     """One change of residency: ``kind`` is ``prefetch`` (to the GPU), ``evict`` (to the host),
-    ``discard`` (contents dead: dropped with no copy; ``nbytes`` is the resident bytes it frees) or
+    ``discard`` (contents dead: dropped with no copy; ``nbytes`` is the resident bytes it frees),
+    ``populate`` (dead blocks made resident with no copy: ``cudaMemDiscardAndPrefetchBatchAsync``) or
     ``touch`` (the GPU touched it: nothing to issue). ``spans`` are the byte ranges to move (clipped to
     managed segments, adjacent blocks merged), ``nbytes`` their total, ``resident_after`` the ledger's
     resident bytes once it is done, ``target`` the position it serves (scheduler's label, -1: none),
@@ -53,12 +54,17 @@ class Move:
     resident_after: int
     target: int = -1
     blocks: tuple[int, ...] = ()
-    populated: int = 0  #: bytes of a prefetch or touch that were dead: made resident with no copy
+    populated: int = 0  #: bytes that were dead: made resident with no copy
 
     @property
     def link_bytes(self) -> int:
-        """Bytes this move sends over the host link (none for a discard or a populated block)."""
-        return 0 if self.kind in ("discard", "touch") else self.nbytes - self.populated
+        """Bytes this move sends over the host link (none for a discard, a populate or a touch)."""
+        return self.nbytes if self.kind in ("prefetch", "evict") else 0
+
+    @property
+    def to_gpu(self) -> bool:
+        """True for the moves that make blocks resident by a call (prefetch, populate)."""
+        return self.kind in ("prefetch", "populate")
 
 
 @dataclasses.dataclass
@@ -244,8 +250,12 @@ class Ledger:
             if excess > 0:  # pragma: no cover - need_all <= budget guarantees room
                 raise BudgetTooSmall(self.budget_bytes, need_all, what)
         moves = self._evict(victims, target) if victims else []
-        if missing:
-            moves.append(self._move_in(missing, "prefetch", target))
+        dead = [b for b in missing if self._blocks[b].dead]
+        live = [b for b in missing if not self._blocks[b].dead]
+        if dead:  # contents discarded: made resident with no copy (discard-and-prefetch)
+            moves.append(self._move_in(dead, "populate", target))
+        if live:
+            moves.append(self._move_in(live, "prefetch", target))
         return moves
 
     def make_room(self, nbytes: int, rank: Callable[[int], float], *, protect: Iterable[int] = (),
@@ -347,8 +357,8 @@ class Ledger:
         self.max_resident = max(self.max_resident, self.resident_bytes)
         self.populated_bytes += populated
         if kind == "prefetch":
-            self.prefetched_bytes += nbytes - populated
-        else:
+            self.prefetched_bytes += nbytes
+        elif kind == "touch":
             self.touched_bytes += nbytes
         return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks),
                               populated))

@@ -23,6 +23,9 @@ from um_lab.cuda.allocator import Runtime
 Call = tuple[int, int, int, int]  #: (address, bytes, location type, location id) of one prefetch
 #: The location type of a call that discards its range instead (``runtime.discard``, CUDA 13+).
 DISCARD = -1
+#: The location type of a call that discards its range and prefetches it to device ``location id``: dead pages
+#: made resident with no copy (``runtime.discard_and_prefetch``, CUDA 13+).
+POPULATE = -2
 
 
 class MoveBatch:
@@ -55,6 +58,8 @@ class MoveBatch:
                     continue
                 if loc_type == DISCARD:
                     runtime.discard(ptr, n, side)  # type: ignore[attr-defined]  # runtimes that can_discard
+                elif loc_type == POPULATE:
+                    runtime.discard_and_prefetch(ptr, n, loc_id, side)  # type: ignore[attr-defined]
                 else:
                     runtime.prefetch(ptr, n, loc_type, loc_id, side)
             if self.record:

@@ -208,18 +208,38 @@ def prefetch_raw(ptr: int, nbytes: int, location_type: int, location_id: int, st
 
 def can_discard() -> bool:
     """True when the runtime has ``cudaMemDiscardBatchAsync`` (CUDA 13+)."""
-    return runtime_version() >= 13000 and hasattr(runtime_library(), "cudaMemDiscardBatchAsync")
+    lib = runtime_library()
+    return (runtime_version() >= 13000 and hasattr(lib, "cudaMemDiscardBatchAsync")
+            and hasattr(lib, "cudaMemDiscardAndPrefetchBatchAsync"))
 
 
 def discard_raw(ptr: int, nbytes: int, stream: int) -> None:
-    """``cudaMemDiscardBatchAsync`` of one range on ``stream``: its pages' contents become undefined and
-    resident ones are dropped without a copy (through ctypes: the GIL is released for the call)."""
+    """``cudaMemDiscardBatchAsync`` of one range on ``stream`` (not the legacy default stream: the batch
+    calls refuse it): its pages' contents become undefined and resident ones are dropped without a copy
+    (through ctypes: the GIL is released for the call). A GPU write to discarded pages that were not
+    populated first faults at ~0.7 GB/s on the H200 (``bench/diagnostics/discard_probe.py``)."""
     lib = runtime_library()
     ptrs, sizes = (ctypes.c_void_p * 1)(ptr), (ctypes.c_size_t * 1)(nbytes)
     err = lib.cudaMemDiscardBatchAsync(ptrs, sizes, ctypes.c_size_t(1), ctypes.c_ulonglong(0),
                                        ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"cudaMemDiscardBatchAsync failed: cudaError {err}")
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+def discard_and_prefetch_raw(ptr: int, nbytes: int, device: int, stream: int) -> None:
+    """``cudaMemDiscardAndPrefetchBatchAsync`` of one range to GPU ``device`` on ``stream`` (not the legacy
+    default stream): its pages become resident there with undefined contents and no copy."""
+    lib = runtime_library()
+    ptrs, sizes = (ctypes.c_void_p * 1)(ptr), (ctypes.c_size_t * 1)(nbytes)
+    locs, idxs = (_MemLocation * 1)(_MemLocation(location_code(GPU), device)), (ctypes.c_size_t * 1)(0)
+    err = lib.cudaMemDiscardAndPrefetchBatchAsync(ptrs, sizes, ctypes.c_size_t(1), locs, idxs, ctypes.c_size_t(1),
+                                                  ctypes.c_ulonglong(0), ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"cudaMemDiscardAndPrefetchBatchAsync failed: cudaError {err}")
 
 
 def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
@@ -282,6 +302,10 @@ class CudaRuntime:
     def discard(self, ptr: int, nbytes: int, stream: int) -> None:
         """Raw ``cudaMemDiscardBatchAsync`` of one range (CUDA 13+; see :func:`can_discard`)."""
         discard_raw(ptr, nbytes, stream)
+
+    def discard_and_prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> None:
+        """Raw ``cudaMemDiscardAndPrefetchBatchAsync`` of one range to GPU ``device``."""
+        discard_and_prefetch_raw(ptr, nbytes, device, stream)
 
     def can_discard(self) -> bool:
         """True when :meth:`discard` is available."""

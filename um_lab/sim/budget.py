@@ -47,6 +47,10 @@ from um_lab.types import DATA_TYPES, DataType, StepRecord
 #: not measured: a forward pre/post hook pair, a tensor hook, a few dict look-ups)
 HOOK_US_PER_POSITION = 40.0
 STEADY_STEPS = 3  #: steady steps replayed; the last one's time is reported
+#: Discarding GPU-resident pages and populating discarded pages on the GPU (discard-and-prefetch), as
+#: equivalent rates: 1 GiB took 3.4 and 6.7 ms on the H200 (bench/diagnostics/discard_probe.py, session 9).
+DISCARD_GBPS = 318.0
+POPULATE_GBPS = 160.0
 _PARAM, _GRAD, _OPTIM = (DATA_TYPES.index(t) for t in (DataType.PARAM, DataType.GRAD, DataType.OPTIM))
 
 
@@ -277,12 +281,14 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                         if sync:
                             mover = max(mover, side)
                         mover += p.prefetch_call_us + p.prefetch_call_us_per_block * blocks
-                        copied = nbytes * m.link_bytes / m.nbytes if m.nbytes else 0.0  # dead blocks: none
-                        took = copied / (h2d if m.kind == "prefetch" else d2h) + p.prefetch_block_us * blocks
+                        if m.kind in ("discard", "populate"):  # no copy: the driver's page work only
+                            took = nbytes / (DISCARD_GBPS if m.kind == "discard" else POPULATE_GBPS) / 1e3
+                        else:
+                            took = nbytes / (h2d if m.kind == "prefetch" else d2h) + p.prefetch_block_us * blocks
                         side = max(side, mover) + took
                         busy += took
                         calls += 1
-                    if m.kind == "prefetch":
+                    if m.to_gpu:
                         targets.add(m.target)
                 for t in targets:
                     if t == i:
@@ -387,10 +393,10 @@ def _moved_by_type(plan: Plan, layout: Layout) -> tuple[dict[str, int], dict[str
     moved_out = {t.value: 0 for t in DATA_TYPES}
     for moves in plan.moves:
         for m in moves:
-            target = moved_in if m.kind == "prefetch" else moved_out if m.kind == "evict" else None
+            target = moved_in if m.kind == "prefetch" else moved_out if m.kind == "evict" else None  # link bytes
             if target is None or not m.blocks:
                 continue
-            per_block = (m.link_bytes if m.kind == "prefetch" else m.nbytes) / len(m.blocks)
+            per_block = m.nbytes / len(m.blocks)
             for b in m.blocks:
                 target[DATA_TYPES[int(types[b])].value] += int(per_block)
     return moved_in, moved_out
