@@ -348,9 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                                      tuple(d == "on" for d in args.discard))
             if not args.no_sim:
                 fill_sim(model_rows, print)
+            rows += model_rows
+            write_merged(args.out, args.models, {"device": device, "steps": args.steps, "managed_limit_bytes": limit},
+                         rows)  # kept if the peer below, or a later model, runs past the caller's time limit
             if args.fsdp2:
                 fill_fsdp2(model_rows, name, args.steps, print)
-            rows += model_rows
         except (ManagedLimitExceeded, ManagedBytesLeft) as e:
             print(f"ABORTED {name}: {e}")
             rows.append({"model": name, "error": f"aborted: {e}"})
@@ -360,11 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+FSDP2_TIMEOUT_S = 240  #: the peer's process is stopped after this long (the rows keep an fsdp2_error)
+
+
 def fill_fsdp2(rows: list[dict], name: str, steps: int, say: Any) -> None:
     """Run the FSDP2 peer on ``name`` in a fresh process (its process group and allocator stay out of this
     one) and put its step time and GPU peak into every row of that model; a failure is recorded, not raised."""
     cmd = [sys.executable, str(ROOT / "bench" / "fsdp2_peer.py"), "--model", name, "--steps", str(steps)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=FSDP2_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        say(f"  fsdp2 peer: no result within {FSDP2_TIMEOUT_S} s")
+        for row in rows:
+            row["fsdp2_error"] = f"no result within {FSDP2_TIMEOUT_S} s"
+        return
     if done.returncode != 0:
         error = f"fsdp2 peer failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
         say(f"  {error}")
