@@ -118,7 +118,7 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
-                telemetry: bool = False, issue: str = "thread", discard: bool = True) -> dict[str, Any]:
+                telemetry: bool = False, issue: str = "thread", discard: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -163,7 +163,7 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
         if row.get("budget_bytes") is None:
             continue
         try:
-            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", True))
+            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", False))
         except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
             row["sim_error"] = f"{type(e).__name__}: {e}"
             continue
@@ -245,7 +245,7 @@ FIRST_EVICT_GBPS = 3.65  #: GPU->host prefetch of pages never host-resident befo
 QUICK_IMPLIED_EVICT_GBPS = 6.8
 
 
-def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = True) -> dict[str, Any]:
+def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = False) -> dict[str, Any]:
     """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
     simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
     later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--telemetry", action="store_true", help="CUPTI residency per step (max_resident_cupti)")
     ap.add_argument("--issue", nargs="+", choices=["thread", "inline"], default=["thread"],
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
-    ap.add_argument("--discard", nargs="+", choices=["on", "off"], default=["on"],
+    ap.add_argument("--discard", nargs="+", choices=["on", "off"], default=["off"],
                     help="discard dead gradients, not copy them (Session(budget_discard=...)); both: a row each")
     ap.add_argument("--max-managed-fraction", type=float, default=0.5,
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")

@@ -148,7 +148,7 @@ def test_a_session_that_discards_trains_exactly_as_one_without_a_budget(env, poi
     env = (source, driver, api, runtime)
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline") as lab:
+    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
         assert lab.budget.executor.discard_gradients
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         losses = []
@@ -169,7 +169,8 @@ def test_a_step_that_accumulates_gradients_turns_discards_off(env):
     env = (source, driver, api, DiscardingRuntime())
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline") as lab:
+    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+        assert lab.budget.executor.discard_gradients
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         for k, (xb, yb) in enumerate(batches):
             x, y = lab.inputs(xb, yb)
@@ -183,11 +184,11 @@ def test_a_step_that_accumulates_gradients_turns_discards_off(env):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
 
 
-def test_budget_discard_false_keeps_gradients_zeroed_after_each_step(env):
+def test_discards_are_off_by_default_and_gradients_stay_zeroed_after_each_step(env):
     source, driver, api, _ = env
     env = (source, driver, api, DiscardingRuntime())
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_discard=False) as lab:
+    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
         assert not lab.budget.executor.discard_gradients
         train(lab, model, batches[:2])
         assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())

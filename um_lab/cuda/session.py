@@ -64,11 +64,11 @@ class Session(Listenable):
     CUPTI-measured residency (``telemetry=True``) is the cross-check.
     ``budget_lookahead`` is how many positions ahead it prefetches; ``budget_issue`` who makes the
     prefetch calls (``"thread"``: a mover thread, since a call blocks until its stream's earlier work is
-    done; ``"inline"``: the training thread). ``budget_discard`` (on where the runtime has
-    ``cudaMemDiscardBatchAsync``, CUDA 13+): gradients are zeroed at their first accumulation in the next
-    backward instead of after the optimizer step, and the plan discards gradient blocks in between, so
-    they never cross the link; between steps their contents are undefined. A step with
-    ``zero_grad=False`` (accumulating gradients) turns discards off for the session.
+    done; ``"inline"``: the training thread). ``budget_discard=True`` (where the runtime has
+    ``cudaMemDiscardBatchAsync``, CUDA 13+; off by default: on GPT-2-large at ratio 2 it was not faster,
+    session 9): gradients are zeroed at their first accumulation in the next backward instead of after the
+    optimizer step, and the plan discards dead gradient blocks instead of copying them to the host; between
+    steps their contents are undefined. A step with ``zero_grad=False`` turns discards off for the session.
     Without a budget nothing changes: no hooks are installed.
     """
 
@@ -89,7 +89,7 @@ class Session(Listenable):
         gpu_budget_bytes: int | None = None,
         budget_lookahead: int = 2,
         budget_issue: str = "thread",
-        budget_discard: bool = True,
+        budget_discard: bool = False,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,

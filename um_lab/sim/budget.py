@@ -229,9 +229,9 @@ def _type_runs(layout: Layout) -> list[Span]:
     return runs
 
 
-def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = True) -> Plan:
+def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = False) -> Plan:
     """The scheduler's steady-state plan of ``derived`` under ``budget_bytes`` less the optimizer's
-    temporaries (whole blocks), discarding dead gradients as a session on CUDA 13+ does (``discard``).
+    temporaries (whole blocks); ``discard``: dead gradients discarded, as ``Session(budget_discard=True)``.
     Raises :class:`BudgetTooSmall` when one position cannot fit."""
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
     usable = budget_bytes - scratch
@@ -324,7 +324,7 @@ _SIMULATED_KEEP = 16
 
 
 def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                    lookahead: int = 2, discard: bool = True) -> BudgetSimulation:
+                    lookahead: int = 2, discard: bool = False) -> BudgetSimulation:
     """Order, plan and steady step of ``trace`` placed by ``layout`` (the steady one) under ``budget_bytes``
     (memoised per trace, profile constants, budget, look-ahead and ``discard``; a pre-flight and the run that
     follows plan once). Raises :class:`BudgetTooSmall`."""
