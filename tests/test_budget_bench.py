@@ -130,3 +130,21 @@ def test_the_fsdp2_peer_shards_every_layer_deepest_first_and_trains_on_the_cpu()
     cuda = torch.cuda.is_available()
     assert row["units"] == 18 and row["offload"] == ("CPUOffloadPolicy" if cuda else "none")
     assert row["fsdp2_step_ms"] > 0 and math.isfinite(row["loss"]) and (row["fsdp2_peak_bytes"] is None) != cuda
+
+
+def test_the_committed_budget_results_follow_the_issue_schema():
+    """bench/results/budget.json: issue 13's row schema, measured values consistent with each other."""
+    import json
+    from pathlib import Path
+
+    report = json.loads((Path(__file__).parents[1] / "bench" / "results" / "budget.json").read_text())
+    assert {"date", "device", "rows"} <= set(report)
+    keys = {"model", "footprint_bytes", "budget_bytes", "ratio", "step_ms", "fit_step_ms", "crossing_bytes", "bound_ms",
+            "over_bound", "max_resident_ledger", "max_resident_cupti", "fsdp2_step_ms", "fsdp2_peak_bytes",
+            "sim_step_ms"}
+    assert report["rows"]
+    for row in report["rows"]:
+        assert keys <= set(row), keys - set(row)
+        assert row["max_resident_ledger"] <= row["budget_bytes"] < row["footprint_bytes"]
+        assert abs(row["over_bound"] - row["step_ms"] / row["bound_ms"]) < 1e-6
+        assert row["bound_ms"] >= row["fit_step_ms"]
