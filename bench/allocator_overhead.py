@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
@@ -195,11 +196,8 @@ def apply_variants(lab: object, variants: list[str]) -> None:
             raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
 
 
-def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
-    """Run one (mode, model) in this process; returns median step time (wall, and the GPU span by CUDA
-    events from before the batch copy to after the optimizer's last kernel) and the last loss."""
-    if mode == "naive":
-        _install_naive_allocator()
+def build_bench_case(model_name: str) -> tuple[Any, Any, Any]:
+    """The benchmark's case for ``model_name`` at its size, its model (seed 0) and its first batch (CPU)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -207,8 +205,17 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
 
     case = get_model(model_name, **MODELS[model_name])
     torch.manual_seed(0)
-    model = case.build_model()
-    batch_cpu = case.batch(0)
+    return case, case.build_model(), case.batch(0)
+
+
+def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
+    """Run one (mode, model) in this process; returns median step time (wall, and the GPU span by CUDA
+    events from before the batch copy to after the optimizer's last kernel) and the last loss."""
+    if mode == "naive":
+        _install_naive_allocator()
+    import torch
+
+    case, model, batch_cpu = build_bench_case(model_name)
     times: list[float] = []
     gpu_times: list[float] = []
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

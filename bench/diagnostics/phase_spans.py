@@ -43,16 +43,10 @@ def worker(mode: str, model_name: str, steps: int, warmup: int) -> dict[str, Any
     """One process: ``steps`` timed steps with events at each mark; per-phase median ms."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
-    from allocator_overhead import MODELS
+    from allocator_overhead import build_bench_case
 
-    from um_lab.models import get_model
-
-    case = get_model(model_name, **MODELS[model_name])
-    torch.manual_seed(0)
-    model = case.build_model()
-    batch_cpu = case.batch(0)
+    case, model, batch_cpu = build_bench_case(model_name)
     events: list[dict[str, Any]] = []
     current: dict[str, Any] = {}
 

@@ -37,16 +37,10 @@ def make_step(mode: str, model_name: str, enter: Callable[[Any], Any]) -> Callab
     manager for the caller's lifetime."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
-    from allocator_overhead import BEFORE_PLACE, MODELS, apply_variants
+    from allocator_overhead import BEFORE_PLACE, apply_variants, build_bench_case
 
-    from um_lab.models import get_model
-
-    case = get_model(model_name, **MODELS[model_name])
-    torch.manual_seed(0)
-    model = case.build_model()
-    batch_cpu = case.batch(0)
+    case, model, batch_cpu = build_bench_case(model_name)
     if mode == "native":
         model = model.cuda()
         opt = case.make_optimizer(list(model.parameters()))
