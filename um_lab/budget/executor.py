@@ -289,8 +289,8 @@ class BudgetExecutor:
                     moves += self.ledger.evict(blocks, target=planned.target)
                 elif planned.kind == "discard":
                     if self.discard_gradients:  # only blocks still wholly in gradient segments
-                        grads = self.gradient_segments()
-                        blocks = [b for b in blocks if self.ledger.segment_starts(b) <= grads]
+                        blocks = [b for b in blocks if all(self.classify(seg) is DataType.GRAD
+                                                           for seg in self.ledger.segment_starts(b))]
                         moves += self.ledger.discard(blocks, target=planned.target)
                 elif planned.to_gpu and planned.target == index:
                     moves += self.ledger.bring_in(blocks, rank, target=index,

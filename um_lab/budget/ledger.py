@@ -54,7 +54,6 @@ class Move:
     resident_after: int
     target: int = -1
     blocks: tuple[int, ...] = ()
-    populated: int = 0  #: bytes that were dead: made resident with no copy
 
     @property
     def link_bytes(self) -> int:
@@ -271,8 +270,8 @@ class Ledger:
     def discard(self, blocks: Iterable[int], target: int = -1) -> list[Move]:
         """Declare the contents of ``blocks`` dead (``cudaMemDiscardBatchAsync``): resident ones stop
         counting with no transfer, and bringing any of them in later populates pages instead of copying.
-        Blocks already dead are skipped."""
-        chosen = sorted(b for b in set(blocks) if not self._blocks[b].dead)
+        Blocks already discarded (dead and not resident) are skipped."""
+        chosen = sorted(b for b in set(blocks) if not (self._blocks[b].dead and self._blocks[b].where != GPU))
         if not chosen:
             return []
         freed = 0
@@ -360,8 +359,7 @@ class Ledger:
             self.prefetched_bytes += nbytes
         elif kind == "touch":
             self.touched_bytes += nbytes
-        return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks),
-                              populated))
+        return self._log(Move(kind, self._spans(blocks), nbytes, self.resident_bytes, target, tuple(blocks)))
 
     def _evict(self, blocks: list[int], target: int) -> list[Move]:
         """Push ``blocks`` to the host; those whose contents are dead are discarded instead (no copy)."""
@@ -369,9 +367,7 @@ class Ledger:
             return []
         dead = [b for b in blocks if self._blocks[b].dead]
         if dead:
-            for b in dead:
-                self._blocks[b].dead = False  # discard() skips dead blocks: it marks them again
-            return self.discard(dead, target) + self._evict([b for b in blocks if b not in set(dead)], target)
+            return self.discard(dead, target) + self._evict([b for b in blocks if not self._blocks[b].dead], target)
         nbytes = 0
         for b in blocks:
             self._blocks[b].where = HOST

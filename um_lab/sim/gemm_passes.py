@@ -38,7 +38,8 @@ same shapes do alone, which no fit on the grid can show; GPT-2 and BERT steps (M
 modelled: the cause is not known (candidates: the weights' placement inside the pool's segments, the
 kernels cuBLAS picks for M = batch x 197 rows). Not warm caches: ViT-L/16's weight GEMMs at M = 6,304
 took the same time within 3% back to back and after a 2 GiB device write or a 256 MiB remote read between
-repeats (``bench/diagnostics/gemm_cold.py``, ``bench/results/raw/session9_gemm_cold_vitl16.json``). Also seen and not adopted: a factor for M not a multiple
+repeats (``bench/diagnostics/gemm_cold.py``, ``bench/results/raw/session9_gemm_cold_vitl16.json``).
+Also seen and not adopted: a factor for M not a multiple
 of 128 (the grid's x @ W rows at M = 3,152 and 12,608 read ~25% more than at 2,048 and 8,192) improved
 the leave-one-out error of x @ W by 0.01 only and of x @ W^T not at all, and moved GPT-2-medium's
 zero-copy step from -11% to -18% while ViT gained 4-5 points.
