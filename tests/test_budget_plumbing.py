@@ -188,3 +188,17 @@ def test_order_and_scheduler_arguments_raise_typed_budget_errors():
         Access("sideways", "layer", DataType.PARAM, ((0, 4),))
     with pytest.raises(BudgetError, match="lookahead must be >= 0"):
         Scheduler(Ledger(1 << 21), Order.from_accesses([]), lookahead=-1)
+
+
+def test_the_library_parses_sizes_and_budgets_with_typed_errors_the_cli_and_lab_share():
+    from um_lab.types import budget_from_text, size_bytes
+
+    assert size_bytes("8GiB") == 8 << 30 and budget_from_text("6GiB") == (6 << 30, None)
+    assert budget_from_text(" 0.5x ") == (None, 0.5)
+    for text, field in (("lots", "gpu_budget_bytes"), ("2x", "gpu_budget_fraction"), ("halfx", "gpu_budget_fraction"),
+                        ("0", "gpu_budget_bytes")):
+        with pytest.raises(SpecError) as info:
+            budget_from_text(text)
+        assert info.value.field == field
+    with pytest.raises(argparse.ArgumentTypeError, match="budget / footprint"):
+        parse_budget("2x")  # the CLI's argparse type says the same

@@ -11,13 +11,12 @@ import argparse
 import json
 import math
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from um_lab.errors import SpecError, UmLabError
-from um_lab.types import budget_fraction
+from um_lab.types import budget_from_text, size_bytes
 
 SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
                    "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
@@ -27,24 +26,13 @@ class CliError(UmLabError):
     """A problem the user can fix; printed as ``um-lab: error: ...`` with exit status 2."""
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
-
-
 def parse_bytes(text: str) -> int:
-    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` and ``"1.5e9"`` -> 1500000000; plain numbers are bytes."""
-    match = _SIZE.fullmatch(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (examples: 8GiB, 512MiB, 1.5GB, 1e9, 1048576)")
-    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(number):
-        raise argparse.ArgumentTypeError(f"size too large: {text!r}")
-    value = int(number)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
-    return value
+    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` and ``"1.5e9"`` -> 1500000000; plain numbers are bytes
+    (:func:`um_lab.types.size_bytes` as an argparse type)."""
+    try:
+        return size_bytes(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_ratio(text: str) -> float | None:
@@ -64,24 +52,12 @@ def parse_ratio(text: str) -> float | None:
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
     """A GPU budget: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of the run's
-    footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)``."""
-    if text.strip().lower().endswith("x"):
-        raw = text.strip()[:-1]
-        try:
-            fraction = float(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a budget: {text!r} (a size such as 8GiB, or a fraction of the "
-                                             "footprint such as 0.5x)") from None
-        try:
-            return None, budget_fraction(fraction)
-        except SpecError:
-            raise argparse.ArgumentTypeError(
-                f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget = 2)") from None
+    footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)`` (:func:`um_lab.types.budget_from_text` as an argparse
+    type)."""
     try:
-        return parse_bytes(text), None
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e}; a budget is a size or a fraction of the footprint such as "
-                                         "0.5x") from None
+        return budget_from_text(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:

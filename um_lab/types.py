@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,6 +142,48 @@ def positive_ratio(name: str, value: Any) -> float:
             or not float(value) > 0):
         raise SpecError(f"{name} must be > 0 and finite, got {value!r}", name)
     return float(value)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def size_bytes(text: str, field: str | None = None) -> int:
+    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` and ``"1.5e9"`` -> 1500000000; plain numbers are bytes.
+    Anything else, or a size <= 0, raises :class:`SpecError` (naming ``field``)."""
+    match = _SIZE.fullmatch(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise SpecError(f"not a size: {text!r} (examples: 8GiB, 512MiB, 1.5GB, 1e9, 1048576)", field)
+    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(number):
+        raise SpecError(f"size too large: {text!r}", field)
+    value = int(number)
+    if value <= 0:
+        raise SpecError(f"size must be > 0: {text!r}", field)
+    return value
+
+
+def budget_from_text(text: str) -> tuple[int | None, float | None]:
+    """A GPU budget as a user writes it: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of
+    the run's footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)``; else :class:`SpecError`."""
+    stripped = text.strip()
+    if stripped.lower().endswith("x"):
+        try:
+            fraction = float(stripped[:-1])
+        except ValueError:
+            raise SpecError(f"not a budget: {text!r} (a size such as 8GiB, or a fraction of the footprint such "
+                            "as 0.5x)", "gpu_budget_fraction") from None
+        try:
+            return None, budget_fraction(fraction)
+        except SpecError:
+            raise SpecError(f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget "
+                            "= 2)", "gpu_budget_fraction") from None
+    try:
+        return size_bytes(text, "gpu_budget_bytes"), None
+    except SpecError as e:
+        raise SpecError(f"{e}; a budget is a size or a fraction of the footprint such as 0.5x",
+                        "gpu_budget_bytes") from None
 
 
 def budget_fraction(value: Any) -> float:

@@ -12,20 +12,18 @@ data type, press Run and watch the live dashboard; Stop ends the run after the c
 
 from __future__ import annotations
 
-import argparse
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from um_lab.backend import backend_class, backend_options, get_backend
-from um_lab.cli_args import parse_budget
 from um_lab.errors import SpecError
 from um_lab.policy import Policy
 from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
 from um_lab.runread import LoadedRun, iter_records
-from um_lab.types import RunSpec, StepRecord
+from um_lab.types import RunSpec, StepRecord, budget_from_text
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
@@ -132,9 +130,9 @@ class Lab:
         if not text:
             return None, None
         try:
-            return parse_budget(text)
-        except argparse.ArgumentTypeError as e:
-            raise SpecError(f"GPU budget: {e}", "gpu_budget_bytes") from None
+            return budget_from_text(text)
+        except SpecError as e:
+            raise SpecError(f"GPU budget: {e}", e.field or "gpu_budget_bytes") from None
 
     def _backend(self, name: str) -> Any:
         """The panel's one instance of backend ``name`` (refused, as the run would be, where it cannot run)."""
