@@ -192,3 +192,99 @@ def test_discards_are_off_by_default_and_gradients_stay_zeroed_after_each_step(e
         assert not lab.budget.executor.discard_gradients
         train(lab, model, batches[:2])
         assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def _discarding_env(env):
+    source, driver, api, _ = env
+    return (source, driver, api, DiscardingRuntime())
+
+
+def _run(lab_or_plain, model, batches, plan, poison):
+    """Train with per-step actions: ``plan(k, model, lab)`` before step k (k = -1: before attach); poison
+    the gradients after each step when ``poison`` (what a discard may leave)."""
+    lab = lab_or_plain
+    plan(-1, model, lab)  # before the model is placed and attached
+    opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for k, (xb, yb) in enumerate(batches):
+        plan(k, model, lab)
+        x, y = lab.inputs(xb, yb)
+        skip = getattr(model, "skip", None)
+
+        def loss(x=x, y=y, skip=skip):
+            h = x
+            for i, layer in enumerate(model):
+                if i != skip:
+                    h = layer(h)
+            return torch.nn.functional.cross_entropy(h, y)
+        lab.step(loss, opt)
+        if poison:  # a plan never discards a frozen parameter's gradient (no backward writes it)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad.fill_(float("nan"))
+
+
+def _unfreeze_later(k, model, lab):
+    if k == -1:
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+    if k == 2:
+        for p in model[0].parameters():
+            p.requires_grad_(True)
+
+
+def _skip_a_layer(k, model, lab):
+    model.skip = 2 if k == 3 else None
+
+
+def _second_model(k, model, lab):
+    if k == 2:
+        lab.place(torch.nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("plan", [_unfreeze_later, _skip_a_layer, _second_model])
+def test_discarding_trains_exactly_as_without_a_budget_when_the_model_changes_between_steps(env, plan):
+    """Review findings of session 9: a parameter unfrozen later, a layer skipped in one step, a second model
+    placed mid-run: every gradient still reads zero before its step's first accumulation."""
+    env = _discarding_env(env)
+    model, batches = model_and_data()
+    twin = copy.deepcopy(model)
+    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+        _run(lab, model, batches, plan, poison=True)
+    with make_session(env) as plain:
+        _run(plain, twin, batches, plan, poison=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+def test_an_optimizer_interrupted_mid_step_leaves_every_gradient_owed_a_zero(env):
+    env = _discarding_env(env)
+    model, batches = model_and_data()
+    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+        opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
+        original, calls = opt.step, []
+
+        def flaky_step(*a, **kw):
+            calls.append(1)
+            if len(calls) == 12:  # the second step, a few chunks in
+                raise KeyboardInterrupt
+            return original(*a, **kw)
+        opt.step = flaky_step
+        for xb, yb in batches:
+            x, y = lab.inputs(xb, yb)
+            try:
+                lab.step(lambda x=x, y=y: torch.nn.functional.cross_entropy(model(x), y), opt)
+            except KeyboardInterrupt:
+                pass
+            for p in model.parameters():
+                p.grad.fill_(float("nan"))
+        assert len(calls) > 12
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_gradient_the_optimizer_reads_but_no_backward_writes_is_never_discarded():
+    g_live, g_frozen = (0, BLOCK), (BLOCK, BLOCK // 2)  # a frozen parameter's gradient shares block 1
+    g_live2 = (BLOCK + BLOCK // 2, BLOCK // 2)
+    acc = [Access("backward", "l0", DataType.GRAD, (g_live, g_live2)),
+           Access("optimizer", "l0", DataType.GRAD, (g_live, g_live2, g_frozen))]
+    order = Order.from_accesses(acc, [(0, 2 * BLOCK)])
+    ledger = new_ledger(order, 8 * BLOCK)
+    assert sorted(b for bs in dead_gradient_blocks(ledger, order, {0}).values() for b in bs) == [0]

@@ -50,7 +50,7 @@ class BudgetControl:
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients)
         self.keep_tensor = keep_tensor
-        self._zero_hooks: list[Any] = []
+        self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
         self._pending_zero: set[int] = set()
         self.recorder: StepRecorder | None = None
@@ -75,13 +75,22 @@ class BudgetControl:
         self.recorder = StepRecorder(self._roots, listener=self.executor, classify=self.executor.classify,
                                      keep=self.keep_tensor)
         self.recorder.install()
-        self._remove_zero_hooks()
-        if self.executor.discard_gradients:
-            seen: set[int] = set()
-            for p in (p for m in self._roots for p in m.parameters()):
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    self._zero_hooks.append(p.register_hook(self._zero_on_first_gradient(p)))
+
+    def _trainable(self) -> list[nn.Parameter]:
+        """The watched models' parameters that take gradients, each once."""
+        seen: set[int] = set()
+        out = []
+        for p in (p for m in self._roots for p in m.parameters()):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def _hook_for_zeroing(self, params: Sequence[nn.Parameter]) -> None:
+        """Give each of ``params`` its zeroing hook (once; one unfrozen or added later gets it now)."""
+        for p in params:
+            if id(p) not in self._zero_hooks:
+                self._zero_hooks[id(p)] = p.register_hook(self._zero_on_first_gradient(p))
 
     def _zero_on_first_gradient(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
         """A gradient hook: zero ``p.grad`` before the first accumulation of a step when it is owed a zero
@@ -98,20 +107,24 @@ class BudgetControl:
         return hook
 
     def _remove_zero_hooks(self) -> None:
-        for handle in self._zero_hooks:
+        for handle in self._zero_hooks.values():
             handle.remove()
         self._zero_hooks.clear()
         self._owed_zero.clear()
         self._pending_zero.clear()
 
     def _zero_unused_gradients(self) -> None:
-        """After backward: gradients owed a zero that got no accumulation this step are zeroed now."""
+        """After backward: gradients owed a zero that got no accumulation this step (a module skipped) are
+        made resident through the executor first (their blocks may be discarded: a populate, never a GPU
+        write to discarded pages), then zeroed."""
         if not self._pending_zero:
             return
-        for p in (p for m in self._roots for p in m.parameters()):
-            if id(p) in self._pending_zero and p.grad is not None:
-                p.grad.zero_()
+        grads = [p.grad for p in self._trainable() if id(p) in self._pending_zero and p.grad is not None]
         self._pending_zero.clear()
+        if grads:
+            self.executor.make_resident(self._spans(grads))
+            for g in grads:
+                g.zero_()
 
     def _stop_discarding(self) -> None:
         """Gradients accumulate across steps from now on: plan without discards (before the step runs)."""
@@ -181,6 +194,8 @@ class BudgetControl:
         if not zero_grad and executor.discard_gradients:
             self._stop_discarding()
         discarding = executor.discard_gradients and zero_grad
+        if discarding:
+            self._hook_for_zeroing(self._trainable())
         executor.begin_step()
         try:
             with recorder.recording():
@@ -207,9 +222,11 @@ class BudgetControl:
                         cast(int, index), DataType.OPTIM, self._state_spans(optimizer, params)),
                     zero_grad=zero_grad and not discarding)  # discarding: zeroed by the hooks next backward
             if discarding:
-                self._owed_zero = {id(p) for m in self._roots for p in m.parameters() if p.requires_grad}
+                self._owed_zero = {id(p) for p in self._trainable()}
         except BaseException:
             executor.abort()
+            if discarding:  # chunks already stepped were not zeroed (and may be discarded): owe every one a zero
+                self._owed_zero = {id(p) for p in self._trainable()}
             raise
         finally:
             recorder.active = False

@@ -140,6 +140,7 @@ class BudgetExecutor:
         self.ledger = Ledger(budget_bytes)
         #: plan discards of dead gradient blocks (the caller re-zeroes gradients before they are read)
         self.discard_gradients = discard_gradients
+        self._discards_suspended = False  # gradients were re-created since the plan: its discards may be stale
         self.runtime = runtime
         self.device = device
         self.streams = streams
@@ -229,7 +230,18 @@ class BudgetExecutor:
         plan = make_plan(order, self.ledger.budget_bytes, self.lookahead, discard_segments=grads)
         self.plan, self.plan_order = plan, order
         self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
+        self._discards_suspended = False
         return plan
+
+    def suspend_discards(self) -> None:
+        """Gradients were re-created (new addresses): carry out no planned discard until the next plan."""
+        self._discards_suspended = True
+
+    def make_resident(self, spans: Iterable[Span]) -> None:
+        """Bring ``spans`` onto the GPU now (outside the plan; dead blocks are populated) and make compute
+        wait for it: before the training thread writes data the plan did not expect it to."""
+        moves = self.ledger.bring_in(self.blocks(spans), self._lru_rank, what="gradients zeroed after backward")
+        self._issue(moves or [], -1)
 
     def gradient_segments(self) -> set[int]:
         """Starts of the live gradient-pool segments (what a plan may discard while dead)."""
@@ -288,7 +300,7 @@ class BudgetExecutor:
                 if planned.kind == "evict":
                     moves += self.ledger.evict(blocks, target=planned.target)
                 elif planned.kind == "discard":
-                    if self.discard_gradients:  # only blocks still wholly in gradient segments
+                    if self.discard_gradients and not self._discards_suspended:  # blocks wholly in gradient segments
                         blocks = [b for b in blocks if all(self.classify(seg) is DataType.GRAD
                                                            for seg in self.ledger.segment_starts(b))]
                         moves += self.ledger.discard(blocks, target=planned.target)

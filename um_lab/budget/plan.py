@@ -126,30 +126,37 @@ def dead_gradient_blocks(ledger: Ledger, order: Order, discard_segments: set[int
 
     With ``zero_grad`` every step, a gradient is dead from the optimizer position that last reads it until
     the backward that writes it next (the session zeroes it again there, :mod:`um_lab.budget.control`). A
-    block qualifies when every piece of it lies in ``discard_segments`` (the gradient pool's) and every
-    access to it is a gradient access, backward before optimizer; it is marked dead as the position after its
-    last optimizer read opens (the first position of the next step for the last chunk), and discarded only
+    block qualifies when every piece of it lies in ``discard_segments`` (the gradient pool's), every access
+    to it is a gradient access, backward before optimizer, and every gradient an optimizer position reads in
+    it is written by a backward position (not a frozen parameter's); it is marked dead as the position after
+    its last optimizer read opens (the first position of the next step for the last chunk), and discarded only
     when room is needed (dead blocks are the first victims)."""
     if not discard_segments or not order.positions:
         return {}
     first_backward: dict[int, int] = {}
     last_optimizer: dict[int, int] = {}
+    written: dict[int, set[tuple[int, int]]] = {}  # block -> gradient spans a backward position writes
+    read: dict[int, set[tuple[int, int]]] = {}  # block -> gradient spans an optimizer position reads
     excluded: set[int] = set()
     for i, position in enumerate(order.positions):
         for access in position.accesses:
-            blocks = ledger.blocks(access.spans)
             if access.data_type is not DataType.GRAD:
-                excluded |= blocks
+                excluded |= ledger.blocks(access.spans)
                 continue
-            for b in blocks:
-                if position.phase == "backward":
-                    first_backward.setdefault(b, i)
-                elif position.phase == "optimizer":
-                    last_optimizer[b] = i
+            for span in access.spans:
+                for b in ledger.blocks([span]):
+                    if position.phase == "backward":
+                        first_backward.setdefault(b, i)
+                        written.setdefault(b, set()).add(span)
+                    elif position.phase == "optimizer":
+                        last_optimizer[b] = i
+                        read.setdefault(b, set()).add(span)
     out: dict[int, list[int]] = {}
     n = len(order.positions)
     for b, last in last_optimizer.items():
         if b in excluded or b not in first_backward or first_backward[b] > last:
+            continue
+        if not read.get(b, set()) <= written.get(b, set()):  # a gradient no backward writes (a frozen one)
             continue
         if not all(seg in discard_segments for seg in ledger.segment_starts(b)):
             continue

@@ -207,8 +207,8 @@ class StepRecorder:
             if not self.active:
                 return
             touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
-            touches += [(DataType.GRAD, s) for s in self._spans(
-                p.grad for p in module.parameters(recurse=False) if p.grad is not None)]
+            touches += [(DataType.GRAD, s) for s in self._spans(  # a frozen parameter's gradient is not written
+                p.grad for p in module.parameters(recurse=False) if p.grad is not None and p.requires_grad)]
             touches += [(DataType.ACT, s) for s in self._saved.get(forward_index, [])]
             touches += [(DataType.ACT, s) for s in self._spans([grad])]
             self.open_position("backward", name, touches)

@@ -397,6 +397,8 @@ class Session(Listenable):
             for module in self._modules:
                 if any(p.grad is None for p in module.parameters() if p.requires_grad):
                     self._ensure_grads(module)  # the caller set gradients to None: re-create them in place
+                    if self._budget is not None:  # at new addresses: the plan's discards no longer fit them
+                        self._budget.executor.suspend_discards()
         if self._real and self.device is not None and threading.get_ident() not in self._warm_threads:
             _warm_up_outside_pools(self.device)  # cuBLAS handles are per thread
             self._warm_threads.add(threading.get_ident())
