@@ -74,3 +74,24 @@ def test_link_passes_needs_the_gemm_shape_and_uses_it() -> None:
     narrow = link_passes(reuse, cls, p, None, np.array([768.0]), np.array([768.0]))
     wide = link_passes(reuse, cls, p, None, np.array([768.0]), np.array([50257.0]))
     assert wide[0] < narrow[0]
+
+
+def test_gemm_shapes_lists_a_models_weight_gemms_from_its_trace():
+    """bench/gemm_shapes.py's shape list (the CPU half of the per-shape measurement): GPT-2's Conv1D forward
+    is x @ W with a fused bias, its input gradient x @ W^T without one; counts per step by layer."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from gemm_shapes import model_passes, weight_gemms
+
+    from um_lab.models import get_model
+    from um_lab.sim.trace import trace_step
+
+    case = get_model("gpt2-small", batch_size=2, seq_len=16, n_layer=2, n_embd=64, n_head=2, vocab_size=100)
+    rows = weight_gemms(trace_step(case))
+    shapes = {(r["layout"], r["bias"], r["M"], r["K"], r["N"]): r["count"] for r in rows}
+    assert shapes[("nn", True, 32, 64, 192)] == 2  # c_attn forward, one per layer
+    assert shapes[("nt", False, 32, 192, 64)] == 2  # its input gradient
+    assert ("nt", False, 32, 64, 100) in shapes  # the tied head: x @ wte^T
+    passes = model_passes(rows, load_profile("h200"))
+    assert len(passes) == len(rows) and all(p >= 1.0 for p in passes)

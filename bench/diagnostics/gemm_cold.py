@@ -59,18 +59,23 @@ def median_ms(launch: Callable[[], object], repeats: int, before: Callable[[], o
 
 
 def gemm_row(lab: Any, name: str, m: int, k: int, n: int, layout: str, repeats: int,
-             flushes: dict[str, Callable[[], object]]) -> dict[str, Any]:
-    """One GEMM shape: resident, remote warm, remote after each flush."""
+             flushes: dict[str, Callable[[], object]], *, bias: bool | None = None,
+             link_bps: float = LINK_BPS) -> dict[str, Any]:
+    """One GEMM shape: resident, remote warm, remote after each flush (``x @ W^T`` is an ``addmm`` with a
+    bias and ``x @ W`` an ``mm`` unless ``bias`` says otherwise; passes at ``link_bps``)."""
     from uvm_primitives import remote_copy
 
     x = torch.randn(m, k, device="cuda")
     w = torch.randn(n, k, device="cuda") if layout == "nt" else torch.randn(k, n, device="cuda")
-    bias = torch.randn(n, device="cuda")
+    b = torch.randn(n, device="cuda")
+
+    fused = layout == "nt" if bias is None else bias
 
     def run(weight: torch.Tensor) -> Callable[[], object]:
-        if layout == "nt":
-            return lambda: torch.addmm(bias, x, weight.t())
-        return lambda: torch.mm(x, weight)
+        w = weight.t() if layout == "nt" else weight
+        if fused:
+            return lambda: torch.addmm(b, x, w)
+        return lambda: torch.mm(x, w)
 
     resident = median_ms(run(w), repeats)
     times = {}
@@ -83,7 +88,7 @@ def gemm_row(lab: Any, name: str, m: int, k: int, n: int, layout: str, repeats: 
                            "resident_ms": round(resident, 3)}
     for label, ms in times.items():
         row[f"{label}_ms"] = round(ms, 3)
-        row[f"passes_{label}"] = round((ms - resident) * 1e-3 * LINK_BPS / wbytes, 2)
+        row[f"passes_{label}"] = round((ms - resident) * 1e-3 * link_bps / wbytes, 2)
     return row
 
 
