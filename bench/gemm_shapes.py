@@ -5,8 +5,9 @@ The simulator prices a 2-d GEMM's remote weight by :mod:`um_lab.sim.gemm_passes`
 (ViT-L/16 at M = 6,304: 0.78-1.82x, ``bench/results/raw/session9_gemm_cold_vs_model.json``). This script
 lists the distinct weight GEMMs of a model's training step from the simulator's trace (layout, bias, M, K,
 N, how many per step) and, on a GPU, times each alone with its weight in host memory read remotely
-(zero-copy advice, as ``bench/uvm_primitives.py`` does), beside the law's passes: the measurements a
-per-shape table in the profile would take.
+(zero-copy advice, as ``bench/uvm_primitives.py`` does), beside the law's passes. The results feed the
+profile's per-shape table: ``profile.replace(gemm_shape_passes=load_gemm_shapes([...]))``
+(:func:`um_lab.sim.gemm_passes.load_gemm_shapes`), which wins over the law at those shapes.
 
     python bench/gemm_shapes.py --model vit-l16 batch_size=16 --out $OUT/gemm_shapes_vitl16.json   # GPU
     python bench/gemm_shapes.py --model gpt2-small batch_size=2 --list                              # CPU

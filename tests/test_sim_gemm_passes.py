@@ -95,3 +95,33 @@ def test_gemm_shapes_lists_a_models_weight_gemms_from_its_trace():
     assert ("nt", False, 32, 64, 100) in shapes  # the tied head: x @ wte^T
     passes = model_passes(rows, load_profile("h200"))
     assert len(passes) == len(rows) and all(p >= 1.0 for p in passes)
+
+
+def test_measured_shapes_replace_the_law_at_those_shapes_only(tmp_path):
+    """Profile.gemm_shape_passes (from bench/gemm_shapes.py results) wins over the power law at its exact
+    shapes; an empty table is left out of the profile's dict, so existing digests stay valid."""
+    from um_lab.sim.gemm_passes import load_gemm_shapes
+    from um_lab.sim.profile import Profile, profile_sha256
+
+    base = load_profile("h200")
+    assert "gemm_shape_passes" not in base.to_dict()
+    report = {"passes_at_GBps": base.remote_GBps, "rows": [
+        {"layout": "nt", "bias": True, "M": 6304, "K": 1024, "N": 1024, "passes": 162.6},
+        {"layout": "nt", "bias": True, "M": 6304, "K": 1024, "N": 1024, "passes": 160.0},
+        {"layout": "nn", "bias": False, "M": 6304, "K": 1024, "N": 4096, "passes": None}]}
+    (tmp_path / "shapes.json").write_text(json.dumps(report))
+    table = load_gemm_shapes([tmp_path / "shapes.json"])
+    assert table == (("nt", 1, 6304, 1024, 1024, 161.3),)
+    measured = base.replace(gemm_shape_passes=table)
+    assert profile_sha256(measured) != profile_sha256(base)
+    again = Profile.from_dict(json.loads(json.dumps(measured.to_dict())))
+    assert again.gemm_shape_passes == table
+    reuse = np.array([6304.0, 6304.0, 6304.0])
+    reread = np.array([GEMM_XWT_BIAS, GEMM_XWT, GEMM_XWT_BIAS])
+    k, n = np.array([1024.0, 1024.0, 1024.0]), np.array([1024.0, 1024.0, 4096.0])
+    law = link_passes(reuse, reread, base, gemm_k=k, gemm_n=n)
+    got = link_passes(reuse, reread, measured, gemm_k=k, gemm_n=n)
+    assert got[0] == pytest.approx(161.3) and got[0] != law[0]
+    assert got[1] == law[1] and got[2] == law[2]  # no bias / another N: the law
+    with pytest.raises(ValueError, match="gemm_shape_passes rows"):
+        Profile.from_dict({**base.to_dict(), "gemm_shape_passes": [["tn", 1, 8, 8, 8, 2.0]]})

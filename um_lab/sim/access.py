@@ -98,6 +98,13 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
                 passes[sel] = passes_nt(reuse[sel], gemm_n[sel], bias, p)
             else:
                 passes[sel] = passes_nn(reuse[sel], gemm_k[sel], gemm_n[sel], bias, p)
+            if p.gemm_shape_passes:  # measured at exact shapes: they win over the law
+                layout = "nt" if biased == GEMM_XWT_BIAS else "nn"
+                table = {row[:5]: row[5] for row in p.gemm_shape_passes}
+                for i in np.flatnonzero(sel):
+                    key = (layout, int(reread[i] == biased), int(reuse[i]), int(gemm_k[i]), int(gemm_n[i]))
+                    if key in table:
+                        passes[i] = table[key]
     passes[reread == NORM_STATS] = p.norm_input_passes
     passes[reread == COL_REDUCE] = p.remote_GBps / p.remote_colreduce_GBps
     return passes if volume is None else passes * volume

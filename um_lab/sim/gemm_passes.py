@@ -180,3 +180,22 @@ def fit_gemm_passes(data: Mapping[str, Any], stream_GBps: float,
 def load_gemm_tiles(path: str | Path) -> dict[str, Any]:
     """Read a ``bench/uvm_primitives.py --sections gemm_tiles`` result."""
     return json.loads(Path(path).read_text())
+
+
+def load_gemm_shapes(paths: Iterable[str | Path]) -> tuple[tuple[str, int, int, int, int, float], ...]:
+    """The per-shape table (:attr:`um_lab.sim.profile.Profile.gemm_shape_passes`) from ``bench/gemm_shapes.py``
+    results: each timed row's measured passes, rescaled to the rate the table is read at (the results record
+    theirs as ``passes_at_GBps``; the h200 profile's ``remote_GBps``). A shape measured twice keeps the mean."""
+    from um_lab.sim.profile import gemm_shape_table, load_profile
+
+    rate = load_profile("h200").remote_GBps
+    seen: dict[tuple[str, int, int, int, int], list[float]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        scale = rate / float(data.get("passes_at_GBps", rate))
+        for r in data["rows"]:
+            if r.get("passes") is None:
+                continue
+            key = (r["layout"], int(bool(r["bias"])), int(r["M"]), int(r["K"]), int(r["N"]))
+            seen.setdefault(key, []).append(max(1.0, float(r["passes"]) * scale))
+    return gemm_shape_table([[*key, statistics.fmean(v)] for key, v in seen.items()])

@@ -118,14 +118,24 @@ class Profile:
     #: 1: a cudaMemPrefetchAsync call returns only once the stream's earlier work is done; 0: at once
     prefetch_host_sync: float = 1.0
     readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
+    #: Measured link passes of weight GEMMs at exact shapes, ``(layout, bias, M, K, N, passes)`` with layout
+    #: "nt" (x @ W^T) or "nn" (x @ W) and bias 0/1 (``bench/gemm_shapes.py``): they replace the power law of
+    #: :mod:`um_lab.sim.gemm_passes` at those shapes (cuBLAS picks its kernel per shape). Empty: the law alone.
+    gemm_shape_passes: tuple[tuple[str, int, int, int, int, float], ...] = ()
 
     def replace(self, **changes: Any) -> Profile:
         """A copy with ``changes`` (field name -> value) applied; an unknown field raises ``TypeError``."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with a format version."""
-        return {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}
+        """A JSON-ready dict with a format version (an empty per-shape GEMM table is left out, so a profile
+        without one keeps its digest)."""
+        data = {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}
+        if not self.gemm_shape_passes:
+            del data["gemm_shape_passes"]
+        else:
+            data["gemm_shape_passes"] = [list(row) for row in self.gemm_shape_passes]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -139,8 +149,10 @@ class Profile:
         extra = sorted(set(data) - known)
         if extra:
             raise ValueError(f"unknown profile fields: {extra}; valid: {sorted(known)}")
+        if "gemm_shape_passes" in data:
+            data["gemm_shape_passes"] = gemm_shape_table(data["gemm_shape_passes"])
         for key, value in data.items():
-            if key in ("name", "source"):
+            if key in ("name", "source", "gemm_shape_passes"):
                 continue
             if key == "prefetch_host_sync" and isinstance(value, int | float) and value in (0, 1):
                 continue
@@ -163,6 +175,23 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         """Read a profile JSON file."""
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def gemm_shape_table(rows: Any) -> tuple[tuple[str, int, int, int, int, float], ...]:
+    """Rows ``[layout, bias, M, K, N, passes]`` checked into :attr:`Profile.gemm_shape_passes`'s form
+    (``ValueError`` naming the first bad row)."""
+    out = []
+    for row in rows:
+        try:
+            layout, bias, m, k, n, passes = row
+            ok = layout in ("nt", "nn") and bias in (0, 1, True, False) and min(int(m), int(k), int(n)) > 0 \
+                and float(passes) >= 1.0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"gemm_shape_passes rows are [layout nt|nn, bias 0|1, M, K, N, passes >= 1]; got {row!r}")
+        out.append((str(layout), int(bool(bias)), int(m), int(k), int(n), float(passes)))
+    return tuple(sorted(out))
 
 
 def load_profile(name_or_path: str | Path | Profile = "h200") -> Profile:
