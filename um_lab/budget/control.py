@@ -194,8 +194,8 @@ class BudgetControl:
         if not zero_grad and executor.discard_gradients:
             self._stop_discarding()
         discarding = executor.discard_gradients and zero_grad
-        if discarding:
-            self._hook_for_zeroing(self._trainable())
+        trainable = self._trainable() if discarding else []
+        self._hook_for_zeroing(trainable)
         executor.begin_step()
         try:
             with recorder.recording():
@@ -221,15 +221,13 @@ class BudgetControl:
                     after_chunk=lambda name, params, index: recorder.touched(
                         cast(int, index), DataType.OPTIM, self._state_spans(optimizer, params)),
                     zero_grad=zero_grad and not discarding)  # discarding: zeroed by the hooks next backward
-            if discarding:
-                self._owed_zero = {id(p) for p in self._trainable()}
         except BaseException:
             executor.abort()
-            if discarding:  # chunks already stepped were not zeroed (and may be discarded): owe every one a zero
-                self._owed_zero = {id(p) for p in self._trainable()}
             raise
         finally:
             recorder.active = False
+            if discarding:  # after the optimizer, or an error anywhere in the step: every gradient owes a zero
+                self._owed_zero = {id(p) for p in trainable}
         extra = executor.end_step()
         extra["replanned"] = self._replan(recorder.order)
         if executor.plan is not None:
