@@ -54,10 +54,6 @@ def check(err: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with cudaError {err}")
 
 
-class Loc(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gib", type=float, default=1.0)
@@ -71,7 +67,6 @@ def main() -> None:
 
     torch.cuda.init()
     rt = driver.runtime_library()
-    dev_type = driver.location_code("gpu")
     n = int(args.gib * GiB)
     mem = Managed(rt)
     side = torch.cuda.Stream()  # the batch APIs refuse the legacy default stream (cudaErrorInvalidValue)
@@ -99,16 +94,10 @@ def main() -> None:
         check(rt.cudaMemsetAsync(ctypes.c_void_p(ptr), 1, ctypes.c_size_t(n), ctypes.c_void_p(stream)), "memset")
 
     def discard(ptr: int) -> None:
-        ptrs, sizes = (ctypes.c_void_p * 1)(ptr), (ctypes.c_size_t * 1)(n)
-        check(rt.cudaMemDiscardBatchAsync(ptrs, sizes, ctypes.c_size_t(1), ctypes.c_ulonglong(0),
-                                          ctypes.c_void_p(stream)), "cudaMemDiscardBatchAsync")
+        driver.discard_raw(ptr, n, stream)
 
     def discard_prefetch_gpu(ptr: int) -> None:
-        ptrs, sizes = (ctypes.c_void_p * 1)(ptr), (ctypes.c_size_t * 1)(n)
-        locs, idxs = (Loc * 1)(Loc(dev_type, 0)), (ctypes.c_size_t * 1)(0)
-        check(rt.cudaMemDiscardAndPrefetchBatchAsync(ptrs, sizes, ctypes.c_size_t(1), locs, idxs, ctypes.c_size_t(1),
-                                                     ctypes.c_ulonglong(0), ctypes.c_void_p(stream)),
-              "cudaMemDiscardAndPrefetchBatchAsync")
+        driver.discard_and_prefetch_raw(ptr, n, 0, stream)
 
     free0 = torch.cuda.mem_get_info()[0]
     if n * 2 > free0 // 4:
