@@ -67,13 +67,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from um_lab.cli_args import parse_model_kwargs
-    from um_lab.models import get_model
     from um_lab.sim.profile import load_profile
+    from um_lab.sim.replicas import model_case
     from um_lab.sim.trace import trace_step
 
     name, kwargs = args.model[0], parse_model_kwargs(args.model[1:])
     t0 = time.perf_counter()
-    rows = weight_gemms(trace_step(get_model(name, **kwargs)))
+    rows = weight_gemms(trace_step(model_case(name, **kwargs)))
     profile = load_profile("h200")
     for r, passes in zip(rows, model_passes(rows, profile), strict=True):
         r["model_passes"] = round(passes, 2)
