@@ -7,10 +7,10 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
   them, and ResNet-50 is one of the models the per-op fits (:mod:`um_lab.sim.step_fit`) use: not a test.
 * ``held-out-1``: round 1 (session 2), predictions committed (``sim_fidelity_predicted.json``) before they
   were measured; re-simulated since with later profiles (``sim_fidelity_round1.json``), so no longer blind.
-* ``held-out-2`` .. ``held-out-5``: rounds 2 to 5 (issue 10), predictions committed
+* ``held-out-2`` .. ``held-out-6``: rounds 2 to 6 (issue 10), predictions committed
   (``sim_fidelity_predicted_roundN.json``) before they were measured; re-simulated since
   (``sim_fidelity_roundN.json``), so no longer blind.
-* ``held-out-new``: round 6 (issue 10, session 8), predictions committed (``sim_fidelity_predicted_new.json``)
+* ``held-out-new``: round 7 (issue 10, session 10), predictions committed (``sim_fidelity_predicted_new.json``)
   before they were measured (``sim_fidelity_new.json``): the current true out-of-sample test.
 
 error = simulated / measured - 1.
@@ -27,12 +27,14 @@ import pandas as pd
 
 from um_lab.errors import UmLabError
 
-SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-3", "held-out-4", "held-out-5", "held-out-new")
+SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-3", "held-out-4", "held-out-5", "held-out-6",
+        "held-out-new")
 FILES = ("sim_fidelity.json", "sim_fidelity_round1.json", "sim_fidelity_round2.json", "sim_fidelity_round3.json",
-         "sim_fidelity_round4.json", "sim_fidelity_round5.json", "sim_fidelity_new.json")
+         "sim_fidelity_round4.json", "sim_fidelity_round5.json", "sim_fidelity_round6.json", "sim_fidelity_new.json")
 PREDICTED = ("sim_fidelity_predicted.json", "sim_fidelity_predicted_round2.json",
              "sim_fidelity_predicted_round3.json", "sim_fidelity_predicted_round4.json",
-             "sim_fidelity_predicted_round5.json", "sim_fidelity_predicted_new.json")
+             "sim_fidelity_predicted_round5.json", "sim_fidelity_predicted_round6.json",
+             "sim_fidelity_predicted_new.json")
 BAND = 0.15  #: the bar on the median |error| (issue 3); also the band drawn around y = x
 
 

@@ -127,6 +127,9 @@ def resnet(depth: int = 50, batch_size: int = 128, image_size: int = 224, classe
 VIT_SIZES = {
     "b16": dict(patch_size=16, num_layers=12, num_heads=12, hidden_dim=768, mlp_dim=3072),
     "l16": dict(patch_size=16, num_layers=24, num_heads=16, hidden_dim=1024, mlp_dim=4096),
+    "b32": dict(patch_size=32, num_layers=12, num_heads=12, hidden_dim=768, mlp_dim=3072),
+    "l32": dict(patch_size=32, num_layers=24, num_heads=16, hidden_dim=1024, mlp_dim=4096),
+    "h14": dict(patch_size=14, num_layers=32, num_heads=16, hidden_dim=1280, mlp_dim=5120),
 }
 
 
@@ -315,6 +318,9 @@ ZOO: dict[str, Callable[..., ModelCase]] = {
     "resnet152": lambda **kw: resnet(152, **kw),
     "vit-b16": lambda **kw: vit("b16", **kw),
     "vit-l16": lambda **kw: vit("l16", **kw),
+    "vit-b32": lambda **kw: vit("b32", **kw),
+    "vit-l32": lambda **kw: vit("l32", **kw),
+    "vit-h14": lambda **kw: vit("h14", **kw),
     "gpt2-small": lambda **kw: gpt2("small", **kw),
     "gpt2-medium": lambda **kw: gpt2("medium", **kw),
     "gpt2-large": lambda **kw: gpt2("large", **kw),
@@ -325,7 +331,7 @@ ZOO: dict[str, Callable[..., ModelCase]] = {
 
 _ZOO_BASE: dict[str, Callable[..., ModelCase]] = {
     "mlp": mlp, "resnet18": resnet, "resnet34": resnet, "resnet50": resnet, "resnet101": resnet,
-    "resnet152": resnet, "vit-b16": vit, "vit-l16": vit, "gpt2-small": gpt2, "gpt2-medium": gpt2,
+    "resnet152": resnet, "vit-b16": vit, "vit-l16": vit, "vit-b32": vit, "vit-l32": vit, "vit-h14": vit, "gpt2-small": gpt2, "gpt2-medium": gpt2,
     "gpt2-large": gpt2, "gpt2-xl": gpt2, "bert-base": bert, "bert-large": bert,
 }
 _FIXED_BY_NAME: dict[Callable[..., ModelCase] | None, set[str]] = {

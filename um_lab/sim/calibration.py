@@ -23,7 +23,8 @@ elementwise rates are fitted op by op there; whole step times then fit only what
                        primitives_path="bench/results/uvm_primitives.json",
                        conv_path="bench/results/conv_in_step.json",
                        step_detail_path="bench/results/step_detail.json",
-                       gemm_tiles_path="bench/results/gemm_tiles.json")
+                       gemm_tiles_path="bench/results/gemm_tiles.json",
+                       gemm_shapes_paths=sorted(Path("bench/results/gemm_shapes").glob("*.json")))
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                        primitives_path: str | Path | None = None,
                        conv_path: str | Path | None = None,
                        step_detail_path: str | Path | None = None,
-                       gemm_tiles_path: str | Path | None = None) -> Profile:
+                       gemm_tiles_path: str | Path | None = None,
+                       gemm_shapes_paths: Iterable[str | Path] = ()) -> Profile:
     """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``), when given
     the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), the UM
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
@@ -226,7 +228,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     attention, convolution and HBM rates, the batch-norm passes and the remote elementwise rates
     (:mod:`um_lab.sim.step_fit`); the whole-step fit then keeps those peaks fixed; and the GEMM grid of
     ``bench/uvm_primitives.py --sections gemm_tiles``, which sets the link passes over a GEMM's remote weight
-    by layout and shape (:mod:`um_lab.sim.gemm_passes`)."""
+    by layout and shape (:mod:`um_lab.sim.gemm_passes`); and ``bench/gemm_shapes.py`` results, the passes of
+    models' own weight GEMMs timed alone, which replace that law at exactly those shapes."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
@@ -282,6 +285,14 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
         profile = profile.replace(source=profile.source + f"; convolution tile from "
                                       f"{Path(conv_path).name} (bench/conv_in_step.py)", **conv_fields)
         provenance.update(conv_provenance)
+    shape_paths = [Path(p) for p in gemm_shapes_paths]
+    if shape_paths:
+        from um_lab.sim.gemm_passes import load_gemm_shapes
+
+        table = load_gemm_shapes(shape_paths)
+        profile = profile.replace(gemm_shape_passes=table, source=profile.source + f"; {len(table)} GEMM shapes' "
+                                  f"weight passes from bench/gemm_shapes.py ({len(shape_paths)} models)")
+        provenance["gemm_shape_passes"] = {"files": [p.name for p in shape_paths], "shapes": len(table)}
     if out is not None:
         measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}
