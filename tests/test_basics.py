@@ -156,9 +156,12 @@ def test_fidelity_rows_fall_into_their_sets_and_match_the_committed_summaries():
     assert s.loc["held-out-4", "median |error|"] == pytest.approx(round4["median_abs_error"], abs=1e-4)
     round5 = json.loads((fidelity.results_dir() / "sim_fidelity_round5.json").read_text())["summary"]["held_out"]
     assert s.loc["held-out-5", "worst |error|"] == pytest.approx(round5["worst_abs_error"], abs=1e-4)
-    # the held-out-new predictions were committed before measuring, and are what the comparison used
+    # the held-out-new predictions were committed before measuring; the measured run re-simulates at the capacity
+    # the GPU reported (a hair from the profile's), and the committed predictions alone meet issue 10's bar
     held = df[df["set"] == "held-out-new"]
-    assert (held["committed_prediction_ms"] == held["simulated_ms"]).all()
+    assert ((held["committed_prediction_ms"] / held["simulated_ms"] - 1).abs() < 0.005).all()
+    blind = (held["committed_prediction_ms"] / held["measured_ms"] - 1).abs()
+    assert blind.max() <= 0.25 and blind.median() <= 0.15
     table = fidelity.readable(df)
     assert table["error"].str.endswith("%").all() and "predicted before measuring, ms" in table
 
