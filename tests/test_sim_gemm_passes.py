@@ -103,7 +103,7 @@ def test_measured_shapes_replace_the_law_at_those_shapes_only(tmp_path):
     from um_lab.sim.gemm_passes import load_gemm_shapes
     from um_lab.sim.profile import Profile, profile_sha256
 
-    base = load_profile("h200")
+    base = load_profile("h200").replace(gemm_shape_passes=())
     assert "gemm_shape_passes" not in base.to_dict()
     report = {"passes_at_GBps": base.remote_GBps, "rows": [
         {"layout": "nt", "bias": True, "M": 6304, "K": 1024, "N": 1024, "passes": 162.6},
@@ -125,3 +125,36 @@ def test_measured_shapes_replace_the_law_at_those_shapes_only(tmp_path):
     assert got[1] == law[1] and got[2] == law[2]  # no bias / another N: the law
     with pytest.raises(ValueError, match="gemm_shape_passes rows"):
         Profile.from_dict({**base.to_dict(), "gemm_shape_passes": [["tn", 1, 8, 8, 8, 2.0]]})
+
+
+def test_the_law_factor_scales_unmeasured_shapes_and_its_band_spans_the_models_timed(tmp_path):
+    """Profile.gemm_law_factor multiplies the law's passes at shapes the table lacks (never the table's own);
+    law_spread gives its band: measured over law link bytes, one value per model; the packaged profile
+    records that band, so a zero-copy step's band widens on the slow side."""
+    from um_lab.sim.band import corner_profiles, profile_ranges
+    from um_lab.sim.gemm_passes import law_spread
+
+    base = load_profile("h200")
+    assert base.gemm_law_factor == 1.0 and base.gemm_shape_passes
+    layout, bias, m, k, n, measured = base.gemm_shape_passes[0]
+    cls = (GEMM_XWT_BIAS if bias else GEMM_XWT) if layout == "nt" else (GEMM_XW_BIAS if bias else GEMM_XW)
+    reuse, reread = np.array([float(m), float(m) + 1]), np.array([cls, cls])
+    kk, nn = np.array([float(k), float(k)]), np.array([float(n), float(n)])
+    one = link_passes(reuse, reread, base, gemm_k=kk, gemm_n=nn)
+    two = link_passes(reuse, reread, base.replace(gemm_law_factor=2.0), gemm_k=kk, gemm_n=nn)
+    assert one[0] == two[0] == pytest.approx(measured) and two[1] == pytest.approx(2 * one[1])
+    rows = [{"layout": "nt", "bias": False, "M": 8, "K": 4, "N": 4, "count": 2, "weight_bytes": 64,
+             "model_passes": 10.0, "passes": 15.0},
+            {"layout": "nn", "bias": False, "M": 8, "K": 4, "N": 4, "count": 1, "weight_bytes": 64,
+             "model_passes": 10.0, "passes": None}]
+    (tmp_path / "a.json").write_text(json.dumps({"model": "a", "kwargs": {}, "rows": rows}))
+    rows2 = [dict(rows[0], passes=5.0)]
+    (tmp_path / "b.json").write_text(json.dumps({"model": "b", "kwargs": {"batch_size": 2}, "rows": rows2}))
+    spread = law_spread([tmp_path / "a.json", tmp_path / "b.json"])
+    assert spread["per_model"] == {"a": 1.5, "b batch_size=2": 0.5} and spread["range"] == [0.5, 1.5]
+    with pytest.raises(ValueError, match="no timed GEMM shapes"):
+        law_spread([])
+    lo, hi = profile_ranges("h200")["gemm_law_factor"]
+    assert lo < 1.0 < hi
+    fast, slow = corner_profiles("h200")
+    assert fast.gemm_law_factor == lo and slow.gemm_law_factor == hi

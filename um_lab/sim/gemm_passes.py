@@ -199,3 +199,22 @@ def load_gemm_shapes(paths: Iterable[str | Path]) -> tuple[tuple[str, int, int, 
             key = (r["layout"], int(bool(r["bias"])), int(r["M"]), int(r["K"]), int(r["N"]))
             seen.setdefault(key, []).append(max(1.0, float(r["passes"]) * scale))
     return gemm_shape_table([[*key, statistics.fmean(v)] for key, v in seen.items()])
+
+
+def law_spread(paths: Iterable[str | Path]) -> dict[str, Any]:
+    """How far the law is from ``bench/gemm_shapes.py`` results, model by model: each model's measured link
+    bytes over the law's (passes x weight bytes x reads per step, summed over its timed shapes), and their
+    range, the band of :attr:`um_lab.sim.profile.Profile.gemm_law_factor` (a whole step's GEMMs err together
+    in that model's way, so the band spans models, not single shapes)."""
+    per_model: dict[str, float] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        rows = [r for r in data["rows"] if r.get("passes") is not None and r.get("weight_bytes")]
+        law = sum(r["model_passes"] * r["count"] * r["weight_bytes"] for r in rows)
+        if law > 0:
+            label = f"{data['model']} " + " ".join(f"{k}={v}" for k, v in data.get("kwargs", {}).items())
+            per_model[label.strip()] = round(sum(r["passes"] * r["count"] * r["weight_bytes"] for r in rows) / law, 3)
+    if not per_model:
+        raise ValueError("no timed GEMM shapes in the given bench/gemm_shapes.py results")
+    return {"range": [min(per_model.values()), max(per_model.values())], "per_model": per_model,
+            "source": "bench/gemm_shapes.py: measured / law link bytes per model"}

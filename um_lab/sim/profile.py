@@ -122,6 +122,10 @@ class Profile:
     #: "nt" (x @ W^T) or "nn" (x @ W) and bias 0/1 (``bench/gemm_shapes.py``): they replace the power law of
     #: :mod:`um_lab.sim.gemm_passes` at those shapes (cuBLAS picks its kernel per shape). Empty: the law alone.
     gemm_shape_passes: tuple[tuple[str, int, int, int, int, float], ...] = ()
+    #: Factor on the law's passes at shapes not in that table: nominally 1; its band is the spread, over the
+    #: models timed by ``bench/gemm_shapes.py``, of their measured link bytes over the law's
+    #: (:func:`um_lab.sim.gemm_passes.law_spread`), so a new model's zero-copy GEMMs carry the law's shape error.
+    gemm_law_factor: float = 1.0
 
     def replace(self, **changes: Any) -> Profile:
         """A copy with ``changes`` (field name -> value) applied; an unknown field raises ``TypeError``."""
