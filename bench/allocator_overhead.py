@@ -6,6 +6,12 @@ same loop (copy the batch to the GPU, forward, backward, AdamW step, zero_grad) 
 around each step, and reports the median over the timed steps.
 
     python bench/allocator_overhead.py [--steps 20] [--warmup 5] [--models mlp resnet50 gpt2-medium]
+    python bench/allocator_overhead.py --alternate 6 --repeats 3 --models mlp   # both in one process
+
+With ``--alternate BLOCKS`` each process instead runs native and um_lab blocks in turn on one model and
+optimizer (a session opened, the model placed, the block run, the session closed, which moves the model
+back), so each adjacent pair is compared inside one process: the MLP's spread between processes (9-11 ms)
+is ten times the 1% the bar allows.
 
 Prints a table and writes bench/results/allocator_overhead.json. Bar: um_lab / native <= 1.01.
 The um_lab safety cap is on; the naive mode has no cap, so the models stay far below the card.
@@ -208,20 +214,86 @@ def build_bench_case(model_name: str) -> tuple[Any, Any, Any]:
     return case, case.build_model(), case.batch(0)
 
 
-def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
-    """Run one (mode, model) in this process; returns median step time (wall, and the GPU span by CUDA
-    events from before the batch copy to after the optimizer's last kernel) and the last loss."""
-    if mode == "naive":
-        _install_naive_allocator()
+def _um_lab_block(lab: Any, case: Any, model: Any, opt: Any, batch_cpu: tuple, steps: int, warmup: int,
+                  fixed_batch: bool) -> tuple[list[float], list[float], list[float], float]:
+    """``warmup + steps`` training steps through an open, attached session: wall times (s) and GPU spans (ms)
+    of the timed steps, host tails (s) and the last loss."""
     import torch
 
-    case, model, batch_cpu = build_bench_case(model_name)
+    times: list[float] = []
+    gpu_times: list[float] = []
+    tails: list[float] = []  # host time from the step timer's return to the step's (record, listeners)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(warmup + steps)]
+    loss_value = float("nan")
+    fixed = lab.inputs(*batch_cpu) if fixed_batch else None
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        events[i][0].record()
+        batch = fixed if fixed_batch else lab.inputs(*batch_cpu)
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        _StepEnd.event, _StepEnd.host_stopped = None, None
+        rec = lab.step(lambda batch=batch: case.loss_fn(model, *batch), opt)
+        if _StepEnd.host_stopped is not None:
+            tails.append(time.perf_counter() - _StepEnd.host_stopped)
+        events[i][1].record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            end = _StepEnd.event if _StepEnd.event is not None else events[i][1]
+            gpu_times.append(events[i][0].elapsed_time(end))
+        loss_value = rec.loss
+        del batch
+    return times, gpu_times, tails, loss_value
+
+
+def _native_block(case: Any, model: Any, opt: Any, batch_cpu: tuple, steps: int, warmup: int,
+                  fixed_batch: bool) -> tuple[list[float], list[float], float]:
+    """The same loop in plain PyTorch (model and optimizer in ordinary CUDA memory)."""
+    import torch
+
     times: list[float] = []
     gpu_times: list[float] = []
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(warmup + steps)]
     loss_value = float("nan")
-    tails: list[float] = []  # um_lab: host time from the step timer's return to the step's (record, listeners)
+    fixed = tuple(t.cuda() for t in batch_cpu)
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        events[i][0].record()
+        batch = fixed if fixed_batch else tuple(t.cuda() for t in batch_cpu)
+        loss = case.loss_fn(model, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        events[i][1].record()
+        loss_value = float(loss)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            gpu_times.append(events[i][0].elapsed_time(events[i][1]))
+    return times, gpu_times, loss_value
+
+
+def _native_setup(case: Any, model: Any) -> tuple[Any, Any]:
+    import torch
+
+    model = model.cuda()
+    opt = case.make_optimizer(list(model.parameters()))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model, opt
+
+
+def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
+    """Run one (mode, model) in this process; returns median step time (wall, and the GPU span by CUDA
+    events from before the batch copy to after the optimizer's last kernel) and the last loss."""
+    if mode == "naive":
+        _install_naive_allocator()
+    case, model, batch_cpu = build_bench_case(model_name)
+    tails: list[float] = []
     if mode.startswith("um_lab"):
         from um_lab.cuda.session import Session
 
@@ -234,54 +306,48 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
             model = lab.place(model)
             opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
             apply_variants(lab, [v for v in variants if v not in BEFORE_PLACE])  # no_timer: span ends below
-            fixed = lab.inputs(*batch_cpu) if fixed_batch else None
-            for i in range(warmup + steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                events[i][0].record()
-                batch = fixed if fixed_batch else lab.inputs(*batch_cpu)
-                batch = batch if isinstance(batch, tuple) else (batch,)
-                _StepEnd.event, _StepEnd.host_stopped = None, None
-                rec = lab.step(lambda batch=batch: case.loss_fn(model, *batch), opt)
-                if _StepEnd.host_stopped is not None:
-                    tails.append(time.perf_counter() - _StepEnd.host_stopped)
-                events[i][1].record()
-                torch.cuda.synchronize()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-                    end = _StepEnd.event if _StepEnd.event is not None else events[i][1]
-                    gpu_times.append(events[i][0].elapsed_time(end))
-                loss_value = rec.loss
-                del batch
+            times, gpu_times, tails, loss_value = _um_lab_block(lab, case, model, opt, batch_cpu, steps, warmup,
+                                                                fixed_batch)
             stats = lab.stats()
             extra = {"segments": stats["segments"], "managed_GiB": round(stats["live_total"] / 2**30, 2),
                      "cap_GiB": round(lab.cap_bytes / 2**30, 1)}
-            del model, opt, fixed
+            del model, opt
     else:
-        model = model.cuda()
-        opt = case.make_optimizer(list(model.parameters()))
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        fixed = tuple(t.cuda() for t in batch_cpu)
-        for i in range(warmup + steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            events[i][0].record()
-            batch = fixed if fixed_batch else tuple(t.cuda() for t in batch_cpu)
-            loss = case.loss_fn(model, *batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            events[i][1].record()
-            loss_value = float(loss)
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-                gpu_times.append(events[i][0].elapsed_time(events[i][1]))
+        model, opt = _native_setup(case, model)
+        times, gpu_times, loss_value = _native_block(case, model, opt, batch_cpu, steps, warmup, fixed_batch)
         extra = {}
     return {"mode": mode, "model": model_name, "median_ms": statistics.median(times) * 1e3,
             "median_gpu_ms": statistics.median(gpu_times), "loss": loss_value,
             "median_host_tail_ms": statistics.median(tails[warmup:]) * 1e3 if tails else None, **extra}
+
+
+def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
+    """Native and um_lab (um-default) blocks of ``warmup + steps`` steps alternating in this one process on
+    one model and optimizer (order native, um_lab, then um_lab, native, ...): each um_lab block opens a
+    session, places and attaches them, and closes it, which moves them back to ordinary CUDA memory. Pairs
+    of adjacent blocks share the process, its GPU clocks and its host, so their ratio is free of the
+    process-to-process spread. Returns each block's median wall and GPU ms, and each pair's ratios."""
+    from um_lab.cuda.session import Session
+
+    case, model, batch_cpu = build_bench_case(model_name)
+    model, opt = _native_setup(case, model)
+    expose_step_end()
+    per_mode: dict[str, list[dict[str, float]]] = {"native": [], "um_lab": []}
+    for block in range(blocks):
+        for mode in (("native", "um_lab") if block % 2 == 0 else ("um_lab", "native")):
+            if mode == "native":
+                times, gpu_times, _ = _native_block(case, model, opt, batch_cpu, steps, warmup, fixed_batch)
+            else:
+                with Session("um-default") as lab:  # evacuate_on_close: the model leaves managed memory
+                    lab.place(model)
+                    lab.attach(model, opt)
+                    times, gpu_times, _, _ = _um_lab_block(lab, case, model, opt, batch_cpu, steps, warmup,
+                                                           fixed_batch)
+            per_mode[mode].append({"median_ms": statistics.median(times) * 1e3,
+                                   "median_gpu_ms": statistics.median(gpu_times)})
+    pairs = [{"wall": u["median_ms"] / n["median_ms"], "gpu": u["median_gpu_ms"] / n["median_gpu_ms"]}
+             for n, u in zip(per_mode["native"], per_mode["um_lab"], strict=True)]
+    return {"model": model_name, "blocks": per_mode, "pair_ratios": pairs}
 
 
 def _gpu_local_cpus(count: int = 2) -> set[int]:
@@ -340,7 +406,12 @@ def main() -> None:
     parser.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                         help="pin every worker process to these CPUs (e.g. 2,3; auto: two CPUs local to GPU 0): "
                              "host-bound steps then run on the same cores in every mode and repeat")
+    parser.add_argument("--alternate", type=int, default=0, metavar="BLOCKS",
+                        help="native and um_lab blocks alternating inside each process (BLOCKS pairs of "
+                             "--warmup + --steps steps; --repeats processes): a ratio free of the spread "
+                             "between processes")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-alternate", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -352,7 +423,16 @@ def main() -> None:
             os.sched_setaffinity(0, args.cpus)
         print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.fixed_batch)), flush=True)
         return
+    if args.worker_alternate:
+        if args.cpus:
+            os.sched_setaffinity(0, args.cpus)
+        print(json.dumps(alternating_worker(args.worker_alternate, args.alternate, args.steps, args.warmup,
+                                            args.fixed_batch)), flush=True)
+        return
     info = versions()
+    if args.alternate:
+        _run_alternating(args, info)
+        return
     rows = []
     for model_name in args.models:
         runs: dict[str, list[dict]] = {m: [] for m in args.modes}
@@ -393,6 +473,48 @@ def main() -> None:
         ratio = r.get("um_lab_over_native")
         print(f"{r['model']:12s} " + " ".join(f"{r[m + '_ms']:10.2f}" for m in args.modes)
               + f" {'-' if ratio is None else f'{ratio:.4f}':>14s}")
+    print(f"wrote {args.out}: {len(rows)} models")
+
+
+def alternating_row(model_name: str, runs: list[dict]) -> dict:
+    """One table row from :func:`alternating_worker` results (one per process): the block medians' medians,
+    ``um_lab_over_native`` = the median of every adjacent pair's ratio, and the per-process medians."""
+    native = [b["median_ms"] for r in runs for b in r["blocks"]["native"]]
+    um_lab = [b["median_ms"] for r in runs for b in r["blocks"]["um_lab"]]
+    wall = [p["wall"] for r in runs for p in r["pair_ratios"]]
+    gpu = [p["gpu"] for r in runs for p in r["pair_ratios"]]
+    return {"model": model_name, "native_ms": round(statistics.median(native), 3),
+            "um_lab_ms": round(statistics.median(um_lab), 3),
+            "um_lab_over_native": round(statistics.median(wall), 4),
+            "um_lab_gpu_over_native": round(statistics.median(gpu), 4),
+            "pair_ratio_range": [round(min(wall), 4), round(max(wall), 4)], "pairs": len(wall),
+            "per_process_over_native": [round(statistics.median(p["wall"] for p in r["pair_ratios"]), 4)
+                                        for r in runs]}
+
+
+def _run_alternating(args: argparse.Namespace, info: dict) -> None:
+    rows = []
+    for model_name in args.models:
+        runs = []
+        for _ in range(args.repeats):
+            cmd = [sys.executable, __file__, "--worker-alternate", model_name, "--alternate", str(args.alternate),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--fixed-batch"] if args.fixed_batch else []
+            cmd += ["--cpus", ",".join(map(str, sorted(args.cpus)))] if args.cpus else []
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"alternating {model_name} failed:\n{out.stderr[-3000:]}")
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            ratios = [round(p["wall"], 4) for p in runs[-1]["pair_ratios"]]
+            print(f"  {model_name:12s} process {len(runs)}: um_lab / native per pair {ratios}", flush=True)
+        rows.append(alternating_row(model_name, runs))
+        report = _write_report(args, info, rows)
+        report["method"] = (f"native and um_lab blocks alternating in each process ({args.alternate} pairs, order "
+                            "native-um_lab then um_lab-native), one model and optimizer moved between them")
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for r in rows:
+        print(f"{r['model']:12s} native {r['native_ms']:9.2f} ms  um_lab {r['um_lab_ms']:9.2f} ms  um_lab/native "
+              f"{r['um_lab_over_native']:.4f} (pairs {r['pair_ratio_range'][0]:.4f}-{r['pair_ratio_range'][1]:.4f})")
     print(f"wrote {args.out}: {len(rows)} models")
 
 
