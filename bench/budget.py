@@ -3,6 +3,7 @@
     python bench/budget.py                       # gpt2-large (bs 4 x 1024) and resnet50, footprint/B = 1.5, 2, 3
     python bench/budget.py --models gpt2-large --ratios 2 --steps 8 --telemetry
     python bench/budget.py --quick               # ~60 s smoke run: a small MLP and a small CNN at ratio 2
+    python bench/budget.py --models gpt2-large --ratios 1.5 --time-moves   # where the side stream's time goes
     python bench/budget.py --models gpt2-large --ratios 2 --issue thread inline   # who issues the prefetches
 
 For each model: one run with no budget (``fit_step_ms``; ``footprint_bytes`` = the peak of live managed
@@ -118,7 +119,8 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
-                telemetry: bool = False, issue: str = "thread", discard: bool = False) -> dict[str, Any]:
+                telemetry: bool = False, issue: str = "thread", discard: bool = False,
+                time_moves: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -132,6 +134,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard, **SESSION_KWARGS)
     lab.open()
     try:
+        if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
+            lab._budget.executor.time_moves()
         base = lab.stats()["live_total"]
 
         def guard(record: Any) -> None:  # the bench's own counter, beside the shim's cap: after every step
@@ -172,6 +176,21 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
         say(f"  ratio {row['ratio']}: simulated {sim['sim_step_ms']:.1f} ms at B {row['budget_bytes'] / GiB:.2f} GiB")
 
 
+def move_rates(budgets: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per kind of move (``to_gpu``, ``to_host``, ``discard``, ``populate``), the median over steps of the
+    side stream's bytes, milliseconds and calls (``move_timing`` of each step) and the rate they imply."""
+    out: dict[str, dict[str, float]] = {}
+    kinds = sorted({k for b in budgets for k in b.get("move_timing", {})})
+    for kind in kinds:
+        steps = [b["move_timing"].get(kind, {"bytes": 0, "ms": 0.0, "calls": 0}) for b in budgets
+                 if "move_timing" in b]
+        gb = statistics.median(t["bytes"] for t in steps) / 1e9
+        ms = statistics.median(t["ms"] for t in steps)
+        out[kind] = {"GB": round(gb, 3), "ms": round(ms, 1), "calls": int(statistics.median(t["calls"] for t in steps)),
+                     "GBps": round(gb / (ms / 1e3), 2) if ms > 0 else float("nan")}
+    return out
+
+
 def measured(records: list[Any], skip: int) -> list[Any]:
     """The records after the first ``skip`` (at least the last one)."""
     return records[skip:] or records[-1:]
@@ -185,7 +204,7 @@ def cupti_max(records: list[Any]) -> int | None:
 
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
-                discards: tuple[bool, ...] = (True,)) -> list[dict[str, Any]]:
+                discards: tuple[bool, ...] = (True,), time_moves: bool = False) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -200,7 +219,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                                "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
-            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard)
+            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
+                              time_moves=time_moves)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -231,6 +251,11 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
             "run_s": time.perf_counter() - t0,
         })
+        if time_moves:
+            row["move_timing"] = move_rates(budgets)
+            say("    side stream per step: " + ", ".join(
+                f"{k} {v['GB']:.1f} GB in {v['ms']:.0f} ms ({v['GBps']:.1f} GB/s, {v['calls']} calls)"
+                for k, v in row["move_timing"].items()))
         rows.append(row)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}): B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
@@ -309,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
     ap.add_argument("--discard", nargs="+", choices=["on", "off"], default=["off"],
                     help="discard dead gradients, not copy them (Session(budget_discard=...)); both: a row each")
+    ap.add_argument("--time-moves", action="store_true",
+                    help="time every move on the side stream (two events a call): rows get move_timing, the bytes, "
+                         "ms, calls and rate per direction per step")
     ap.add_argument("--max-managed-fraction", type=float, default=0.5,
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
     ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
@@ -345,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         try:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
-                                     tuple(d == "on" for d in args.discard))
+                                     tuple(d == "on" for d in args.discard), args.time_moves)
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows

@@ -74,6 +74,24 @@ def test_bench_rows_carry_the_issue_schema_and_the_ledger_numbers(bench):
     assert any("ratio 2.0" in line for line in lines)
 
 
+def test_timed_moves_give_each_row_its_side_stream_rates(bench):
+    """--time-moves: the row's move_timing has, per direction, the median bytes, ms, calls and rate of the
+    measured steps (on the CPU the recording fake's 1 ms a call), and the bytes match the ledger's."""
+    torch.manual_seed(0)
+    lines = []
+    row = bench.bench_model("mlp", [2.0], 5, 1 << 40, False, lines.append, time_moves=True)[0]
+    timing = row["move_timing"]
+    assert set(timing) == {"to_gpu", "to_host"}
+    assert timing["to_gpu"]["GB"] == pytest.approx(row["prefetched_bytes"] / 1e9, rel=0.35)
+    assert timing["to_host"]["GB"] == pytest.approx(row["evicted_bytes"] / 1e9, rel=0.35)
+    for t in timing.values():
+        assert t["calls"] > 0 and t["ms"] == t["calls"]
+        assert t["GBps"] == pytest.approx(t["GB"] / t["ms"] * 1e3, rel=0.01)
+    assert any("side stream per step" in line for line in lines)
+    plain = bench.bench_model("mlp", [2.0], 4, 1 << 40, False, lines.append)[0]
+    assert "move_timing" not in plain
+
+
 def test_each_session_caps_at_the_smaller_of_the_limit_and_the_default_cap_read_just_before_it(bench):
     from um_lab.cuda.allocator import default_cap
 

@@ -202,3 +202,30 @@ def test_a_failed_move_nobody_waited_for_is_raised_at_the_step_end_and_at_close(
     runtime.fail = False
     with pytest.raises(RuntimeError, match="failed"):
         ex.close()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_timed_moves_account_for_every_byte_the_ledger_moved(threaded):
+    """time_moves() puts a timed side event around every call: a step's move_timing has the ledger's
+    prefetched and evicted bytes under to_gpu / to_host, one call per span, and their side-stream times
+    (the recording fake: 1 ms a call); off by default (no key, no timed events)."""
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    runtime = FakeRuntime()
+    mover = ThreadMover(runtime, RecordingStreams()) if threaded else None
+    ex, runtime = planned_executor(world, order, mover=mover, runtime=runtime)
+    assert "move_timing" not in drive(ex, order)
+    ex.mover.drain()  # the last untimed batches issued
+    ex.time_moves()
+    runtime.prefetched.clear()
+    stats = drive(ex, order)
+    ex.mover.drain()
+    timing = stats["move_timing"]
+    late = ex.clock.collect(ex.streams.elapsed_ms) if ex.clock is not None else {}  # calls issued after end_step
+    got = {k: timing.get(k, {}).get("bytes", 0) + late.get(k, {}).get("bytes", 0) for k in ("to_gpu", "to_host")}
+    assert got == {"to_gpu": stats["prefetched_bytes"], "to_host": stats["evicted_bytes"]}
+    assert stats["prefetched_bytes"] > 0 and stats["evicted_bytes"] > 0
+    calls = sum(t.get("calls", 0) for t in (*timing.values(), *late.values()))
+    assert calls == len(runtime.prefetched)
+    assert all(t["ms"] == t["calls"] for t in (*timing.values(), *late.values()))
+    ex.close()

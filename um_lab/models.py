@@ -331,7 +331,8 @@ ZOO: dict[str, Callable[..., ModelCase]] = {
 
 _ZOO_BASE: dict[str, Callable[..., ModelCase]] = {
     "mlp": mlp, "resnet18": resnet, "resnet34": resnet, "resnet50": resnet, "resnet101": resnet,
-    "resnet152": resnet, "vit-b16": vit, "vit-l16": vit, "vit-b32": vit, "vit-l32": vit, "vit-h14": vit, "gpt2-small": gpt2, "gpt2-medium": gpt2,
+    "resnet152": resnet, "vit-b16": vit, "vit-l16": vit, "vit-b32": vit, "vit-l32": vit, "vit-h14": vit,
+    "gpt2-small": gpt2, "gpt2-medium": gpt2,
     "gpt2-large": gpt2, "gpt2-xl": gpt2, "bert-base": bert, "bert-large": bert,
 }
 _FIXED_BY_NAME: dict[Callable[..., ModelCase] | None, set[str]] = {

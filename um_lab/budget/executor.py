@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
-from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, ThreadMover
+from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, Scheduler, make_plan
 from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
@@ -65,6 +65,12 @@ class StreamOps(Protocol):
     def synchronize_side(self) -> None:
         """Block the host until everything issued on the side stream is done."""
 
+    def timed_side_event(self) -> Any:
+        """An event that can be timed, recorded now on the side stream (move timing)."""
+
+    def elapsed_ms(self, start: Any, end: Any) -> float | None:
+        """Milliseconds between two timed events; None while ``end`` has not completed."""
+
 
 class CudaStreams:
     """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream."""
@@ -90,6 +96,14 @@ class CudaStreams:
 
     def synchronize_side(self) -> None:
         self.stream.synchronize()
+
+    def timed_side_event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float | None:
+        return float(start.elapsed_time(end)) if end.query() else None
 
 
 class RecordingStreams:
@@ -122,6 +136,15 @@ class RecordingStreams:
 
     def synchronize_side(self) -> None:
         self.log.append(("synchronize_side", 0))
+
+    def timed_side_event(self) -> Any:
+        """A number that doubles as its time in ms (each call between two of them: 1 ms)."""
+        ev = next(self._ids)
+        self.log.append(("timed_side", ev))
+        return ev
+
+    def elapsed_ms(self, start: Any, end: Any) -> float | None:
+        return float(end - start)
 
 
 class BudgetExecutor:
@@ -166,6 +189,7 @@ class BudgetExecutor:
         self._keys: dict[int, tuple[str, str]] = {}
         self._live: tuple[int | None, list[int], list[int]] | None = None  # (generation, starts, ends)
         self.residency_unknown = False  # a move failed after the ledger applied it: evict all at the next step
+        self.clock: MoveClock | None = None  # side-stream timing of every call (time_moves)
 
     # ---- segments ----
 
@@ -218,6 +242,11 @@ class BudgetExecutor:
             elif self._generation is None or self._generation() != self._seen_generation:
                 self.refresh_segments()  # new segments may hold them; else they are not managed memory
         return self.ledger.blocks(spans)
+
+    def time_moves(self) -> None:
+        """Time every call on the side stream from now on (a diagnostic: two events per call); each step's
+        numbers then carry ``move_timing`` (bytes, ms and calls by kind, of the calls completed by then)."""
+        self.clock = MoveClock(self.streams.timed_side_event, self.runtime.codes.location_host)
 
     # ---- plan ----
 
@@ -372,7 +401,8 @@ class BudgetExecutor:
         for key, nbytes in self._touch_now.items():  # the most any step wrote there: room only grows
             self._touch_estimate[key] = max(nbytes, self._touch_estimate.get(key, 0))
         ledger = self.ledger
-        return {"budget_bytes": ledger.budget_bytes, "max_resident_ledger": ledger.max_resident,
+        timing = {"move_timing": self.clock.collect(self.streams.elapsed_ms)} if self.clock is not None else {}
+        return {**timing, "budget_bytes": ledger.budget_bytes, "max_resident_ledger": ledger.max_resident,
                 "resident_at_end": ledger.resident_bytes, "managed_bytes": ledger.total_bytes,
                 "prefetched_bytes": ledger.prefetched_bytes, "evicted_bytes": ledger.evicted_bytes,
                 "discarded_bytes": ledger.discarded_bytes, "populated_bytes": ledger.populated_bytes,
@@ -448,7 +478,8 @@ class BudgetExecutor:
             return
         live = None if self.cover_unknown else self.span_live
         try:
-            batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live))
+            batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live,
+                                                clock=self.clock))
         except BaseException:  # an earlier batch failed: the ledger holds moves that did not happen
             self.residency_unknown = True
             raise

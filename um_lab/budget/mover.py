@@ -28,6 +28,51 @@ DISCARD = -1
 POPULATE = -2
 
 
+class MoveClock:
+    """Side-stream timing of the mover's calls, a diagnostic (off unless an executor's ``time_moves()`` made
+    one): an event after a batch's wait for compute and after each call, so each call's span on the side
+    stream is its transfer (a call waits for nothing else there). :meth:`collect` sums the completed calls'
+    bytes, milliseconds and counts by kind: ``to_gpu``, ``to_host``, ``discard``, ``populate``."""
+
+    def __init__(self, timed_event: Callable[[], Any], host_location: int) -> None:
+        self.timed_event = timed_event
+        self.host_location = host_location
+        self._records: list[tuple[str, int, Any, Any]] = []
+        self._lock = threading.Lock()
+
+    def kind(self, loc_type: int) -> str:
+        """The kind of a call by its location type."""
+        if loc_type == DISCARD:
+            return "discard"
+        if loc_type == POPULATE:
+            return "populate"
+        return "to_host" if loc_type == self.host_location else "to_gpu"
+
+    def add(self, kind: str, nbytes: int, start: Any, end: Any) -> None:
+        """One call's kind, bytes and the side events around it (the mover thread calls this)."""
+        with self._lock:
+            self._records.append((kind, nbytes, start, end))
+
+    def collect(self, elapsed_ms: Callable[[Any, Any], float | None]) -> dict[str, dict[str, float]]:
+        """Totals of the calls whose events completed (``elapsed_ms`` None: not yet; kept for later)."""
+        with self._lock:
+            records, self._records = self._records, []
+        out: dict[str, dict[str, float]] = {}
+        waiting = []
+        for kind, nbytes, start, end in records:
+            ms = elapsed_ms(start, end)
+            if ms is None:
+                waiting.append((kind, nbytes, start, end))
+                continue
+            total = out.setdefault(kind, {"bytes": 0, "ms": 0.0, "calls": 0})
+            total["bytes"] += nbytes
+            total["ms"] += ms
+            total["calls"] += 1
+        with self._lock:
+            self._records[:0] = waiting
+        return out
+
+
 class MoveBatch:
     """One batch of prefetches (and discards, location type :data:`DISCARD`) on the side stream: after
     ``compute_event`` (if any), the ``calls`` in order, then a side event when ``record`` (what compute
@@ -35,8 +80,9 @@ class MoveBatch:
     (its segment was freed since the batch was made) is skipped, never touched (``skipped`` counts them)."""
 
     def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool,
-                 live: Callable[[int, int], bool] | None = None) -> None:
+                 live: Callable[[int, int], bool] | None = None, clock: MoveClock | None = None) -> None:
         self.compute_event = compute_event
+        self.clock = clock
         self.calls = list(calls)
         self.record = record
         self.live = live
@@ -52,6 +98,8 @@ class MoveBatch:
                 streams.side_wait(self.compute_event)
             side = streams.side_handle()
             live = self.live
+            clock = self.clock
+            mark = clock.timed_event() if clock is not None else None
             for ptr, n, loc_type, loc_id in self.calls:
                 if live is not None and not live(ptr, n):
                     self.skipped += 1
@@ -62,6 +110,10 @@ class MoveBatch:
                     runtime.discard_and_prefetch(ptr, n, loc_id, side)  # type: ignore[attr-defined]
                 else:
                     runtime.prefetch(ptr, n, loc_type, loc_id, side)
+                if clock is not None:
+                    after = clock.timed_event()
+                    clock.add(clock.kind(loc_type), n, mark, after)
+                    mark = after
             if self.record:
                 self.side_event = streams.record_side()
         except BaseException as e:  # handed to whoever waits for the batch
