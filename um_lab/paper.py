@@ -76,12 +76,13 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "a487b4b0bc37e26858a318a9fbc8a4932ee695b9678da3274e54edcd8f82ea7a",
-    "sim_source_sha256": "8e5aa8cc14670a2a494aadff133609e83475913532c28569f1a9ccfd0c76ca5f",
-    "date": "2026-12-01T21:53:30+00:00",
-    # 2-core dev VM: GPT-2-medium and BERT-large at 2f2738e (torch 2.13 CPU); ResNet-50 merged at cfa98cb
-    # (torch 2.14.1 + torchvision 0.29.1 in a side venv) with a budget-only simulator change uncommitted
-    "git_commit": "cfa98cbb13b5562ee7153602682132096bd11476+dirty",
+    "profile_sha256": "9b58ccb2192bf03d737c343f07e48fa174f916128e445d233ad10aea13eb4491",
+    "sim_source_sha256": "c403932ae427ba2e9866daa80b56beca44296285f7aca7df59dd1054a9ac10c6",
+    "date": "2026-12-02T02:02:52+00:00",
+    # 2-core dev VM, all three models in one run (torch 2.14.1 + torchvision 0.29.1 in a side venv) on the
+    # simulator of 36a37aa (the commit recorded is the tree's HEAD when the JSON was written, with later
+    # non-simulator edits uncommitted)
+    "git_commit": "f547fbe912315586b0d0a21147f64836227c81c1+dirty",
     "um_lab_version": "0.1.0",
 }
 

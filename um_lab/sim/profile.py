@@ -10,6 +10,7 @@ see :mod:`um_lab.sim.calibration` for how the constants are derived and fitted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from importlib import resources
@@ -205,10 +206,16 @@ def load_profile(name_or_path: str | Path | Profile = "h200") -> Profile:
     text = str(name_or_path)
     if text.endswith(".json") or Path(text).exists():
         return Profile.load(text)
+    return _packaged_profile(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _packaged_profile(name: str) -> Profile:
+    """A packaged profile, parsed once (profiles are frozen; the file carries its raw measurements too)."""
     try:
-        data = resources.files("um_lab.sim").joinpath(f"profiles/{text}.json").read_text()
+        data = resources.files("um_lab.sim").joinpath(f"profiles/{name}.json").read_text()
     except FileNotFoundError:
-        raise ValueError(f"unknown profile {text!r}: not a packaged profile name or a JSON file") from None
+        raise ValueError(f"unknown profile {name!r}: not a packaged profile name or a JSON file") from None
     return Profile.from_dict(json.loads(data))
 
 
