@@ -178,15 +178,18 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
 
 def move_rates(budgets: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per kind of move (``to_gpu``, ``to_host``, ``discard``, ``populate``), the median over steps of the
-    side stream's bytes, milliseconds and calls (``move_timing`` of each step) and the rate they imply."""
+    side stream's bytes, milliseconds and calls, the host time of the calls (``move_timing`` of each step),
+    and the rate they imply."""
     out: dict[str, dict[str, float]] = {}
     kinds = sorted({k for b in budgets for k in b.get("move_timing", {})})
     for kind in kinds:
-        steps = [b["move_timing"].get(kind, {"bytes": 0, "ms": 0.0, "calls": 0}) for b in budgets
+        steps = [b["move_timing"].get(kind, {"bytes": 0, "ms": 0.0, "host_ms": 0.0, "calls": 0}) for b in budgets
                  if "move_timing" in b]
         gb = statistics.median(t["bytes"] for t in steps) / 1e9
         ms = statistics.median(t["ms"] for t in steps)
-        out[kind] = {"GB": round(gb, 3), "ms": round(ms, 1), "calls": int(statistics.median(t["calls"] for t in steps)),
+        host_ms = statistics.median(t["host_ms"] for t in steps)
+        out[kind] = {"GB": round(gb, 3), "ms": round(ms, 1), "host_ms": round(host_ms, 1),
+                     "calls": int(statistics.median(t["calls"] for t in steps)),
                      "GBps": round(gb / (ms / 1e3), 2) if ms > 0 else float("nan")}
     return out
 
@@ -254,7 +257,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         if time_moves:
             row["move_timing"] = move_rates(budgets)
             say("    side stream per step: " + ", ".join(
-                f"{k} {v['GB']:.1f} GB in {v['ms']:.0f} ms ({v['GBps']:.1f} GB/s, {v['calls']} calls)"
+                f"{k} {v['GB']:.1f} GB in {v['ms']:.0f} ms ({v['GBps']:.1f} GB/s, {v['calls']} calls, "
+                f"host {v['host_ms']:.0f} ms)"
                 for k, v in row["move_timing"].items()))
         rows.append(row)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}): B {budget / GiB:.2f} GiB, "

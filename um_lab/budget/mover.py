@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,13 +32,15 @@ POPULATE = -2
 class MoveClock:
     """Side-stream timing of the mover's calls, a diagnostic (off unless an executor's ``time_moves()`` made
     one): an event after a batch's wait for compute and after each call, so each call's span on the side
-    stream is its transfer (a call waits for nothing else there). :meth:`collect` sums the completed calls'
-    bytes, milliseconds and counts by kind: ``to_gpu``, ``to_host``, ``discard``, ``populate``."""
+    stream is its transfer (a call waits for nothing else there), and the host time the call took (which
+    includes waiting for the stream's earlier work: a prefetch call returns only then). :meth:`collect`
+    sums the completed calls' bytes, side-stream ms, host ms and counts by kind: ``to_gpu``, ``to_host``,
+    ``discard``, ``populate``."""
 
     def __init__(self, timed_event: Callable[[], Any], host_location: int) -> None:
         self.timed_event = timed_event
         self.host_location = host_location
-        self._records: list[tuple[str, int, Any, Any]] = []
+        self._records: list[tuple[str, int, Any, Any, float]] = []
         self._lock = threading.Lock()
 
     def kind(self, loc_type: int) -> str:
@@ -48,10 +51,10 @@ class MoveClock:
             return "populate"
         return "to_host" if loc_type == self.host_location else "to_gpu"
 
-    def add(self, kind: str, nbytes: int, start: Any, end: Any) -> None:
-        """One call's kind, bytes and the side events around it (the mover thread calls this)."""
+    def add(self, kind: str, nbytes: int, start: Any, end: Any, host_s: float = 0.0) -> None:
+        """One call's kind, bytes, the side events around it and its host seconds (the mover thread calls this)."""
         with self._lock:
-            self._records.append((kind, nbytes, start, end))
+            self._records.append((kind, nbytes, start, end, host_s))
 
     def collect(self, elapsed_ms: Callable[[Any, Any], float | None]) -> dict[str, dict[str, float]]:
         """Totals of the calls whose events completed (``elapsed_ms`` None: not yet; kept for later)."""
@@ -59,14 +62,16 @@ class MoveClock:
             records, self._records = self._records, []
         out: dict[str, dict[str, float]] = {}
         waiting = []
-        for kind, nbytes, start, end in records:
+        for record in records:
+            kind, nbytes, start, end, host_s = record
             ms = elapsed_ms(start, end)
             if ms is None:
-                waiting.append((kind, nbytes, start, end))
+                waiting.append(record)
                 continue
-            total = out.setdefault(kind, {"bytes": 0, "ms": 0.0, "calls": 0})
+            total = out.setdefault(kind, {"bytes": 0, "ms": 0.0, "host_ms": 0.0, "calls": 0})
             total["bytes"] += nbytes
             total["ms"] += ms
+            total["host_ms"] += host_s * 1e3
             total["calls"] += 1
         with self._lock:
             self._records[:0] = waiting
@@ -104,6 +109,7 @@ class MoveBatch:
                 if live is not None and not live(ptr, n):
                     self.skipped += 1
                     continue
+                began = time.perf_counter()
                 if loc_type == DISCARD:
                     runtime.discard(ptr, n, side)  # type: ignore[attr-defined]  # runtimes that can_discard
                 elif loc_type == POPULATE:
@@ -112,7 +118,7 @@ class MoveBatch:
                     runtime.prefetch(ptr, n, loc_type, loc_id, side)
                 if clock is not None:
                     after = clock.timed_event()
-                    clock.add(clock.kind(loc_type), n, mark, after)
+                    clock.add(clock.kind(loc_type), n, mark, after, time.perf_counter() - began)
                     mark = after
             if self.record:
                 self.side_event = streams.record_side()
