@@ -10,11 +10,12 @@ from fakes import FakeRuntime
 from test_budget_ledger import replay
 
 from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
-from um_lab.budget.executor import BudgetExecutor, RecordingStreams
+from um_lab.budget.executor import BudgetExecutor
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order
 from um_lab.budget.plan import make_plan
 from um_lab.budget.record import StepRecorder, optimizer_chunks, step_optimizer_in_chunks
+from um_lab.budget.streams import RecordingStreams
 from um_lab.types import DataType
 
 MiB = 1 << 20

@@ -12,8 +12,8 @@ import torch
 from fakes import FakeRuntime
 
 from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
-from um_lab.budget.executor import RecordingStreams
 from um_lab.budget.mover import MoveBatch, ThreadMover
+from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import ManagedPools
 from um_lab.cuda.session import Session
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from um_lab.budget import ISSUE_MODES
-from um_lab.budget.executor import BudgetExecutor, StreamOps
+from um_lab.budget.executor import BudgetExecutor
 from um_lab.budget.ledger import Span
 from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
@@ -30,6 +30,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
+from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
 from um_lab.types import DataType

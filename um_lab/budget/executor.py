@@ -29,122 +29,17 @@ step begins by pushing every managed range to the host.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
 from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, Scheduler, make_plan
+from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
 from um_lab.errors import BudgetTooSmall
 from um_lab.types import DataType
-
-
-class StreamOps(Protocol):
-    """The stream and event calls the executor makes (CUDA, or a recording fake on the CPU)."""
-
-    def side_handle(self) -> int:
-        """The raw handle of the side stream prefetches go on."""
-
-    def record_compute(self) -> Any:
-        """An event recorded now on the compute (current) stream."""
-
-    def record_side(self) -> Any:
-        """An event recorded now on the side stream."""
-
-    def side_wait(self, event: Any) -> None:
-        """The side stream waits for ``event``."""
-
-    def compute_wait(self, event: Any) -> None:
-        """The compute (current) stream waits for ``event``."""
-
-    def synchronize_side(self) -> None:
-        """Block the host until everything issued on the side stream is done."""
-
-    def timed_side_event(self) -> Any:
-        """An event that can be timed, recorded now on the side stream (move timing)."""
-
-    def elapsed_ms(self, start: Any, end: Any) -> float | None:
-        """Milliseconds between two timed events; None while ``end`` has not completed."""
-
-
-class CudaStreams:
-    """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def side_handle(self) -> int:
-        return int(self.stream.cuda_stream)
-
-    def record_compute(self) -> Any:
-        return torch.cuda.current_stream(self.device).record_event()
-
-    def record_side(self) -> Any:
-        return self.stream.record_event()
-
-    def side_wait(self, event: Any) -> None:
-        self.stream.wait_event(event)
-
-    def compute_wait(self, event: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
-
-    def synchronize_side(self) -> None:
-        self.stream.synchronize()
-
-    def timed_side_event(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.stream)
-        return event
-
-    def elapsed_ms(self, start: Any, end: Any) -> float | None:
-        return float(start.elapsed_time(end)) if end.query() else None
-
-
-class RecordingStreams:
-    """:class:`StreamOps` for CPU tests: events are numbers, every call is logged."""
-
-    SIDE = 7
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-        self._ids = itertools.count(1)
-
-    def side_handle(self) -> int:
-        return self.SIDE
-
-    def record_compute(self) -> Any:
-        ev = next(self._ids)
-        self.log.append(("record_compute", ev))
-        return ev
-
-    def record_side(self) -> Any:
-        ev = next(self._ids)
-        self.log.append(("record_side", ev))
-        return ev
-
-    def side_wait(self, event: Any) -> None:
-        self.log.append(("side_wait", event))
-
-    def compute_wait(self, event: Any) -> None:
-        self.log.append(("compute_wait", event))
-
-    def synchronize_side(self) -> None:
-        self.log.append(("synchronize_side", 0))
-
-    def timed_side_event(self) -> Any:
-        """A number that doubles as its time in ms (each call between two of them: 1 ms)."""
-        ev = next(self._ids)
-        self.log.append(("timed_side", ev))
-        return ev
-
-    def elapsed_ms(self, start: Any, end: Any) -> float | None:
-        return float(end - start)
 
 
 class BudgetExecutor:

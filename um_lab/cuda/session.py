@@ -451,7 +451,7 @@ class Session(Listenable):
     def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
         """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
         from um_lab.budget.control import BudgetControl  # imported only with a budget
-        from um_lab.budget.executor import CudaStreams, RecordingStreams, StreamOps
+        from um_lab.budget.streams import CudaStreams, RecordingStreams, StreamOps
 
         source = pools.source
         device = self.device
