@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
 MODES = ("native", "um_lab", "naive")  # also: um_lab_caller (backward on the calling thread), um_lab@POLICY
 NAIVE_LIMIT = 60 << 30  # the naive pool's own abort counter: far below the card
+DEFAULT_OUT = ROOT / "bench" / "results" / "allocator_overhead.json"
 
 
 def _install_naive_allocator() -> None:
@@ -338,11 +340,13 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
             if mode == "native":
                 times, gpu_times, _ = _native_block(case, model, opt, batch_cpu, steps, warmup, fixed_batch)
             else:
-                with Session("um-default") as lab:  # evacuate_on_close: the model leaves managed memory
-                    lab.place(model)
-                    lab.attach(model, opt)
-                    times, gpu_times, _, _ = _um_lab_block(lab, case, model, opt, batch_cpu, steps, warmup,
-                                                           fixed_batch)
+                with warnings.catch_warnings():  # a model left in managed memory at close must stop the run
+                    warnings.simplefilter("error", RuntimeWarning)
+                    with Session("um-default") as lab:  # evacuate_on_close: the model leaves managed memory
+                        lab.place(model)
+                        lab.attach(model, opt)
+                        times, gpu_times, _, _ = _um_lab_block(lab, case, model, opt, batch_cpu, steps, warmup,
+                                                               fixed_batch)
             per_mode[mode].append({"median_ms": statistics.median(times) * 1e3,
                                    "median_gpu_ms": statistics.median(gpu_times)})
     pairs = [{"wall": u["median_ms"] / n["median_ms"], "gpu": u["median_gpu_ms"] / n["median_gpu_ms"]}
@@ -395,7 +399,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allocator_overhead.json")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="result JSON (default allocator_overhead.json; --alternate: allocator_alternating.json)")
     parser.add_argument("--modes", nargs="+", default=list(MODES),
                         help="native, um_lab, naive, um_lab_caller, um_lab@POLICY (a preset name), or "
                              "um_lab+VARIANT[+VARIANT] (one piece left out: " + ", ".join(VARIANTS) + ")")
@@ -415,6 +420,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.alternate < 0:
+        parser.error("--alternate must be >= 0 (0: one process per mode)")
+    if args.alternate and args.out == DEFAULT_OUT:  # a table of another kind: never over the per-process one
+        args.out = DEFAULT_OUT.with_name("allocator_alternating.json")
     unknown = sorted({v for m in args.modes for v in m.split("+")[1:]} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")

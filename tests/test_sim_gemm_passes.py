@@ -136,13 +136,17 @@ def test_the_law_factor_scales_unmeasured_shapes_and_its_band_spans_the_models_t
 
     base = load_profile("h200")
     assert base.gemm_law_factor == 1.0 and base.gemm_shape_passes
-    layout, bias, m, k, n, measured = base.gemm_shape_passes[0]
+    layout, bias, m, k, n, measured = max(base.gemm_shape_passes, key=lambda row: row[2])  # far from the clip
     cls = (GEMM_XWT_BIAS if bias else GEMM_XWT) if layout == "nt" else (GEMM_XW_BIAS if bias else GEMM_XW)
     reuse, reread = np.array([float(m), float(m) + 1]), np.array([cls, cls])
     kk, nn = np.array([float(k), float(k)]), np.array([float(n), float(n)])
     one = link_passes(reuse, reread, base, gemm_k=kk, gemm_n=nn)
     two = link_passes(reuse, reread, base.replace(gemm_law_factor=2.0), gemm_k=kk, gemm_n=nn)
     assert one[0] == two[0] == pytest.approx(measured) and two[1] == pytest.approx(2 * one[1])
+    tiny = np.array([8.0, 8.0])  # the law's clip holds after the factor: never below one pass, nor above M / 32
+    low = link_passes(tiny, reread, base.replace(gemm_law_factor=0.5), gemm_k=kk, gemm_n=nn)
+    high = link_passes(np.array([64.0, 64.0]), reread, base.replace(gemm_law_factor=50.0), gemm_k=kk, gemm_n=nn)
+    assert (low >= 1.0).all() and (high <= 2.0).all()
     rows = [{"layout": "nt", "bias": False, "M": 8, "K": 4, "N": 4, "count": 2, "weight_bytes": 64,
              "model_passes": 10.0, "passes": 15.0},
             {"layout": "nn", "bias": False, "M": 8, "K": 4, "N": 4, "count": 1, "weight_bytes": 64,

@@ -7,8 +7,8 @@ lazily, only for the models that need them.
 Zoo (``get_model(name, **knobs)``; ``describe_models()`` lists the knobs):
 
 - ``mlp`` (width, depth, batch_size, classes)
-- ``resnet18`` / ``resnet34`` / ``resnet50`` / ``resnet101`` / ``resnet152`` and ``vit-b16`` / ``vit-l16``
-  (torchvision; batch_size, image_size, ...)
+- ``resnet18`` / ``resnet34`` / ``resnet50`` / ``resnet101`` / ``resnet152`` and ``vit-b16`` / ``vit-l16`` /
+  ``vit-b32`` / ``vit-l32`` / ``vit-h14`` (torchvision; batch_size, image_size, ...)
 - ``gpt2-small`` .. ``gpt2-xl`` (transformers; batch_size, seq_len, and any GPT2Config field as an
   override, e.g. ``get_model("gpt2-small", n_layer=2, n_embd=64, n_head=2, vocab_size=1000)``)
 - ``bert-base`` / ``bert-large`` (transformers; batch_size, seq_len, BertConfig overrides)

@@ -98,7 +98,6 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
                 passes[sel] = passes_nt(reuse[sel], gemm_n[sel], bias, p)
             else:
                 passes[sel] = passes_nn(reuse[sel], gemm_k[sel], gemm_n[sel], bias, p)
-            passes[sel] *= p.gemm_law_factor
             if p.gemm_shape_passes:  # measured at exact shapes: they win over the law
                 layout = "nt" if biased == GEMM_XWT_BIAS else "nn"
                 table = {row[:5]: row[5] for row in p.gemm_shape_passes}

@@ -289,11 +289,11 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     if shape_paths:
         from um_lab.sim.gemm_passes import law_spread, load_gemm_shapes
 
-        table = load_gemm_shapes(shape_paths)
+        table = load_gemm_shapes(shape_paths, rate=profile.remote_GBps)
         profile = profile.replace(gemm_shape_passes=table, source=profile.source + f"; {len(table)} GEMM shapes' "
                                   f"weight passes from bench/gemm_shapes.py ({len(shape_paths)} models)")
         provenance["gemm_shape_files"] = {"files": [p.name for p in shape_paths], "shapes": len(table)}
-        provenance["gemm_law_factor"] = law_spread(shape_paths)
+        provenance["gemm_law_factor"] = law_spread(shape_paths, profile)
     if out is not None:
         measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}

@@ -76,7 +76,7 @@ def passes_nt(m: np.ndarray, n: np.ndarray, bias: np.ndarray, p: Any) -> np.ndar
     law = (p.gemm_nt_passes * (m / REF) ** p.gemm_nt_m_exp * (REF / n) ** p.gemm_nt_inv_n_exp
            * np.where(bias, p.gemm_nt_bias_factor, 1.0))
     few_rows = np.minimum(m / MIN_TILE, p.gemm_small_m_ctas * BLOCK_COLS / n)
-    passes = np.where(m < p.gemm_fit_min_rows, few_rows, law)
+    passes = np.where(m < p.gemm_fit_min_rows, few_rows, law) * p.gemm_law_factor
     return np.clip(passes, 1.0, np.maximum(1.0, m / MIN_TILE))
 
 
@@ -87,7 +87,8 @@ def passes_nn(m: np.ndarray, k: np.ndarray, n: np.ndarray, bias: np.ndarray, p: 
     small_k = np.asarray(k, float) <= p.gemm_nn_small_k
     exponent = np.where(small_k, p.gemm_nn_m_exp_small_k, p.gemm_nn_m_exp)
     passes = (p.gemm_nn_passes * (m / REF) ** exponent * (REF / n) ** p.gemm_nn_inv_n_exp
-              * np.where(small_k, p.gemm_nn_small_k_factor, 1.0) * np.where(bias, p.gemm_nn_bias_factor, 1.0))
+              * np.where(small_k, p.gemm_nn_small_k_factor, 1.0) * np.where(bias, p.gemm_nn_bias_factor, 1.0)
+              * p.gemm_law_factor)
     return np.clip(passes, 1.0, np.maximum(1.0, m / MIN_TILE))
 
 
@@ -182,38 +183,58 @@ def load_gemm_tiles(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def load_gemm_shapes(paths: Iterable[str | Path]) -> tuple[tuple[str, int, int, int, int, float], ...]:
+def _measured_passes(row: dict[str, Any], data: dict[str, Any], rate: float) -> float:
+    """A timed row's passes at the link rate ``rate`` (results record theirs as ``passes_at_GBps``), >= 1."""
+    return max(1.0, round(float(row["passes"]) * rate / float(data.get("passes_at_GBps", rate)), 4))
+
+
+def load_gemm_shapes(paths: Iterable[str | Path],
+                     rate: float | None = None) -> tuple[tuple[str, int, int, int, int, float], ...]:
     """The per-shape table (:attr:`um_lab.sim.profile.Profile.gemm_shape_passes`) from ``bench/gemm_shapes.py``
-    results: each timed row's measured passes, rescaled to the rate the table is read at (the results record
-    theirs as ``passes_at_GBps``; the h200 profile's ``remote_GBps``). A shape measured twice keeps the mean."""
+    results: each timed row's measured passes, rescaled to the rate the table is read at (``rate``: the
+    profile's ``remote_GBps``; default the h200 profile's). A shape measured twice keeps the mean."""
     from um_lab.sim.profile import gemm_shape_table, load_profile
 
-    rate = load_profile("h200").remote_GBps
+    rate = load_profile("h200").remote_GBps if rate is None else rate
     seen: dict[tuple[str, int, int, int, int], list[float]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
-        scale = rate / float(data.get("passes_at_GBps", rate))
         for r in data["rows"]:
             if r.get("passes") is None:
                 continue
             key = (r["layout"], int(bool(r["bias"])), int(r["M"]), int(r["K"]), int(r["N"]))
-            seen.setdefault(key, []).append(max(1.0, float(r["passes"]) * scale))
+            seen.setdefault(key, []).append(_measured_passes(r, data, rate))
     return gemm_shape_table([[*key, statistics.fmean(v)] for key, v in seen.items()])
 
 
-def law_spread(paths: Iterable[str | Path]) -> dict[str, Any]:
+def law_spread(paths: Iterable[str | Path], profile: Any = None) -> dict[str, Any]:
     """How far the law is from ``bench/gemm_shapes.py`` results, model by model: each model's measured link
     bytes over the law's (passes x weight bytes x reads per step, summed over its timed shapes), and their
     range, the band of :attr:`um_lab.sim.profile.Profile.gemm_law_factor` (a whole step's GEMMs err together
-    in that model's way, so the band spans models, not single shapes)."""
+    in that model's way, so the band spans models, not single shapes). The law is ``profile``'s at factor 1
+    (default: the passes the results recorded beside their measurements), the measurements are read as the
+    table reads them (:func:`load_gemm_shapes`)."""
+    from um_lab.sim.profile import load_profile
+
+    base = load_profile("h200") if profile is None else profile
+    rate = base.remote_GBps
     per_model: dict[str, float] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
         rows = [r for r in data["rows"] if r.get("passes") is not None and r.get("weight_bytes")]
-        law = sum(r["model_passes"] * r["count"] * r["weight_bytes"] for r in rows)
+        if profile is not None:
+            unit = base.replace(gemm_law_factor=1.0)
+            laws = [float((passes_nt(np.array([r["M"]]), np.array([r["N"]]), np.array([r["bias"]]), unit)
+                           if r["layout"] == "nt" else
+                           passes_nn(np.array([r["M"]]), np.array([r["K"]]), np.array([r["N"]]), np.array([r["bias"]]),
+                                     unit))[0]) for r in rows]
+        else:
+            laws = [float(r["model_passes"]) for r in rows]
+        law = sum(lp * r["count"] * r["weight_bytes"] for lp, r in zip(laws, rows, strict=True))
         if law > 0:
             label = f"{data['model']} " + " ".join(f"{k}={v}" for k, v in data.get("kwargs", {}).items())
-            per_model[label.strip()] = round(sum(r["passes"] * r["count"] * r["weight_bytes"] for r in rows) / law, 3)
+            got = sum(_measured_passes(r, data, rate) * r["count"] * r["weight_bytes"] for r in rows)
+            per_model[label.strip()] = round(got / law, 3)
     if not per_model:
         raise ValueError("no timed GEMM shapes in the given bench/gemm_shapes.py results")
     return {"range": [min(per_model.values()), max(per_model.values())], "per_model": per_model,

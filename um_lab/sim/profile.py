@@ -174,6 +174,7 @@ class Profile:
         if measured is not None:
             d["measured"] = measured
         path.write_text(json.dumps(d, indent=1) + "\n")
+        _packaged_profile.cache_clear()  # it may have replaced a packaged profile
         return path
 
     @classmethod
