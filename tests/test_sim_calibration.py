@@ -42,7 +42,13 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
                    "remote_rw_GBps", "remote_colreduce_GBps", "conv_tflops", "conv_half_gflop", "hbm_GBps",
                    "norm_fwd_hbm_passes", "norm_bwd_hbm_passes"}
     gemm_fields = {"gemm_nt_passes", "gemm_nn_passes", "gemm_small_m_ctas"}  # tests/test_sim_gemm_passes.py
-    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields | gemm_fields
+    shape_fields = {"gemm_shape_files", "gemm_law_factor"}  # bench/gemm_shapes.py results: the table and its band
+    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields | gemm_fields | shape_fields
+    files = packaged["measured"]["primitives"]["gemm_shape_files"]
+    assert files["shapes"] == len(p.gemm_shape_passes) and len(files["files"]) == len(list(
+        (root / "bench" / "results" / "gemm_shapes").glob("*.json")))
+    lo, hi = packaged["measured"]["primitives"]["gemm_law_factor"]["range"]
+    assert lo < p.gemm_law_factor == 1.0 < hi
     for name in step_fields - {"host_fit_rows"}:  # fitted on per-op training steps, each with its range
         info = packaged["measured"]["primitives"][name]
         assert "step_detail" in info["source"] and info["range"][0] <= getattr(p, name) <= info["range"][1], name
@@ -100,11 +106,13 @@ def test_rebuilding_the_h200_profile_gives_the_packaged_file() -> None:
                                  primitives_path=results / "uvm_primitives.json",
                                  conv_path=results / "conv_in_step.json",
                                  step_detail_path=results / "step_detail.json",
-                                 gemm_tiles_path=results / "gemm_tiles.json")
+                                 gemm_tiles_path=results / "gemm_tiles.json",
+                                 gemm_shapes_paths=sorted((results / "gemm_shapes").glob("*.json")))
     assert rebuilt.name == "h200"
     packaged = dataclasses.asdict(packaged_h200())
     for key, value in dataclasses.asdict(rebuilt).items():
-        assert value == (packaged[key] if isinstance(value, str) else pytest.approx(packaged[key], rel=1e-9)), key
+        exact = isinstance(value, (str, tuple))  # names, sources, the per-shape table
+        assert value == (packaged[key] if exact else pytest.approx(packaged[key], rel=1e-9)), key
 
 
 def test_profile_json_round_trip_and_rejects_bad_fields(tmp_path) -> None:
