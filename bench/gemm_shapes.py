@@ -46,16 +46,6 @@ def weight_gemms(trace: Any) -> list[dict[str, Any]]:
             for (lay, b, m, k, n), c in counts.most_common()]
 
 
-def model_passes(rows: list[dict[str, Any]], profile: Any) -> list[float]:
-    """The shape model's link passes for each row."""
-    from um_lab.sim.gemm_passes import passes_nn, passes_nt
-
-    out = []
-    for r in rows:
-        m, k, n, b = (np.array([r[key]]) for key in ("M", "K", "N", "bias"))
-        out.append(float((passes_nt(m, n, b, profile) if r["layout"] == "nt" else passes_nn(m, k, n, b, profile))[0]))
-    return out
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,6 +57,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from um_lab.cli_args import parse_model_kwargs
+    from um_lab.sim.gemm_passes import law_passes
     from um_lab.sim.profile import load_profile
     from um_lab.sim.replicas import model_case
     from um_lab.sim.trace import trace_step
@@ -75,7 +66,7 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = weight_gemms(trace_step(model_case(name, **kwargs)))
     profile = load_profile("h200")
-    for r, passes in zip(rows, model_passes(rows, profile), strict=True):
+    for r, passes in zip(rows, law_passes(rows, profile), strict=True):
         r["model_passes"] = round(passes, 2)
     print(f"{name} {kwargs}: {len(rows)} weight GEMM shapes (traced in {time.perf_counter() - t0:.1f} s)", flush=True)
     if not args.list:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from um_lab.sim.access import link_passes
-from um_lab.sim.gemm_passes import fit_gemm_passes, grid_rows, passes_nn, passes_nt
+from um_lab.sim.gemm_passes import fit_gemm_passes, grid_rows, law_passes, passes_nn, passes_nt
 from um_lab.sim.ops import GEMM_A, GEMM_XW, GEMM_XW_BIAS, GEMM_XWT, GEMM_XWT_BIAS, remote_reads
 from um_lab.sim.profile import load_profile
 
@@ -82,7 +82,7 @@ def test_gemm_shapes_lists_a_models_weight_gemms_from_its_trace():
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from gemm_shapes import model_passes, weight_gemms
+    from gemm_shapes import weight_gemms
 
     from um_lab.models import get_model
     from um_lab.sim.trace import trace_step
@@ -93,7 +93,7 @@ def test_gemm_shapes_lists_a_models_weight_gemms_from_its_trace():
     assert shapes[("nn", True, 32, 64, 192)] == 2  # c_attn forward, one per layer
     assert shapes[("nt", False, 32, 192, 64)] == 2  # its input gradient
     assert ("nt", False, 32, 64, 100) in shapes  # the tied head: x @ wte^T
-    passes = model_passes(rows, load_profile("h200"))
+    passes = law_passes(rows, load_profile("h200"))
     assert len(passes) == len(rows) and all(p >= 1.0 for p in passes)
 
 

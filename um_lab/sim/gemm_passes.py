@@ -183,6 +183,16 @@ def load_gemm_tiles(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
+def law_passes(rows: Iterable[Mapping[str, Any]], profile: Any) -> list[float]:
+    """The law's link passes for GEMM rows ``{"layout": "nt"|"nn", "bias", "M", "K", "N"}`` (the shape lists
+    of ``bench/gemm_shapes.py``), under ``profile``."""
+    out = []
+    for r in rows:
+        m, k, n, b = (np.array([r[key]]) for key in ("M", "K", "N", "bias"))
+        out.append(float((passes_nt(m, n, b, profile) if r["layout"] == "nt" else passes_nn(m, k, n, b, profile))[0]))
+    return out
+
+
 def _measured_passes(row: dict[str, Any], data: dict[str, Any], rate: float) -> float:
     """A timed row's passes at the link rate ``rate`` (results record theirs as ``passes_at_GBps``), >= 1."""
     return max(1.0, round(float(row["passes"]) * rate / float(data.get("passes_at_GBps", rate)), 4))
@@ -223,11 +233,7 @@ def law_spread(paths: Iterable[str | Path], profile: Any = None) -> dict[str, An
         data = json.loads(Path(path).read_text())
         rows = [r for r in data["rows"] if r.get("passes") is not None and r.get("weight_bytes")]
         if profile is not None:
-            unit = base.replace(gemm_law_factor=1.0)
-            laws = [float((passes_nt(np.array([r["M"]]), np.array([r["N"]]), np.array([r["bias"]]), unit)
-                           if r["layout"] == "nt" else
-                           passes_nn(np.array([r["M"]]), np.array([r["K"]]), np.array([r["N"]]), np.array([r["bias"]]),
-                                     unit))[0]) for r in rows]
+            laws = law_passes(rows, base.replace(gemm_law_factor=1.0))
         else:
             laws = [float(r["model_passes"]) for r in rows]
         law = sum(lp * r["count"] * r["weight_bytes"] for lp, r in zip(laws, rows, strict=True))
