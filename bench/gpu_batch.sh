@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
-# Usage on the GPU machine (repo root): bash bench/gpu_batch.sh [tests|bench|all] ; results under $OUT.
+# Usage on the GPU machine (repo root): bash bench/gpu_batch.sh [tests|bench|all|alternate|moves] ; results
+# under $OUT. alternate: issue 12's allocator table with native and um_lab in turn inside each process;
+# moves: issue 13's GPT-2-large budget rows with every move timed on the side stream and the host.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
@@ -20,5 +22,15 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout 300 python3 bench/allocator_overhead.py --out "$OUT/allocator_overhead.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ $what == alternate ]]; then
+  for fixed in "" "--fixed-batch"; do
+    timeout 280 python3 bench/allocator_overhead.py --alternate 6 --repeats 3 --steps 10 --warmup 3 --cpus auto \
+      $fixed --out "$OUT/allocator_alternating${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/alternate.log"
+  done
+fi
+if [[ $what == moves ]]; then
+  timeout 540 python3 bench/budget.py --models gpt2-large --ratios 1.5 2 --time-moves --no-sim \
+    --out "$OUT/budget_moves.json" 2>&1 | tee "$OUT/moves.log"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/sanity.log"
