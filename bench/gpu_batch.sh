@@ -23,10 +23,12 @@ fi
 if [[ $what == bench || $what == all ]]; then
   timeout 300 python3 bench/allocator_overhead.py --out "$OUT/allocator_overhead.json" 2>&1 | tee "$OUT/bench.log"
 fi
-if [[ $what == alternate ]]; then
+if [[ $what == alternate ]]; then  # ~9 min in all (estimate): split it over two calls if need be
   for fixed in "" "--fixed-batch"; do
-    timeout 280 python3 bench/allocator_overhead.py --alternate 6 --repeats 3 --steps 10 --warmup 3 --cpus auto \
-      $fixed --out "$OUT/allocator_alternating${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/alternate.log"
+    timeout 200 python3 bench/allocator_overhead.py --models mlp resnet50 --alternate 6 --repeats 3 --steps 10 \
+      --warmup 3 --cpus auto $fixed --out "$OUT/alternating_small${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/alternate.log"
+    timeout 200 python3 bench/allocator_overhead.py --models gpt2-medium --alternate 4 --repeats 2 --steps 6 \
+      --warmup 2 --cpus auto $fixed --out "$OUT/alternating_gpt2${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/alternate.log"
   done
 fi
 if [[ $what == moves ]]; then
