@@ -88,6 +88,7 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
         conv = reread == cls
         if conv.any():
             passes[conv] = np.maximum(1.0, reuse[conv] / tile)
+    table = {row[:5]: row[5] for row in p.gemm_shape_passes}  # measured at exact shapes: they win over the law
     for classes, biased in (((GEMM_XWT, GEMM_XWT_BIAS), GEMM_XWT_BIAS), ((GEMM_XW, GEMM_XW_BIAS), GEMM_XW_BIAS)):
         sel = np.isin(reread, classes)
         if sel.any():
@@ -98,9 +99,8 @@ def link_passes(reuse: np.ndarray, reread: np.ndarray, profile: Profile,
                 passes[sel] = passes_nt(reuse[sel], gemm_n[sel], bias, p)
             else:
                 passes[sel] = passes_nn(reuse[sel], gemm_k[sel], gemm_n[sel], bias, p)
-            if p.gemm_shape_passes:  # measured at exact shapes: they win over the law
+            if table:
                 layout = "nt" if biased == GEMM_XWT_BIAS else "nn"
-                table = {row[:5]: row[5] for row in p.gemm_shape_passes}
                 for i in np.flatnonzero(sel):
                     key = (layout, int(reread[i] == biased), int(reuse[i]), int(gemm_k[i]), int(gemm_n[i]))
                     if key in table:
