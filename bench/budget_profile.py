@@ -1,0 +1,132 @@
+"""Issue 13 diagnostic: where a budget step's time goes (the PyTorch profiler on one step, on the H200).
+
+    python bench/budget_profile.py --model gpt2-large --budget-gib 19.48 --out-dir /tmp/prof
+    python bench/budget_profile.py --model gpt2-large --budget-gib 19.48 --telemetry   # CUPTI faults instead
+
+A session with ``gpu_budget_bytes`` trains ``--steps`` steps (the first learns the order, the second
+plans); the last step runs under ``torch.profiler`` (CPU and CUDA activity). Written: ``summary.json``
+(each step's wall ms and budget counters; GPU busy time per stream, the top kernels and the top host ops by
+self time; the step's span) and ``trace.json.gz`` (the Chrome trace). With ``--telemetry`` no profiler
+runs (both would own CUPTI): the records' page faults and migrations per step are written instead.
+Safety as in bench/budget.py: the session's cap is min(0.5 x free, the default cap) and this script's own
+counter stops the run at 0.8 x that cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.budget import SAFETY_FRACTION, ManagedLimitExceeded, build_case, session_cap  # noqa: E402
+from um_lab.cuda.session import Session  # noqa: E402
+
+GiB = 1 << 30
+
+
+def kernel_summary(prof: Any) -> dict[str, Any]:
+    """GPU time per stream, the top kernels (by total ms) and the top host ops (by self ms) of a profile."""
+    per_stream: dict[str, float] = collections.defaultdict(float)
+    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    first, last = float("inf"), 0.0
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        dur = ev.time_range.elapsed_us() / 1e3
+        per_stream[str(getattr(ev, "device_resource_id", "?"))] += dur
+        k = kernels[ev.name[:90]]
+        k[0] += 1
+        k[1] += dur
+        first, last = min(first, ev.time_range.start), max(last, ev.time_range.end)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:30]
+    return {"gpu_ms_per_stream": {k: round(v, 2) for k, v in per_stream.items()},
+            "gpu_span_ms": round((last - first) / 1e3, 2) if last else None,
+            "top_gpu": [{"name": n, "count": int(c), "ms": round(ms, 2)} for n, (c, ms) in top],
+            "top_host_self": [{"name": a.key[:90], "count": a.count, "self_ms": round(a.self_cpu_time_total / 1e3, 2),
+                               "total_ms": round(a.cpu_time_total / 1e3, 2)} for a in host]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-large")
+    ap.add_argument("--budget-gib", type=float, required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--telemetry", action="store_true")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results" / "budget_profile")
+    args = ap.parse_args()
+    if args.steps < 3:
+        ap.error("--steps must be >= 3 (learn, plan, then a planned step)")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    free, _ = torch.cuda.mem_get_info()
+    cap = session_cap(int(free * 0.5))
+    abort_at = int(SAFETY_FRACTION * cap)
+    case = build_case(args.model)
+    torch.manual_seed(0)
+    model = case.build_model()
+    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=int(args.budget_gib * GiB), telemetry=args.telemetry,
+                  evacuate_on_close=False)
+    summary: dict[str, Any] = {"model": args.model, "budget_gib": args.budget_gib, "cap_bytes": cap,
+                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "device": torch.cuda.get_device_name(0), "steps": []}
+    out = args.out_dir / "summary.json"
+    lab.open()
+    try:
+        def guard(record: Any) -> None:
+            live = int(lab.stats()["live_total"])
+            if live > abort_at:
+                raise ManagedLimitExceeded(f"live managed bytes {live} passed {abort_at}")
+
+        lab.add_listener(guard)
+        model = lab.place(model)
+        opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+        for step in range(args.steps):
+            batch = lab.inputs(*case.batch(step))
+            batch = batch if isinstance(batch, tuple) else (batch,)
+            profiled = step == args.steps - 1 and not args.telemetry
+            t0 = time.perf_counter()
+            if profiled:
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
+                    rec = lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt)
+                    torch.cuda.synchronize()
+            else:
+                rec = lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt)
+            host_s = time.perf_counter() - t0
+            budget = {k: v for k, v in rec.extra.get("budget", {}).items() if not isinstance(v, dict | list)}
+            summary["steps"].append({"step": step, "wall_ms": rec.wall_ms, "host_s": round(host_s, 3),
+                                     "gpu_page_faults": rec.gpu_page_faults, "htod_bytes": rec.htod_bytes,
+                                     "dtoh_bytes": rec.dtoh_bytes, "resident_bytes": rec.resident_bytes,
+                                     "budget": budget})
+            print(json.dumps(summary["steps"][-1]), flush=True)
+            out.write_text(json.dumps(summary, indent=1) + "\n")
+            if profiled:
+                summary["profile"] = kernel_summary(prof)
+                out.write_text(json.dumps(summary, indent=1) + "\n")
+                raw = args.out_dir / "trace.json"
+                prof.export_chrome_trace(str(raw))
+                with raw.open("rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                raw.unlink()
+        del opt, model, batch
+    finally:
+        left = lab.close()
+    summary["managed_bytes_left"] = left
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary.get("profile", {}), indent=1)[:6000])
+    return 0 if left == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
