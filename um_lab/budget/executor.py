@@ -192,7 +192,7 @@ class BudgetExecutor:
         self._touch_now = {}
         self._keys = {}
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
-                      "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0}
+                      "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0}
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.residency_unknown:  # a move failed: the ledger may be wrong, so start from nothing resident
             moves = self.ledger.evict_everything()
@@ -239,8 +239,10 @@ class BudgetExecutor:
                         self.stats["skipped_ahead"] += 1
                         continue
                     moves += got or []
-            moves += self.ledger.bring_in(actual, rank, target=index,
-                                          what=f"{position.phase} of {position.layer}") or []
+            unforeseen = self.ledger.bring_in(actual, rank, target=index,
+                                              what=f"{position.phase} of {position.layer}") or []
+            self.stats["unforeseen_bytes"] += sum(m.nbytes for m in unforeseen if m.to_gpu)
+            moves += unforeseen
         else:
             if self.following_plan:
                 self.following_plan = False

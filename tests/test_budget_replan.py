@@ -1,0 +1,66 @@
+"""When a budget session re-plans: a plan is kept while it works (planning a large model costs seconds of
+host time every step otherwise), and replaced when the order changed, the step left it, or it failed to
+foresee a real share of what the step brought in."""
+
+from fakes import FakeRuntime
+from test_budget_executor import World, drive
+from test_budget_ledger import layered_order
+
+from um_lab.budget.control import REPLAN_UNFORESEEN_FRACTION, plan_outdated
+from um_lab.budget.executor import BudgetExecutor
+from um_lab.budget.ledger import BLOCK
+from um_lab.budget.order import Access, Order
+from um_lab.budget.streams import RecordingStreams
+
+B = 64 * BLOCK
+FOLLOWED = {"followed_plan": True, "unforeseen_bytes": 0}
+
+
+def moved(order, shift):
+    """``order`` with every activation range ``shift`` bytes further on (new addresses, same structure)."""
+    acc = [Access(a.phase, a.layer, a.data_type, tuple((p + shift, n) for p, n in a.spans))
+           if a.data_type.value == "act" else a for a in order.accesses()]
+    return Order.from_accesses(acc, order.segments)
+
+
+def test_no_plan_or_another_order_of_positions_needs_a_plan():
+    order = layered_order(layers=3)
+    assert plan_outdated(None, order, FOLLOWED, B)
+    fewer = layered_order(layers=2)
+    assert plan_outdated(fewer, order, FOLLOWED, B)
+
+
+def test_the_same_ranges_keep_the_plan_whatever_the_step_reports():
+    order = layered_order(layers=3)
+    assert not plan_outdated(order, layered_order(layers=3), {"followed_plan": False}, B)
+
+
+def test_moved_ranges_keep_a_followed_plan_until_the_unforeseen_bytes_pass_the_threshold():
+    order = layered_order(layers=3)
+    shifted = moved(order, BLOCK)
+    limit = int(REPLAN_UNFORESEEN_FRACTION * B)
+    assert not plan_outdated(order, shifted, {"followed_plan": True, "unforeseen_bytes": limit}, B)
+    assert plan_outdated(order, shifted, {"followed_plan": True, "unforeseen_bytes": limit + 1}, B)
+    assert plan_outdated(order, shifted, {"followed_plan": False, "unforeseen_bytes": 0}, B)
+
+
+def test_the_executor_counts_what_a_followed_plan_did_not_foresee():
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    budget = sum(n for _, n in order.segments) // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation)
+    ex.refresh_segments()
+    drive(ex, order)
+    ex.set_order(order)
+    steady = [drive(ex, order) for _ in range(2)]
+    assert all(s["followed_plan"] and s["unforeseen_bytes"] == 0 for s in steady)
+    # the activations of every layer now live one segment over (in another layer's activation segment):
+    # the plan still runs, but what it did not foresee is brought in on demand and counted
+    acts = [s for s in order.segments if any(a.data_type.value == "act" and s in a.spans for a in order.accesses())]
+    swap = dict(zip(acts, acts[1:] + acts[:1], strict=True))
+    acc = [Access(a.phase, a.layer, a.data_type, tuple(swap.get(s, s) for s in a.spans)) for a in order.accesses()]
+    stats = drive(ex, Order.from_accesses(acc, order.segments))
+    assert stats["followed_plan"]
+    assert stats["unforeseen_bytes"] > 0
+    assert stats["unforeseen_bytes"] % BLOCK == 0
+    assert stats["max_resident_ledger"] <= budget
