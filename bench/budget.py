@@ -166,14 +166,19 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
     for row in rows:
         if row.get("budget_bytes") is None:
             continue
+        rates = row.get("move_timing") or {}
         try:
-            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", False))
+            sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", False),
+                               measured_GBps=(rates.get("to_gpu", {}).get("GBps"), rates.get("to_host", {}).get("GBps")))
         except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
             row["sim_error"] = f"{type(e).__name__}: {e}"
             continue
         row["sim_step_ms"] = sim["sim_step_ms"]
         row["sim"] = sim
-        say(f"  ratio {row['ratio']}: simulated {sim['sim_step_ms']:.1f} ms at B {row['budget_bytes'] / GiB:.2f} GiB")
+        at_rates = (f"; {sim['sim_step_ms_measured_rates']:.1f} ms at the measured move rates"
+                    if "sim_step_ms_measured_rates" in sim else "")
+        say(f"  ratio {row['ratio']}: simulated {sim['sim_step_ms']:.1f} ms at B {row['budget_bytes'] / GiB:.2f} GiB"
+            + at_rates)
 
 
 def move_rates(budgets: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -274,11 +279,15 @@ FIRST_EVICT_GBPS = 3.65  #: GPU->host prefetch of pages never host-resident befo
 QUICK_IMPLIED_EVICT_GBPS = 6.8
 
 
-def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = False) -> dict[str, Any]:
+def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = False,
+                 measured_GBps: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
     """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
     simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
     later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
-    ``sim_step_ms_quick_implied_rate`` at the rate fitted on the two session-8 quick rows (6.8 GB/s)."""
+    ``sim_step_ms_quick_implied_rate`` at the rate fitted on the two session-8 quick rows (6.8 GB/s).
+    ``measured_GBps`` (host->GPU, GPU->host: the side stream's rates a ``--time-moves`` run measured) adds
+    ``sim_step_ms_measured_rates``, the plan replayed at those rates: a check of the model's structure (what
+    waits for what), not a prediction, since the rates come from the run it is compared with."""
     from um_lab.sim.backend import SimBackend
     from um_lab.sim.budget import replay_plan, simulate_budget
     from um_lab.types import RunSpec
@@ -294,13 +303,19 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     slow = replay_plan(result.derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS)
     quick_rate = replay_plan(result.derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS)
     sim_bound = max(fit, crossing / LINK_BYTES_PER_S * 1e3)
+    at_measured = {}
+    if all(measured_GBps):
+        replayed = replay_plan(result.derived, plan, sim.profile, prefetch_GBps=measured_GBps[0],
+                               evict_GBps=measured_GBps[1])
+        at_measured = {"sim_step_ms_measured_rates": replayed.wall_us / 1e3,
+                       "sim_measured_rates_GBps": list(measured_GBps)}
     return {"model": name, "ratio": ratio, "sim_footprint_bytes": prepared.footprint_bytes, "sim_budget_bytes": budget,
             "sim_step_ms": step.wall_us / 1e3, "sim_step_ms_first_evictions": slow.wall_us / 1e3,
             "sim_step_ms_quick_implied_rate": quick_rate.wall_us / 1e3,
             "sim_fit_step_ms": fit, "sim_crossing_bytes": crossing, "sim_bound_ms": sim_bound,
             "sim_over_bound": step.wall_us / 1e3 / sim_bound, "sim_compute_ms": step.compute_us / 1e3,
             "sim_side_busy_ms": step.side_busy_us / 1e3, "sim_positions": len(plan.keys),
-            "sim_prefetch_calls": step.calls, "sim_plan_steady": plan.steady}
+            "sim_prefetch_calls": step.calls, "sim_plan_steady": plan.steady, **at_measured}
 
 
 _SIM: dict[str, Any] = {}

@@ -20,6 +20,7 @@ import gzip
 import json
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,56 @@ import torch  # noqa: E402
 
 from bench.budget import SAFETY_FRACTION, ManagedLimitExceeded, build_case, session_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
+from um_lab.models import get_model  # noqa: E402
 
 GiB = 1 << 30
+
+
+class StackSampler:
+    """Samples every other thread's Python stack every ``period_s`` (``sys._current_frames``): where each
+    thread's wall time goes, waits included (a thread blocked in C shows its innermost Python frame)."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.period_s = period_s
+        self.leaf: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.ours: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.samples: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.period_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                self.samples[name] += 1
+                code = frame.f_code
+                self.leaf[name][f"{Path(code.co_filename).name}:{code.co_name}:{frame.f_lineno}"] += 1
+                f: Any = frame
+                while f is not None and "um_lab" not in f.f_code.co_filename:
+                    f = f.f_back
+                if f is not None:
+                    self.ours[name][f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}:{f.f_lineno}"] += 1
+
+    def summary(self, top: int = 20) -> dict[str, Any]:
+        """Per thread: samples, the commonest innermost frames and innermost um_lab frames (share of samples)."""
+        out = {}
+        for name, n in self.samples.items():
+            out[name] = {"samples": n, "period_ms": self.period_s * 1e3,
+                         "leaf": [(k, round(c / n, 3)) for k, c in self.leaf[name].most_common(top)],
+                         "um_lab": [(k, round(c / n, 3)) for k, c in self.ours[name].most_common(top)]}
+        return out
 
 
 def kernel_summary(prof: Any) -> dict[str, Any]:
@@ -64,6 +113,9 @@ def main() -> int:
     ap.add_argument("--budget-gib", type=float, required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--telemetry", action="store_true")
+    ap.add_argument("--sample", action="store_true",
+                    help="sample every thread's Python stack in the last step instead of the PyTorch profiler")
+    ap.add_argument("--batch-size", type=int, help="the model's batch size (default: bench/budget.py's)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results" / "budget_profile")
     args = ap.parse_args()
     if args.steps < 3:
@@ -72,7 +124,7 @@ def main() -> int:
     free, _ = torch.cuda.mem_get_info()
     cap = session_cap(int(free * 0.5))
     abort_at = int(SAFETY_FRACTION * cap)
-    case = build_case(args.model)
+    case = build_case(args.model) if args.batch_size is None else get_model(args.model, batch_size=args.batch_size)
     torch.manual_seed(0)
     model = case.build_model()
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=int(args.budget_gib * GiB), telemetry=args.telemetry,
@@ -94,9 +146,15 @@ def main() -> int:
         for step in range(args.steps):
             batch = lab.inputs(*case.batch(step))
             batch = batch if isinstance(batch, tuple) else (batch,)
-            profiled = step == args.steps - 1 and not args.telemetry
+            last = step == args.steps - 1
+            profiled = last and not args.telemetry and not args.sample
             t0 = time.perf_counter()
-            if profiled:
+            if last and args.sample:
+                with StackSampler() as sampler:
+                    rec = lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt)
+                    torch.cuda.synchronize()
+                summary["stacks"] = sampler.summary()
+            elif profiled:
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 with torch.profiler.profile(activities=acts) as prof:
                     rec = lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt)
@@ -124,7 +182,7 @@ def main() -> int:
         left = lab.close()
     summary["managed_bytes_left"] = left
     out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary.get("profile", {}), indent=1)[:6000])
+    print(json.dumps(summary.get("profile", summary.get("stacks", {})), indent=1)[:8000])
     return 0 if left == 0 else 1
 
 

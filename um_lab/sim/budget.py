@@ -241,11 +241,12 @@ def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, di
 
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
-                evict_GBps: float | None = None) -> BudgetStep:
+                evict_GBps: float | None = None, prefetch_GBps: float | None = None) -> BudgetStep:
     """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
-    GPU->host rate, default the profile's ``prefetch_d2h_GBps``)."""
+    GPU->host rate, default the profile's ``prefetch_d2h_GBps``; ``prefetch_GBps``: the host->GPU rate,
+    default ``prefetch_h2d_GBps``)."""
     p = profile
-    h2d = p.prefetch_h2d_GBps * 1e3  # bytes per microsecond
+    h2d = (prefetch_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
     d2h = (evict_GBps or p.prefetch_d2h_GBps) * 1e3
     sync = p.prefetch_host_sync >= 0.5
     cpu = mover = side = gpu = 0.0
