@@ -167,9 +167,10 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
         if row.get("budget_bytes") is None:
             continue
         rates = row.get("move_timing") or {}
+        measured_GBps = (rates.get("to_gpu", {}).get("GBps"), rates.get("to_host", {}).get("GBps"))
         try:
             sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", False),
-                               measured_GBps=(rates.get("to_gpu", {}).get("GBps"), rates.get("to_host", {}).get("GBps")))
+                               measured_GBps=measured_GBps)
         except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
             row["sim_error"] = f"{type(e).__name__}: {e}"
             continue

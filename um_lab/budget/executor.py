@@ -313,7 +313,7 @@ class BudgetExecutor:
         scheduler = self._scheduler
         if scheduler is None:
             return self._lru_rank
-        return lambda b: scheduler.next_use(b, now)
+        return scheduler.rank(now)
 
     def _lru_rank(self, block: int) -> float:
         return float(self._tick - self._last_use.get(block, -1))

@@ -22,6 +22,8 @@ import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
+
 from um_lab.errors import BudgetError, BudgetTooSmall
 
 BLOCK = 2 << 20  #: the UM driver's VA block: the ledger's unit
@@ -85,6 +87,7 @@ class Ledger:
         self._blocks: dict[int, _Block] = {}
         self._segments: dict[int, int] = {}  # segment start -> size
         self._gpu: set[int] = set()
+        self._dead: set[int] = set()  # blocks whose contents are dead (mirrors _Block.dead)
         self.resident_bytes = 0
         self.max_resident = 0
         self.prefetched_bytes = 0
@@ -139,6 +142,7 @@ class Ledger:
             if not block.pieces:
                 del self._blocks[b]
                 self._gpu.discard(b)
+                self._dead.discard(b)
 
     def known_blocks(self, blocks: Iterable[int]) -> list[int]:
         """The blocks of ``blocks`` that still hold managed bytes (a freed segment's blocks are gone)."""
@@ -183,6 +187,10 @@ class Ledger:
     def is_dead(self, block: int) -> bool:
         """True while ``block``'s contents are discarded (not resident; bringing it in copies nothing)."""
         return self._blocks[block].dead
+
+    def dead_blocks(self) -> frozenset[int]:
+        """Every block whose contents are dead now."""
+        return frozenset(self._dead)
 
     def bytes_of(self, blocks: Iterable[int]) -> int:
         """Managed bytes in ``blocks``."""
@@ -278,6 +286,7 @@ class Ledger:
         for b in chosen:
             block = self._blocks[b]
             block.dead = True
+            self._dead.add(b)
             if block.where == GPU:
                 block.where = HOST
                 self._gpu.discard(b)
@@ -291,11 +300,13 @@ class Ledger:
         victim is discarded instead of copied, and bringing a non-resident one in populates it."""
         for b in blocks:
             self._blocks[b].dead = True
+            self._dead.add(b)
 
     def mark_live(self, blocks: Iterable[int]) -> None:
         """``blocks`` are in use again (written before being read): no longer dead."""
         for b in blocks:
             self._blocks[b].dead = False
+            self._dead.discard(b)
 
     def evict_everything(self, target: int = -1) -> list[Move]:
         """Push every block to the host, whatever the ledger believes about it (after moves that may
@@ -333,7 +344,17 @@ class Ledger:
         return victims
 
     def _by_rank(self, keep: set[int], rank: Callable[[int], float]) -> Iterator[int]:
-        """Resident blocks outside ``keep``, highest rank first (ties: lowest block), lazily."""
+        """Resident blocks outside ``keep``, highest rank first (ties: lowest block), lazily. A ``rank`` with a
+        ``many`` method (an array of blocks -> their ranks) is evaluated for all of them at once."""
+        many = getattr(rank, "many", None)
+        if many is not None:
+            candidates = np.fromiter(self._gpu, dtype=np.int64, count=len(self._gpu))
+            if keep:
+                candidates = candidates[~np.isin(candidates, np.fromiter(keep, dtype=np.int64, count=len(keep)))]
+            ranks = np.asarray(many(candidates), dtype=np.float64)
+            for k in np.lexsort((candidates, -ranks)):
+                yield int(candidates[k])
+            return
         heap = [(-rank(b), b) for b in self._gpu if b not in keep]
         heapq.heapify(heap)
         while heap:
@@ -346,6 +367,7 @@ class Ledger:
             block.where = GPU
             if block.dead:
                 block.dead = False
+                self._dead.discard(b)
                 populated += block.nbytes
             nbytes += block.nbytes
             if not block.ever_on_gpu:
