@@ -11,7 +11,8 @@ around each step, and reports the median over the timed steps.
 With ``--alternate BLOCKS`` each process instead runs native and um_lab blocks in turn on one model and
 optimizer (a session opened, the model placed, the block run, the session closed, which moves the model
 back), so each adjacent pair is compared inside one process: the MLP's spread between processes (9-11 ms)
-is ten times the 1% the bar allows.
+is ten times the 1% the bar allows. ``--modes native um_lab+VARIANT`` alternates native with a variant
+(e.g. ``um_lab+populate``, which adds a piece instead of leaving one out).
 
 Prints a table and writes bench/results/allocator_overhead.json. Bar: um_lab / native <= 1.01.
 The um_lab safety cap is on; the naive mode has no cap, so the models stay far below the card.
@@ -91,6 +92,10 @@ VARIANTS: dict[str, tuple[str, str]] = {
                           "own allocator: their routes are no-ops from before place(); activations and input "
                           "still managed", "-0.4 / -0.8 ms if the persistent tensors' managed placement is the cost "
                           "(session 6: the MLP's gap is GPU time and survives no_routing)"),
+    "populate": ("(added, not left out) each new managed segment prefetched whole to the GPU after the step that "
+                 "allocated it (Session(populate_segments=True))",
+                 "MLP -0.1 ms: session 10's phase spans put um_lab 0.056 ms above native and, with every segment "
+                 "prefetched whole, 0.043 ms below it"),
     "no_staging": ("the batch copied pageable -> input pool directly (synchronous), not through the pinned buffer",
                    "+0.6 / +5 ms: session 7 measured staging variants on the MLP (3 repeats): pinned buffer "
                    "9.75/9.40/9.95 ms vs direct 10.43/9.76/10.51 ms; a device buffer then a copy, 10.70/10.26/10.99"),
@@ -200,6 +205,8 @@ def apply_variants(lab: object, variants: list[str]) -> None:
                 contextlib.nullcontext() if data_type in persistent else route(data_type))
         elif v == "no_staging":
             lab.stage_inputs = False  # type: ignore[attr-defined]
+        elif v == "populate":
+            lab.populate_segments = True  # type: ignore[attr-defined]
         elif v != "caller":
             raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
 
@@ -323,12 +330,15 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
             "median_host_tail_ms": statistics.median(tails[warmup:]) * 1e3 if tails else None, **extra}
 
 
-def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: bool = False) -> dict:
+def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: bool = False,
+                       um_lab_mode: str = "um_lab") -> dict:
     """Native and um_lab (um-default) blocks of ``warmup + steps`` steps alternating in this one process on
     one model and optimizer (order native, um_lab, then um_lab, native, ...): each um_lab block opens a
     session, places and attaches them, and closes it, which moves them back to ordinary CUDA memory. Pairs
     of adjacent blocks share the process, its GPU clocks and its host, so their ratio is free of the
-    process-to-process spread. Returns each block's median wall and GPU ms, and each pair's ratios."""
+    process-to-process spread. ``um_lab_mode`` ``um_lab+VARIANT[+...]`` applies variants (not those that
+    act before placing) to each um_lab block. Returns each block's median wall and GPU ms, and each pair's
+    ratios."""
     from um_lab.cuda.session import Session
 
     case, model, batch_cpu = build_bench_case(model_name)
@@ -345,13 +355,14 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
                     with Session("um-default") as lab:  # evacuate_on_close: the model leaves managed memory
                         lab.place(model)
                         lab.attach(model, opt)
+                        apply_variants(lab, um_lab_mode.split("+")[1:])
                         times, gpu_times, _, _ = _um_lab_block(lab, case, model, opt, batch_cpu, steps, warmup,
                                                                fixed_batch)
             per_mode[mode].append({"median_ms": statistics.median(times) * 1e3,
                                    "median_gpu_ms": statistics.median(gpu_times)})
     pairs = [{"wall": u["median_ms"] / n["median_ms"], "gpu": u["median_gpu_ms"] / n["median_gpu_ms"]}
              for n, u in zip(per_mode["native"], per_mode["um_lab"], strict=True)]
-    return {"model": model_name, "blocks": per_mode, "pair_ratios": pairs}
+    return {"model": model_name, "um_lab_mode": um_lab_mode, "blocks": per_mode, "pair_ratios": pairs}
 
 
 def _gpu_local_cpus(count: int = 2) -> set[int]:
@@ -417,6 +428,7 @@ def main() -> None:
                              "between processes")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     parser.add_argument("--worker-alternate", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-alternate-mode", default="um_lab", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -424,6 +436,13 @@ def main() -> None:
         parser.error("--alternate must be >= 0 (0: one process per mode)")
     if args.alternate and args.out == DEFAULT_OUT:  # a table of another kind: never over the per-process one
         args.out = DEFAULT_OUT.with_name("allocator_alternating.json")
+    if args.alternate:
+        modes = ["native", "um_lab"] if tuple(args.modes) == MODES else list(args.modes)
+        if len(modes) != 2 or modes[0] != "native" or modes[1].split("+")[0] != "um_lab":
+            parser.error("--alternate compares two modes: --modes native um_lab[+VARIANT...]")
+        if BEFORE_PLACE & set(modes[1].split("+")[1:]):
+            parser.error(f"--alternate moves one placed model between blocks: {', '.join(BEFORE_PLACE)} cannot apply")
+        args.modes = modes
     unknown = sorted({v for m in args.modes for v in m.split("+")[1:]} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
@@ -436,7 +455,7 @@ def main() -> None:
         if args.cpus:
             os.sched_setaffinity(0, args.cpus)
         print(json.dumps(alternating_worker(args.worker_alternate, args.alternate, args.steps, args.warmup,
-                                            args.fixed_batch)), flush=True)
+                                            args.fixed_batch, args.worker_alternate_mode)), flush=True)
         return
     info = versions()
     if args.alternate:
@@ -492,7 +511,8 @@ def alternating_row(model_name: str, runs: list[dict]) -> dict:
     um_lab = [b["median_ms"] for r in runs for b in r["blocks"]["um_lab"]]
     wall = [p["wall"] for r in runs for p in r["pair_ratios"]]
     gpu = [p["gpu"] for r in runs for p in r["pair_ratios"]]
-    return {"model": model_name, "native_ms": round(statistics.median(native), 3),
+    return {"model": model_name, "um_lab_mode": runs[0].get("um_lab_mode", "um_lab"),
+            "native_ms": round(statistics.median(native), 3),
             "um_lab_ms": round(statistics.median(um_lab), 3),
             "um_lab_over_native": round(statistics.median(wall), 4),
             "um_lab_gpu_over_native": round(statistics.median(gpu), 4),
@@ -507,7 +527,7 @@ def _run_alternating(args: argparse.Namespace, info: dict) -> None:
         runs = []
         for _ in range(args.repeats):
             cmd = [sys.executable, __file__, "--worker-alternate", model_name, "--alternate", str(args.alternate),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--worker-alternate-mode", args.modes[1]]
             cmd += ["--fixed-batch"] if args.fixed_batch else []
             cmd += ["--cpus", ",".join(map(str, sorted(args.cpus)))] if args.cpus else []
             out = subprocess.run(cmd, capture_output=True, text=True)
@@ -518,8 +538,8 @@ def _run_alternating(args: argparse.Namespace, info: dict) -> None:
             print(f"  {model_name:12s} process {len(runs)}: um_lab / native per pair {ratios}", flush=True)
         rows.append(alternating_row(model_name, runs))
         report = _write_report(args, info, rows)
-        report["method"] = (f"native and um_lab blocks alternating in each process ({args.alternate} pairs, order "
-                            "native-um_lab then um_lab-native), one model and optimizer moved between them")
+        report["method"] = (f"native and {args.modes[1]} blocks alternating in each process ({args.alternate} pairs, "
+                            "order native-um_lab then um_lab-native), one model and optimizer moved between them")
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     for r in rows:
         print(f"{r['model']:12s} native {r['native_ms']:9.2f} ms  um_lab {r['um_lab_ms']:9.2f} ms  um_lab/native "

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
-# Usage on the GPU machine (repo root): bash bench/gpu_batch.sh [tests|bench|all|alternate|moves] ; results
-# under $OUT. alternate: issue 12's allocator table with native and um_lab in turn inside each process;
-# moves: issue 13's GPT-2-large budget rows with every move timed on the side stream and the host.
+# Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
+# tests | bench | all | alternate | populate | moves | sample. alternate: issue 12's allocator table with native and um_lab in turn inside each process;
+# populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
+# moves: issue 13's GPT-2-large budget rows with every move timed on the side stream and the host;
+# sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
@@ -30,6 +32,18 @@ if [[ $what == alternate ]]; then  # ~9 min in all (estimate): split it over two
     timeout 200 python3 bench/allocator_overhead.py --models gpt2-medium --alternate 4 --repeats 2 --steps 6 \
       --warmup 2 --cpus auto $fixed --out "$OUT/alternating_gpt2${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/alternate.log"
   done
+fi
+if [[ $what == populate ]]; then  # ~6 min: MLP blocks of 60 steps (its pairs are noisy), then the others
+  for fixed in "" "--fixed-batch"; do
+    timeout 90 python3 bench/allocator_overhead.py --models mlp --alternate 6 --repeats 2 --steps 60 --warmup 5 \
+      --cpus auto --modes native um_lab+populate $fixed --out "$OUT/populate_mlp${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/populate.log"
+  done
+  timeout 150 python3 bench/allocator_overhead.py --models resnet50 gpt2-medium --alternate 4 --repeats 1 --steps 6 \
+    --warmup 2 --cpus auto --modes native um_lab+populate --fixed-batch --out "$OUT/populate_others_fixed.json" 2>&1 | tee -a "$OUT/populate.log"
+fi
+if [[ $what == sample ]]; then  # ~2 min: B = half of GPT-2-medium bs 2's simulated footprint (13.85 GiB)
+  timeout 150 python3 bench/budget_profile.py --model gpt2-medium --batch-size 2 --budget-gib 6.9 --steps 4 --sample \
+    --out-dir "$OUT/sample" 2>&1 | tail -c 8000 | tee "$OUT/sample.log"
 fi
 if [[ $what == moves ]]; then
   timeout 540 python3 bench/budget.py --models gpt2-large --ratios 1.5 2 --time-moves --no-sim \

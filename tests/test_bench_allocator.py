@@ -30,3 +30,23 @@ def test_the_alternating_row_pairs_blocks_inside_each_process() -> None:
     assert row["per_process_over_native"] == [1.01, 1.01]
     assert row["native_ms"] == pytest.approx(10.0) and row["um_lab_ms"] == pytest.approx(10.045)
     assert 1.0 < row["um_lab_gpu_over_native"] < 1.02
+
+
+@pytest.mark.parametrize("modes", [["um_lab", "native"], ["native", "naive"], ["native", "um_lab", "um_lab+populate"],
+                                   ["native", "um_lab+native_persistent"]])
+def test_alternating_takes_native_and_one_um_lab_mode_that_can_act_after_placing(modes, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["allocator_overhead.py", "--alternate", "2", "--modes", *modes])
+    with pytest.raises(SystemExit) as info:
+        allocator_overhead.main()
+    assert info.value.code == 2 and "--alternate" in capsys.readouterr().err
+
+
+def test_the_populate_variant_turns_on_the_sessions_option() -> None:
+    class Lab:
+        populate_segments = False
+        _pools = None
+
+    lab = Lab()
+    allocator_overhead.apply_variants(lab, ["populate"])
+    assert lab.populate_segments is True
+    assert "populate" in allocator_overhead.VARIANTS

@@ -291,3 +291,36 @@ def test_without_cuda_the_error_points_to_the_simulator():
     with pytest.raises(um_lab.CudaUnavailableError, match="simulator"):
         Session().open()
     assert Session._open_session is None
+
+
+def test_populate_segments_prefetches_each_new_segment_whole_once_and_only_where_the_policy_allows(env):
+    source, driver, api, runtime = env
+    with make_session(env, "offload-optimizer", populate_segments=True) as lab:
+        model, opt = tiny()
+        lab.attach(lab.place(model), opt)
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+        step = lambda: lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)  # noqa: E731
+        act = source.allocate(DataType.ACT, 3 * MiB)  # what a step's kernels would get
+        optim = source.allocate(DataType.OPTIM, 2 * MiB)  # offload-optimizer prefers the host for it
+        runtime.prefetched.clear()
+        first = step()
+        populated = {(p, n) for p, n, loc, _, _ in runtime.prefetched if loc == CODES.location_device}
+        assert (act, 3 * MiB) in populated and all(p != optim for p, _ in populated)
+        assert first.extra["populated_bytes"] == sum(n for _, n in populated)
+        runtime.prefetched.clear()
+        second = step()  # no new segment: nothing more
+        assert runtime.prefetched == [] and "populated_bytes" not in second.extra
+        source.free(act)
+        again = source.allocate(DataType.ACT, 4 * MiB)  # a new one is populated after the next step
+        step()
+        assert [(p, n) for p, n, *_ in runtime.prefetched] == [(again, 4 * MiB)]
+        source.free(again)
+        source.free(optim)
+
+
+def test_populate_segments_refuses_a_budget_or_oversubscription_before_anything_is_allocated(env):
+    source, driver, api, runtime = env
+    for kw in ({"gpu_budget_bytes": 64 * MiB}, {"allow_oversubscription": True}):
+        with pytest.raises(um_lab.InputError, match="populate_segments"):
+            make_session(env, populate_segments=True, **kw)
+    assert driver.mallocs == []

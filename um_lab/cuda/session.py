@@ -33,9 +33,10 @@ from torch import nn
 
 from um_lab.budget import ISSUE_MODES
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
+from um_lab.cuda.populate import SegmentPopulator
 from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
-from um_lab.errors import BudgetError, SessionStateError, gib
+from um_lab.errors import BudgetError, InputError, SessionStateError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.policy import PREFETCH_BEFORE, Policy, get_policy
 from um_lab.types import DataType, StepRecord
@@ -70,6 +71,12 @@ class Session(Listenable):
     optimizer step, and the plan discards dead gradient blocks instead of copying them to the host; between
     steps their contents are undefined. A step with ``zero_grad=False`` turns discards off for the session.
     Without a budget nothing changes: no hooks are installed.
+
+    ``populate_segments=True`` (off by default until measured on every benchmark model) prefetches each new
+    managed segment whole to the GPU once, after the step that allocated it (:mod:`um_lab.cuda.populate`:
+    pools whose advice lets data live on the GPU only; the record's ``extra["populated_bytes"]``), so the
+    driver populates whole 2 MiB blocks instead of the pages kernels touch first. It cannot be combined with
+    a GPU budget (the scheduler places data itself) or with oversubscription (populating would evict).
     """
 
     _open_lock = threading.Lock()
@@ -90,6 +97,7 @@ class Session(Listenable):
         budget_lookahead: int = 2,
         budget_issue: str = "thread",
         budget_discard: bool = False,
+        populate_segments: bool = False,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
@@ -100,6 +108,11 @@ class Session(Listenable):
         self.budget_lookahead = budget_lookahead
         self.budget_issue = budget_issue
         self.budget_discard = bool(budget_discard)
+        self.populate_segments = bool(populate_segments)
+        if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
+            raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
+                             "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
+        self._populator: SegmentPopulator | None = None
         self._budget: BudgetControl | None = None
         if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
             raise ValueError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}")
@@ -250,6 +263,7 @@ class Session(Listenable):
                 self.telemetry.close()
         finally:
             self._pools = None
+            self._populator = None
             self._staging = None  # its pinned buffer goes back to torch's host cache
             with Session._open_lock:
                 if Session._open_session is self:
@@ -441,6 +455,12 @@ class Session(Listenable):
         )
         if budget_extra is not None:
             record.extra["budget"] = budget_extra
+        if self.populate_segments:  # after the end event: the next step runs on the populated segments
+            if self._populator is None:
+                self._populator = SegmentPopulator(pools)
+            populated = self._populator.populate(self.policy)
+            if populated:
+                record.extra["populated_bytes"] = populated
         if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
             self.telemetry.fill(record, pools.source.segments())
         self.steps_done += 1
