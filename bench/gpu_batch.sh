@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
-# tests | bench | all | alternate | populate | moves | sample. alternate: issue 12's allocator table with native and um_lab in turn inside each process;
+# tests | bench | all | alternate | populate | moves | sample.
+# alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows with every move timed on the side stream and the host;
 # sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes).
