@@ -5,6 +5,7 @@
     python bench/budget.py --quick               # ~60 s smoke run: a small MLP and a small CNN at ratio 2
     python bench/budget.py --models gpt2-large --ratios 1.5 --time-moves   # where the side stream's time goes
     python bench/budget.py --models gpt2-large --ratios 2 --issue thread inline   # who issues the prefetches
+    python bench/budget.py --models gpt2-large --ratios 2 --batch-calls off on --time-moves   # one call per range?
 
 For each model: one run with no budget (``fit_step_ms``; ``footprint_bytes`` = the peak of live managed
 bytes), then one run per ratio with B = footprint / ratio. A row per ratio (schema of issue 13):
@@ -120,7 +121,7 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
-                time_moves: bool = False) -> dict[str, Any]:
+                time_moves: bool = False, batch_calls: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -131,7 +132,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     records = []
     peak = 0
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, telemetry=telemetry,
-                  evacuate_on_close=False, budget_issue=issue, budget_discard=discard, **SESSION_KWARGS)
+                  evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
+                  budget_batch_calls=batch_calls, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
@@ -213,7 +215,8 @@ def cupti_max(records: list[Any]) -> int | None:
 
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
-                discards: tuple[bool, ...] = (True,), time_moves: bool = False) -> list[dict[str, Any]]:
+                discards: tuple[bool, ...] = (True,), time_moves: bool = False,
+                batches: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -221,15 +224,16 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard in ((r, i, d) for r in ratios for i in issues for d in discards):
+    for ratio, issue, discard, batch in ((r, i, d, b) for r in ratios for i in issues for d in discards
+                                         for b in batches):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
-                               "issue": issue, "discard": discard, "fit_step_ms": fit_ms, "fsdp2_step_ms": None,
-                               "fsdp2_peak_bytes": None, "sim_step_ms": None}
+                               "issue": issue, "discard": discard, "batch_calls": batch, "fit_step_ms": fit_ms,
+                               "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
-                              time_moves=time_moves)
+                              time_moves=time_moves, batch_calls=batch)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -267,7 +271,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 f"host {v['host_ms']:.0f} ms)"
                 for k, v in row["move_timing"].items()))
         rows.append(row)
-        say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}): B {budget / GiB:.2f} GiB, "
+        say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}): "
+            f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
             f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}")
@@ -354,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
     ap.add_argument("--discard", nargs="+", choices=["on", "off"], default=["off"],
                     help="discard dead gradients, not copy them (Session(budget_discard=...)); both: a row each")
+    ap.add_argument("--batch-calls", nargs="+", choices=["on", "off"], default=["off"],
+                    help="consecutive prefetches to one location as one cudaMemPrefetchBatchAsync "
+                         "(Session(budget_batch_calls=...)); both: a row each")
     ap.add_argument("--time-moves", action="store_true",
                     help="time every move on the side stream (two events a call): rows get move_timing, the bytes, "
                          "ms, calls and rate per direction per step")
@@ -393,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         try:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
-                                     tuple(d == "on" for d in args.discard), args.time_moves)
+                                     tuple(d == "on" for d in args.discard), args.time_moves,
+                                     tuple(b == "on" for b in args.batch_calls))
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows

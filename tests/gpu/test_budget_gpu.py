@@ -74,6 +74,24 @@ def test_budget_run_stays_under_b_and_trains_like_a_run_without_one(discard):
     assert [round(r.loss, 4) for r in records] == [round(r.loss, 4) for r in plain]
 
 
+def test_batched_prefetch_calls_keep_the_ledger_under_b_and_train_like_a_run_without_a_budget():
+    """budget_batch_calls=True (cudaMemPrefetchBatchAsync for runs of one location): same bounds, same training."""
+    from um_lab.cuda.driver import can_prefetch_batch
+
+    if not can_prefetch_batch():
+        pytest.skip("cudaMemPrefetchBatchAsync needs CUDA 13+")
+    plain, plain_params, footprint = _train(None)
+    budget = footprint // 2
+    records, params, _ = _train(budget, budget_batch_calls=True)
+    for r in records[2:]:
+        b = r.extra["budget"]
+        assert b["followed_plan"] and b["max_resident_ledger"] <= budget and not b["over_budget"], b
+        assert b["prefetched_bytes"] > 0 and b["evicted_bytes"] > 0
+    for a, p in zip(plain_params, params, strict=True):
+        torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
+    assert [round(r.loss, 4) for r in records] == [round(r.loss, 4) for r in plain]
+
+
 def test_an_interrupted_budget_step_leaves_the_session_usable_on_the_gpu():
     footprint = _train(None, steps=2)[2]
     records, _, _ = _train(footprint // 2, steps=6, interrupt_at=3)

@@ -54,8 +54,11 @@ class BudgetExecutor:
     def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
-                 mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False) -> None:
+                 mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
+                 batch_calls: bool = False) -> None:
         self.ledger = Ledger(budget_bytes)
+        #: consecutive prefetches to one location go in one cudaMemPrefetchBatchAsync (runtimes that have it)
+        self.batch_calls = batch_calls
         #: plan discards of dead gradient blocks (the caller re-zeroes gradients before they are read)
         self.discard_gradients = discard_gradients
         self._discards_suspended = False  # gradients were re-created since the plan: its discards may be stale
@@ -376,7 +379,7 @@ class BudgetExecutor:
         live = None if self.cover_unknown else self.span_live
         try:
             batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live,
-                                                clock=self.clock))
+                                                clock=self.clock, batched=self.batch_calls))
         except BaseException:  # an earlier batch failed: the ledger holds moves that did not happen
             self.residency_unknown = True
             raise

@@ -85,9 +85,11 @@ class MoveBatch:
     (its segment was freed since the batch was made) is skipped, never touched (``skipped`` counts them)."""
 
     def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool,
-                 live: Callable[[int, int], bool] | None = None, clock: MoveClock | None = None) -> None:
+                 live: Callable[[int, int], bool] | None = None, clock: MoveClock | None = None,
+                 batched: bool = False) -> None:
         self.compute_event = compute_event
         self.clock = clock
+        self.batched = batched  #: consecutive prefetches to one location in one batch call (runtime.prefetch_batch)
         self.calls = list(calls)
         self.record = record
         self.live = live
@@ -105,20 +107,26 @@ class MoveBatch:
             live = self.live
             clock = self.clock
             mark = clock.timed_event() if clock is not None else None
-            for ptr, n, loc_type, loc_id in self.calls:
-                if live is not None and not live(ptr, n):
-                    self.skipped += 1
+            batch_call = getattr(runtime, "prefetch_batch", None) if self.batched else None
+            for planned in _groups(self.calls, batch_call is not None):
+                group = [c for c in planned if live is None or live(c[0], c[1])]  # right before the call
+                self.skipped += len(planned) - len(group)
+                if not group:
                     continue
+                loc_type, loc_id = group[0][2], group[0][3]
                 began = time.perf_counter()
-                if loc_type == DISCARD:
-                    runtime.discard(ptr, n, side)  # type: ignore[attr-defined]  # runtimes that can_discard
+                if len(group) > 1:
+                    assert batch_call is not None
+                    batch_call([c[0] for c in group], [c[1] for c in group], loc_type, loc_id, side)
+                elif loc_type == DISCARD:
+                    runtime.discard(group[0][0], group[0][1], side)  # type: ignore[attr-defined]  # can_discard
                 elif loc_type == POPULATE:
-                    runtime.discard_and_prefetch(ptr, n, loc_id, side)  # type: ignore[attr-defined]
+                    runtime.discard_and_prefetch(group[0][0], group[0][1], loc_id, side)  # type: ignore[attr-defined]
                 else:
-                    runtime.prefetch(ptr, n, loc_type, loc_id, side)
+                    runtime.prefetch(group[0][0], group[0][1], loc_type, loc_id, side)
                 if clock is not None:
                     after = clock.timed_event()
-                    clock.add(clock.kind(loc_type), n, mark, after, time.perf_counter() - began)
+                    clock.add(clock.kind(loc_type), sum(c[1] for c in group), mark, after, time.perf_counter() - began)
                     mark = after
             if self.record:
                 self.side_event = streams.record_side()
@@ -138,6 +146,20 @@ class MoveBatch:
     def issued(self) -> bool:
         """True once every call was made (or one failed)."""
         return self._done.is_set()
+
+
+def _groups(calls: Sequence[Call], batch: bool) -> list[list[Call]]:
+    """``calls`` in order, as the driver calls to make: with ``batch``, runs of consecutive prefetches to one
+    location become one group (one batch call); discards and populates always go alone."""
+    groups: list[list[Call]] = []
+    for call in calls:
+        last = groups[-1] if groups else None
+        if (batch and last is not None and call[2] not in (DISCARD, POPULATE)
+                and last[0][2] == call[2] and last[0][3] == call[3]):
+            last.append(call)
+        else:
+            groups.append([call])
+    return groups
 
 
 class InlineMover:

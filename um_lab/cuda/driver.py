@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -242,6 +243,27 @@ def discard_and_prefetch_raw(ptr: int, nbytes: int, device: int, stream: int) ->
         raise RuntimeError(f"cudaMemDiscardAndPrefetchBatchAsync failed: cudaError {err}")
 
 
+def can_prefetch_batch() -> bool:
+    """True when the runtime has ``cudaMemPrefetchBatchAsync`` (CUDA 13+)."""
+    return runtime_version() >= 13000 and hasattr(runtime_library(), "cudaMemPrefetchBatchAsync")
+
+
+def prefetch_batch_raw(ptrs: Sequence[int], sizes: Sequence[int], location_type: int, location_id: int,
+                       stream: int) -> None:
+    """``cudaMemPrefetchBatchAsync`` of many ranges to one location on ``stream`` (not the legacy default
+    stream): one driver call instead of one per range; the ranges may move in any order within it."""
+    lib = runtime_library()
+    count = len(ptrs)
+    if count != len(sizes) or count == 0:
+        raise ValueError(f"prefetch_batch_raw needs as many sizes as addresses (>= 1), got {count} and {len(sizes)}")
+    c_ptrs, c_sizes = (ctypes.c_void_p * count)(*ptrs), (ctypes.c_size_t * count)(*sizes)
+    locs, idxs = (_MemLocation * 1)(_MemLocation(location_type, location_id)), (ctypes.c_size_t * 1)(0)
+    err = lib.cudaMemPrefetchBatchAsync(c_ptrs, c_sizes, ctypes.c_size_t(count), locs, idxs, ctypes.c_size_t(1),
+                                        ctypes.c_ulonglong(0), ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"cudaMemPrefetchBatchAsync of {count} ranges failed: cudaError {err}")
+
+
 def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
     """``cudaMemAdvise`` by name, e.g. ``advise(p, n, "SetPreferredLocation", "cpu", 0)``."""
     advise_raw(ptr, nbytes, advice_code(advice), location_code(processor), device if processor == GPU else 0)
@@ -310,6 +332,16 @@ class CudaRuntime:
     def can_discard(self) -> bool:
         """True when :meth:`discard` is available."""
         return can_discard()
+
+    def prefetch_batch(self, ptrs: Sequence[int], sizes: Sequence[int], location_type: int, location_id: int,
+                       stream: int) -> None:
+        """Raw ``cudaMemPrefetchBatchAsync`` of many ranges to one location (CUDA 13+; see
+        :func:`can_prefetch_batch`)."""
+        prefetch_batch_raw(ptrs, sizes, location_type, location_id, stream)
+
+    def can_prefetch_batch(self) -> bool:
+        """True when :meth:`prefetch_batch` is available."""
+        return can_prefetch_batch()
 
     def current_stream(self) -> int:
         """torch's current stream as a raw handle."""

@@ -70,6 +70,8 @@ class Session(Listenable):
     session 9): gradients are zeroed at their first accumulation in the next backward instead of after the
     optimizer step, and the plan discards dead gradient blocks instead of copying them to the host; between
     steps their contents are undefined. A step with ``zero_grad=False`` turns discards off for the session.
+    ``budget_batch_calls=True`` (CUDA 13+; off until measured) issues each run of consecutive prefetches to
+    one location as one ``cudaMemPrefetchBatchAsync`` instead of a call per range.
     Without a budget nothing changes: no hooks are installed.
 
     ``populate_segments=True`` (off by default until measured on every benchmark model) prefetches each new
@@ -97,6 +99,7 @@ class Session(Listenable):
         budget_lookahead: int = 2,
         budget_issue: str = "thread",
         budget_discard: bool = False,
+        budget_batch_calls: bool = False,
         populate_segments: bool = False,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
@@ -108,6 +111,7 @@ class Session(Listenable):
         self.budget_lookahead = budget_lookahead
         self.budget_issue = budget_issue
         self.budget_discard = bool(budget_discard)
+        self.budget_batch_calls = bool(budget_batch_calls)
         self.populate_segments = bool(populate_segments)
         if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
             raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
@@ -482,10 +486,13 @@ class Session(Listenable):
 
         can_discard = getattr(runtime, "can_discard", None)
         discard = self.budget_discard and callable(can_discard) and bool(can_discard())
+        can_batch = getattr(runtime, "can_prefetch_batch", None)
+        batch_calls = self.budget_batch_calls and callable(can_batch) and bool(can_batch())
         return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
                              cover_unknown=not self._real, generation=source.generation if self._real else None,
                              keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
-                             thread_init=select_device if self._real else None, discard_gradients=discard)
+                             thread_init=select_device if self._real else None, discard_gradients=discard,
+                             batch_calls=batch_calls)
 
     @property
     def budget(self) -> BudgetControl | None:
