@@ -4,7 +4,7 @@
 # tests | bench | all | alternate | populate | moves | sample.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
-# moves: issue 13's GPT-2-large budget rows with every move timed on the side stream and the host;
+# moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
 # sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes).
 set -uo pipefail
 what=${1:-all}
@@ -47,7 +47,7 @@ if [[ $what == sample ]]; then  # ~2 min: B = half of GPT-2-medium bs 2's simula
     --out-dir "$OUT/sample" 2>&1 | tail -c 8000 | tee "$OUT/sample.log"
 fi
 if [[ $what == moves ]]; then
-  timeout 540 python3 bench/budget.py --models gpt2-large --ratios 1.5 2 --time-moves --no-sim \
+  timeout 540 python3 bench/budget.py --models gpt2-large --ratios 2 1.5 --steps 5 --batch-calls off on --time-moves --no-sim \
     --out "$OUT/budget_moves.json" 2>&1 | tee "$OUT/moves.log"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/sanity.log"
