@@ -102,6 +102,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
 }
 #: Variants applied before the model is placed (the others after attach).
 BEFORE_PLACE = frozenset({"native_persistent"})
+#: Variants --alternate cannot apply to one placed model moved between blocks: before placing; a session
+#: option (caller: the backward thread); or one that stops close() from moving the model back (no_gradcheck).
+NOT_ALTERNATING = BEFORE_PLACE | {"caller", "no_gradcheck"}
 
 
 class _WallTimer:
@@ -440,8 +443,9 @@ def main() -> None:
         modes = ["native", "um_lab"] if tuple(args.modes) == MODES else list(args.modes)
         if len(modes) != 2 or modes[0] != "native" or modes[1].split("+")[0] != "um_lab":
             parser.error("--alternate compares two modes: --modes native um_lab[+VARIANT...]")
-        if BEFORE_PLACE & set(modes[1].split("+")[1:]):
-            parser.error(f"--alternate moves one placed model between blocks: {', '.join(BEFORE_PLACE)} cannot apply")
+        if NOT_ALTERNATING & set(modes[1].split("+")[1:]):
+            parser.error("--alternate moves one placed model between blocks: "
+                         f"{', '.join(sorted(NOT_ALTERNATING))} cannot apply")
         args.modes = modes
     unknown = sorted({v for m in args.modes for v in m.split("+")[1:]} - set(VARIANTS))
     if unknown:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -138,6 +139,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
             lab._budget.executor.time_moves()
+        batch_used = lab._budget is not None and lab._budget.executor.batch_calls  # off where CUDA lacks it
         base = lab.stats()["live_total"]
 
         def guard(record: Any) -> None:  # the bench's own counter, beside the shim's cap: after every step
@@ -159,7 +161,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
         left = lab.close()
     if left != 0:
         raise ManagedBytesLeft(f"{case.name}: {left} managed bytes still held after the session closed")
-    return {"records": records, "peak_bytes": peak, "cap_bytes": cap}
+    return {"records": records, "peak_bytes": peak, "cap_bytes": cap,
+            "batch_calls": lab.budget_batch_calls and batch_used}
 
 
 def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
@@ -262,6 +265,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
             "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
+            "batch_calls": out["batch_calls"],
             "run_s": time.perf_counter() - t0,
         })
         if time_moves:
@@ -310,7 +314,7 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     quick_rate = replay_plan(result.derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS)
     sim_bound = max(fit, crossing / LINK_BYTES_PER_S * 1e3)
     at_measured = {}
-    if all(measured_GBps):
+    if all(r is not None and math.isfinite(r) and r > 0 for r in measured_GBps):
         replayed = replay_plan(result.derived, plan, sim.profile, prefetch_GBps=measured_GBps[0],
                                evict_GBps=measured_GBps[1])
         at_measured = {"sim_step_ms_measured_rates": replayed.wall_us / 1e3,

@@ -64,3 +64,23 @@ def test_the_executor_counts_what_a_followed_plan_did_not_foresee():
     assert stats["unforeseen_bytes"] > 0
     assert stats["unforeseen_bytes"] % BLOCK == 0
     assert stats["max_resident_ledger"] <= budget
+
+
+def test_discards_waiting_for_new_gradient_addresses_force_a_new_plan():
+    from um_lab.budget.control import BudgetControl
+
+    order = layered_order(layers=3)
+    world = World(order.segments)
+    control = BudgetControl(B, FakeRuntime(), 0, RecordingStreams(), world.segments, issue="inline",
+                            generation=world.generation, discard_gradients=True)
+    control.executor.refresh_segments()
+    control.executor.set_order(order)
+    assert not control._replan(order, FOLLOWED)  # the same order, followed: kept
+    control.executor.suspend_discards()  # gradients were re-created
+    assert control.executor.discards_suspended
+    assert control._replan(order, FOLLOWED)  # re-planned although the order looks the same
+    assert not control.executor.discards_suspended
+    control.executor.discard_gradients = False
+    control.executor.suspend_discards()
+    assert not control.executor.discards_suspended  # nothing waits when the session does not discard
+    control.close()

@@ -324,3 +324,38 @@ def test_populate_segments_refuses_a_budget_or_oversubscription_before_anything_
         with pytest.raises(um_lab.InputError, match="populate_segments"):
             make_session(env, populate_segments=True, **kw)
     assert driver.mallocs == []
+
+
+def test_what_populate_segments_leaves_alone():
+    from um_lab.cuda.populate import populates
+    from um_lab.policy import Advice
+
+    assert populates(Advice()) and populates(Advice(preferred_location="gpu", accessed_by={"cpu"}))
+    assert not populates(Advice(preferred_location="cpu"))
+    assert not populates(Advice(read_mostly=True))
+    assert not populates(Advice(prefetch="to-cpu-after-use"))
+
+
+def test_a_failed_populate_warns_keeps_the_step_and_is_tried_again(env):
+    source, driver, api, runtime = env
+    with make_session(env, populate_segments=True) as lab:
+        model, opt = tiny()
+        lab.attach(lab.place(model), opt)
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+        act = source.allocate(DataType.ACT, 2 * MiB)
+        calls = []
+
+        def failing_once(ptr, nbytes, location_type, location_id, stream):
+            calls.append(ptr)
+            if len(calls) == 1:
+                raise RuntimeError("cudaErrorIllegalAddress (a fake)")
+
+        runtime.prefetch = failing_once
+        with pytest.warns(RuntimeWarning, match="populate_segments"):
+            first = lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
+        assert "cudaErrorIllegalAddress" in first.extra["populate_error"] and lab.steps_done == 1
+        assert lab.last_record is first
+        second = lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
+        assert "populate_error" not in second.extra and second.extra["populated_bytes"] > 0
+        assert calls.count(calls[0]) == 2  # the failed segment was tried again
+        source.free(act)

@@ -246,10 +246,12 @@ class BudgetControl:
         return self._chunks[key]
 
     def _replan(self, order: Order, step: dict[str, Any]) -> bool:
-        """Plan on ``order`` when the plan is out of date (:func:`plan_outdated`); a budget too small for
-        it is raised at the start of the next step, before anything runs."""
+        """Plan on ``order`` when the plan is out of date (:func:`plan_outdated`) or its discards wait for new
+        gradient addresses; a budget too small for it is raised at the start of the next step, before
+        anything runs."""
         self.last_order = order
-        if not plan_outdated(self.executor.plan_order, order, step, self.budget_bytes):
+        if not self.executor.discards_suspended and not plan_outdated(self.executor.plan_order, order, step,
+                                                                       self.budget_bytes):
             return False
         try:
             self.executor.set_order(order)

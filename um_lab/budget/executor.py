@@ -88,6 +88,7 @@ class BudgetExecutor:
         self._live: tuple[int | None, list[int], list[int]] | None = None  # (generation, starts, ends)
         self.residency_unknown = False  # a move failed after the ledger applied it: evict all at the next step
         self.clock: MoveClock | None = None  # side-stream timing of every call (time_moves)
+        self._skipped: dict[int, set[int]] = {}  # position -> blocks of its look-ahead skipped this step
 
     # ---- segments ----
 
@@ -164,6 +165,11 @@ class BudgetExecutor:
         """Gradients were re-created (new addresses): carry out no planned discard until the next plan."""
         self._discards_suspended = True
 
+    @property
+    def discards_suspended(self) -> bool:
+        """True while planned discards wait for a new plan (gradients were re-created since the last one)."""
+        return self.discard_gradients and self._discards_suspended
+
     def make_resident(self, spans: Iterable[Span]) -> None:
         """Bring ``spans`` onto the GPU now (outside the plan; dead blocks are populated) and make compute
         wait for it: before the training thread writes data the plan did not expect it to."""
@@ -194,6 +200,7 @@ class BudgetExecutor:
         self._current = set()
         self._touch_now = {}
         self._keys = {}
+        self._skipped = {}
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
                       "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0}
         self.following_plan = self.plan is not None and self._scheduler is not None
@@ -232,19 +239,25 @@ class BudgetExecutor:
                                                            for seg in self.ledger.segment_starts(b))]
                         moves += self.ledger.discard(blocks, target=planned.target)
                 elif planned.to_gpu and planned.target == index:
-                    moves += self.ledger.bring_in(blocks, rank, target=index,
-                                                  what=f"{position.phase} of {position.layer}") or []
+                    what = f"{position.phase} of {position.layer}"
+                    try:  # never evict this position's actual ranges (at new addresses they rank last)
+                        moves += self.ledger.bring_in(blocks, rank, target=index, protect=actual, what=what) or []
+                    except BudgetTooSmall:  # the plan's blocks and the actual ones do not fit together
+                        moves += self.ledger.bring_in(blocks, rank, target=index, what=what) or []
                 elif planned.to_gpu:
                     try:  # a look-ahead: with this position's actual ranges it may no longer fit; skip it
                         got = self.ledger.bring_in(blocks, rank, target=planned.target, protect=actual,
                                                    what=f"{position.phase} of {position.layer}")
                     except BudgetTooSmall:
                         self.stats["skipped_ahead"] += 1
+                        self._skipped.setdefault(planned.target, set()).update(blocks)
                         continue
                     moves += got or []
             unforeseen = self.ledger.bring_in(actual, rank, target=index,
                                               what=f"{position.phase} of {position.layer}") or []
-            self.stats["unforeseen_bytes"] += sum(m.nbytes for m in unforeseen if m.to_gpu)
+            skipped = self._skipped.pop(index, set())  # foreseen, but skipped as a look-ahead: no new plan helps
+            self.stats["unforeseen_bytes"] += self.ledger.bytes_of(
+                b for m in unforeseen if m.to_gpu for b in m.blocks if b not in skipped)
             moves += unforeseen
         else:
             if self.following_plan:

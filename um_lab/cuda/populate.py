@@ -11,12 +11,14 @@ preferred location on the host, not read-mostly).
 from __future__ import annotations
 
 from um_lab.cuda.allocator import ManagedPools
-from um_lab.policy import Advice, Location, Policy
+from um_lab.policy import Advice, Location, Policy, Prefetch
 
 
 def populates(advice: Advice) -> bool:
-    """True when a pool with ``advice`` may have its new segments placed on the GPU whole."""
-    return advice.preferred_location != Location.CPU and not advice.read_mostly
+    """True when a pool with ``advice`` may have its new segments placed on the GPU whole (not when its data
+    prefers the host, is read-mostly, or is pushed to the host after each step)."""
+    return (advice.preferred_location != Location.CPU and not advice.read_mostly
+            and advice.prefetch != Prefetch.TO_CPU_AFTER_USE)
 
 
 class SegmentPopulator:
@@ -41,12 +43,17 @@ class SegmentPopulator:
         runtime, device = self.pools.runtime, self.pools.device
         stream = runtime.current_stream()
         done = 0
-        for s in segments:
-            if (s.ptr, s.size) in self._seen:
-                continue
-            self._seen.add((s.ptr, s.size))
-            if populates(policy[s.data_type]):
-                runtime.prefetch(s.ptr, s.size, runtime.codes.location_device, device, stream)
-                done += s.size
-        self.populated_bytes += done
+        try:
+            for s in segments:
+                if (s.ptr, s.size) in self._seen:
+                    continue
+                if populates(policy[s.data_type]):
+                    runtime.prefetch(s.ptr, s.size, runtime.codes.location_device, device, stream)
+                    done += s.size
+                self._seen.add((s.ptr, s.size))  # after the call: a failed one is tried again next time
+        except BaseException:
+            self._generation = None
+            raise
+        finally:
+            self.populated_bytes += done
         return done

@@ -460,17 +460,27 @@ class Session(Listenable):
         if budget_extra is not None:
             record.extra["budget"] = budget_extra
         if self.populate_segments:  # after the end event: the next step runs on the populated segments
-            if self._populator is None:
-                self._populator = SegmentPopulator(pools)
-            populated = self._populator.populate(self.policy)
-            if populated:
-                record.extra["populated_bytes"] = populated
+            self._populate(pools, record)
         if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
             self.telemetry.fill(record, pools.source.segments())
         self.steps_done += 1
         self.last_record = record
         self._listeners.emit(record)
         return record
+
+    def _populate(self, pools: ManagedPools, record: StepRecord) -> None:
+        """Populate the segments new since the last step (``populate_segments``); a failed prefetch is a
+        warning and ``extra["populate_error"]``, never a lost step (it is tried again after the next one)."""
+        if self._populator is None:
+            self._populator = SegmentPopulator(pools)
+        try:
+            populated = self._populator.populate(self.policy)
+        except Exception as e:  # e.g. a driver error: the step itself is done and counts
+            record.extra["populate_error"] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"populate_segments: {e}", RuntimeWarning, stacklevel=3)
+            return
+        if populated:
+            record.extra["populated_bytes"] = populated
 
     def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
         """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
