@@ -263,6 +263,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
+            "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),
+            "executor_ms": statistics.median(b.get("executor_ms", 0.0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
             "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
             "batch_calls": out["batch_calls"],
@@ -279,7 +281,9 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
-            f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}")
+            f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}; training thread: "
+            f"{row['executor_ms']:.0f} ms in the scheduler's hooks, {row['host_wait_ms']:.0f} ms of it waiting for the "
+            "mover")
     return rows
 
 

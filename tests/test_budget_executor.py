@@ -230,3 +230,23 @@ def test_timed_moves_account_for_every_byte_the_ledger_moved(threaded):
     assert calls == len(runtime.prefetched)
     assert all(t["ms"] == t["calls"] and 0 <= t["host_ms"] < 1e3 for t in (*timing.values(), *late.values()))
     ex.close()
+
+
+def test_the_training_threads_time_in_the_hooks_and_waiting_for_the_mover_is_counted():
+    """executor_ms: host time in enter/touched; host_wait_ms: the part spent waiting for a batch not yet issued."""
+    import time as _time
+
+    class SlowRuntime(FakeRuntime):
+        def prefetch(self, *args):
+            _time.sleep(0.002)
+            super().prefetch(*args)
+
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    mover = ThreadMover(SlowRuntime(), RecordingStreams())
+    ex, _ = planned_executor(world, order, mover=mover)
+    stats = drive(ex, order)
+    assert stats["host_waits"] > 0
+    assert 0 < stats["host_wait_ms"] <= stats["executor_ms"]
+    assert stats["host_wait_ms"] >= 2.0 * 0.5  # at least part of one slow call was waited for
+    ex.close()

@@ -29,6 +29,7 @@ step begins by pushing every managed range to the host.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -81,7 +82,7 @@ class BudgetExecutor:
         self._last_use: dict[int, int] = {}
         self._tick = 0
         self.following_plan = False
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, float] = {}  # counts, bytes and host ms of the step so far
         self._touch_estimate: dict[tuple[int, tuple[str, str]], int] = {}  # most written outside the plan
         self._touch_now: dict[tuple[int, tuple[str, str]], int] = {}
         self._keys: dict[int, tuple[str, str]] = {}
@@ -202,7 +203,8 @@ class BudgetExecutor:
         self._keys = {}
         self._skipped = {}
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
-                      "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0}
+                      "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0,
+                      "host_wait_ms": 0.0, "executor_ms": 0.0}
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.residency_unknown:  # a move failed: the ledger may be wrong, so start from nothing resident
             moves = self.ledger.evict_everything()
@@ -218,7 +220,15 @@ class BudgetExecutor:
             self._issue(moves, -1)
 
     def enter(self, index: int, position: Position) -> None:
-        """A position opens (the recorder's listener call)."""
+        """A position opens (the recorder's listener call). Its host time, waits included, adds to
+        ``stats["executor_ms"]``."""
+        began = time.perf_counter()
+        try:
+            self._enter(index, position)
+        finally:
+            self.stats["executor_ms"] = self.stats.get("executor_ms", 0.0) + (time.perf_counter() - began) * 1e3
+
+    def _enter(self, index: int, position: Position) -> None:
         self._tick += 1
         self.stats["positions"] += 1
         actual = self.blocks(position.spans())
@@ -277,6 +287,13 @@ class BudgetExecutor:
 
     def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
         """Kernels of position ``index`` wrote ``spans``: record them resident, evict to stay under budget."""
+        began = time.perf_counter()
+        try:
+            self._touched(index, spans)
+        finally:
+            self.stats["executor_ms"] = self.stats.get("executor_ms", 0.0) + (time.perf_counter() - began) * 1e3
+
+    def _touched(self, index: int, spans: list[Span]) -> None:
         blocks = self.blocks(spans)
         rank = self._rank(index) if self.following_plan else self._lru_rank
         missing = self.ledger.bytes_of(b for b in blocks if self.ledger.where(b) != "gpu")
@@ -346,15 +363,20 @@ class BudgetExecutor:
             raise error
 
     def _wait(self, batch: MoveBatch) -> None:
-        """Compute waits for ``batch``'s transfers (the host first waits until it was issued)."""
-        if not batch.issued:
-            self.stats["host_waits"] = self.stats.get("host_waits", 0) + 1
+        """Compute waits for ``batch``'s transfers (the host first waits until it was issued: counted in
+        ``stats["host_waits"]`` and ``stats["host_wait_ms"]``)."""
+        waited = not batch.issued
+        began = time.perf_counter()
         try:
             event = batch.wait()
         except BaseException:
             self.residency_unknown = True  # the ledger applied moves that did not all happen
             self.mover.take_error()  # raised here: not again at the step's end
             raise
+        finally:
+            if waited:
+                self.stats["host_waits"] = self.stats.get("host_waits", 0) + 1
+                self.stats["host_wait_ms"] = self.stats.get("host_wait_ms", 0.0) + (time.perf_counter() - began) * 1e3
         if event is not None:
             self.streams.compute_wait(event)
 
