@@ -271,7 +271,6 @@ class BudgetControl:
                            if isinstance(v, torch.Tensor))
 
 
-
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02
 

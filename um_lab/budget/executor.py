@@ -29,8 +29,9 @@ step begins by pushing every managed range to the host.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
@@ -222,11 +223,8 @@ class BudgetExecutor:
     def enter(self, index: int, position: Position) -> None:
         """A position opens (the recorder's listener call). Its host time, waits included, adds to
         ``stats["executor_ms"]``."""
-        began = time.perf_counter()
-        try:
+        with self._hook_time():
             self._enter(index, position)
-        finally:
-            self.stats["executor_ms"] = self.stats.get("executor_ms", 0.0) + (time.perf_counter() - began) * 1e3
 
     def _enter(self, index: int, position: Position) -> None:
         self._tick += 1
@@ -287,11 +285,8 @@ class BudgetExecutor:
 
     def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
         """Kernels of position ``index`` wrote ``spans``: record them resident, evict to stay under budget."""
-        began = time.perf_counter()
-        try:
+        with self._hook_time():
             self._touched(index, spans)
-        finally:
-            self.stats["executor_ms"] = self.stats.get("executor_ms", 0.0) + (time.perf_counter() - began) * 1e3
 
     def _touched(self, index: int, spans: list[Span]) -> None:
         blocks = self.blocks(spans)
@@ -341,6 +336,15 @@ class BudgetExecutor:
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
 
     # ---- internals ----
+
+    @contextlib.contextmanager
+    def _hook_time(self) -> Iterator[None]:
+        """Add the host time of the ``with`` body to ``stats["executor_ms"]``."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats["executor_ms"] = self.stats.get("executor_ms", 0.0) + (time.perf_counter() - began) * 1e3
 
     def _rank(self, now: int) -> Callable[[int], float]:
         scheduler = self._scheduler
