@@ -51,3 +51,30 @@ def test_step_gaps_charges_gpu_idle_to_the_op_that_launched_the_late_work(tmp_pa
     assert r["idle_ms_by_next_op"] == [("aten::add", 0.03)]
     assert r["idle_ms_by_op_pair"] == [("aten::mm -> aten::add", 0.03)]
     assert dict(r["api_calls_per_step"]) == {"cudaLaunchKernel": 2, "cudaStreamSynchronize": 1}
+
+
+def test_the_stack_sampler_sees_where_another_thread_spends_its_time() -> None:
+    """bench/budget_profile.py's sampler: a thread busy in one function shows it as its commonest frame."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from bench.budget_profile import StackSampler
+
+    stop = threading.Event()
+
+    def spin_in_here() -> None:
+        while not stop.is_set():
+            sum(range(200))
+
+    worker = threading.Thread(target=spin_in_here, name="spinner")
+    with StackSampler(period_s=0.001) as sampler:
+        worker.start()
+        time.sleep(0.3)
+        stop.set()
+        worker.join()
+    report = sampler.summary(top=3)
+    assert report["spinner"]["samples"] > 5
+    top_frame, share = report["spinner"]["leaf"][0]
+    assert "spin_in_here" in top_frame and share > 0.5
+    assert "MainThread" in report and report["MainThread"]["um_lab"] == []
