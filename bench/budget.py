@@ -122,7 +122,7 @@ SESSION_KWARGS: dict[str, Any] = {}
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
-                time_moves: bool = False, batch_calls: bool = False) -> dict[str, Any]:
+                time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -134,12 +134,13 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     peak = 0
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, telemetry=telemetry,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
-                  budget_batch_calls=batch_calls, **SESSION_KWARGS)
+                  budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
             lab._budget.executor.time_moves()
         batch_used = lab._budget is not None and lab._budget.executor.batch_calls  # off where CUDA lacks it
+        waits_used = lab._budget is not None and lab._budget.executor.gpu_waits  # off where the driver refuses
         base = lab.stats()["live_total"]
 
         def guard(record: Any) -> None:  # the bench's own counter, beside the shim's cap: after every step
@@ -162,7 +163,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     if left != 0:
         raise ManagedBytesLeft(f"{case.name}: {left} managed bytes still held after the session closed")
     return {"records": records, "peak_bytes": peak, "cap_bytes": cap,
-            "batch_calls": lab.budget_batch_calls and batch_used}
+            "batch_calls": lab.budget_batch_calls and batch_used, "gpu_waits": waits_used}
 
 
 def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
@@ -219,7 +220,7 @@ def cupti_max(records: list[Any]) -> int | None:
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
-                batches: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
+                batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -227,8 +228,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch in ((r, i, d, b) for r in ratios for i in issues for d in discards
-                                         for b in batches):
+    for ratio, issue, discard, batch, waits in ((r, i, d, b, w) for r in ratios for i in issues for d in discards
+                                                for b in batches for w in gpu_waits):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "fit_step_ms": fit_ms,
@@ -236,7 +237,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
-                              time_moves=time_moves, batch_calls=batch)
+                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -267,7 +268,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "executor_ms": statistics.median(b.get("executor_ms", 0.0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
             "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
-            "batch_calls": out["batch_calls"],
+            "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
             "run_s": time.perf_counter() - t0,
         })
         if time_moves:
@@ -277,7 +278,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 f"host {v['host_ms']:.0f} ms)"
                 for k, v in row["move_timing"].items()))
         rows.append(row)
-        say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}): "
+        say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
+            f"GPU waits {'on' if waits else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
@@ -370,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-calls", nargs="+", choices=["on", "off"], default=["off"],
                     help="consecutive prefetches to one location as one cudaMemPrefetchBatchAsync "
                          "(Session(budget_batch_calls=...)); both: a row each")
+    ap.add_argument("--gpu-waits", nargs="+", choices=["on", "off"], default=["off"],
+                    help="compute waits for prefetches on the GPU, never the host for the mover "
+                         "(Session(budget_gpu_waits=...)); both: a row each")
     ap.add_argument("--time-moves", action="store_true",
                     help="time every move on the side stream (two events a call): rows get move_timing, the bytes, "
                          "ms, calls and rate per direction per step")
@@ -410,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
                                      tuple(d == "on" for d in args.discard), args.time_moves,
-                                     tuple(b == "on" for b in args.batch_calls))
+                                     tuple(b == "on" for b in args.batch_calls),
+                                     tuple(w == "on" for w in args.gpu_waits))
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
-# tests | bench | all | alternate | populate | moves | sample.
+# tests | bench | all | alternate | populate | moves | waits | sample.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
+# waits: GPT-2-large at ratio 2 with and without Session(budget_gpu_waits=True);
 # sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes).
 set -uo pipefail
 what=${1:-all}
@@ -45,6 +46,10 @@ fi
 if [[ $what == sample ]]; then  # ~2 min: B = half of GPT-2-medium bs 2's simulated footprint (13.85 GiB)
   timeout 150 python3 bench/budget_profile.py --model gpt2-medium --batch-size 2 --budget-gib 6.9 --steps 4 --sample \
     --out-dir "$OUT/sample" 2>&1 | tail -c 8000 | tee "$OUT/sample.log"
+fi
+if [[ $what == waits ]]; then  # ~4 min: compute waiting for prefetches on the GPU against the host waiting
+  timeout 400 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --gpu-waits off on --time-moves --no-sim \
+    --out "$OUT/budget_waits.json" 2>&1 | tee "$OUT/waits.log"
 fi
 if [[ $what == moves ]]; then
   timeout 540 python3 bench/budget.py --models gpt2-large --ratios 2 1.5 --steps 5 --batch-calls off on --time-moves --no-sim \

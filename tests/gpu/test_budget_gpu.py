@@ -92,6 +92,21 @@ def test_batched_prefetch_calls_keep_the_ledger_under_b_and_train_like_a_run_wit
     assert [round(r.loss, 4) for r in records] == [round(r.loss, 4) for r in plain]
 
 
+def test_gpu_side_waits_keep_the_ledger_under_b_train_like_a_run_without_a_budget_and_never_hold_the_host():
+    """budget_gpu_waits=True: compute waits on cuStreamWaitValue32 for the side stream's counter; same bounds,
+    same training, and the training thread never waits for the mover."""
+    plain, plain_params, footprint = _train(None)
+    budget = footprint // 2
+    records, params, _ = _train(budget, budget_gpu_waits=True)
+    for r in records[2:]:
+        b = r.extra["budget"]
+        assert b["followed_plan"] and b["max_resident_ledger"] <= budget and not b["over_budget"], b
+        assert b["host_waits"] == 0 and b["prefetched_bytes"] > 0, b
+    for a, p in zip(plain_params, params, strict=True):
+        torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
+    assert [round(r.loss, 4) for r in records] == [round(r.loss, 4) for r in plain]
+
+
 def test_an_interrupted_budget_step_leaves_the_session_usable_on_the_gpu():
     footprint = _train(None, steps=2)[2]
     records, _, _ = _train(footprint // 2, steps=6, interrupt_at=3)

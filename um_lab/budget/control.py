@@ -45,13 +45,14 @@ class BudgetControl:
                  generation: Callable[[], int] | None = None,
                  keep_tensor: Callable[[torch.Tensor], bool] | None = None, issue: str = "thread",
                  thread_init: Callable[[], None] | None = None, discard_gradients: bool = False,
-                 batch_calls: bool = False) -> None:
+                 batch_calls: bool = False, gpu_waits: bool = False) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
-                                       discard_gradients=discard_gradients, batch_calls=batch_calls)
+                                       discard_gradients=discard_gradients, batch_calls=batch_calls,
+                                       gpu_waits=gpu_waits)
         self.keep_tensor = keep_tensor
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -36,13 +38,94 @@ class StreamOps(Protocol):
     def elapsed_ms(self, start: Any, end: Any) -> float | None:
         """Milliseconds between two timed events; None while ``end`` has not completed."""
 
+    def value_waits(self) -> bool:
+        """True when compute can wait on the GPU for a counter the side stream writes (no host wait)."""
+
+    def next_value(self) -> int:
+        """The next counter value: one per batch that compute may wait for."""
+
+    def side_write_value(self, value: int) -> None:
+        """The side stream writes ``value`` to the counter once its earlier work is done."""
+
+    def compute_wait_value(self, value: int) -> None:
+        """The compute (current) stream waits until the counter has reached ``value``."""
+
+    def release_values(self) -> None:
+        """After a failure: every wait for a value handed out so far passes (the counter jumps past them)."""
+
+
+#: how far :meth:`CudaStreams.release_values` moves the counter past the last value handed out (waits compare
+#: cyclically, so the jump stays far below 2**31)
+RELEASE_JUMP = 1 << 20
+
 
 class CudaStreams:
-    """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream."""
+    """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream.
 
-    def __init__(self, device: torch.device) -> None:
+    With ``value_waits`` a 32-bit counter in ordinary device memory lets compute wait for the side stream's
+    batches on the GPU (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``), so the training thread never
+    waits for the mover to issue a batch. Where the driver refuses the calls (a probe at construction),
+    value waits stay off and ``value_waits()`` says so."""
+
+    def __init__(self, device: torch.device, value_waits: bool = False) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self._value = 0
+        self._lock = threading.Lock()
+        self._counter: torch.Tensor | None = None
+        self._rescue: torch.cuda.Stream | None = None
+        if value_waits:
+            self._open_counter()
+
+    def _open_counter(self) -> None:
+        from um_lab.cuda import driver
+
+        counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # allocated outside every pool
+        try:  # the probe: a write, then a wait that it already satisfies
+            driver.stream_write_value32(self.side_handle(), counter.data_ptr(), 1)
+            driver.stream_wait_value32(self.side_handle(), counter.data_ptr(), 1)
+            self.stream.synchronize()
+        except (OSError, AttributeError, RuntimeError) as e:
+            warnings.warn(f"GPU-side waits are unavailable here ({e}); the training thread waits for the mover",
+                          RuntimeWarning, stacklevel=3)
+            return
+        self._counter, self._value, self._rescue = counter, 1, torch.cuda.Stream(self.device)
+
+    def value_waits(self) -> bool:
+        return self._counter is not None
+
+    def next_value(self) -> int:
+        with self._lock:
+            self._value += 1
+            return self._value
+
+    def side_write_value(self, value: int) -> None:
+        from um_lab.cuda import driver
+
+        assert self._counter is not None
+        driver.stream_write_value32(self.side_handle(), self._counter.data_ptr(), value)
+
+    def compute_wait_value(self, value: int) -> None:
+        from um_lab.cuda import driver
+
+        assert self._counter is not None
+        driver.stream_wait_value32(int(torch.cuda.current_stream(self.device).cuda_stream),
+                                   self._counter.data_ptr(), value)
+
+    def release_values(self) -> None:
+        from um_lab.cuda import driver
+
+        if self._counter is None or self._rescue is None:
+            return
+        with self._lock:
+            self._value += RELEASE_JUMP
+            value = self._value
+        try:  # the side stream's earlier writes first: none may land after the jump and pull the counter back
+            self.stream.synchronize()
+        except RuntimeError:  # a broken side stream: release anyway
+            pass
+        driver.stream_write_value32(int(self._rescue.cuda_stream), self._counter.data_ptr(), value)
+        self._rescue.synchronize()
 
     def side_handle(self) -> int:
         return int(self.stream.cuda_stream)
@@ -72,13 +155,36 @@ class CudaStreams:
 
 
 class RecordingStreams:
-    """:class:`StreamOps` for CPU tests: events are numbers, every call is logged."""
+    """:class:`StreamOps` for CPU tests: events are numbers, every call is logged (``value_waits``: the
+    counter calls too)."""
 
     SIDE = 7
 
-    def __init__(self) -> None:
+    def __init__(self, value_waits: bool = False) -> None:
         self.log: list[tuple[str, int]] = []
         self._ids = itertools.count(1)
+        self._value_waits = value_waits
+        self._value = 0
+        self._lock = threading.Lock()
+
+    def value_waits(self) -> bool:
+        return self._value_waits
+
+    def next_value(self) -> int:
+        with self._lock:
+            self._value += 1
+            return self._value
+
+    def side_write_value(self, value: int) -> None:
+        self.log.append(("side_write_value", value))
+
+    def compute_wait_value(self, value: int) -> None:
+        self.log.append(("compute_wait_value", value))
+
+    def release_values(self) -> None:
+        with self._lock:
+            self._value += RELEASE_JUMP
+            self.log.append(("release_values", self._value))
 
     def side_handle(self) -> int:
         return self.SIDE
