@@ -120,11 +120,14 @@ def test_a_layer_that_cannot_fit_is_refused_at_attach_before_any_step(env):
 
 def test_an_optimizer_state_too_big_for_b_is_refused_before_the_second_step_runs(env):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 4 MiB weights
-    x = torch.randn(8, 1024)
-    with make_session(env, gpu_budget_bytes=20 * MiB) as lab:
+    # 16 MiB weights: a layer's backward needs its weight and gradient (32-36 MiB in whole 2 MiB blocks, as
+    # the tensors' CPU addresses fall) and its AdamW step 64-72 MiB: a budget of 48 MiB fits one, never the
+    # other, wherever the allocator puts the tensors (with 4 MiB weights the two ranges overlapped)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
+    x = torch.randn(8, 2048)
+    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
-        lab.step(lambda: model(x).sum(), opt)  # learns: a layer's AdamW step needs ~16 MiB at once
+        lab.step(lambda: model(x).sum(), opt)  # learns: a layer's AdamW step needs ~64 MiB at once
         before = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(BudgetTooSmall, match="optimizer of"):
             lab.step(lambda: model(x).sum(), opt)
