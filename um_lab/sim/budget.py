@@ -241,10 +241,12 @@ def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, di
 
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
-                evict_GBps: float | None = None, prefetch_GBps: float | None = None) -> BudgetStep:
+                evict_GBps: float | None = None, prefetch_GBps: float | None = None,
+                gpu_waits: bool = False) -> BudgetStep:
     """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
     GPU->host rate, default the profile's ``prefetch_d2h_GBps``; ``prefetch_GBps``: the host->GPU rate,
-    default ``prefetch_h2d_GBps``)."""
+    default ``prefetch_h2d_GBps``; ``gpu_waits``: as ``Session(budget_gpu_waits=True)``, the host never waits
+    for the mover to issue a batch, only compute waits for its transfers)."""
     p = profile
     h2d = (prefetch_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
     d2h = (evict_GBps or p.prefetch_d2h_GBps) * 1e3
@@ -265,7 +267,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
             ready = 0.0
             for target in sorted(t for t in pending if t <= i):
                 side_done, issued = pending.pop(target)
-                if issued > cpu:
+                if issued > cpu and not gpu_waits:
                     waits += 1
                     cpu = issued
                 ready = max(ready, side_done)
@@ -293,7 +295,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                         targets.add(m.target)
                 for t in targets:
                     if t == i:
-                        if mover > cpu:
+                        if mover > cpu and not gpu_waits:
                             waits += 1
                             cpu = mover
                         ready = max(ready, side)
