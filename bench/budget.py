@@ -163,7 +163,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     if left != 0:
         raise ManagedBytesLeft(f"{case.name}: {left} managed bytes still held after the session closed")
     return {"records": records, "peak_bytes": peak, "cap_bytes": cap,
-            "batch_calls": lab.budget_batch_calls and batch_used, "gpu_waits": waits_used}
+            "batch_calls": batch_used, "gpu_waits": waits_used}
 
 
 def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:

@@ -28,14 +28,13 @@ MARKS = ("start", "forward_first", "forward_end", "backward_end", "optimizer_sta
 def prefetch_whole_segments(lab: Any) -> None:
     """Prefetch every managed segment whole to the GPU once (variant ``um_lab_prefetched``): segments first
     touched piecemeal by kernels may be mapped with small pages; a whole-segment prefetch maps whole 2 MiB
-    blocks. Tests whether the forward/backward gap is a page-size (TLB) effect."""
+    blocks. Tests whether the forward/backward gap is a page-size (TLB) effect. The session's own populator
+    (``Session(populate_segments=True)`` runs it after each step that allocates) does the prefetching."""
     import torch
 
-    pools = lab._pools
-    runtime = pools.runtime
-    codes = runtime.codes
-    for seg in pools.source.segments():
-        runtime.prefetch(seg.ptr, seg.size, codes.location_device, pools.device, runtime.current_stream())
+    from um_lab.cuda.populate import SegmentPopulator
+
+    SegmentPopulator(lab._pools).populate(lab.policy)
     torch.cuda.synchronize()
 
 

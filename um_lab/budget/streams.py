@@ -59,6 +59,20 @@ class StreamOps(Protocol):
 RELEASE_JUMP = 1 << 20
 
 
+class _ValueCounter:
+    """The values handed out for GPU-side waits, shared by the mover and training threads."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+        self._lock = threading.Lock()
+
+    def advance(self, by: int = 1) -> int:
+        """Move on by ``by`` (1: the next batch's value; RELEASE_JUMP: past every value handed out)."""
+        with self._lock:
+            self.value += by
+            return self.value
+
+
 class CudaStreams:
     """:class:`StreamOps` on a GPU: one ``torch.cuda.Stream`` beside the current stream.
 
@@ -70,8 +84,7 @@ class CudaStreams:
     def __init__(self, device: torch.device, value_waits: bool = False) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self._value = 0
-        self._lock = threading.Lock()
+        self._values = _ValueCounter()
         self._counter: torch.Tensor | None = None
         self._rescue: torch.cuda.Stream | None = None
         if value_waits:
@@ -89,15 +102,13 @@ class CudaStreams:
             warnings.warn(f"GPU-side waits are unavailable here ({e}); the training thread waits for the mover",
                           RuntimeWarning, stacklevel=3)
             return
-        self._counter, self._value, self._rescue = counter, 1, torch.cuda.Stream(self.device)
+        self._counter, self._values, self._rescue = counter, _ValueCounter(1), torch.cuda.Stream(self.device)
 
     def value_waits(self) -> bool:
         return self._counter is not None
 
     def next_value(self) -> int:
-        with self._lock:
-            self._value += 1
-            return self._value
+        return self._values.advance()
 
     def side_write_value(self, value: int) -> None:
         from um_lab.cuda import driver
@@ -117,9 +128,7 @@ class CudaStreams:
 
         if self._counter is None or self._rescue is None:
             return
-        with self._lock:
-            self._value += RELEASE_JUMP
-            value = self._value
+        value = self._values.advance(RELEASE_JUMP)
         try:  # the side stream's earlier writes first: none may land after the jump and pull the counter back
             self.stream.synchronize()
         except RuntimeError:  # a broken side stream: release anyway
@@ -164,16 +173,13 @@ class RecordingStreams:
         self.log: list[tuple[str, int]] = []
         self._ids = itertools.count(1)
         self._value_waits = value_waits
-        self._value = 0
-        self._lock = threading.Lock()
+        self._values = _ValueCounter()
 
     def value_waits(self) -> bool:
         return self._value_waits
 
     def next_value(self) -> int:
-        with self._lock:
-            self._value += 1
-            return self._value
+        return self._values.advance()
 
     def side_write_value(self, value: int) -> None:
         self.log.append(("side_write_value", value))
@@ -182,9 +188,7 @@ class RecordingStreams:
         self.log.append(("compute_wait_value", value))
 
     def release_values(self) -> None:
-        with self._lock:
-            self._value += RELEASE_JUMP
-            self.log.append(("release_values", self._value))
+        self.log.append(("release_values", self._values.advance(RELEASE_JUMP)))
 
     def side_handle(self) -> int:
         return self.SIDE
