@@ -6,6 +6,7 @@ from fakes import CODES
 
 import um_lab
 from um_lab import DataType, OversubscriptionRefused, SessionStateError
+from um_lab.cuda import session as session_module
 from um_lab.cuda.session import Session
 
 MiB = 1 << 20
@@ -137,7 +138,10 @@ def test_before_optimizer_runs_between_backward_and_the_optimizer(env):
 def test_evacuation_failure_still_releases_every_pool(env, monkeypatch):
     source, driver, api, runtime = env
     lab = make_session(env).open()
-    monkeypatch.setattr(lab, "_evacuate", lambda: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("full")))
+    def full(*args):
+        raise torch.cuda.OutOfMemoryError("full")
+
+    monkeypatch.setattr(session_module, "evacuate", full)
     with pytest.warns(RuntimeWarning, match="could not move the model"):
         lab.close()
     assert not lab.is_open and api.empty_caches == 1 and Session._open_session is None

@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,8 +32,13 @@ from torch import nn
 
 from um_lab.budget import ISSUE_MODES
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
+from um_lab.cuda.evacuate import evacuate
+from um_lab.cuda.evacuate import is_tensor as _is_tensor
+from um_lab.cuda.evacuate import module_tensors as _module_tensors
 from um_lab.cuda.populate import SegmentPopulator
 from um_lab.cuda.staging import InputStaging
+from um_lab.cuda.step_timer import StepTimer as _StepTimer
+from um_lab.cuda.step_timer import warm_up_outside_pools as _warm_up_outside_pools
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
 from um_lab.errors import BudgetError, InputError, SessionStateError, gib
 from um_lab.listeners import Listenable, RecordListeners
@@ -241,7 +245,7 @@ class Session(Listenable):
             finally:
                 if self.evacuate_on_close:
                     try:
-                        self._evacuate()
+                        evacuate(pools, self._modules, self._optimizers, self._is_device)
                     except Exception as e:  # e.g. no room for the copies: still release the pools
                         warnings.warn(f"could not move the model out of managed memory ({e}); its tensors "
                                       "stay in managed segments until they are deleted", RuntimeWarning,
@@ -568,31 +572,6 @@ class Session(Listenable):
         """The segment source's counters (allocations, frees, refusals, live bytes)."""
         return self._require_open().source.stats()
 
-    # ---- close helpers ----
-
-    def _evacuate(self) -> None:
-        """Copy registered model and optimizer tensors out of managed memory (ordinary CUDA memory)."""
-        pools = self._pools
-        assert pools is not None
-        index = pools.source.index()
-
-        def managed(t: torch.Tensor) -> bool:
-            return self._is_device(t) and index.data_type_of(t.data_ptr()) is not None
-
-        with torch.no_grad():
-            for module in self._modules:
-                for tensor in _module_tensors(module):
-                    if managed(tensor):
-                        tensor.data = tensor.data.clone()
-                for p in module.parameters():
-                    if p.grad is not None and managed(p.grad):
-                        p.grad = p.grad.clone()
-            for optimizer in self._optimizers:
-                for state in optimizer.state.values():
-                    for key, value in state.items():
-                        if _is_tensor(value) and managed(value):
-                            state[key] = value.clone()
-
 
 def _check_loss(loss: Any) -> None:
     """Raise TypeError unless the step closure returned a scalar loss tensor that requires grad."""
@@ -615,59 +594,3 @@ def _check_budget(budget: int | None, lookahead: int, issue: str) -> int | None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise BudgetError(f"gpu_budget_bytes must be a positive number of bytes or None, got {budget!r}")
     return budget
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def _module_tensors(module: nn.Module) -> Iterable[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
-
-
-class _StepTimer:
-    """CUDA events on a GPU; a wall clock on the CPU (fake-driver tests)."""
-
-    def __init__(self, device: torch.device | None) -> None:
-        self.cuda = device is not None and device.type == "cuda"
-        self._loss_host: torch.Tensor | None = None
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self, loss: torch.Tensor) -> tuple[float, float]:
-        """End the step: its time in ms and the loss's value.
-
-        On a GPU the loss is copied into a reused pinned host buffer before the end event, so the one
-        synchronisation on that event also delivers the loss (``float(loss)`` would be a second
-        device-to-host round trip, from managed memory, after the step)."""
-        value = loss.detach()
-        if not self.cuda:
-            return (time.perf_counter() - self._t0) * 1e3, float(value)
-        host = None
-        if value.is_cuda:
-            host = self._loss_host
-            if host is None or host.dtype != value.dtype:
-                host = self._loss_host = torch.empty((), dtype=value.dtype, pin_memory=True)
-            host.copy_(value.reshape(()), non_blocking=True)
-        self._end.record()
-        self._end.synchronize()
-        return float(self._start.elapsed_time(self._end)), float(value if host is None else host)
-
-
-def _warm_up_outside_pools(device: torch.device) -> None:
-    """Create cuBLAS handles and workspaces now, in ordinary memory, not in a managed pool."""
-    a = torch.ones(64, 64, device=device, requires_grad=True)
-    b = torch.ones(64, 64, device=device)
-    (torch.nn.functional.linear(a, b, b[0]) @ b).sum().backward()  # autograd's device thread
-    with torch.autograd.set_multithreading_enabled(False):
-        (torch.nn.functional.linear(a, b, b[0]) @ b).sum().backward()  # this thread
-    torch.bmm(a.detach()[None], b[None])
-    torch.cuda.synchronize(device)
