@@ -268,6 +268,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "executor_ms": statistics.median(b.get("executor_ms", 0.0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
             "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
+            "replan_ms_all": [r.extra["budget"].get("replan_ms", 0.0) for r in out["records"]],
+            "unforeseen_bytes_all": [r.extra["budget"].get("unforeseen_bytes", 0) for r in out["records"]],
             "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
             "run_s": time.perf_counter() - t0,
         })

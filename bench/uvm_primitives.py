@@ -12,6 +12,10 @@ models are fitted to. ``python bench/uvm_primitives.py [--quick] [--sections ...
 * gemm_tiles (only when named; ``--out bench/results/gemm_tiles.json``): a grid of GEMM shapes in the four
   layouts a weight is read in (x @ W^T and x @ W, with and without a bias), W remote: how the re-read count
   of a remote weight depends on the layout and the shape.
+* call_size (only when named; ``--out bench/results/uvm_call_size.json``): one buffer prefetched GPU->host
+  and back in calls of 2 MiB to the whole buffer, one stream, its pages written by a GPU kernel before each
+  D2H or clean (prefetched in, not written): does the D2H rate depend on how the range is cut into calls?
+  Then D2H on one stream and H2D on another at once (no overlap in the 4 GiB probe), in 32 MiB calls.
 
 Medians of ``repeats`` CUDA-event timings after a warm-up. Every managed byte is counted by a ManagedBudget
 (min(16 GiB, free/8)) before it is allocated and freed on gpu_lab's exit: nothing is oversubscribed. An
@@ -48,7 +52,7 @@ from um_lab.basics_sim import NO_ADVICE, ZERO_COPY  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 LINK_GBPS = 47.77  #: the h200 profile's remote read rate, the unit of effective_link_passes
-SECTIONS = ("remote", "kernel", "migration", "gemm_tiles")
+SECTIONS = ("remote", "kernel", "migration", "gemm_tiles", "call_size")
 #: What a plain run measures (the profile's inputs); ``--sections gemm_tiles`` writes its grid apart
 #: (bench/results/gemm_tiles.json).
 DEFAULT_SECTIONS = ("remote", "kernel", "migration")
@@ -83,15 +87,18 @@ FULL: dict[str, Any] = dict(
           (128, 1024, 14, 256, 1), (128, 512, 7, 512, 3), (64, 64, 56, 64, 3), (64, 256, 14, 256, 3)),
     act=(128, 64, 56, 56), norm=(16384, 1024), softmax=(32768, 1024), gelu=(8192, 4096), pool=(64, 64, 112, 112),
     migration_sizes=(256 * MiB, GiB, 4 * GiB), cpu_written_sizes=(256 * MiB, GiB), duplex_sizes=(GiB, 4 * GiB),
+    call_size_buffer=2 * GiB, call_sizes=(2 * MiB, 8 * MiB, 32 * MiB, 128 * MiB, 512 * MiB, 2 * GiB),
     gemm_tiles=tuple((m, k, n) for m in (512, 2048, 3152, 8192, 12608)
                      for k, n in ((768, 768), (768, 2304), (768, 3072), (3072, 768), (1024, 1024), (1024, 4096),
                                   (4096, 1024), (4096, 4096))))
 QUICK: dict[str, Any] = FULL | dict(
-    repeats=2, budget_s={"remote": 60, "kernel": 60, "migration": 60, "gemm_tiles": 60}, remote_sizes=(4 * MiB,),
+    repeats=2, budget_s={"remote": 60, "kernel": 60, "migration": 60, "gemm_tiles": 60, "call_size": 60},
+    remote_sizes=(4 * MiB,),
     reread_sizes=(4 * MiB,), slice_buffer=4 * MiB, gemm=((256, 256, 512),),
     conv=((4, 16, 14, 16, 3), (4, 32, 7, 16, 1)), act=(4, 16, 14, 14), norm=(256, 256), softmax=(256, 256),
     gelu=(256, 256), pool=(4, 16, 28, 28),
-    migration_sizes=(8 * MiB,), cpu_written_sizes=(8 * MiB,), duplex_sizes=(8 * MiB,), gemm_tiles=((256, 256, 512),))
+    migration_sizes=(8 * MiB,), cpu_written_sizes=(8 * MiB,), duplex_sizes=(8 * MiB,), gemm_tiles=((256, 256, 512),),
+    call_size_buffer=16 * MiB, call_sizes=(2 * MiB, 16 * MiB))
 
 
 class RunBudget(ManagedBudget):
@@ -573,6 +580,89 @@ def migration_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
             rec.attempt(f"{name} {size_label(nbytes)}", functools.partial(measure, lab, nbytes, plan["repeats"]))
 
 
+# ---- D. prefetch rate by call size (issue 13: the scheduler's evictions ran at 11 GB/s) -----------------------
+
+
+def chunked_prefetch(lab: GpuLab, ptr: int, nbytes: int, chunk: int, to: str, stream: Any) -> None:
+    """Prefetch ``[ptr, ptr + nbytes)`` to ``to`` in calls of ``chunk`` bytes on ``stream``."""
+    for offset in range(0, nbytes, chunk):
+        lab.drv.prefetch(ptr + offset, min(chunk, nbytes - offset), to, lab.dev, stream.ptr)
+
+
+def call_size_rows(lab: GpuLab, nbytes: int, chunk: int, repeats: int) -> Rows:
+    """D2H (pages GPU-written, then clean) and H2D of one buffer in calls of ``chunk`` bytes, one stream."""
+    stream = lab.cp.cuda.get_current_stream()
+    ptr = lab.new(nbytes, NO_ADVICE, cpu_value=None)
+    try:
+        arr = lab.drv.managed_array(ptr, nbytes)
+        fill = functools.partial(lab.k_fill, (lab.grid,), (256,), (arr, np.uint64(nbytes // 4), np.float32(1)))
+        moves = {to: functools.partial(chunked_prefetch, lab, ptr, nbytes, chunk, to, stream) for to in ("cpu", "gpu")}
+        got: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        once(lab, fill)
+        for _ in range(repeats + 1):  # the first is the warm-up
+            once(lab, fill)  # written on the GPU: what the scheduler evicts after a layer wrote it
+            got["D2H written"].append(once(lab, moves["cpu"]))
+            got["H2D"].append(once(lab, moves["gpu"]))
+            got["D2H clean"].append(once(lab, moves["cpu"]))  # prefetched in, never written
+            once(lab, moves["gpu"])
+    finally:
+        lab.free(ptr)
+    calls = -(-nbytes // chunk)
+    return [migration_row(f"prefetch {name} by call size", name.split()[0], nbytes, None, [s[0] for s in samples],
+                          group="call_size", call_bytes=chunk, call_MiB=chunk / MiB, calls=calls,
+                          issue_ms=statistics.median(s[1] for s in samples[1:]))
+            for name, samples in got.items()]
+
+
+def duplex_chunked(lab: GpuLab, nbytes: int, chunk: int, repeats: int) -> Rows:
+    """D2H of one buffer on one stream and H2D of another on a second stream, in ``chunk`` calls interleaved
+    from one thread (as the scheduler's mover issues them): [total, d2h, h2d] ms per repeat."""
+    cuda = lab.cp.cuda
+    a, b = lab.new(nbytes, NO_ADVICE, cpu_value=None), lab.new(nbytes, NO_ADVICE, cpu_value=1.0)
+    try:
+        lab.write(a)
+        for ptr, path in ((a, ("cpu", "gpu")), (b, ("gpu", "cpu"))):
+            for to in path:
+                lab.prefetch(ptr, to)
+        s_d2h, s_h2d = cuda.Stream(non_blocking=True), cuda.Stream(non_blocking=True)
+        on_gpu, on_host, got = a, b, []
+        for _ in range(repeats + 1):
+            start, ends = cuda.Event(), (cuda.Event(), cuda.Event())
+            cuda.Device().synchronize()
+            start.record(s_d2h)
+            s_h2d.wait_event(start)
+            for offset in range(0, nbytes, chunk):
+                size = min(chunk, nbytes - offset)
+                lab.drv.prefetch(on_gpu + offset, size, "cpu", lab.dev, s_d2h.ptr)
+                lab.drv.prefetch(on_host + offset, size, "gpu", lab.dev, s_h2d.ptr)
+            ends[0].record(s_d2h)
+            ends[1].record(s_h2d)
+            for end in ends:
+                end.synchronize()
+            d2h, h2d = (cuda.get_elapsed_time(start, end) for end in ends)
+            got.append((max(d2h, h2d), d2h, h2d))
+            on_gpu, on_host = on_host, on_gpu
+        d2h, h2d = (statistics.median(s[i] for s in got[1:]) for i in (1, 2))
+        return [migration_row("both directions, two streams, chunked", "D2H+H2D", 2 * nbytes, None,
+                              [s[0] for s in got], group="call_size", call_bytes=chunk, call_MiB=chunk / MiB,
+                              calls=2 * -(-nbytes // chunk), d2h_ms=d2h, h2d_ms=h2d, d2h_GBps=nbytes / (d2h * 1e6),
+                              h2d_GBps=nbytes / (h2d * 1e6))]
+    finally:
+        lab.free(a)
+        lab.free(b)
+
+
+def call_size_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
+    """D. prefetch rate by call size, then both directions on two streams in mid-sized calls."""
+    nbytes = plan["call_size_buffer"]
+    for chunk in plan["call_sizes"]:
+        rec.attempt(f"call size {size_label(chunk)}",
+                    functools.partial(call_size_rows, lab, nbytes, chunk, plan["repeats"]))
+    chunk = plan["call_sizes"][min(2, len(plan["call_sizes"]) - 1)]
+    rec.attempt(f"both directions in {size_label(chunk)} calls",
+                functools.partial(duplex_chunked, lab, nbytes, chunk, plan["repeats"]))
+
+
 # ---- the run -------------------------------------------------------------------------------------------------
 
 COLUMNS = {"remote": ["name", "pattern", "shape", "resident_ms", "remote_ms", "ratio", "GBps", "effective_link_passes",
@@ -581,7 +671,9 @@ COLUMNS = {"remote": ["name", "pattern", "shape", "resident_ms", "remote_ms", "r
                       "effective_link_passes"],
            "migration": ["name", "pattern", "shape", "cycle", "ms", "issue_ms", "GBps", "warmup_GBps", "d2h_GBps",
                          "h2d_GBps"],
-           "gemm_tile": ["name", "shape", "bytes", "resident_ms", "remote_ms", "effective_link_passes"]}
+           "gemm_tile": ["name", "shape", "bytes", "resident_ms", "remote_ms", "effective_link_passes"],
+           "call_size": ["name", "pattern", "shape", "call_MiB", "calls", "ms", "issue_ms", "GBps", "d2h_GBps",
+                         "h2d_GBps"]}
 
 
 def print_table(rows: Rows) -> None:
@@ -622,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{budget.limit / GiB:.2f} GiB; {'quick' if args.quick else 'full'} run", flush=True)
     rec, t0, mem_total = Recorder(), time.perf_counter(), host_mem_total()
     sections = {"remote": remote_section, "kernel": kernel_section, "migration": migration_section,
-                "gemm_tiles": gemm_tile_section}
+                "gemm_tiles": gemm_tile_section, "call_size": call_size_section}
     with gpu_lab(budget) as lab:
         for group in args.sections:
             with rec.section(group, plan["budget_s"][group]):
