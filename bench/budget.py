@@ -14,8 +14,9 @@ re-plan), ``crossing_bytes`` (the ledger's prefetched + evicted bytes per step, 
 max(fit_step_ms, crossing_bytes / 47 GB/s), ``over_bound`` = step_ms / bound_ms (also against the
 measured primitives: ``primitive_bound_ms``, ``over_primitive_bound``), ``max_resident_ledger``
 (the ledger's highest resident bytes over the measured steps), ``max_resident_cupti`` (with
-``--telemetry``: the highest CUPTI-measured resident bytes at a step's end, a lower bound: HtoD records
-can be lost in bursts; else null). ``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
+``--telemetry``: the highest CUPTI-measured resident bytes at a step's end, once the step's moves have
+completed, a lower bound: HtoD records can be lost in bursts; else null; per step in ``cupti_resident_all``
+with ``gpu_page_faults_all``). ``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
 own budget, filled after the measurement (``--no-sim`` leaves it null). ``fsdp2_step_ms``,
 ``fsdp2_peak_bytes``: the peer, PyTorch FSDP2 with CPUOffloadPolicy on the same model and batch
 (``--fsdp2``: bench/fsdp2_peer.py in a process of its own; else null).
@@ -132,7 +133,11 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     model = case.build_model()
     records = []
     peak = 0
-    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, telemetry=telemetry,
+    from um_lab.cuda.telemetry import Telemetry
+
+    # flushed at each step's end, after the session waited for the step's moves: the residency of that point
+    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget,
+                  telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, **SESSION_KWARGS)
     lab.open()
@@ -270,6 +275,10 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
             "replan_ms_all": [r.extra["budget"].get("replan_ms", 0.0) for r in out["records"]],
             "unforeseen_bytes_all": [r.extra["budget"].get("unforeseen_bytes", 0) for r in out["records"]],
+            "replan_reasons_all": [r.extra["budget"].get("replan_reason", "") for r in out["records"]],
+            "cupti_resident_all": [sum(r.resident_bytes.values()) if r.resident_bytes else None
+                                   for r in out["records"]],
+            "gpu_page_faults_all": [r.gpu_page_faults for r in out["records"]],
             "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
             "run_s": time.perf_counter() - t0,
         })

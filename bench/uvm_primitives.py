@@ -78,7 +78,7 @@ extern "C" __global__ void reread_sum(const float* __restrict__ x, unsigned long
 
 #: Sizes and shapes. conv: (N, C, H=W, K, R), stride 1, same padding; gemm: (M tokens, K, N).
 FULL: dict[str, Any] = dict(
-    repeats=5, budget_s={"remote": 60, "kernel": 150, "migration": 110, "gemm_tiles": 150},
+    repeats=5, budget_s={"remote": 60, "kernel": 150, "migration": 110, "gemm_tiles": 150, "call_size": 120},
     remote_sizes=(64 * MiB, 256 * MiB, GiB), reread_sizes=(16 * MiB, 64 * MiB), slice_buffer=64 * MiB,
     slice_sizes=(64 * KiB, MiB),
     gemm=((512, 1024, 1024), (512, 4096, 4096), (2048, 1024, 1024), (2048, 4096, 4096), (8192, 1024, 1024),

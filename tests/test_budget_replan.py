@@ -84,3 +84,36 @@ def test_discards_waiting_for_new_gradient_addresses_force_a_new_plan():
     control.executor.suspend_discards()
     assert not control.executor.discards_suspended  # nothing waits when the session does not discard
     control.close()
+
+
+def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
+    """ResNet-50 on the H200 re-planned every step (0.3-0.6 s each): its allocator hands out other addresses
+    every step, so each new plan missed as much as the last. A plan made for unforeseen ranges that misses at
+    least half as much in the next step makes that amount tolerated; more than that (plus the threshold)
+    re-plans again, and a change of positions starts over."""
+    from um_lab.budget.control import BudgetControl
+
+    order = layered_order(layers=3)
+    shifted = moved(order, BLOCK)
+    limit = int(REPLAN_UNFORESEEN_FRACTION * B)
+    world = World(order.segments)
+    control = BudgetControl(B, FakeRuntime(), 0, RecordingStreams(), world.segments, issue="inline",
+                            generation=world.generation)
+    control.executor.refresh_segments()
+
+    def step(o, unforeseen):
+        return control._replan(o, {"followed_plan": True, "unforeseen_bytes": unforeseen})
+
+    assert control._replan(order, {"followed_plan": False}) == "no plan"
+    assert step(shifted, 10 * limit) == "unforeseen"
+    assert step(order, 4 * limit) == "unforeseen"  # the new plan missed far less: worth trying again
+    assert step(shifted, 4 * limit) == ""  # ...but this one missed as much as before: tolerated
+    assert step(order, 4 * limit) == ""
+    assert step(shifted, 5 * limit) == ""  # within the tolerated amount plus the threshold
+    assert step(order, 6 * limit) == ""  # the plan's own ranges: nothing to re-plan, whatever is reported
+    assert step(shifted, 6 * limit) == "unforeseen"  # beyond the tolerated amount: a new plan
+    assert step(order, 4 * limit) == ""  # back at the tolerated level under the new plan: kept
+    fewer = layered_order(layers=2)
+    assert control._replan(fewer, {"followed_plan": True, "unforeseen_bytes": 0}) == "positions changed"
+    assert control._tolerated_unforeseen == 0
+    control.close()

@@ -471,6 +471,8 @@ class Session(Listenable):
         if self.populate_segments:  # after the end event: the next step runs on the populated segments
             self._populate(pools, record)
         if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
+            if self._budget is not None and budget_extra is not None:  # residency once the step's moves are done
+                budget_extra["finish_moves_ms"] = self._budget.finish_moves()
             self.telemetry.fill(record, pools.source.segments())
         self.steps_done += 1
         self.last_record = record
