@@ -56,6 +56,8 @@ import torch  # noqa: E402
 from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
+from um_lab.policy import Advice, Policy, get_policy  # noqa: E402
+from um_lab.types import DataType  # noqa: E402
 
 LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)
 GiB = 1 << 30
@@ -119,11 +121,25 @@ def build_case(name: str) -> ModelCase:
 
 #: extra Session arguments (the CPU test of this script passes a fake driver here)
 SESSION_KWARGS: dict[str, Any] = {}
+#: ``--advice host``: every pool prefers the host and is mapped for the GPU, so what the scheduler did not place
+#: is read over the link instead of faulting in (GPU residency: what the scheduler placed, nothing else)
+ADVICE_CHOICES = ("none", "host")
+
+
+def budget_policy(advice: str) -> Policy:
+    """The session policy of an ``--advice`` choice."""
+    if advice == "none":
+        return get_policy("um-default")
+    if advice == "host":
+        return Policy("layer-ahead-host", {t: Advice(preferred_location="cpu", accessed_by={"gpu"}) for t in DataType},
+                      "every pool prefers the host, mapped for the GPU: only the scheduler's prefetches migrate")
+    raise ValueError(f"advice must be one of {ADVICE_CHOICES}, got {advice!r}")
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
-                time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False) -> dict[str, Any]:
+                time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
+                advice: str = "none") -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -136,7 +152,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     from um_lab.cuda.telemetry import Telemetry
 
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
-    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget,
+    lab = Session(budget_policy(advice) if budget is not None else "um-default", cap_bytes=cap, gpu_budget_bytes=budget,
                   telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, **SESSION_KWARGS)
@@ -225,7 +241,8 @@ def cupti_max(records: list[Any]) -> int | None:
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
-                batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
+                batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
+                advices: tuple[str, ...] = ("none",)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -233,16 +250,18 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits in ((r, i, d, b, w) for r in ratios for i in issues for d in discards
-                                                for b in batches for w in gpu_waits):
+    for ratio, issue, discard, batch, waits, advice in ((r, i, d, b, w, a) for r in ratios for i in issues
+                                                        for d in discards for b in batches for w in gpu_waits
+                                                        for a in advices):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
-                               "issue": issue, "discard": discard, "batch_calls": batch, "fit_step_ms": fit_ms,
+                               "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
+                               "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
-                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits)
+                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -290,7 +309,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 for k, v in row["move_timing"].items()))
         rows.append(row)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
-            f"GPU waits {'on' if waits else 'off'}): "
+            f"GPU waits {'on' if waits else 'off'}, advice {advice}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
@@ -386,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-waits", nargs="+", choices=["on", "off"], default=["off"],
                     help="compute waits for prefetches on the GPU, never the host for the mover "
                          "(Session(budget_gpu_waits=...)); both: a row each")
+    ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["none"],
+                    help="the budget sessions' advice: none (um-default), or host: every pool prefers the host and "
+                         "is mapped for the GPU, so only the scheduler's prefetches make data resident")
     ap.add_argument("--time-moves", action="store_true",
                     help="time every move on the side stream (two events a call): rows get move_timing, the bytes, "
                          "ms, calls and rate per direction per step")
@@ -427,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
                                      tuple(d == "on" for d in args.discard), args.time_moves,
                                      tuple(b == "on" for b in args.batch_calls),
-                                     tuple(w == "on" for w in args.gpu_waits))
+                                     tuple(w == "on" for w in args.gpu_waits), tuple(args.advice))
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows
