@@ -56,8 +56,6 @@ import torch  # noqa: E402
 from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
-from um_lab.policy import Advice, Policy, get_policy  # noqa: E402
-from um_lab.types import DataType  # noqa: E402
 
 LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)
 GiB = 1 << 30
@@ -121,25 +119,23 @@ def build_case(name: str) -> ModelCase:
 
 #: extra Session arguments (the CPU test of this script passes a fake driver here)
 SESSION_KWARGS: dict[str, Any] = {}
-#: ``--advice host``: every pool prefers the host and is mapped for the GPU, so what the scheduler did not place
-#: is read over the link instead of faulting in (GPU residency: what the scheduler placed, nothing else)
-ADVICE_CHOICES = ("none", "host")
+#: ``--advice``: ``host`` (the session's default, ``budget_host_advice=True``): the pools prefer the host and are
+#: mapped for the GPU, so only the scheduler's prefetches make data resident; ``none``: no advice (before
+#: session 12), what the scheduler did not foresee faults in behind the ledger
+ADVICE_CHOICES = ("host", "none")
 
 
-def budget_policy(advice: str) -> Policy:
-    """The session policy of an ``--advice`` choice."""
-    if advice == "none":
-        return get_policy("um-default")
-    if advice == "host":
-        return Policy("layer-ahead-host", {t: Advice(preferred_location="cpu", accessed_by={"gpu"}) for t in DataType},
-                      "every pool prefers the host, mapped for the GPU: only the scheduler's prefetches migrate")
-    raise ValueError(f"advice must be one of {ADVICE_CHOICES}, got {advice!r}")
+def host_advice(advice: str) -> bool:
+    """``Session(budget_host_advice=...)`` for an ``--advice`` choice."""
+    if advice not in ADVICE_CHOICES:
+        raise ValueError(f"advice must be one of {ADVICE_CHOICES}, got {advice!r}")
+    return advice == "host"
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
-                advice: str = "none") -> dict[str, Any]:
+                advice: str = "host") -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -152,7 +148,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     from um_lab.cuda.telemetry import Telemetry
 
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
-    lab = Session(budget_policy(advice) if budget is not None else "um-default", cap_bytes=cap, gpu_budget_bytes=budget,
+    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, budget_host_advice=host_advice(advice),
                   telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, **SESSION_KWARGS)
@@ -242,7 +238,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
-                advices: tuple[str, ...] = ("none",)) -> list[dict[str, Any]]:
+                advices: tuple[str, ...] = ("host",)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -405,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-waits", nargs="+", choices=["on", "off"], default=["off"],
                     help="compute waits for prefetches on the GPU, never the host for the mover "
                          "(Session(budget_gpu_waits=...)); both: a row each")
-    ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["none"],
-                    help="the budget sessions' advice: none (um-default), or host: every pool prefers the host and "
-                         "is mapped for the GPU, so only the scheduler's prefetches make data resident")
+    ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["host"],
+                    help="host (the default, Session(budget_host_advice=True)): unadvised pools prefer the host and "
+                         "are mapped for the GPU, so only the scheduler's prefetches make data resident; none: no "
+                         "advice, what the scheduler did not foresee faults in")
     ap.add_argument("--time-moves", action="store_true",
                     help="time every move on the side stream (two events a call): rows get move_timing, the bytes, "
                          "ms, calls and rate per direction per step")

@@ -11,11 +11,13 @@ import pytest
 import torch
 from fakes import FakeRuntime
 
+import um_lab
 from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
 from um_lab.budget.mover import MoveBatch, ThreadMover
 from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import ManagedPools
 from um_lab.cuda.session import Session
+from um_lab.types import DataType
 
 MiB = 1 << 20
 WIDTH = 1024  # a 4 MiB weight per layer
@@ -271,3 +273,31 @@ def test_a_closed_session_still_referenced_holds_no_parameter(env, budget):
     del model
     gc.collect()
     assert ref() is None and not lab.is_open
+
+
+@pytest.mark.parametrize("host_advice", [True, False])
+def test_a_budget_session_advises_its_pools_to_prefer_the_host_unless_told_not_to(env, host_advice):
+    """budget_host_advice (the default): every pool of a type the policy leaves unadvised prefers the host and
+    is mapped for the GPU, so only the scheduler's prefetches make data resident (a new policy too); off, and
+    without a budget, um-default advises nothing. The session's own policy stays the user's."""
+    model, batches = model_and_data()
+    with make_session(env, gpu_budget_bytes=48 * MiB, budget_host_advice=host_advice) as lab:
+        train(lab, model, batches[:2])
+        for policy in (lab._pools.policy, None):
+            if policy is None:
+                lab.set_policy(um_lab.Policy("mine", {"param": um_lab.Advice(preferred_location="gpu")}))
+                policy = lab._pools.policy
+                assert policy[DataType.PARAM].preferred_location == "gpu"  # the policy's own advice is kept
+            for t in (DataType.GRAD, DataType.OPTIM, DataType.ACT, DataType.INPUT):
+                if host_advice:
+                    assert policy[t].preferred_location == "cpu" and policy[t].accessed_by == {"gpu"}
+                else:
+                    assert policy[t].is_default
+        assert lab.policy[DataType.ACT].is_default  # the user's policy, unchanged
+
+
+def test_a_session_without_a_budget_gives_no_host_advice(env):
+    model, batches = model_and_data()
+    with make_session(env) as lab:
+        train(lab, model, batches[:1])
+        assert lab._pools.policy is lab.policy and all(lab._pools.policy[t].is_default for t in DataType)
