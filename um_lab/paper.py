@@ -76,13 +76,13 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "9b58ccb2192bf03d737c343f07e48fa174f916128e445d233ad10aea13eb4491",
-    "sim_source_sha256": "c403932ae427ba2e9866daa80b56beca44296285f7aca7df59dd1054a9ac10c6",
-    "date": "2026-12-02T02:02:52+00:00",
-    # 2-core dev VM, all three models in one run (torch 2.14.1 + torchvision 0.29.1 in a side venv) on the
-    # simulator of 36a37aa (the commit recorded is the tree's HEAD when the JSON was written, with later
-    # non-simulator edits uncommitted)
-    "git_commit": "f547fbe912315586b0d0a21147f64836227c81c1+dirty",
+    "profile_sha256": "ea1ff63e76884f92c7ef36a5206354780a2f14cab95054d7d77033b98ed05b8d",
+    "sim_source_sha256": "97d8ca03b5c379edee6398afc289840817127102a7520c9e0af421fe91580720",
+    "date": "2026-12-02T05:58:04+00:00",
+    # 2-core dev VM, all three models in one run (torch 2.14.1 + torchvision 0.29.1 in a side venv), re-run in
+    # session 12 when the profile gained the scheduler's side-stream rates (which this experiment does not use:
+    # every row and the choice came out identical); the commit is the tree's HEAD then, the profile uncommitted
+    "git_commit": "3b4e68abd06b01655f0daea49f31c7ca686feffd+dirty",
     "um_lab_version": "0.1.0",
 }
 

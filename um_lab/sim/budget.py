@@ -20,8 +20,10 @@ look-ahead prefetches, the steady-state step), so the moves are the ones the rea
 position's hook cost and its ops' dispatch times), the mover thread that makes the prefetch calls
 (``prefetch_call_us`` + ``prefetch_call_us_per_block`` each; with ``prefetch_host_sync`` a call first
 waits until the side stream's earlier work is done), the side stream (evictions wait for the compute
-queued before their position; transfers at ``prefetch_h2d_GBps`` to the GPU and ``prefetch_d2h_GBps``
-to the host, ``prefetch_block_us`` per block; both directions share the stream, so they never overlap)
+queued before their position; transfers at the profile's ``scheduler_h2d_GBps`` to the GPU and
+``scheduler_d2h_GBps`` to the host, the side-stream rates measured in training (where a profile has none,
+the lone-prefetch rates ``prefetch_h2d_GBps`` / ``prefetch_d2h_GBps``), ``prefetch_block_us`` per block; both
+directions share the stream, so they never overlap)
 and the compute stream (each position's ops at their resident roofline times, after the prefetches it
 waits for). The step time is the compute stream's, as the session's CUDA-event timer measures it.
 """
@@ -244,12 +246,13 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 evict_GBps: float | None = None, prefetch_GBps: float | None = None,
                 gpu_waits: bool = False) -> BudgetStep:
     """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
-    GPU->host rate, default the profile's ``prefetch_d2h_GBps``; ``prefetch_GBps``: the host->GPU rate,
-    default ``prefetch_h2d_GBps``; ``gpu_waits``: as ``Session(budget_gpu_waits=True)``, the host never waits
-    for the mover to issue a batch, only compute waits for its transfers)."""
+    GPU->host rate, default the profile's ``scheduler_d2h_GBps``, else ``prefetch_d2h_GBps``; ``prefetch_GBps``:
+    the host->GPU rate, default ``scheduler_h2d_GBps``, else ``prefetch_h2d_GBps``; ``gpu_waits``: as
+    ``Session(budget_gpu_waits=True)``, the host never waits for the mover to issue a batch, only compute waits
+    for its transfers)."""
     p = profile
-    h2d = (prefetch_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
-    d2h = (evict_GBps or p.prefetch_d2h_GBps) * 1e3
+    h2d = (prefetch_GBps or p.scheduler_h2d_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
+    d2h = (evict_GBps or p.scheduler_d2h_GBps or p.prefetch_d2h_GBps) * 1e3
     sync = p.prefetch_host_sync >= 0.5
     cpu = mover = side = gpu = 0.0
     next_pending: dict[int, tuple[float, float]] = {}

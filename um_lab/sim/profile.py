@@ -20,7 +20,8 @@ from typing import Any
 FORMAT_VERSION = 2
 #: Host costs that may be zero (a fit can find that a cost is not there).
 ZERO_ALLOWED = frozenset({"cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us",
-                          "cpu_view_op_us", "cpu_step_us", "kernel_us"})
+                          "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
+                          "scheduler_d2h_GBps"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,11 @@ class Profile:
     prefetch_call_us_per_block: float = 1.0  #: host time per block of a prefetch call (resident too)
     #: 1: a cudaMemPrefetchAsync call returns only once the stream's earlier work is done; 0: at once
     prefetch_host_sync: float = 1.0
+    #: the layer-ahead scheduler's side-stream rates measured in training (GPT-2-large, ResNet-50 under a
+    #: budget: moves interleaved with compute, ~25 MB calls), where they differ from a lone prefetch's;
+    #: 0: not measured, the prefetch rates above (um_lab.sim.budget)
+    scheduler_h2d_GBps: float = 0.0
+    scheduler_d2h_GBps: float = 0.0
     readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
     #: Measured link passes of weight GEMMs at exact shapes, ``(layout, bias, M, K, N, passes)`` with layout
     #: "nt" (x @ W^T) or "nn" (x @ W) and bias 0/1 (``bench/gemm_shapes.py``): they replace the power law of
