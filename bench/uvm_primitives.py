@@ -546,14 +546,25 @@ def duplex_once(lab: GpuLab, src: int, dst: int, nbytes: int, mode: str, streams
     return [max(d2h, h2d), d2h, h2d, wall]
 
 
-def both_directions(lab: GpuLab, nbytes: int, repeats: int) -> Rows:
-    """D2H of one buffer and H2D of another at once (pages host- and GPU-backed before); roles swap each repeat."""
+@contextlib.contextmanager
+def duplex_buffers(lab: GpuLab, nbytes: int) -> Iterator[tuple[int, int]]:
+    """Two buffers, the first GPU-resident and the second on the host, each backed on both sides before
+    (freed on exit)."""
     a, b = lab.new(nbytes, NO_ADVICE, cpu_value=None), lab.new(nbytes, NO_ADVICE, cpu_value=1.0)
     try:
         lab.write(a)
         for ptr, path in ((a, ("cpu", "gpu")), (b, ("gpu", "cpu"))):
             for to in path:
                 lab.prefetch(ptr, to)
+        yield a, b
+    finally:
+        lab.free(a)
+        lab.free(b)
+
+
+def both_directions(lab: GpuLab, nbytes: int, repeats: int) -> Rows:
+    """D2H of one buffer and H2D of another at once (pages host- and GPU-backed before); roles swap each repeat."""
+    with duplex_buffers(lab, nbytes) as (a, b):
         streams = (lab.cp.cuda.Stream(non_blocking=True), lab.cp.cuda.Stream(non_blocking=True))
         on_gpu, on_host, rows = a, b, []
         for mode in DUPLEX_MODES:
@@ -566,9 +577,6 @@ def both_directions(lab: GpuLab, nbytes: int, repeats: int) -> Rows:
                                       shape=f"{size_label(nbytes)} each way", d2h_ms=d2h, h2d_ms=h2d, wall_ms=wall,
                                       d2h_GBps=nbytes / (d2h * 1e6), h2d_GBps=nbytes / (h2d * 1e6)))
         return rows
-    finally:
-        lab.free(a)
-        lab.free(b)
 
 
 def migration_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
@@ -618,12 +626,7 @@ def duplex_chunked(lab: GpuLab, nbytes: int, chunk: int, repeats: int) -> Rows:
     """D2H of one buffer on one stream and H2D of another on a second stream, in ``chunk`` calls interleaved
     from one thread (as the scheduler's mover issues them): [total, d2h, h2d] ms per repeat."""
     cuda = lab.cp.cuda
-    a, b = lab.new(nbytes, NO_ADVICE, cpu_value=None), lab.new(nbytes, NO_ADVICE, cpu_value=1.0)
-    try:
-        lab.write(a)
-        for ptr, path in ((a, ("cpu", "gpu")), (b, ("gpu", "cpu"))):
-            for to in path:
-                lab.prefetch(ptr, to)
+    with duplex_buffers(lab, nbytes) as (a, b):
         s_d2h, s_h2d = cuda.Stream(non_blocking=True), cuda.Stream(non_blocking=True)
         on_gpu, on_host, got = a, b, []
         for _ in range(repeats + 1):
@@ -647,9 +650,6 @@ def duplex_chunked(lab: GpuLab, nbytes: int, chunk: int, repeats: int) -> Rows:
                               [s[0] for s in got], group="call_size", call_bytes=chunk, call_MiB=chunk / MiB,
                               calls=2 * -(-nbytes // chunk), d2h_ms=d2h, h2d_ms=h2d, d2h_GBps=nbytes / (d2h * 1e6),
                               h2d_GBps=nbytes / (h2d * 1e6))]
-    finally:
-        lab.free(a)
-        lab.free(b)
 
 
 def call_size_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
