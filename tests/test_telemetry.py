@@ -730,3 +730,29 @@ def test_without_exactly_one_libcupti_the_flush_uses_cupti_pythons_wrapper(tmp_p
         flush(1)
         assert via == "cupti-python"
     assert calls == [1, 1]
+
+
+def test_a_budget_session_reads_residency_only_after_the_steps_moves_completed(env):
+    """With a budget, telemetry is read once the mover has issued every move of the step and the side stream
+    is synchronised (the ledger counts a move when it is issued), outside the step's time."""
+    state = {}
+
+    def make():
+        streams = state["lab"].budget.executor.streams
+        state.setdefault("log_at_drain", []).append(list(streams.log))
+        return []
+
+    fake = _ListSource(make)
+    tel = Telemetry(source=fake, nvml=False, flush="step")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _session(env, telemetry=tel, gpu_budget_bytes=24 * MiB) as lab:
+        state["lab"] = lab
+        lab.attach(lab.place(model), opt)
+        x = torch.randn(64, 1024)
+        records = [lab.step(lambda: model(x).square().mean(), opt) for _ in range(3)]
+    assert fake.drains == 3
+    for r, log in zip(records, state["log_at_drain"], strict=True):
+        assert r.extra["budget"]["finish_moves_ms"] >= 0
+        assert log and log[-1] == ("synchronize_side", 0)  # the last thing before residency was read
