@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
-# tests | bench | all | alternate | populate | moves | waits | sample.
+# tests | bench | all | alternate | populate | moves | waits | sample | predicted.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
 # waits: GPT-2-large at ratio 2 with and without Session(budget_gpu_waits=True);
-# sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes).
+# sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes);
+# predicted: the rows of bench/results/budget_predicted_session12.json not yet measured (GPT-2-XL at 1.5, 2, 3;
+# GPT-2-large at 3; ResNet-50 at 1.5; both also at the other ratio), default session (host advice), CUPTI off.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
@@ -54,5 +56,11 @@ fi
 if [[ $what == moves ]]; then
   timeout 540 python3 bench/budget.py --models gpt2-large --ratios 2 1.5 --steps 5 --batch-calls off on --time-moves --no-sim \
     --out "$OUT/budget_moves.json" 2>&1 | tee "$OUT/moves.log"
+fi
+if [[ $what == predicted ]]; then  # ~9 min (estimate): split over two calls if need be
+  timeout 330 python3 bench/budget.py --models gpt2-xl --ratios 1.5 2 3 --steps 5 --time-moves --no-sim \
+    --out "$OUT/budget_gpt2xl.json" 2>&1 | tee "$OUT/predicted.log"
+  timeout 200 python3 bench/budget.py --models gpt2-large resnet50 --ratios 3 1.5 --steps 5 --time-moves --no-sim \
+    --out "$OUT/budget_others.json" 2>&1 | tee -a "$OUT/predicted.log"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/sanity.log"
