@@ -43,7 +43,13 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
                    "norm_fwd_hbm_passes", "norm_bwd_hbm_passes"}
     gemm_fields = {"gemm_nt_passes", "gemm_nn_passes", "gemm_small_m_ctas"}  # tests/test_sim_gemm_passes.py
     shape_fields = {"gemm_shape_files", "gemm_law_factor"}  # bench/gemm_shapes.py results: the table and its band
-    assert set(packaged["measured"]["primitives"]) == set(why) | conv_fields | step_fields | gemm_fields | shape_fields
+    scheduler_fields = {"scheduler_h2d_GBps", "scheduler_d2h_GBps"}  # bench/budget.py --time-moves rows
+    assert set(packaged["measured"]["primitives"]) == (set(why) | conv_fields | step_fields | gemm_fields
+                                                       | shape_fields | scheduler_fields)
+    for name in scheduler_fields:  # slower than a lone prefetch in the same direction, inside the measured range
+        info = packaged["measured"]["primitives"][name]
+        assert "budget.py --time-moves" in info["from"] and info["range"][0] <= getattr(p, name) <= info["range"][1]
+    assert p.scheduler_h2d_GBps < p.prefetch_h2d_GBps and p.scheduler_d2h_GBps < p.prefetch_d2h_GBps
     files = packaged["measured"]["primitives"]["gemm_shape_files"]
     assert files["shapes"] == len(p.gemm_shape_passes) and len(files["files"]) == len(list(
         (root / "bench" / "results" / "gemm_shapes").glob("*.json")))
@@ -107,7 +113,8 @@ def test_rebuilding_the_h200_profile_gives_the_packaged_file() -> None:
                                  conv_path=results / "conv_in_step.json",
                                  step_detail_path=results / "step_detail.json",
                                  gemm_tiles_path=results / "gemm_tiles.json",
-                                 gemm_shapes_paths=sorted((results / "gemm_shapes").glob("*.json")))
+                                 gemm_shapes_paths=sorted((results / "gemm_shapes").glob("*.json")),
+                                 scheduler_paths=sorted((results / "raw").glob("session1[12]_budget*.json")))
     assert rebuilt.name == "h200"
     packaged = dataclasses.asdict(packaged_h200())
     for key, value in dataclasses.asdict(rebuilt).items():
@@ -215,3 +222,19 @@ def test_host_cost_per_op_class() -> None:
     fast = dataclasses.replace(p, cpu_op_us=1.0, cpu_bwd_op_us=1.0, cpu_cudnn_call_us=0.1,
                                cpu_foreach_tensor_us=0.01)
     assert native_step_ms(tr, p) > 2 * native_step_ms(tr, fast)
+
+
+def test_the_scheduler_rates_are_the_medians_of_the_timed_budget_rows(tmp_path) -> None:
+    from um_lab.sim.primitives import fit_scheduler_rates
+
+    def timed(h2d, d2h):
+        return {"move_timing": {"to_gpu": {"GBps": h2d}, "to_host": {"GBps": d2h}}}
+
+    (tmp_path / "a.json").write_text(json.dumps({"rows": [timed(30.0, 8.0), timed(40.0, 12.0), {"step_ms": 1.0}]}))
+    (tmp_path / "b.json").write_text(json.dumps({"rows": [timed(50.0, 10.0)]}))
+    (tmp_path / "untimed.json").write_text(json.dumps({"rows": [{"step_ms": 2.0}]}))
+    fields, why = fit_scheduler_rates(sorted(tmp_path.glob("*.json")))
+    assert fields == {"scheduler_h2d_GBps": 40.0, "scheduler_d2h_GBps": 10.0}
+    assert why["scheduler_d2h_GBps"]["range"] == [8.0, 12.0] and "a.json, b.json." in why["scheduler_h2d_GBps"]["from"]
+    assert fit_scheduler_rates([tmp_path / "untimed.json"]) == ({}, {})
+    assert packaged_h200().scheduler_d2h_GBps > 0  # the packaged profile has them: sim.budget prices moves there

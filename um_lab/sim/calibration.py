@@ -24,7 +24,8 @@ elementwise rates are fitted op by op there; whole step times then fit only what
                        conv_path="bench/results/conv_in_step.json",
                        step_detail_path="bench/results/step_detail.json",
                        gemm_tiles_path="bench/results/gemm_tiles.json",
-                       gemm_shapes_paths=sorted(Path("bench/results/gemm_shapes").glob("*.json")))
+                       gemm_shapes_paths=sorted(Path("bench/results/gemm_shapes").glob("*.json")),
+                       scheduler_paths=sorted(Path("bench/results/raw").glob("session1[12]_budget*.json")))
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 from um_lab.policy import Policy, get_policy
 from um_lab.sim.placement import BLOCK
-from um_lab.sim.primitives import fit_primitives, load_primitives
+from um_lab.sim.primitives import fit_primitives, fit_scheduler_rates, load_primitives
 from um_lab.sim.profile import Profile
 from um_lab.sim.replicas import model_case
 from um_lab.sim.roofline import native_step_ms
@@ -218,7 +219,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                        conv_path: str | Path | None = None,
                        step_detail_path: str | Path | None = None,
                        gemm_tiles_path: str | Path | None = None,
-                       gemm_shapes_paths: Iterable[str | Path] = ()) -> Profile:
+                       gemm_shapes_paths: Iterable[str | Path] = (),
+                       scheduler_paths: Iterable[str | Path] = ()) -> Profile:
     """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``), when given
     the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), the UM
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
@@ -229,7 +231,9 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     (:mod:`um_lab.sim.step_fit`); the whole-step fit then keeps those peaks fixed; and the GEMM grid of
     ``bench/uvm_primitives.py --sections gemm_tiles``, which sets the link passes over a GEMM's remote weight
     by layout and shape (:mod:`um_lab.sim.gemm_passes`); and ``bench/gemm_shapes.py`` results, the passes of
-    models' own weight GEMMs timed alone, which replace that law at exactly those shapes."""
+    models' own weight GEMMs timed alone, which replace that law at exactly those shapes; and ``bench/budget.py
+    --time-moves`` results, the layer-ahead scheduler's side-stream rates in training
+    (:func:`um_lab.sim.primitives.fit_scheduler_rates`)."""
     probe = json.loads(Path(probe_path).read_text())
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
@@ -294,6 +298,11 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                                   f"weight passes from bench/gemm_shapes.py ({len(shape_paths)} models)")
         provenance["gemm_shape_files"] = {"files": [p.name for p in shape_paths], "shapes": len(table)}
         provenance["gemm_law_factor"] = law_spread(shape_paths, profile)
+    scheduler_fields, scheduler_provenance = fit_scheduler_rates(scheduler_paths)
+    if scheduler_fields:
+        profile = profile.replace(source=profile.source + "; the scheduler's side-stream rates from bench/budget.py "
+                                  "--time-moves", **scheduler_fields)
+        provenance.update(scheduler_provenance)
     if out is not None:
         measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}

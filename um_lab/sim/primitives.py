@@ -161,3 +161,29 @@ def load_primitives(path: str | Path) -> dict[str, Any]:
     """Read a ``bench/uvm_primitives.py`` result."""
     return json.loads(Path(path).read_text())
 
+
+
+def fit_scheduler_rates(paths: Iterable[str | Path]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """``scheduler_h2d_GBps`` / ``scheduler_d2h_GBps`` and their provenance from ``bench/budget.py
+    --time-moves`` results: the medians over every row's side-stream rate per direction (``move_timing``),
+    the layer-ahead scheduler's moves timed in training. Files without such rows add nothing; none at all:
+    no fields (the simulator then prices the scheduler at the prefetch rates)."""
+    rates: dict[str, list[float]] = {"to_gpu": [], "to_host": []}
+    files = []
+    for path in paths:
+        rows = [r for r in json.loads(Path(path).read_text()).get("rows", []) if r.get("move_timing")]
+        for row in rows:
+            for direction, samples in rates.items():
+                samples.append(float(row["move_timing"][direction]["GBps"]))
+        if rows:
+            files.append(Path(path).name)
+    if not rates["to_gpu"]:
+        return {}, {}
+    why = (f"the layer-ahead scheduler's side-stream moves in training, timed per step with CUDA events "
+           f"(bench/budget.py --time-moves): median of {len(rates['to_gpu'])} runs in {', '.join(files)}. "
+           "Below a lone prefetch's rate: the moves share the link and the host with compute, in calls of ~25 MB")
+    fields, provenance = {}, {}
+    for field, direction in (("scheduler_h2d_GBps", "to_gpu"), ("scheduler_d2h_GBps", "to_host")):
+        fields[field] = round(statistics.median(rates[direction]), 1)  # their spread is +-30%: 0.1 GB/s is plenty
+        provenance[field] = {"from": why, "range": [min(rates[direction]), max(rates[direction])]}
+    return fields, provenance
