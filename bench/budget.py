@@ -16,7 +16,9 @@ measured primitives: ``primitive_bound_ms``, ``over_primitive_bound``), ``max_re
 (the ledger's highest resident bytes over the measured steps), ``max_resident_cupti`` (with
 ``--telemetry``: the highest CUPTI-measured resident bytes at a step's end, once the step's moves have
 completed, a lower bound: HtoD records can be lost in bursts; else null; per step in ``cupti_resident_all``
-with ``gpu_page_faults_all``). ``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
+with ``gpu_page_faults_all``). With ``--telemetry`` the session synchronises the side stream after each step
+(``finish_moves_ms``), outside the step's time: such rows' ``step_ms`` is not comparable with rows without it.
+``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
 own budget, filled after the measurement (``--no-sim`` leaves it null). ``fsdp2_step_ms``,
 ``fsdp2_peak_bytes``: the peer, PyTorch FSDP2 with CPUOffloadPolicy on the same model and batch
 (``--fsdp2``: bench/fsdp2_peer.py in a process of its own; else null).

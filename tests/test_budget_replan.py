@@ -113,6 +113,10 @@ def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
     assert step(order, 6 * limit) == ""  # the plan's own ranges: nothing to re-plan, whatever is reported
     assert step(shifted, 6 * limit) == "unforeseen"  # beyond the tolerated amount: a new plan
     assert step(order, 4 * limit) == ""  # back at the tolerated level under the new plan: kept
+    assert step(order, 10 * limit) == "unforeseen"  # the plan was made on `shifted`
+    assert step(shifted, limit) == ""  # this plan helped (a tenth): nothing is tolerated any more...
+    assert control._tolerated_unforeseen == 0
+    assert step(shifted, 2 * limit) == "unforeseen"  # ...so twice the threshold re-plans again
     fewer = layered_order(layers=2)
     assert control._replan(fewer, {"followed_plan": True, "unforeseen_bytes": 0}) == "positions changed"
     assert control._tolerated_unforeseen == 0

@@ -282,7 +282,8 @@ def test_a_budget_session_advises_its_pools_to_prefer_the_host_unless_told_not_t
     without a budget, um-default advises nothing. The session's own policy stays the user's."""
     model, batches = model_and_data()
     with make_session(env, gpu_budget_bytes=48 * MiB, budget_host_advice=host_advice) as lab:
-        train(lab, model, batches[:2])
+        records = train(lab, model, batches[:2])
+        assert all(r.extra["budget"]["host_advice"] is host_advice for r in records)  # what the pools got
         for policy in (lab._pools.policy, None):
             if policy is None:
                 lab.set_policy(um_lab.Policy("mine", {"param": um_lab.Advice(preferred_location="gpu")}))

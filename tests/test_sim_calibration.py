@@ -232,9 +232,9 @@ def test_the_scheduler_rates_are_the_medians_of_the_timed_budget_rows(tmp_path) 
 
     (tmp_path / "a.json").write_text(json.dumps({"rows": [timed(30.0, 8.0), timed(40.0, 12.0), {"step_ms": 1.0}]}))
     (tmp_path / "b.json").write_text(json.dumps({"rows": [timed(50.0, 10.0)]}))
-    (tmp_path / "untimed.json").write_text(json.dumps({"rows": [{"step_ms": 2.0}]}))
+    (tmp_path / "untimed.json").write_text(json.dumps({"rows": [{"step_ms": 2.0}, timed(float("nan"), 0.0)]}))
     fields, why = fit_scheduler_rates(sorted(tmp_path.glob("*.json")))
     assert fields == {"scheduler_h2d_GBps": 40.0, "scheduler_d2h_GBps": 10.0}
-    assert why["scheduler_d2h_GBps"]["range"] == [8.0, 12.0] and "a.json, b.json." in why["scheduler_h2d_GBps"]["from"]
+    assert why["scheduler_d2h_GBps"]["range"] == [8.0, 12.0] and "a.json, b.json (" in why["scheduler_h2d_GBps"]["from"]
     assert fit_scheduler_rates([tmp_path / "untimed.json"]) == ({}, {})
     assert packaged_h200().scheduler_d2h_GBps > 0  # the packaged profile has them: sim.budget prices moves there

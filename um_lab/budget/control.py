@@ -246,7 +246,7 @@ class BudgetControl:
         extra = executor.end_step()
         t0 = time.perf_counter()
         reason = self._replan(recorder.order, extra)
-        extra["replanned"], extra["replan_reason"] = bool(reason), reason
+        extra["replanned"], extra["replan_reason"] = bool(reason) and self.pending_error is None, reason
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
@@ -270,9 +270,9 @@ class BudgetControl:
         self.last_order = order
         unforeseen = int(step.get("unforeseen_bytes", 0))
         replanned_for = self._replanned_for_unforeseen
-        if (self._steps_under_plan == 0 and replanned_for is not None and step.get("followed_plan", False)
-                and unforeseen >= replanned_for / 2):
-            self._tolerated_unforeseen = unforeseen
+        if self._steps_under_plan == 0 and replanned_for is not None and step.get("followed_plan", False):
+            # the first step under a plan made for unforeseen ranges: did the new plan help?
+            self._tolerated_unforeseen = unforeseen if unforeseen >= replanned_for / 2 else 0
         self._steps_under_plan += 1
         reason = "discards" if self.executor.discards_suspended else plan_outdated(
             self.executor.plan_order, order, step, self.budget_bytes, tolerated_unforeseen=self._tolerated_unforeseen)
@@ -282,7 +282,7 @@ class BudgetControl:
             self.executor.set_order(order)
         except BudgetTooSmall as e:
             self.pending_error = e
-            return ""
+            return f"{reason} (budget too small: raised next step)"
         self._steps_under_plan = 0
         self._replanned_for_unforeseen = unforeseen if reason == "unforeseen" else None
         if reason != "unforeseen":

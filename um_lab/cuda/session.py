@@ -474,6 +474,7 @@ class Session(Listenable):
             telemetry="unavailable: telemetry not enabled",
         )
         if budget_extra is not None:
+            budget_extra["host_advice"] = self.budget_host_advice  # the pools' advice, beside the policy's name
             record.extra["budget"] = budget_extra
         if self.populate_segments:  # after the end event: the next step runs on the populated segments
             self._populate(pools, record)

@@ -171,17 +171,21 @@ def fit_scheduler_rates(paths: Iterable[str | Path]) -> tuple[dict[str, float], 
     rates: dict[str, list[float]] = {"to_gpu": [], "to_host": []}
     files = []
     for path in paths:
-        rows = [r for r in json.loads(Path(path).read_text()).get("rows", []) if r.get("move_timing")]
-        for row in rows:
+        used = False
+        for row in json.loads(Path(path).read_text()).get("rows", []):
             for direction, samples in rates.items():
-                samples.append(float(row["move_timing"][direction]["GBps"]))
-        if rows:
+                rate = (row.get("move_timing") or {}).get(direction, {}).get("GBps")
+                if isinstance(rate, int | float) and math.isfinite(rate) and rate > 0:  # NaN: no move timed
+                    samples.append(float(rate))
+                    used = True
+        if used:
             files.append(Path(path).name)
-    if not rates["to_gpu"]:
+    if not rates["to_gpu"] or not rates["to_host"]:
         return {}, {}
     why = (f"the layer-ahead scheduler's side-stream moves in training, timed per step with CUDA events "
-           f"(bench/budget.py --time-moves): median of {len(rates['to_gpu'])} runs in {', '.join(files)}. "
-           "Below a lone prefetch's rate: the moves share the link and the host with compute, in calls of ~25 MB")
+           f"(bench/budget.py --time-moves): median of {len(rates['to_gpu'])} runs in {', '.join(files)} "
+           "(whatever the rows' scheduler options; their step times are then priced in sample). Below a lone "
+           "prefetch's rate: the moves share the link and the host with compute, in calls of ~25 MB")
     fields, provenance = {}, {}
     for field, direction in (("scheduler_h2d_GBps", "to_gpu"), ("scheduler_d2h_GBps", "to_host")):
         fields[field] = round(statistics.median(rates[direction]), 1)  # their spread is +-30%: 0.1 GB/s is plenty
