@@ -75,10 +75,10 @@ def test_discards_waiting_for_new_gradient_addresses_force_a_new_plan():
                             generation=world.generation, discard_gradients=True)
     control.executor.refresh_segments()
     control.executor.set_order(order)
-    assert not control._replan(order, FOLLOWED)  # the same order, followed: kept
+    assert control._replan(order, FOLLOWED) == (False, "")  # the same order, followed: kept
     control.executor.suspend_discards()  # gradients were re-created
     assert control.executor.discards_suspended
-    assert control._replan(order, FOLLOWED)  # re-planned although the order looks the same
+    assert control._replan(order, FOLLOWED) == (True, "discards")  # re-planned although the order looks the same
     assert not control.executor.discards_suspended
     control.executor.discard_gradients = False
     control.executor.suspend_discards()
@@ -102,9 +102,11 @@ def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
     control.executor.refresh_segments()
 
     def step(o, unforeseen):
-        return control._replan(o, {"followed_plan": True, "unforeseen_bytes": unforeseen})
+        replanned, reason = control._replan(o, {"followed_plan": True, "unforeseen_bytes": unforeseen})
+        assert replanned == bool(reason)
+        return reason
 
-    assert control._replan(order, {"followed_plan": False}) == "no plan"
+    assert control._replan(order, {"followed_plan": False}) == (True, "no plan")
     assert step(shifted, 10 * limit) == "unforeseen"
     assert step(order, 4 * limit) == "unforeseen"  # the new plan missed far less: worth trying again
     assert step(shifted, 4 * limit) == ""  # ...but this one missed as much as before: tolerated
@@ -118,6 +120,6 @@ def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
     assert control._tolerated_unforeseen == 0
     assert step(shifted, 2 * limit) == "unforeseen"  # ...so twice the threshold re-plans again
     fewer = layered_order(layers=2)
-    assert control._replan(fewer, {"followed_plan": True, "unforeseen_bytes": 0}) == "positions changed"
+    assert control._replan(fewer, {"followed_plan": True, "unforeseen_bytes": 0}) == (True, "positions changed")
     assert control._tolerated_unforeseen == 0
     control.close()

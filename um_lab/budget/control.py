@@ -245,8 +245,7 @@ class BudgetControl:
                 self._owed_zero = {id(p) for p in trainable}
         extra = executor.end_step()
         t0 = time.perf_counter()
-        reason = self._replan(recorder.order, extra)
-        extra["replanned"], extra["replan_reason"] = bool(reason) and self.pending_error is None, reason
+        extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
@@ -258,10 +257,10 @@ class BudgetControl:
             self._chunks[key] = optimizer_chunks(self._roots, optimizer)
         return self._chunks[key]
 
-    def _replan(self, order: Order, step: dict[str, Any]) -> str:
+    def _replan(self, order: Order, step: dict[str, Any]) -> tuple[bool, str]:
         """Plan on ``order`` when the plan is out of date (:func:`plan_outdated`) or its discards wait for new
-        gradient addresses; returns why ("" when kept). A budget too small for it is raised at the start of
-        the next step, before anything runs.
+        gradient addresses; returns whether it did and why ("" when the plan is kept). A budget too small for
+        the new plan is raised at the start of the next step, before anything runs.
 
         When a plan made because of unforeseen ranges foresees about as little in the step that follows it
         (at least half as many bytes unforeseen: the allocator hands out other addresses every step, as in
@@ -277,17 +276,17 @@ class BudgetControl:
         reason = "discards" if self.executor.discards_suspended else plan_outdated(
             self.executor.plan_order, order, step, self.budget_bytes, tolerated_unforeseen=self._tolerated_unforeseen)
         if not reason:
-            return ""
+            return False, ""
         try:
             self.executor.set_order(order)
         except BudgetTooSmall as e:
             self.pending_error = e
-            return f"{reason} (budget too small: raised next step)"
+            return False, f"{reason} (budget too small: raised next step)"
         self._steps_under_plan = 0
         self._replanned_for_unforeseen = unforeseen if reason == "unforeseen" else None
         if reason != "unforeseen":
             self._tolerated_unforeseen = 0
-        return reason
+        return True, reason
 
 
     def _spans(self, tensors: Iterable[torch.Tensor | None]) -> list[Span]:
