@@ -76,13 +76,13 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "ea1ff63e76884f92c7ef36a5206354780a2f14cab95054d7d77033b98ed05b8d",
-    "sim_source_sha256": "97d8ca03b5c379edee6398afc289840817127102a7520c9e0af421fe91580720",
-    "date": "2026-12-02T05:58:04+00:00",
+    "profile_sha256": "3860e0fe87e784d59ebf78e32a5de8e194148f73191fb48187efb80e25234a6c",
+    "sim_source_sha256": "acc609895af162f62317854664695e30e6488b841f25d3826348ab2bb38adc68",
+    "date": "2026-12-02T06:27:26+00:00",
     # 2-core dev VM, all three models in one run (torch 2.14.1 + torchvision 0.29.1 in a side venv), re-run in
     # session 12 when the profile gained the scheduler's side-stream rates (which this experiment does not use:
-    # every row and the choice came out identical); the commit is the tree's HEAD then, the profile uncommitted
-    "git_commit": "3b4e68abd06b01655f0daea49f31c7ca686feffd+dirty",
+    # every row and the choice came out identical); the commit is the tree's HEAD when it ran
+    "git_commit": "e44753884a17f9105e79660306414bb5303ddddb",
     "um_lab_version": "0.1.0",
 }
 
