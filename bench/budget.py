@@ -57,6 +57,7 @@ import torch  # noqa: E402
 
 from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
+from um_lab.cuda.telemetry import Telemetry  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
 
 LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)
@@ -147,8 +148,6 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     model = case.build_model()
     records = []
     peak = 0
-    from um_lab.cuda.telemetry import Telemetry
-
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, budget_host_advice=host_advice(advice),
                   telemetry=Telemetry(flush="step") if telemetry else False,

@@ -162,7 +162,6 @@ def load_primitives(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-
 def fit_scheduler_rates(paths: Iterable[str | Path]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """``scheduler_h2d_GBps`` / ``scheduler_d2h_GBps`` and their provenance from ``bench/budget.py
     --time-moves`` results: the medians over every row's side-stream rate per direction (``move_timing``),
