@@ -138,7 +138,7 @@ def host_advice(advice: str) -> bool:
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
-                advice: str = "host") -> dict[str, Any]:
+                advice: str = "host", stage: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -152,7 +152,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, budget_host_advice=host_advice(advice),
                   telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
-                  budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, **SESSION_KWARGS)
+                  budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, budget_stage_activations=stage,
+                  **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
@@ -239,7 +240,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
-                advices: tuple[str, ...] = ("host",)) -> list[dict[str, Any]]:
+                advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
@@ -247,18 +248,19 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice in ((r, i, d, b, w, a) for r in ratios for i in issues
-                                                        for d in discards for b in batches for w in gpu_waits
-                                                        for a in advices):
+    for ratio, issue, discard, batch, waits, advice, stage in (
+            (r, i, d, b, w, a, st) for r in ratios for i in issues for d in discards for b in batches
+            for w in gpu_waits for a in advices for st in stages):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
+                               "stage_activations": stage,
                                "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
-                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice)
+                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -269,17 +271,23 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         recs = measured(out["records"], 2)
         budgets = [r.extra["budget"] for r in recs]
         step_ms = statistics.median(r.wall_ms for r in recs)
-        crossing = int(statistics.median(b["prefetched_bytes"] + b["evicted_bytes"] for b in budgets))
+        stagings = [b.get("staging") or {} for b in budgets]
+        crossing = int(statistics.median(
+            b["prefetched_bytes"] + b["evicted_bytes"] + st.get("staged_bytes", 0) + st.get("restored_bytes", 0)
+            for b, st in zip(budgets, stagings, strict=True)))
         bound_ms = max(fit_ms, crossing / LINK_BYTES_PER_S * 1e3)
         prefetched = int(statistics.median(b["prefetched_bytes"] for b in budgets))
         evicted = int(statistics.median(b["evicted_bytes"] for b in budgets))
-        primitive_bound = primitive_bound_ms(fit_ms, prefetched, evicted)
+        staged = int(statistics.median(st.get("staged_bytes", 0) for st in stagings))
+        restored = int(statistics.median(st.get("restored_bytes", 0) for st in stagings))
+        primitive_bound = primitive_bound_ms(fit_ms, prefetched, evicted, staged, restored)
         row.update({
             "step_ms": step_ms, "crossing_bytes": crossing, "bound_ms": bound_ms, "over_bound": step_ms / bound_ms,
             "primitive_bound_ms": primitive_bound, "over_primitive_bound": step_ms / primitive_bound,
             "max_resident_ledger": max(b["max_resident_ledger"] for b in budgets),
             "max_resident_cupti": cupti_max(recs),
             "prefetched_bytes": prefetched, "evicted_bytes": evicted,
+            "staged_bytes": staged, "restored_bytes": restored, "staging_all": stagings,
             "discarded_bytes": int(statistics.median(b.get("discarded_bytes", 0) for b in budgets)),
             "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
@@ -304,9 +312,14 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 f"{k} {v['GB']:.1f} GB in {v['ms']:.0f} ms ({v['GBps']:.1f} GB/s, {v['calls']} calls, "
                 f"host {v['host_ms']:.0f} ms)"
                 for k, v in row["move_timing"].items()))
+        if stage:
+            say(f"    staging: {staged / GiB:.2f} GiB to the host, {restored / GiB:.2f} GiB back per step; late "
+                f"restores {max(st.get('late_restores', 0) for st in stagings)}, host waits for copies "
+                f"{statistics.median(st.get('throttle_ms', 0.0) for st in stagings):.0f} ms, pinned "
+                f"{max(st.get('pinned_bytes', 0) for st in stagings) / GiB:.2f} GiB")
         rows.append(row)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
-            f"GPU waits {'on' if waits else 'off'}, advice {advice}): "
+            f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
@@ -402,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-waits", nargs="+", choices=["on", "off"], default=["off"],
                     help="compute waits for prefetches on the GPU, never the host for the mover "
                          "(Session(budget_gpu_waits=...)); both: a row each")
+    ap.add_argument("--stage", nargs="+", choices=["on", "off"], default=["off"],
+                    help="stage saved activations through pinned host memory (Session(budget_stage_activations=...)); "
+                         "both: a row each")
     ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["host"],
                     help="host (the default, Session(budget_host_advice=True)): unadvised pools prefer the host and "
                          "are mapped for the GPU, so only the scheduler's prefetches make data resident; none: no "
@@ -447,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
                                      tuple(d == "on" for d in args.discard), args.time_moves,
                                      tuple(b == "on" for b in args.batch_calls),
-                                     tuple(w == "on" for w in args.gpu_waits), tuple(args.advice))
+                                     tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
+                                     tuple(st == "on" for st in args.stage))
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows
@@ -490,14 +507,20 @@ def fill_fsdp2(rows: list[dict], name: str, steps: int, say: Any) -> None:
         row.update(fsdp2_step_ms=peer["fsdp2_step_ms"], fsdp2_peak_bytes=peer["fsdp2_peak_bytes"])
 
 
-def primitive_bound_ms(fit_ms: float, prefetched_bytes: int, evicted_bytes: int) -> float:
-    """The bound from the UM primitives measured on the H200 (the h200 profile): max(fit step, bytes in at
-    the managed host->GPU prefetch rate + bytes out at the GPU->host rate; the two directions did not
-    overlap in the probe)."""
+#: pinned copies between GPU memory and pinned host memory on the H200, each way (issue 13's probe)
+PINNED_COPY_BYTES_PER_S = 55e9
+
+
+def primitive_bound_ms(fit_ms: float, prefetched_bytes: int, evicted_bytes: int, staged_bytes: int = 0,
+                       restored_bytes: int = 0) -> float:
+    """The bound from the primitives measured on the H200 (the h200 profile): max(fit step, bytes in at
+    the managed host->GPU prefetch rate + bytes out at the GPU->host rate, the two directions did not
+    overlap in the probe; + staged activations at the pinned copy rate, 55 GB/s each way)."""
     from um_lab.sim.profile import load_profile
 
     profile = load_profile("h200")
     move_s = prefetched_bytes / (profile.prefetch_h2d_GBps * 1e9) + evicted_bytes / (profile.prefetch_d2h_GBps * 1e9)
+    move_s += (staged_bytes + restored_bytes) / PINNED_COPY_BYTES_PER_S
     return max(fit_ms, move_s * 1e3)
 
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 from test_budget_bench import bench  # noqa: F401 - the fixture
 
+from um_lab.budget import stage
+
 
 def test_the_advice_choices_map_to_the_sessions_flag(bench):  # noqa: F811
     assert bench.host_advice("host") is True and bench.host_advice("none") is False
@@ -18,3 +20,15 @@ def test_each_advice_gets_its_own_row_under_the_budget(bench):  # noqa: F811
     for row in rows:  # the ledger may pass B only through writes it learns of after the fact (touched_bytes)
         assert "error" not in row and row["followed_plan"] and row["step_ms"] > 0
         assert row["max_resident_ledger"] <= row["budget_bytes"] + row["touched_bytes"]
+
+
+def test_staging_gets_its_own_row_and_its_bytes_count_as_crossing(bench, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(stage, "MIN_STAGE_BYTES", 64 << 10)  # the CPU test's models are small
+    torch.manual_seed(0)
+    rows = bench.bench_model("mlp-small", [2.0], 4, 1 << 40, False, lambda line: None, stages=(False, True))
+    assert [r["stage_activations"] for r in rows] == [False, True]
+    plain, staged = rows
+    assert "error" not in staged and staged["step_ms"] > 0
+    assert plain["staged_bytes"] == 0 and staged["staged_bytes"] > 0 and staged["restored_bytes"] > 0
+    assert staged["crossing_bytes"] >= staged["staged_bytes"] + staged["restored_bytes"]
+    assert all(st["staged_tensors"] > 0 for st in staged["staging_all"])

@@ -128,3 +128,23 @@ def test_with_host_advice_cupti_residency_stays_under_b_at_each_step_end():
         resident = sum(r.resident_bytes.values())
         assert 0 < resident <= budget + 2 * MiB, (resident, budget, r.extra["budget"])
         assert r.extra["budget"]["finish_moves_ms"] >= 0
+
+
+def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging():
+    """budget_stage_activations: saved activations go to pinned host memory and back; the copies are exact,
+    so training matches the same budget run without staging bit for bit, and the ledger stays under B."""
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    plain, plain_params, _ = _train(budget, steps=5)
+    records, params, _ = _train(budget, steps=5, budget_stage_activations=True)
+    for r in records:
+        st = r.extra["budget"]["staging"]
+        # every Linear's 4 MiB input and GELU's input are saved: 8 layers' worth at least
+        assert st["staged_tensors"] >= 8 and st["staged_bytes"] >= 8 * 4 * MiB, st
+        assert st["restored_bytes"] >= st["staged_bytes"] and st["kept_bytes"] == 0, st
+    for r in records[2:]:
+        b = r.extra["budget"]
+        assert b["followed_plan"] and b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+    for a, p in zip(plain_params, params, strict=True):
+        assert torch.equal(a, p)
+    assert [r.loss for r in records] == [r.loss for r in plain]

@@ -31,6 +31,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
+from um_lab.budget.stage import ActivationStager
 from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
@@ -45,7 +46,8 @@ class BudgetControl:
                  generation: Callable[[], int] | None = None,
                  keep_tensor: Callable[[torch.Tensor], bool] | None = None, issue: str = "thread",
                  thread_init: Callable[[], None] | None = None, discard_gradients: bool = False,
-                 batch_calls: bool = False, gpu_waits: bool = False) -> None:
+                 batch_calls: bool = False, gpu_waits: bool = False,
+                 stager: ActivationStager | None = None) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
@@ -54,6 +56,7 @@ class BudgetControl:
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
                                        gpu_waits=gpu_waits)
         self.keep_tensor = keep_tensor
+        self.stager = stager
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
         self._pending_zero: set[int] = set()
@@ -80,7 +83,7 @@ class BudgetControl:
         self._roots = list(modules)
         self._chunks.clear()
         self.recorder = StepRecorder(self._roots, listener=self.executor, classify=self.executor.classify,
-                                     keep=self.keep_tensor)
+                                     keep=self.keep_tensor, saver=self.stager)
         self.recorder.install()
 
     def _trainable(self) -> list[nn.Parameter]:
@@ -154,7 +157,11 @@ class BudgetControl:
         finally:
             self._roots = []
             self._chunks.clear()
-            self.executor.close()
+            try:
+                self.executor.close()
+            finally:
+                if self.stager is not None:
+                    self.stager.close()
 
     # ---- outside a step ----
 
@@ -164,6 +171,8 @@ class BudgetControl:
         began = time.perf_counter()
         self.executor.mover.drain()
         self.executor.streams.synchronize_side()
+        if self.stager is not None:
+            self.stager.ops.synchronize()
         return (time.perf_counter() - began) * 1e3
 
     def settle(self, tensors: Iterable[torch.Tensor]) -> int:
@@ -238,12 +247,16 @@ class BudgetControl:
                     zero_grad=zero_grad and not discarding)  # discarding: zeroed by the hooks next backward
         except BaseException:
             executor.abort()
+            if self.stager is not None:
+                self.stager.end_step()
             raise
         finally:
             recorder.active = False
             if discarding:  # after the optimizer, or an error anywhere in the step: every gradient owes a zero
                 self._owed_zero = {id(p) for p in trainable}
         extra = executor.end_step()
+        if self.stager is not None:
+            extra["staging"] = self.stager.end_step()
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0

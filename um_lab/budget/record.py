@@ -88,6 +88,16 @@ def own_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
+class SavedTensorSaver(Protocol):
+    """Where tensors forward saves for backward may go instead (:class:`um_lab.budget.stage.ActivationStager`)."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """``t`` itself to keep it, or a handle that :meth:`unpack` turns back into a tensor in backward."""
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """The tensor behind a handle :meth:`pack` returned."""
+
+
 class StepRecorder:
     """Records a step's :class:`Order` through hooks on ``roots`` (see the module docstring).
 
@@ -99,8 +109,9 @@ class StepRecorder:
 
     def __init__(self, roots: Sequence[nn.Module], listener: PositionListener | None = None,
                  classify: Callable[[int], DataType | None] | None = None,
-                 keep: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 keep: Callable[[torch.Tensor], bool] | None = None, saver: SavedTensorSaver | None = None) -> None:
         self.roots = list(roots)
+        self.saver = saver
         self.keep = keep
         self.listener = listener
         self.classify = classify
@@ -137,7 +148,7 @@ class StepRecorder:
         self._saved.clear()
         self.active = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self.order
         finally:
             self.active = False
@@ -214,15 +225,25 @@ class StepRecorder:
             self.open_position("backward", name, touches)
         return hook
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> Any:
+        saved: Any = t if self.saver is None else self.saver.pack(t)
         if self.active and self._stack:
             spans = self._spans([t])
             call = self._stack[-1]
             if call.resumed:
                 call.current = self.open_position("forward", call.layer, [])
                 call.resumed = False
-            self._saved.setdefault(call.first, []).extend(spans)
+            if saved is t:  # kept where it is: backward reads it there (a staged tensor comes back elsewhere)
+                self._saved.setdefault(call.first, []).extend(spans)
             self._touch(call.current, spans)
+        return saved
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor) or self.saver is None:
+            return saved
+        t = self.saver.unpack(saved)
+        if self.active and self.order.positions:  # its copy back was written in blocks backward now reads
+            self._touch(len(self.order.positions) - 1, self._spans([t]))
         return t
 
     def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
@@ -255,10 +276,6 @@ class StepRecorder:
         touches += [(DataType.OPTIM, s) for s in self._spans(
             v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))]
         return self.open_position("optimizer", layer, touches)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 Chunks = list[tuple[str, list[nn.Parameter]]]

@@ -1,0 +1,140 @@
+"""Saved activations staged through (pinned) host memory: the stager alone on plain tensors, then
+Session(budget_stage_activations=True) against the fake driver: the same training result as without,
+only intermediate-results tensors staged, numbers in the record."""
+
+import copy
+
+import pytest
+import torch
+from test_budget_session import make_session, model_and_data, train
+
+from um_lab.budget.stage import ActivationStager, CpuCopyOps, PinnedArena, available_host_bytes
+
+MiB = 1 << 20
+
+
+def mlp(seed=0, width=512, depth=4):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                 for _ in range(depth)])
+
+
+def grads_after(model, x, stager=None):
+    model.zero_grad()
+    if stager is None:
+        out = model(x)
+    else:
+        with stager.saving():
+            out = model(x)
+    out.square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_staged_backward_equals_plain_backward_and_every_large_saved_tensor_is_staged():
+    model = mlp()
+    x = torch.randn(1024, 512)
+    plain = grads_after(model, x)
+    ops = CpuCopyOps()
+    stager = ActivationStager(ops, lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB, window_bytes=4 * MiB)
+    staged = grads_after(model, x, stager)
+    assert all(torch.equal(a, b) for a, b in zip(plain, staged, strict=True))
+    stats = stager.end_step()
+    # each Linear saves its 2 MiB input (the first: x) and each Tanh its 2 MiB output, which is the next
+    # Linear's input: one copy serves both (the 1 MiB weights are under min_bytes)
+    assert stats["staged_tensors"] == 5 and stats["shared_tensors"] == 3
+    assert stats["staged_bytes"] == stats["staged_tensors"] * 2 * MiB
+    assert stats["late_restores"] == 1  # only the first tensor backward asks for is not brought ahead
+    assert stats["restored_bytes"] == stats["staged_bytes"]  # one copy back serves both saves
+    assert stats["kept_bytes"] == 0 and stats["pinned_bytes"] >= stats["staged_bytes"]
+
+
+def test_small_or_ineligible_tensors_stay_and_a_full_host_keeps_the_rest_on_the_device():
+    model = mlp()
+    x = torch.randn(1024, 512)
+    plain = grads_after(model, x)
+    nothing = ActivationStager(CpuCopyOps(), lambda t: False, host_limit_bytes=1 << 30)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads_after(model, x, nothing), strict=True))
+    assert nothing.end_step()["staged_tensors"] == 0
+    too_small = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=4 * MiB)
+    grads_after(model, x, too_small)
+    assert too_small.end_step()["staged_tensors"] == 0
+    limited = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=6 * MiB, min_bytes=2 * MiB)
+    limited.arena = PinnedArena(limited.ops, 6 * MiB, chunk_bytes=2 * MiB)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads_after(model, x, limited), strict=True))
+    stats = limited.end_step()
+    # five 2 MiB tensors to stage, room for three: the first three forward saved went; the last two stayed,
+    # counted per save (one of them is saved twice: a Tanh's output and the next Linear's input)
+    assert stats["staged_bytes"] == 6 * MiB and stats["kept_bytes"] == 6 * MiB and stats["pinned_bytes"] == 6 * MiB
+
+
+def test_the_arena_is_reused_step_after_step_and_aligns_what_it_hands_out():
+    ops = CpuCopyOps()
+    arena = PinnedArena(ops, 64 * MiB, chunk_bytes=4 * MiB)
+    first = [arena.take(n) for n in (1000, 3 * MiB, 2 * MiB, 5 * MiB)]
+    assert all(b is not None for b in first)
+    pinned = arena.pinned_bytes
+    assert pinned == 4 * MiB + 4 * MiB + 5 * MiB  # a chunk, a new chunk for 2 MiB, its own for 5 MiB
+    assert first[1].data_ptr() - first[0].data_ptr() == 1024  # 1000 B rounded up to 512-byte alignment
+    arena.reset()
+    again = [arena.take(n) for n in (1000, 3 * MiB, 2 * MiB, 5 * MiB)]
+    assert [b.data_ptr() for b in again] == [b.data_ptr() for b in first]
+    assert arena.pinned_bytes == pinned
+    assert arena.take(64 * MiB) is None  # past the limit: refused, nothing pinned
+    assert arena.pinned_bytes == pinned
+
+
+def test_a_permuted_saved_tensor_keeps_its_strides_and_an_overlapping_one_stays():
+    kept = []
+    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=0)
+    a = torch.randn(64, 32, requires_grad=True)
+    with stager.saving():
+        t = (a * 2).t()  # a permuted view: staged with its strides
+        y = (t * t).sum()
+        e = (a * 1).sum(0, keepdim=True).expand(64, 32)  # overlapping: stays
+        z = (e * e).sum()
+    (y + z).backward()
+    stats = stager.end_step()
+    kept.append(stats)
+    assert stats["staged_tensors"] >= 1
+    expected = 2 * (2 * a.detach()) * 2 + 2 * a.detach().sum(0, keepdim=True).expand(64, 32).sum(0, keepdim=True) * 1
+    assert torch.allclose(a.grad, expected)
+
+
+def test_the_host_memory_available_is_read():
+    assert available_host_bytes() > 0
+
+
+@pytest.mark.parametrize("issue", ["thread", "inline"])
+def test_a_budget_session_staging_activations_trains_exactly_as_without_and_stages_only_intermediates(env, issue):
+    source, driver, api, runtime = env
+    model, batches = model_and_data()
+    twin = copy.deepcopy(model)
+    budget = 48 * MiB
+    with make_session(env, gpu_budget_bytes=budget, budget_issue=issue, budget_stage_activations=True) as lab:
+        stager = lab.budget.stager
+        seen = []
+        eligible = stager.eligible
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def watched(t):
+            seen.append((t.untyped_storage().data_ptr() in params, eligible(t)))
+            return seen[-1][1]
+
+        stager.eligible = watched
+        records = train(lab, model, batches)
+        assert api.balanced()
+    with make_session(env) as plain:
+        expected = train(plain, twin, batches)
+    assert [r.loss for r in records] == [r.loss for r in expected]
+    assert all(torch.equal(p.cpu(), q.cpu()) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+    staging = [r.extra["budget"]["staging"] for r in records]
+    assert all(s["staged_tensors"] > 0 and s["restored_bytes"] >= s["staged_bytes"] > 0 for s in staging)
+    # the parameters (saved by the Linears) were asked and refused (on a GPU the test is the pool: GPU test)
+    assert any(is_param for is_param, _ in seen) and not any(ok for is_param, ok in seen if is_param)
+
+
+def test_staging_is_off_by_default_and_without_a_budget_there_is_no_stager(env):
+    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+        assert lab.budget.stager is None
+    with make_session(env, budget_stage_activations=True) as lab:
+        assert lab.budget is None

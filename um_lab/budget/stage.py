@@ -1,0 +1,338 @@
+"""Saved activations staged through pinned host memory: the path around managed memory's slow GPU→host
+prefetch (10-16 GB/s on the H200 at any call size, ``bench/results/uvm_call_size.json``).
+
+Autograd's saved-tensor hooks see every tensor forward keeps for backward. :class:`ActivationStager`
+copies each large one that lives in the intermediate-results pool into pinned host memory on a stream of
+its own (the pack hook), so the GPU block is free for reuse once forward drops it, and copies it back in
+backward (the unpack hook), a window of bytes ahead of the tensor autograd asks for, so the copies overlap
+the backward kernels. The host copy is the only copy while the tensor is out: autograd never touches a
+saved tensor except through unpack, so nothing can read or write it behind the stager's back (the reason
+this is safe where discarding managed pages is not: a managed block can hold tensors nobody announced).
+
+Host memory comes from :class:`PinnedArena`, allocated once and reused every step, capped by
+``host_limit_bytes``; past it, tensors stay on the GPU (counted in ``kept_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+
+#: tensors smaller than this stay on the GPU (their copies would cost more in calls than they free)
+MIN_STAGE_BYTES = 1 << 20
+#: bytes brought back ahead of what backward asks for, and bytes of copies to the host in flight before
+#: the training thread waits for the oldest (so freed blocks can be reused and the pool does not grow)
+WINDOW_BYTES = 1 << 30
+#: pinned host memory is allocated in chunks of this size (a tensor larger than a chunk gets its own)
+ARENA_CHUNK_BYTES = 256 << 20
+_ALIGN = 512
+
+
+class CopyOps(Protocol):
+    """The device calls the stager makes (CUDA, or synchronous CPU copies in tests)."""
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of ``nbytes`` the device can copy to and from asynchronously."""
+
+    def empty_like_on_device(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised device tensor (allocated on the compute stream)."""
+
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
+        """Copy ``src`` into ``dst`` on the side stream after the compute stream's work so far; ``keep`` (a
+        device tensor) may not be reused before the copy is done. Returns an event for the copy's end."""
+
+    def compute_wait(self, event: Any) -> None:
+        """The compute (current) stream waits for ``event``."""
+
+    def host_wait(self, event: Any) -> None:
+        """The host waits for ``event``."""
+
+    def synchronize(self) -> None:
+        """The host waits for everything issued on the side stream."""
+
+
+class CudaCopyOps:
+    """:class:`CopyOps` on a GPU: one side stream for the copies in both directions."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty_like_on_device(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        if keep is not None:
+            keep.record_stream(self.stream)
+        return done
+
+    def compute_wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class CpuCopyOps:
+    """:class:`CopyOps` without a GPU (tests): plain tensors, copies done at once, no events."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def empty_like_on_device(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=dtype)
+
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
+        dst.copy_(src)
+        self.copies += 1
+        return None
+
+    def compute_wait(self, event: Any) -> None:
+        pass
+
+    def host_wait(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class PinnedArena:
+    """Pinned host memory handed out in order and taken back all at once each step (:meth:`reset`):
+    allocated the first time a step needs it, then reused, so later steps pin nothing new."""
+
+    def __init__(self, ops: CopyOps, limit_bytes: int, chunk_bytes: int = ARENA_CHUNK_BYTES) -> None:
+        self.ops = ops
+        self.limit_bytes = int(limit_bytes)
+        self.chunk_bytes = int(chunk_bytes)
+        self._chunks: list[torch.Tensor] = []
+        self._chunk = 0  # the chunk handing out now
+        self._offset = 0  # the next free byte in it
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes pinned so far."""
+        return sum(c.numel() for c in self._chunks)
+
+    def reset(self) -> None:
+        """Everything handed out is free again (call once nothing still reads or writes it)."""
+        self._chunk, self._offset = 0, 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of pinned host memory (uint8), or None when that would pass the limit."""
+        while self._chunk < len(self._chunks):
+            chunk = self._chunks[self._chunk]
+            if self._offset + nbytes <= chunk.numel():
+                out = chunk[self._offset:self._offset + nbytes]
+                self._offset += -(-nbytes // _ALIGN) * _ALIGN
+                return out
+            self._chunk, self._offset = self._chunk + 1, 0
+        size = max(nbytes, self.chunk_bytes)
+        if self.pinned_bytes + size > self.limit_bytes:
+            return None
+        self._chunks.append(self.ops.pinned(size))
+        self._chunk, self._offset = len(self._chunks) - 1, 0
+        return self.take(nbytes)
+
+
+@dataclass
+class StagingStats:
+    """One step's staging (``extra["budget"]["staging"]``)."""
+
+    staged_tensors: int = 0
+    staged_bytes: int = 0  #: copied to the host in forward (bytes that crossed the link GPU→host)
+    shared_tensors: int = 0  #: saved again while already staged (one copy serves both)
+    restored_bytes: int = 0  #: copied back in backward (host→GPU)
+    kept_bytes: int = 0  #: saves kept on the GPU although eligible: the host limit was reached
+    late_restores: int = 0  #: restores that backward asked for before the window had issued them
+    throttle_ms: float = 0.0  #: host time waiting for copies to the host (the window was full)
+    pinned_bytes: int = 0  #: pinned host memory held by the arena
+
+
+class _Staged:
+    """A saved tensor while its only copy is on the host."""
+
+    __slots__ = ("host", "shape", "stride", "dtype", "nbytes", "index", "device_copy", "ready", "handed", "saves")
+
+    def __init__(self, host: torch.Tensor, src: torch.Tensor, index: int) -> None:
+        self.host = host
+        self.shape, self.stride, self.dtype = src.shape, tuple(src.stride()), src.dtype
+        self.nbytes = src.numel() * src.element_size()
+        self.index = index
+        self.device_copy: torch.Tensor | None = None  #: brought back, not yet handed to backward
+        self.ready: Any = None  #: the event of the copy back
+        self.handed = 0  #: times handed to backward
+        self.saves = 1  #: saved variables it serves: its device copy is kept until each had it
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill its storage span with no gaps or overlaps (a permuted contiguous
+    tensor): its host copy can keep its strides."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class ActivationStager:
+    """Stage saved activations through pinned host memory (see the module docstring).
+
+    ``eligible(t)`` says whether a saved tensor may be staged (the session passes: it lives in the
+    intermediate-results pool); tensors under ``min_bytes`` (default :data:`MIN_STAGE_BYTES`) stay. Use
+    :meth:`saving` around forward (or :meth:`pack` / :meth:`unpack` from saved-tensor hooks of one's own, as
+    the budget's recorder does), then :meth:`end_step` after the step (its numbers)."""
+
+    def __init__(self, ops: CopyOps, eligible: Callable[[torch.Tensor], bool], *, host_limit_bytes: int,
+                 min_bytes: int | None = None, window_bytes: int | None = None) -> None:
+        self.ops = ops
+        self.eligible = eligible
+        self.min_bytes = MIN_STAGE_BYTES if min_bytes is None else int(min_bytes)
+        self.window_bytes = WINDOW_BYTES if window_bytes is None else int(window_bytes)
+        self.arena = PinnedArena(ops, host_limit_bytes)
+        self._staged: list[_Staged] = []
+        self._by_key: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _Staged]] = {}
+        self._to_host: list[tuple[Any, int]] = []  # (event, bytes) of copies to the host not known done
+        self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
+        self.stats = StagingStats()
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Forward inside this stages what it saves for backward."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+    def end_step(self) -> dict[str, Any]:
+        """The step's numbers; forgets the step's tensors (their host memory is reused by the next step:
+        the copies of both steps are ordered on one side stream)."""
+        self.stats.pinned_bytes = self.arena.pinned_bytes
+        out = asdict(self.stats)
+        self._staged.clear()
+        self._by_key.clear()
+        self._to_host.clear()
+        self._cursor = -1
+        self.arena.reset()
+        self.stats = StagingStats()
+        return out
+
+    def close(self) -> None:
+        """Wait for every copy, then drop the host memory."""
+        self.ops.synchronize()
+        self.end_step()
+        self.arena = PinnedArena(self.ops, self.arena.limit_bytes)
+
+    # ---- hooks ----
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """The saved-tensor pack hook: ``t`` itself when it stays, else a handle while its copy is on the host."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or not _dense(t) or not self.eligible(t):
+            return t
+        # the same tensor saved again (an output that is also the next op's input); a dead tensor's
+        # address may already hold another one, hence the weak reference
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        known = self._by_key.get(key)
+        if known is not None and known[0]() is t:
+            self.stats.shared_tensors += 1
+            known[1].saves += 1
+            return known[1]
+        raw = self.arena.take(nbytes)
+        if raw is None:
+            self.stats.kept_bytes += nbytes
+            return t
+        host = raw.view(t.dtype).as_strided(t.shape, t.stride())  # dense: its span is its bytes
+        staged = _Staged(host, t, len(self._staged))
+        done = self.ops.copy_on_side(host, t, keep=t)
+        self._staged.append(staged)
+        self._by_key[key] = (weakref.ref(t), staged)
+        self._cursor = staged.index
+        self.stats.staged_tensors += 1
+        self.stats.staged_bytes += nbytes
+        self._throttle(done, nbytes)
+        return staged
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """The saved-tensor unpack hook: the tensor back on the device (brought ahead, with the next ones)."""
+        if isinstance(saved, torch.Tensor):
+            return saved
+        staged: _Staged = saved
+        if staged.device_copy is None:  # not brought ahead (or a save autograd unpacks again)
+            self.stats.late_restores += 1
+            self._bring(staged)
+        self._bring_ahead(staged.index)
+        self.ops.compute_wait(staged.ready)
+        out = staged.device_copy
+        assert out is not None
+        staged.handed += 1
+        if staged.handed >= staged.saves:
+            staged.device_copy = None  # from here autograd's references alone keep it
+        return out
+
+    # ---- moves ----
+
+    def _throttle(self, done: Any, nbytes: int) -> None:
+        self._to_host.append((done, nbytes))
+        in_flight = sum(n for _, n in self._to_host)
+        if in_flight <= self.window_bytes:
+            return
+        began = time.perf_counter()
+        while in_flight > self.window_bytes and len(self._to_host) > 1:
+            event, n = self._to_host.pop(0)
+            self.ops.host_wait(event)
+            in_flight -= n
+        self.stats.throttle_ms += (time.perf_counter() - began) * 1e3
+
+    def _bring(self, staged: _Staged) -> None:
+        device_copy = self.ops.empty_like_on_device(staged.shape, staged.stride, staged.dtype)
+        staged.ready = self.ops.copy_on_side(device_copy, staged.host, keep=None)
+        staged.device_copy = device_copy
+        self.stats.restored_bytes += staged.nbytes
+
+    def _bring_ahead(self, index: int) -> None:
+        """Bring back the staged tensors below ``index`` (backward's next ones) while the window has room."""
+        self._cursor = min(self._cursor, index - 1)
+        ahead = 0
+        i = self._cursor
+        while i >= 0 and ahead < self.window_bytes:
+            s = self._staged[i]
+            if s.device_copy is None and not s.handed:
+                self._bring(s)
+            ahead += s.nbytes
+            i -= 1
+
+
+
+def available_host_bytes() -> int:
+    """Host memory available now (``MemAvailable`` of /proc/meminfo; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
