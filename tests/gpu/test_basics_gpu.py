@@ -103,7 +103,7 @@ def test_zero_copy_reads_remotely_and_moves_no_pages(budget):
     plain = [ms(df, "no advice", f"GPU read {i}") for i in (1, 2, 3)]
     # had pages moved to the GPU, later passes would run at HBM speed; they stay at the link's speed
     assert min(zc[1:]) > 0.5 * zc[0]
-    assert min(zc[1:]) > 10 * max(plain[1:])
+    assert min(zc[1:]) > 10 * min(plain[1:])  # the HBM speed (one plain pass once spiked to 0.14 ms)
     gbps = SIZE * MiB / (zc[2] * 1e6)
     assert 5 < gbps < 150, f"remote reads at {gbps:.1f} GB/s: expected the host link, not HBM"
     assert zc[0] < plain[0]  # once: remote reads beat fault + migrate
