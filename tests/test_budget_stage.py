@@ -138,3 +138,27 @@ def test_staging_is_off_by_default_and_without_a_budget_there_is_no_stager(env):
         assert lab.budget.stager is None
     with make_session(env, budget_stage_activations=True) as lab:
         assert lab.budget is None
+
+
+def test_a_plan_evicts_kept_blocks_only_when_nothing_else_can_go():
+    """Staged activations' blocks (kept) hold dead contents once their tensors are staged: a plan keeps them
+    resident and moves the other data instead, as long as the other data can make the room."""
+    from test_budget_rank import shuffled_order
+
+    from um_lab.budget.plan import make_plan, new_ledger
+
+    plain_evicted_kept = 0
+    for seed in range(4):
+        order = shuffled_order(seed)
+        ledger = new_ledger(order, 1 << 40)
+        blocks = sorted(ledger.segment_blocks())
+        kept = frozenset(blocks[: len(blocks) // 4])
+        budget = ledger.total_bytes // 2
+        plain = make_plan(order, budget, kept_blocks=())
+        keeping = make_plan(order, budget, kept_blocks=kept)
+        evicted = {b for ms in keeping.moves for m in ms if m.kind == "evict" for b in m.blocks}
+        assert plain.evicted_bytes > 0
+        assert not evicted & kept, seed  # the kept quarter fits beside any one position here
+        assert keeping.max_resident <= budget
+        plain_evicted_kept += len({b for ms in plain.moves for m in ms if m.kind == "evict" for b in m.blocks} & kept)
+    assert plain_evicted_kept > 0  # without keeping, the same plans do move those blocks

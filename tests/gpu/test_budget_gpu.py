@@ -148,3 +148,20 @@ def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging(
     for a, p in zip(plain_params, params, strict=True):
         assert torch.equal(a, p)
     assert [r.loss for r in records] == [r.loss for r in plain]
+
+
+def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
+    """With staging the intermediate-results pool gets no host advice (copies to host-advised pages ran at
+    3.7-4.0 GB/s) and its blocks count as resident from their segment's registration: CUPTI-measured
+    residency at each step's end still stays under B (plus the 2 MiB-block rounding of CUPTI's records)."""
+    from um_lab.cuda.telemetry import Telemetry
+
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    records, _, _ = _train(budget, steps=5, telemetry=Telemetry(flush="step"), budget_stage_activations=True)
+    if records[-1].telemetry.startswith("unavailable"):
+        pytest.skip(f"CUPTI telemetry {records[-1].telemetry}")
+    for r in records[2:]:
+        resident = sum(r.resident_bytes.values())
+        assert 0 < resident <= budget + 2 * MiB, (resident, budget, r.extra["budget"])
+        assert r.extra["budget"]["max_resident_ledger"] <= budget + r.extra["budget"]["touched_bytes"]

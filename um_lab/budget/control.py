@@ -54,7 +54,7 @@ class BudgetControl:
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
-                                       gpu_waits=gpu_waits)
+                                       gpu_waits=gpu_waits, keep_types=(DataType.ACT,) if stager else ())
         self.keep_tensor = keep_tensor
         self.stager = stager
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle

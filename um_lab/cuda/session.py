@@ -605,12 +605,14 @@ class Session(Listenable):
 
     def _pool_policy(self, policy: Policy) -> Policy:
         """The advice the pools get: ``policy``, under a budget with ``budget_host_advice`` its unadvised types
-        preferring the host (:func:`um_lab.budget.request.with_host_advice`)."""
+        preferring the host (:func:`um_lab.budget.request.with_host_advice`), except intermediate results when
+        they are staged (copies to and from host-advised pages ran at 3.7-4.0 GB/s on the H200, against 51-52
+        GB/s for GPU-resident ones: ``bench/results/raw/session13_call2/staging_probe.json``)."""
         if self.gpu_budget_bytes is None or not self.budget_host_advice:
             return policy
         from um_lab.budget.request import with_host_advice
 
-        return with_host_advice(policy)
+        return with_host_advice(policy, skip=(DataType.ACT,) if self.budget_stage_activations else ())
 
     def live_bytes(self) -> dict[str, int]:
         """Live managed bytes per data type."""
