@@ -1,0 +1,59 @@
+"""bench/budget_table.py: runs merged with their sources, the FSDP2 peer's columns filled by model, the
+pre-registered predictions attached, a table line per row (errors included)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+
+def table_module():
+    spec = importlib.util.spec_from_file_location("budget_table", ROOT / "bench" / "budget_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(model, ratio, step_ms, stage=False, **kw):
+    return {"model": model, "ratio": ratio, "stage_activations": stage, "step_ms": step_ms, "fit_step_ms": 500.0,
+            "crossing_bytes": 40 * GiB, "over_bound": (step_ms or 0) / 1000, "max_resident_ledger": 19 * GiB,
+            "budget_bytes": 20 * GiB, "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, **kw}
+
+
+def test_runs_merge_with_peer_and_predictions_and_print_a_line_each(tmp_path, capsys):
+    table = table_module()
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    a.write_text(json.dumps({"device": "H200", "rows": [row("gpt2-large", 2.0, 4000.0),
+                                                       row("gpt2-large", 2.0, 1500.0, stage=True)]}))
+    b.write_text(json.dumps({"device": "H200", "rows": [row("gpt2-xl", 2.0, None, error="BudgetTooSmall: x"),
+                                                       row("resnet50", 2.0, 800.0, fsdp2_step_ms=1.0,
+                                                           fsdp2_peak_bytes=GiB)]}))
+    peer = tmp_path / "peer.jsonl"
+    peer.write_text("\n".join(json.dumps({"model": m, "fsdp2_step_ms": ms, "fsdp2_peak_bytes": 25 * GiB})
+                              for m, ms in [("gpt2-large", 1910.0), ("resnet50", 240.0)]) + "\n")
+    predicted = tmp_path / "pred.json"
+    predicted.write_text(json.dumps({"rows": [{"model": "gpt2-xl", "ratio": 2, "sim_step_ms": 4300.0},
+                                              {"model": "gpt2-large", "ratio": 2.0, "sim_step_ms": 4139.0}]}))
+    out = tmp_path / "budget.json"
+    assert table.main([str(a), str(b), "--fsdp2", str(peer), "--predicted", str(predicted), "--note", "n",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["device"] == "H200" and result["note"] == "n" and len(rows) == 4
+    assert [r["source"] for r in rows] == [str(a)] * 2 + [str(b)] * 2
+    assert rows[0]["fsdp2_step_ms"] == 1910.0 and rows[0]["fsdp2_source"] == str(peer)
+    assert rows[3]["fsdp2_step_ms"] == 1.0 and "fsdp2_source" not in rows[3]  # measured in the run: kept
+    assert rows[2]["predicted_step_ms"] == 4300.0 and rows[1]["predicted_step_ms"] == 4139.0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 + 4
+    assert "| gpt2-large | 2 | on | 1,500 |" in printed[3] and "1,910 (25.0)" in printed[3]
+    assert "error: BudgetTooSmall: x" in printed[4]
+
+
+def test_a_missing_file_is_refused_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "budget.json"
+    assert table_module().main([str(tmp_path / "nope.json"), "--out", str(out)]) == 2
+    assert not out.exists() and "no such file" in capsys.readouterr().err
