@@ -59,21 +59,27 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any]) -> No
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The README's table: one line per measured row."""
-    head = ("| model | ratio | staging | step ms | fits ms | crossing / step | × bound | ledger max / B | "
-            "FSDP2 ms (peak GiB) | predicted ms |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| model | ratio | advice | staging | CUPTI | step ms | fits ms | crossing / step | × bound | "
+            "ledger max / B | CUPTI max | FSDP2 ms (peak GiB) | predicted ms | run |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
+        run = r.get("source", "")
         if r.get("step_ms") is None:
-            lines.append(f"| {r.get('model')} | {r.get('ratio')} | | error: {r.get('error', '?')} | | | | | | |")
+            lines.append(f"| {r.get('model')} | {r.get('ratio')} | | | | error: {r.get('error', '?')} | | | | | | | | "
+                         f"{run} |")
             continue
+        cupti = f"{r['max_resident_cupti'] / GiB:.2f} GiB" if r.get("max_resident_cupti") else ""
+        telemetry = "on" if r.get("telemetry") or r.get("max_resident_cupti") else "off"
         fsdp2 = (f"{r['fsdp2_step_ms']:,.0f} ({r['fsdp2_peak_bytes'] / GiB:.1f})"
                  if r.get("fsdp2_step_ms") is not None else "")
         predicted = f"{r['predicted_step_ms']:,.0f}" if r.get("predicted_step_ms") is not None else ""
         lines.append(
-            f"| {r['model']} | {r['ratio']:g} | {'on' if r.get('stage_activations') else 'off'} | "
+            f"| {r['model']} | {r['ratio']:g} | {r.get('advice', 'host')} | "
+            f"{'on' if r.get('stage_activations') else 'off'} | {telemetry} | "
             f"{r['step_ms']:,.0f} | {r['fit_step_ms']:,.0f} | {r['crossing_bytes'] / GiB:.1f} GiB | "
             f"{r['over_bound']:.2f} | {r['max_resident_ledger'] / GiB:.2f} / {r['budget_bytes'] / GiB:.2f} GiB | "
-            f"{fsdp2} | {predicted} |")
+            f"{cupti} | {fsdp2} | {predicted} | {run} |")
     return "\n".join(lines)
 
 

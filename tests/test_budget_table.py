@@ -49,7 +49,7 @@ def test_runs_merge_with_peer_and_predictions_and_print_a_line_each(tmp_path, ca
     assert rows[2]["predicted_step_ms"] == 4300.0 and rows[1]["predicted_step_ms"] == 4139.0
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 + 4
-    assert "| gpt2-large | 2 | on | 1,500 |" in printed[3] and "1,910 (25.0)" in printed[3]
+    assert "| gpt2-large | 2 | host | on | off | 1,500 |" in printed[3] and "1,910 (25.0)" in printed[3]
     assert "error: BudgetTooSmall: x" in printed[4]
 
 
