@@ -21,9 +21,14 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from um_lab.types import DataType
+
+if TYPE_CHECKING:
+    from um_lab.cuda.allocator import SegmentSource
 
 #: tensors smaller than this stay on the GPU (their copies would cost more in calls than they free)
 MIN_STAGE_BYTES = 1 << 20
@@ -336,3 +341,24 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def new_stager(source: SegmentSource, device: torch.device | None) -> ActivationStager:
+    """A stager for a session's pools: CUDA copies of tensors in the intermediate-results pool on ``device``,
+    with at most half the host's available memory pinned. Without a device (a fake driver on the CPU, in
+    tests), where tensors are not in the pools, intermediates are told by autograd instead: tensors with a
+    history that are not views of a leaf (a parameter or an input)."""
+    snapshot: list[Any] = [None, None]  # (generation, index): rebuilt when a segment came or went
+
+    def in_intermediate_pool(t: torch.Tensor) -> bool:
+        generation = source.generation()
+        if snapshot[0] != generation:
+            snapshot[:] = [generation, source.index()]
+        return bool(snapshot[1].data_type_of(t.data_ptr()) is DataType.ACT)
+
+    def intermediate_by_history(t: torch.Tensor) -> bool:
+        return not t.is_leaf and (t._base is None or not t._base.is_leaf)
+
+    if device is not None and device.type == "cuda":
+        return ActivationStager(CudaCopyOps(device), in_intermediate_pool, host_limit_bytes=available_host_bytes() // 2)
+    return ActivationStager(CpuCopyOps(), intermediate_by_history, host_limit_bytes=available_host_bytes() // 2)

@@ -47,7 +47,6 @@ from um_lab.types import DataType, StepRecord
 
 if TYPE_CHECKING:
     from um_lab.budget.control import BudgetControl
-    from um_lab.budget.stage import ActivationStager
 
 
 class Session(Listenable):
@@ -85,10 +84,11 @@ class Session(Listenable):
     scheduler's prefetches make data GPU-resident, and what it did not foresee (temporaries inside a layer) is
     read over the link instead of faulting in unseen by the ledger; without it CUPTI measured ResNet-50 at
     1.7 times B at ratio 2 (session 12). The policy's own advice is kept where it gives some.
-    ``budget_stage_activations=True`` (off until measured) copies the large tensors forward saves for backward
-    (those in the intermediate-results pool) to pinned host memory on a stream of their own and back ahead of
-    backward (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is
-    10-16 GB/s on the H200; ``extra["budget"]["staging"]`` holds its numbers.
+    ``budget_stage_activations=True`` copies the large tensors forward saves for backward (those in the
+    intermediate-results pool) to pinned host memory on a stream of their own and back ahead of backward
+    (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is 10-16 GB/s
+    on the H200; ``extra["budget"]["staging"]`` holds its numbers. Off: on the H200 it was slower (ResNet-50 at
+    ratio 2: 3.2 s against 0.85 s without; session 13), since the ledger still moves the freed blocks.
     Without a budget nothing changes: no hooks are installed.
 
     ``populate_segments=True`` (off: on the H200 it left the MLP at 1.017-1.029x native, session 12) prefetches each new
@@ -511,6 +511,7 @@ class Session(Listenable):
     def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
         """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
         from um_lab.budget.control import BudgetControl  # imported only with a budget
+        from um_lab.budget.stage import new_stager
         from um_lab.budget.streams import CudaStreams, RecordingStreams, StreamOps
 
         source = pools.source
@@ -531,32 +532,8 @@ class Session(Listenable):
                              keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
                              thread_init=select_device if self._real else None, discard_gradients=discard,
                              batch_calls=batch_calls, gpu_waits=gpu_waits,
-                             stager=self._new_stager(source) if self.budget_stage_activations else None)
-
-    def _new_stager(self, source: SegmentSource) -> ActivationStager:
-        """Staging through pinned host memory for tensors in the intermediate-results pool (CUDA copies), with
-        at most half the host's available memory pinned. Against a fake driver on the CPU (tests), where
-        tensors are not in the pools, intermediates are told by autograd instead: tensors with a history
-        that are not views of a leaf (a parameter or an input)."""
-        from um_lab.budget.stage import ActivationStager, CopyOps, CpuCopyOps, CudaCopyOps, available_host_bytes
-
-        snapshot: list[Any] = [None, None]  # (generation, index): rebuilt when a segment came or went
-
-        def in_intermediate_pool(t: torch.Tensor) -> bool:
-            generation = source.generation()
-            if snapshot[0] != generation:
-                snapshot[:] = [generation, source.index()]
-            return bool(snapshot[1].data_type_of(t.data_ptr()) is DataType.ACT)
-
-        def intermediate_by_history(t: torch.Tensor) -> bool:
-            return not t.is_leaf and (t._base is None or not t._base.is_leaf)
-
-        ops: CopyOps
-        if self._real and self.device is not None:
-            ops, eligible = CudaCopyOps(self.device), in_intermediate_pool
-        else:
-            ops, eligible = CpuCopyOps(), intermediate_by_history
-        return ActivationStager(ops, eligible, host_limit_bytes=available_host_bytes() // 2)
+                             stager=new_stager(source, self.device if self._real else None)
+                             if self.budget_stage_activations else None)
 
     @property
     def budget(self) -> BudgetControl | None:
