@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.stage import ActivationStager, CpuCopyOps, PinnedArena, available_host_bytes
+from um_lab.budget.stage import ActivationStager, CpuCopyOps, PinnedArena, StaleSavedTensor, available_host_bytes
+from um_lab.errors import InputError
 
 MiB = 1 << 20
 
@@ -133,32 +134,69 @@ def test_a_budget_session_staging_activations_trains_exactly_as_without_and_stag
     assert any(is_param for is_param, _ in seen) and not any(ok for is_param, ok in seen if is_param)
 
 
-def test_staging_is_off_by_default_and_without_a_budget_there_is_no_stager(env):
+def test_staging_is_off_by_default_and_refused_without_a_budget(env):
     with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
         assert lab.budget.stager is None
-    with make_session(env, budget_stage_activations=True) as lab:
-        assert lab.budget is None
+    with pytest.raises(InputError, match="needs gpu_budget_bytes"):
+        make_session(env, budget_stage_activations=True)
 
 
-def test_a_plan_evicts_kept_blocks_only_when_nothing_else_can_go():
-    """Staged activations' blocks (kept) hold dead contents once their tensors are staged: a plan keeps them
-    resident and moves the other data instead, as long as the other data can make the room."""
-    from test_budget_rank import shuffled_order
+class RecordingCopyOps(CpuCopyOps):
+    """CPU copies that remember which tensor each copy keeps from reuse."""
 
-    from um_lab.budget.plan import make_plan, new_ledger
+    def __init__(self):
+        super().__init__()
+        self.kept = []
 
-    plain_evicted_kept = 0
-    for seed in range(4):
-        order = shuffled_order(seed)
-        ledger = new_ledger(order, 1 << 40)
-        blocks = sorted(ledger.segment_blocks())
-        kept = frozenset(blocks[: len(blocks) // 4])
-        budget = ledger.total_bytes // 2
-        plain = make_plan(order, budget, kept_blocks=())
-        keeping = make_plan(order, budget, kept_blocks=kept)
-        evicted = {b for ms in keeping.moves for m in ms if m.kind == "evict" for b in m.blocks}
-        assert plain.evicted_bytes > 0
-        assert not evicted & kept, seed  # the kept quarter fits beside any one position here
-        assert keeping.max_resident <= budget
-        plain_evicted_kept += len({b for ms in plain.moves for m in ms if m.kind == "evict" for b in m.blocks} & kept)
-    assert plain_evicted_kept > 0  # without keeping, the same plans do move those blocks
+    def copy_on_side(self, dst, src, keep):
+        self.kept.append((dst, src, keep))
+        return super().copy_on_side(dst, src, keep)
+
+
+def test_every_copy_keeps_the_device_tensor_it_reads_or_writes_from_reuse():
+    """A device block written or read on the side stream must not be reused by the compute stream before the
+    copy ends: the source of a copy out, and the device copy of a copy back (even one backward never takes)."""
+    model = mlp()
+    ops = RecordingCopyOps()
+    stager = ActivationStager(ops, lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB)
+    grads_after(model, torch.randn(1024, 512), stager)
+    stager.end_step()
+    outs = [(dst, src, keep) for dst, src, keep in ops.kept if keep is src]
+    backs = [(dst, src, keep) for dst, src, keep in ops.kept if keep is dst]
+    assert len(outs) == 5 and len(backs) == 5 and len(ops.kept) == 10
+
+
+def test_a_graph_kept_past_its_step_and_an_in_place_write_after_the_pack_are_refused():
+    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=0)
+    a = torch.randn(256, 256, requires_grad=True)
+    with stager.saving():
+        y = (a * 2).exp().sum()  # exp saves its output
+    stager.end_step()
+    with pytest.raises(StaleSavedTensor, match="earlier training step"):
+        y.backward()
+    with stager.saving():
+        h = a * 2
+        z = h.exp()  # saves z
+        w = (z * 3).sum()
+    z.add_(1)  # in-place after the save: autograd's own check is off under saved-tensor hooks
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        w.backward()
+    stager.end_step()
+
+
+def test_a_failing_step_end_still_ends_the_stagers_step(env, monkeypatch):
+    model, batches = model_and_data()
+    with make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
+        opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x, y = lab.inputs(*batches[0])
+        stager = lab.budget.stager
+        before = stager._step
+
+        def failing_end_step():
+            raise RuntimeError("a move failed")
+
+        monkeypatch.setattr(lab.budget.executor, "end_step", failing_end_step)
+        with pytest.raises(RuntimeError, match="a move failed"):
+            lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
+        assert stager._step == before + 1 and not stager._staged
+

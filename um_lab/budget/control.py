@@ -54,7 +54,7 @@ class BudgetControl:
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
-                                       gpu_waits=gpu_waits, keep_types=(DataType.ACT,) if stager else ())
+                                       gpu_waits=gpu_waits)
         self.keep_tensor = keep_tensor
         self.stager = stager
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
@@ -254,9 +254,12 @@ class BudgetControl:
             recorder.active = False
             if discarding:  # after the optimizer, or an error anywhere in the step: every gradient owes a zero
                 self._owed_zero = {id(p) for p in trainable}
-        extra = executor.end_step()
-        if self.stager is not None:
-            extra["staging"] = self.stager.end_step()
+        try:
+            extra = executor.end_step()
+        finally:  # also when a move failed: the next step starts with an empty arena
+            staging = self.stager.end_step() if self.stager is not None else None
+        if staging is not None:
+            extra["staging"] = staging
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0

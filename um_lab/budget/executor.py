@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -58,11 +57,8 @@ class BudgetExecutor:
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
-                 batch_calls: bool = False, gpu_waits: bool = False, keep_types: Iterable[DataType] = ()) -> None:
+                 batch_calls: bool = False, gpu_waits: bool = False) -> None:
         self.ledger = Ledger(budget_bytes)
-        #: data types whose blocks count as resident from their segment's registration and are evicted last
-        self.keep_types = frozenset(keep_types)
-        self._kept: set[int] = set()
         #: compute waits for a batch on the GPU (a counter the side stream writes), never the host for the mover
         self.gpu_waits = gpu_waits and bool(getattr(streams, "value_waits", lambda: False)())
         #: consecutive prefetches to one location go in one cudaMemPrefetchBatchAsync (runtimes that have it)
@@ -111,16 +107,10 @@ class BudgetExecutor:
             if current.get(ptr) != size and not self.cover_unknown:
                 self.ledger.remove_segment(ptr)
         known = self.ledger.segments()
-        kept: list[int] = []
-        for seg in live:
-            if seg.ptr not in known:
-                self.ledger.add_segment(seg.ptr, seg.size)
-                if seg.data_type in self.keep_types:
-                    kept += blocks_of_span(seg.ptr, seg.size)
+        for ptr, size in current.items():
+            if ptr not in known:
+                self.ledger.add_segment(ptr, size)
         self._index = SegmentIndex(live)
-        self._kept = {b for b in self._kept if b in self.ledger.segment_blocks()} | set(kept)
-        if kept:  # resident from the start: the GPU writes them wherever the ledger thinks they are
-            self._issue(self.ledger.touched(kept, self._lru_rank), -1)
 
     def span_live(self, ptr: int, nbytes: int) -> bool:
         """True when ``[ptr, ptr + nbytes)`` lies inside one live segment now (the mover asks this right
@@ -169,10 +159,9 @@ class BudgetExecutor:
         if not order.segments:
             order = Order(order.positions, sorted(self.ledger.segments().items()))
         grads = self.gradient_segments() if self.discard_gradients else set()
-        kept = self.kept_blocks()
-        plan = make_plan(order, self.ledger.budget_bytes, self.lookahead, discard_segments=grads, kept_blocks=kept)
+        plan = make_plan(order, self.ledger.budget_bytes, self.lookahead, discard_segments=grads)
         self.plan, self.plan_order = plan, order
-        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads, kept)
+        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
         self._discards_suspended = False
         return plan
 
@@ -366,13 +355,7 @@ class BudgetExecutor:
         return scheduler.rank(now)
 
     def _lru_rank(self, block: int) -> float:
-        if block in self._kept:
-            return -math.inf
         return float(self._tick - self._last_use.get(block, -1))
-
-    def kept_blocks(self) -> frozenset[int]:
-        """Blocks of the segments of ``keep_types``: resident from their registration on, evicted last."""
-        return frozenset(self._kept)
 
     def _wait_pending(self, index: int) -> None:
         for target in sorted(t for t in self._pending if t <= index):

@@ -31,7 +31,7 @@ class Scheduler:
     """Belady evictions and look-ahead prefetches over a cyclic :class:`Order` (see the module doc)."""
 
     def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2,
-                 discard_segments: Iterable[int] = (), kept_blocks: Iterable[int] = ()) -> None:
+                 discard_segments: Iterable[int] = ()) -> None:
         if lookahead < 0:
             raise BudgetError(f"lookahead must be >= 0, got {lookahead}")
         self.ledger = ledger
@@ -53,8 +53,6 @@ class Scheduler:
         self._flat = np.fromiter((u for b in ids for u in uses[b]), dtype=np.int64, count=int(counts.sum()))
         self._keys = np.repeat(np.arange(len(ids), dtype=np.int64), counts) * (self.n + 1) + self._flat
         self.discard_at = dead_gradient_blocks(ledger, order, set(discard_segments))
-        self.kept = frozenset(kept_blocks)  #: evicted only when nothing else can go (rank -inf)
-        self._kept_array = np.fromiter(self.kept, dtype=np.int64, count=len(self.kept))
 
     def next_use(self, block: int, now: int) -> float:
         """Positions from ``now`` until ``block`` is used again, after ``now`` (cyclic; inf: never)."""
@@ -132,8 +130,6 @@ class NextUse:
         self.dead_first = dead_first
 
     def __call__(self, block: int) -> float:
-        if block in self.scheduler.kept:
-            return -math.inf
         if self.dead_first and self.scheduler.ledger.is_dead(block):
             return math.inf
         return self.scheduler.next_use(block, self.now)
@@ -144,8 +140,6 @@ class NextUse:
         dead = self.scheduler.ledger.dead_blocks() if self.dead_first else frozenset()
         if dead:
             ranks[np.isin(blocks, np.fromiter(dead, dtype=np.int64, count=len(dead)))] = math.inf
-        if self.scheduler.kept:
-            ranks[np.isin(blocks, self.scheduler._kept_array)] = -math.inf
         return ranks
 
 
@@ -232,17 +226,15 @@ def new_ledger(order: Order, budget_bytes: int) -> Ledger:
 
 
 def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6,
-              discard_segments: Iterable[int] = (), kept_blocks: Iterable[int] = ()) -> Plan:
+              discard_segments: Iterable[int] = ()) -> Plan:
     """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
     until a step repeats the previous one's moves, and return that step's moves. Gradient blocks lying
-    in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`); ``kept_blocks`` stay
-    resident once used unless nothing else can make room (staged activations' blocks: their contents die
-    when a tensor is staged, so moving them would copy garbage).
+    in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`).
 
     Raises :class:`BudgetTooSmall` before planning when one position alone does not fit.
     """
     ledger = new_ledger(order, budget_bytes)
-    scheduler = Scheduler(ledger, order, lookahead, discard_segments, kept_blocks)
+    scheduler = Scheduler(ledger, order, lookahead, discard_segments)
     scheduler.check_fits()
     largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)
     previous: list[list[Move]] | None = None

@@ -9,12 +9,10 @@ on the simulator) or below one 2 MiB block raises :class:`~um_lab.errors.BudgetE
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from um_lab.budget.ledger import BLOCK
 from um_lab.errors import BudgetError, gib
 from um_lab.policy import Advice, Policy, is_scheduled
-from um_lab.types import DataType, RunSpec
+from um_lab.types import RunSpec
 
 
 def uses_budget(spec: RunSpec, policy: Policy | str) -> bool:
@@ -60,9 +58,7 @@ def resolve_budget(spec: RunSpec, policy: Policy | str, footprint_bytes: int, *,
 HOST_RESIDENT_ADVICE = Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))
 
 
-def with_host_advice(policy: Policy, skip: Iterable[DataType] = ()) -> Policy:
-    """``policy`` with :data:`HOST_RESIDENT_ADVICE` for every data type it gives no advice, except ``skip``
-    (same name)."""
-    skipped = frozenset(skip)
-    return Policy(policy.name, {t: HOST_RESIDENT_ADVICE if a.is_default and t not in skipped else a
-                                for t, a in policy.advice.items()}, policy.description)
+def with_host_advice(policy: Policy) -> Policy:
+    """``policy`` with :data:`HOST_RESIDENT_ADVICE` for every data type it gives no advice (same name)."""
+    return Policy(policy.name, {t: HOST_RESIDENT_ADVICE if a.is_default else a for t, a in policy.advice.items()},
+                  policy.description)

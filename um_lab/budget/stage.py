@@ -5,9 +5,11 @@ Autograd's saved-tensor hooks see every tensor forward keeps for backward. :clas
 copies each large one that lives in the intermediate-results pool into pinned host memory on a stream of
 its own (the pack hook), so the GPU block is free for reuse once forward drops it, and copies it back in
 backward (the unpack hook), a window of bytes ahead of the tensor autograd asks for, so the copies overlap
-the backward kernels. The host copy is the only copy while the tensor is out: autograd never touches a
-saved tensor except through unpack, so nothing can read or write it behind the stager's back (the reason
-this is safe where discarding managed pages is not: a managed block can hold tensors nobody announced).
+the backward kernels. Autograd reads a saved tensor only through unpack, so nothing reads the staged copy
+behind the stager's back (the reason this is safe where discarding managed pages is not: a managed block can
+hold tensors nobody announced); an in-place write to the original after the pack is refused at unpack, as
+autograd's own version check would (saved-tensor hooks turn that check off), and a handle kept past its step
+is refused too (:class:`StaleSavedTensor`).
 
 Host memory comes from :class:`PinnedArena`, allocated once and reused every step, capped by
 ``host_limit_bytes``; past it, tensors stay on the GPU (counted in ``kept_bytes``).
@@ -123,6 +125,10 @@ class CpuCopyOps:
         pass
 
 
+class StaleSavedTensor(RuntimeError):
+    """Backward reached a staged tensor of an earlier step, whose host memory has been reused since."""
+
+
 class PinnedArena:
     """Pinned host memory handed out in order and taken back all at once each step (:meth:`reset`):
     allocated the first time a step needs it, then reused, so later steps pin nothing new."""
@@ -178,10 +184,14 @@ class StagingStats:
 class _Staged:
     """A saved tensor while its only copy is on the host."""
 
-    __slots__ = ("host", "shape", "stride", "dtype", "nbytes", "index", "device_copy", "ready", "handed", "saves")
+    __slots__ = ("host", "shape", "stride", "dtype", "nbytes", "index", "device_copy", "ready", "handed", "saves",
+                 "step", "source", "version")
 
-    def __init__(self, host: torch.Tensor, src: torch.Tensor, index: int) -> None:
+    def __init__(self, host: torch.Tensor, src: torch.Tensor, index: int, step: int) -> None:
         self.host = host
+        self.step = step  #: the stager's step it belongs to: its host memory is reused after that step
+        self.source: weakref.ref[torch.Tensor] = weakref.ref(src)  #: to catch in-place writes after the pack
+        self.version = src._version
         self.shape, self.stride, self.dtype = src.shape, tuple(src.stride()), src.dtype
         self.nbytes = src.numel() * src.element_size()
         self.index = index
@@ -223,6 +233,7 @@ class ActivationStager:
         self._by_key: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _Staged]] = {}
         self._to_host: list[tuple[Any, int]] = []  # (event, bytes) of copies to the host not known done
         self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
+        self._step = 0  # counts end_step calls: a handle from an earlier step is refused at unpack
         self.stats = StagingStats()
 
     @contextlib.contextmanager
@@ -240,15 +251,19 @@ class ActivationStager:
         self._by_key.clear()
         self._to_host.clear()
         self._cursor = -1
+        self._step += 1
         self.arena.reset()
         self.stats = StagingStats()
         return out
 
     def close(self) -> None:
-        """Wait for every copy, then drop the host memory."""
+        """Wait for every copy, then drop the host memory (and give PyTorch's cached pinned memory back)."""
         self.ops.synchronize()
         self.end_step()
         self.arena = PinnedArena(self.ops, self.arena.limit_bytes)
+        release = getattr(torch._C, "_host_emptyCache", None)
+        if callable(release) and torch.cuda.is_available():
+            release()
 
     # ---- hooks ----
 
@@ -270,7 +285,7 @@ class ActivationStager:
             self.stats.kept_bytes += nbytes
             return t
         host = raw.view(t.dtype).as_strided(t.shape, t.stride())  # dense: its span is its bytes
-        staged = _Staged(host, t, len(self._staged))
+        staged = _Staged(host, t, len(self._staged), self._step)
         done = self.ops.copy_on_side(host, t, keep=t)
         self._staged.append(staged)
         self._by_key[key] = (weakref.ref(t), staged)
@@ -285,6 +300,13 @@ class ActivationStager:
         if isinstance(saved, torch.Tensor):
             return saved
         staged: _Staged = saved
+        if staged.step != self._step:
+            raise StaleSavedTensor("backward reached a tensor saved in an earlier training step: staged activations "
+                                   "live until the end of their step (keep no graph across steps)")
+        source = staged.source()
+        if source is not None and source._version != staged.version:
+            raise RuntimeError("a tensor saved for backward was modified by an in-place operation after it was "
+                               "saved (it was staged to the host when saved; the gradient would be wrong)")
         if staged.device_copy is None:  # not brought ahead (or a save autograd unpacks again)
             self.stats.late_restores += 1
             self._bring(staged)
@@ -313,7 +335,9 @@ class ActivationStager:
 
     def _bring(self, staged: _Staged) -> None:
         device_copy = self.ops.empty_like_on_device(staged.shape, staged.stride, staged.dtype)
-        staged.ready = self.ops.copy_on_side(device_copy, staged.host, keep=None)
+        # written on the side stream: its block may not be reused before the copy ends, even when backward never
+        # takes it (brought ahead for a tensor autograd does not unpack, or a step that failed)
+        staged.ready = self.ops.copy_on_side(device_copy, staged.host, keep=device_copy)
         staged.device_copy = device_copy
         self.stats.restored_bytes += staged.nbytes
 

@@ -136,6 +136,9 @@ class Session(Listenable):
         self.budget_host_advice = bool(budget_host_advice)
         self.budget_stage_activations = bool(budget_stage_activations)
         self.populate_segments = bool(populate_segments)
+        if self.budget_stage_activations and gpu_budget_bytes is None:
+            raise InputError("budget_stage_activations=True stages activations for the budget scheduler: it needs "
+                             "gpu_budget_bytes")
         if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
             raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
                              "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
@@ -582,14 +585,12 @@ class Session(Listenable):
 
     def _pool_policy(self, policy: Policy) -> Policy:
         """The advice the pools get: ``policy``, under a budget with ``budget_host_advice`` its unadvised types
-        preferring the host (:func:`um_lab.budget.request.with_host_advice`), except intermediate results when
-        they are staged (copies to and from host-advised pages ran at 3.7-4.0 GB/s on the H200, against 51-52
-        GB/s for GPU-resident ones: ``bench/results/raw/session13_call2/staging_probe.json``)."""
+        preferring the host (:func:`um_lab.budget.request.with_host_advice`)."""
         if self.gpu_budget_bytes is None or not self.budget_host_advice:
             return policy
         from um_lab.budget.request import with_host_advice
 
-        return with_host_advice(policy, skip=(DataType.ACT,) if self.budget_stage_activations else ())
+        return with_host_advice(policy)
 
     def live_bytes(self) -> dict[str, int]:
         """Live managed bytes per data type."""
