@@ -66,6 +66,7 @@ class DerivedOrder:
     optim_scratch_bytes: int  #: the largest layer's optimizer temporaries (kept resident: off the budget)
     layers: int  #: parameter layers found (optimizer positions)
     grad_segments: frozenset[int] = frozenset()  #: starts of the gradient runs (what a plan may discard)
+    op_start: tuple[int, ...] = ()  #: the first op of each position (optimizer positions: the first optimizer op)
 
 
 @dataclasses.dataclass
@@ -121,6 +122,7 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
     st_va = layout.st_va
     types = [DATA_TYPES[int(t)] for t in trace.st_type]
     positions: list[Position] = []
+    starts: list[int] = []
     compute: list[float] = []
     host_us: list[float] = []
     current: tuple[str, int] | None = None
@@ -153,6 +155,7 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
             previous = current
             current = key
             positions.append(Position(key[0], f"layer {key[1]}" if key[1] >= 0 else "(step)"))
+            starts.append(op)
             compute.append(0.0)
             host_us.append(0.0)
         for dtype, span, _ in spans_of(op):
@@ -209,13 +212,14 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
     total_tensors = float(tensors.sum()) or 1.0
     for lay in sorted(opt_layers):
         positions.append(opt_layers[lay])
+        starts.append(opt_ops[0] if opt_ops else trace.n_ops)
         compute.append(shared_compute * float(param_bytes[lay]) / total_param + float(own_us["compute"][lay]))
         host_us.append(dispatch + (shared_host - dispatch) * float(tensors[lay]) / total_tensors
                        + float(own_us["host"][lay]))
     segments = _type_runs(layout)
     grads = frozenset(p for p, _ in segments if DATA_TYPES[int(layout.block_type[p // BLOCK])] is DataType.GRAD)
     return DerivedOrder(Order(positions, segments), compute, host_us, int(scratch.max()) if len(scratch) else 0,
-                        len(opt_layers), grads)
+                        len(opt_layers), grads, tuple(starts))
 
 
 def _type_runs(layout: Layout) -> list[Span]:
