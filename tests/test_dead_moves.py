@@ -24,7 +24,7 @@ def analysed(dead_moves):
     from um_lab.sim.budget import simulate_budget
 
     sim = SimBackend()
-    prepared = sim.prepare(dead_moves._bench_budget().build_case("mlp-small"))
+    prepared = sim.prepare(dead_moves.build_case("mlp-small"))
     layout = prepared.placement.final
     result = simulate_budget(prepared.trace, layout, sim.profile, int(prepared.footprint_bytes / 2))
     return prepared.trace, layout, result

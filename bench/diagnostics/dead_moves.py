@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import datetime
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -134,12 +133,12 @@ def dead_aware(plan: Any, op_start: tuple[int, ...], live: Liveness) -> Any:
         populated_bytes=sum(m.nbytes for m in flat if m.kind == "populate"))
 
 
-def _bench_budget() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_budget", ROOT / "bench" / "budget.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def build_case(name: str) -> Any:
+    """bench/budget.py's model at its size (the sizes the budget rows were measured at)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import budget
+
+    return budget.build_case(name)
 
 
 def analyse(name: str, ratio: float) -> dict[str, Any]:
@@ -148,7 +147,7 @@ def analyse(name: str, ratio: float) -> dict[str, Any]:
     from um_lab.sim.budget import replay_plan, simulate_budget
 
     sim = SimBackend()
-    prepared = sim.prepare(_bench_budget().build_case(name))
+    prepared = sim.prepare(build_case(name))
     budget = int(prepared.footprint_bytes / ratio)
     layout = prepared.placement.final
     result = simulate_budget(prepared.trace, layout, sim.profile, budget)

@@ -54,12 +54,17 @@ def check(err: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with cudaError {err}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def probe_arguments(description: str) -> argparse.Namespace:
+    """The probes' command line: buffer size in GiB, repeats, output file."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = probe_arguments(__doc__)
     import torch
 
     sys.path.insert(0, str(ROOT))

@@ -12,7 +12,6 @@ Usage (GPU machine): ``python bench/diagnostics/staging_probe.py --out $OUT/stag
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
@@ -24,17 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "diagnostics"))
 sys.path.insert(0, str(ROOT))
 
-from discard_probe import GiB, Managed, check  # noqa: E402
+from discard_probe import GiB, Managed, check, probe_arguments  # noqa: E402
 
 COPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    args = probe_arguments(__doc__)
     import torch
 
     from um_lab.cuda import driver
