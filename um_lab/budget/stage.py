@@ -230,7 +230,7 @@ class ActivationStager:
         self.window_bytes = WINDOW_BYTES if window_bytes is None else int(window_bytes)
         self.arena = PinnedArena(ops, host_limit_bytes)
         self._staged: list[_Staged] = []
-        self._by_key: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _Staged]] = {}
+        self._by_key: dict[tuple[Any, ...], _Staged] = {}
         self._to_host: list[tuple[Any, int]] = []  # (event, bytes) of copies to the host not known done
         self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
         self._step = 0  # counts end_step calls: a handle from an earlier step is refused at unpack
@@ -276,10 +276,10 @@ class ActivationStager:
         # address may already hold another one, hence the weak reference
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
         known = self._by_key.get(key)
-        if known is not None and known[0]() is t:
+        if known is not None and known.source() is t:
             self.stats.shared_tensors += 1
-            known[1].saves += 1
-            return known[1]
+            known.saves += 1
+            return known
         raw = self.arena.take(nbytes)
         if raw is None:
             self.stats.kept_bytes += nbytes
@@ -288,7 +288,7 @@ class ActivationStager:
         staged = _Staged(host, t, len(self._staged), self._step)
         done = self.ops.copy_on_side(host, t, keep=t)
         self._staged.append(staged)
-        self._by_key[key] = (weakref.ref(t), staged)
+        self._by_key[key] = staged
         self._cursor = staged.index
         self.stats.staged_tensors += 1
         self.stats.staged_bytes += nbytes

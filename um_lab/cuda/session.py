@@ -87,8 +87,9 @@ class Session(Listenable):
     ``budget_stage_activations=True`` copies the large tensors forward saves for backward (those in the
     intermediate-results pool) to pinned host memory on a stream of their own and back ahead of backward
     (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is 10-16 GB/s
-    on the H200; ``extra["budget"]["staging"]`` holds its numbers. Off: on the H200 it was slower (ResNet-50 at
-    ratio 2: 3.2 s against 0.85 s without; session 13), since the ledger still moves the freed blocks.
+    on the H200; ``extra["budget"]["staging"]`` holds its numbers. Off: on the H200 it was slower (ratio 2, same
+    runs: ResNet-50 1.36 s against 0.85 s, GPT-2-large 14.7 s against 7.8 s; session 13): copies to host-advised
+    pages run at about 4 GB/s, and the ledger still moves the blocks staged tensors leave behind.
     Without a budget nothing changes: no hooks are installed.
 
     ``populate_segments=True`` (off: on the H200 it left the MLP at 1.017-1.029x native, session 12) prefetches each new
