@@ -240,8 +240,10 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
-                advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
-    """The no-budget run and one budget run per ratio for one model: its rows."""
+                advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
+                row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
+    rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
     case = build_case(name)
     fit = run_session(case, steps, limit, telemetry=telemetry)
     fit_ms = statistics.median(r.wall_ms for r in measured(fit["records"], 2))
@@ -266,6 +268,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
             row.update({"step_ms": None, "error": f"{type(e).__name__}: {e}"})
             rows.append(row)
+            if row_done is not None:
+                row_done(rows)
             say(f"  ratio {ratio}: {row['error']}")
             continue
         recs = measured(out["records"], 2)
@@ -318,6 +322,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 f"{statistics.median(st.get('throttle_ms', 0.0) for st in stagings):.0f} ms, pinned "
                 f"{max(st.get('pinned_bytes', 0) for st in stagings) / GiB:.2f} GiB")
         rows.append(row)
+        if row_done is not None:
+            row_done(rows)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
             f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
@@ -458,18 +464,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{limit / GiB:.1f} GiB (each session: min(that, the default cap then); the bench aborts at "
           f"{SAFETY_FRACTION} x the session's cap)")
     rows: list[dict[str, Any]] = []
+    header = {"device": device, "steps": args.steps, "managed_limit_bytes": limit}
     for name in args.models:
         try:
             model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
                                      tuple(d == "on" for d in args.discard), args.time_moves,
                                      tuple(b == "on" for b in args.batch_calls),
                                      tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
-                                     tuple(st == "on" for st in args.stage))
+                                     tuple(st == "on" for st in args.stage),
+                                     row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header,
+                                                                                     done + so_far))
             if not args.no_sim:
                 fill_sim(model_rows, print)
             rows += model_rows
-            write_merged(args.out, args.models, {"device": device, "steps": args.steps, "managed_limit_bytes": limit},
-                         rows)  # kept if the peer below, or a later model, runs past the caller's time limit
+            write_merged(args.out, args.models, header, rows)  # with the simulator's columns
             if args.fsdp2:
                 fill_fsdp2(model_rows, name, args.steps, print)
         except (ManagedLimitExceeded, ManagedBytesLeft) as e:
@@ -477,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"model": name, "error": f"aborted: {e}"})
         except ImportError as e:
             print(f"skipped {name}: {e}")
-    write_merged(args.out, args.models, {"device": device, "steps": args.steps, "managed_limit_bytes": limit}, rows)
+    write_merged(args.out, args.models, header, rows)
     return 0
 
 

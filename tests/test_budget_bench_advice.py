@@ -32,3 +32,24 @@ def test_staging_gets_its_own_row_and_its_bytes_count_as_crossing(bench, monkeyp
     assert plain["staged_bytes"] == 0 and staged["staged_bytes"] > 0 and staged["restored_bytes"] > 0
     assert staged["crossing_bytes"] >= staged["staged_bytes"] + staged["restored_bytes"]
     assert all(st["staged_tensors"] > 0 for st in staged["staging_all"])
+
+
+def test_each_row_is_handed_on_as_it_completes_so_a_stopped_run_keeps_it(bench, monkeypatch):  # noqa: F811
+    """bench/budget.py writes its file after every row: a run its caller's time limit stops keeps the rows done."""
+    torch.manual_seed(0)
+    heard = []
+    real_run = bench.run_session
+    budget_runs = []
+
+    def run(case, steps, limit, **kw):
+        if kw.get("budget") is not None:
+            budget_runs.append(kw["budget"])
+            if len(budget_runs) == 2:
+                raise KeyboardInterrupt  # the caller's time limit, in the second budget run
+        return real_run(case, steps, limit, **kw)
+
+    monkeypatch.setattr(bench, "run_session", run)
+    with pytest.raises(KeyboardInterrupt):
+        bench.bench_model("mlp", [1.75, 2.0], 4, 1 << 40, False, lambda line: None,
+                          row_done=lambda rows: heard.append([dict(r) for r in rows]))
+    assert len(heard) == 1 and [r["ratio"] for r in heard[0]] == [1.75] and heard[0][0]["step_ms"] > 0
