@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
-# tests | bench | all | alternate | populate | moves | waits | sample | predicted.
+# tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
 # waits: GPT-2-large at ratio 2 with and without Session(budget_gpu_waits=True);
 # sample: every thread's Python stack sampled in one GPT-2-medium budget step (where the host time goes);
-# predicted: the rows of bench/results/budget_predicted_session12.json not yet measured (GPT-2-XL at 1.5, 2, 3;
-# GPT-2-large at 3; ResNet-50 at 1.5; both also at the other ratio), default session (host advice), CUPTI off.
+# predicted: the rows of bench/results/budget_predicted_session12.json still not measured after session 13
+# (GPT-2-XL at 1.5 and 3; GPT-2-large at 3; ResNet-50 at 1.5), default session (host advice), CUPTI off; each
+# model's rows are written as they complete;
+# staging: the staging GPU tests (bit for bit, CUPTI under B) on the current code, then the staging probe.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
@@ -57,10 +59,16 @@ if [[ $what == moves ]]; then
   timeout 540 python3 bench/budget.py --models gpt2-large --ratios 2 1.5 --steps 5 --batch-calls off on --time-moves --no-sim \
     --out "$OUT/budget_moves.json" 2>&1 | tee "$OUT/moves.log"
 fi
-if [[ $what == predicted ]]; then  # ~9 min (estimate): split over two calls if need be
-  timeout 330 python3 bench/budget.py --models gpt2-xl --ratios 1.5 2 3 --steps 5 --time-moves --no-sim \
+if [[ $what == predicted ]]; then  # ~9 min (session 13: a GPT-2-XL row took ~2 min with its fit run): two calls
+  timeout 300 python3 bench/budget.py --models gpt2-xl --ratios 1.5 3 --steps 4 --time-moves --no-sim \
     --out "$OUT/budget_gpt2xl.json" 2>&1 | tee "$OUT/predicted.log"
-  timeout 200 python3 bench/budget.py --models gpt2-large resnet50 --ratios 3 1.5 --steps 5 --time-moves --no-sim \
-    --out "$OUT/budget_others.json" 2>&1 | tee -a "$OUT/predicted.log"
+  timeout 150 python3 bench/budget.py --models gpt2-large --ratios 3 --steps 5 --time-moves --no-sim \
+    --out "$OUT/budget_gpt2l_r3.json" 2>&1 | tee -a "$OUT/predicted.log"
+  timeout 90 python3 bench/budget.py --models resnet50 --ratios 1.5 --steps 5 --time-moves --no-sim \
+    --out "$OUT/budget_resnet50_r15.json" 2>&1 | tee -a "$OUT/predicted.log"
+fi
+if [[ $what == staging ]]; then  # ~1.5 min
+  timeout 90 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tee "$OUT/staging_tests.log"
+  timeout 60 python3 bench/diagnostics/staging_probe.py --out "$OUT/staging_probe.json" 2>&1 | tee -a "$OUT/staging_tests.log"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/sanity.log"
