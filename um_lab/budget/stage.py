@@ -354,7 +354,6 @@ class ActivationStager:
             i -= 1
 
 
-
 def available_host_bytes() -> int:
     """Host memory available now (``MemAvailable`` of /proc/meminfo; elsewhere the free pages)."""
     try:
