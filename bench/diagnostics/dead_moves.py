@@ -73,6 +73,17 @@ class Liveness:
         return any(self.storage_live(s, op) for s in self.by_block.get(block, ()))
 
 
+def split_dead(move: Any, position: int, op_start: tuple[int, ...], live: Liveness) -> tuple[list[int], list[int]]:
+    """The blocks of a prefetch or eviction issued at ``position``: (live, dead). An eviction's blocks are judged
+    where its position starts, a prefetch's where the position it serves starts."""
+    at = op_start[move.target if move.kind == "prefetch" else position]
+    live_blocks: list[int] = []
+    dead_blocks: list[int] = []
+    for b in move.blocks:
+        (live_blocks if live.block_live(b, at) else dead_blocks).append(b)
+    return live_blocks, dead_blocks
+
+
 def dead_share(plan: Any, op_start: tuple[int, ...], live: Liveness) -> dict[str, float]:
     """Bytes the plan's steady step moves each way, and how many of them are dead."""
     out = {"prefetched_bytes": 0.0, "prefetched_dead_bytes": 0.0, "evicted_bytes": 0.0, "evicted_dead_bytes": 0.0}
@@ -81,12 +92,9 @@ def dead_share(plan: Any, op_start: tuple[int, ...], live: Liveness) -> dict[str
             if m.kind not in ("prefetch", "evict") or not m.blocks:
                 continue
             per_block = m.nbytes / len(m.blocks)
-            at = op_start[m.target if m.kind == "prefetch" else i]
             key = "prefetched" if m.kind == "prefetch" else "evicted"
-            for b in m.blocks:
-                out[f"{key}_bytes"] += per_block
-                if not live.block_live(b, at):
-                    out[f"{key}_dead_bytes"] += per_block
+            out[f"{key}_bytes"] += per_block * len(m.blocks)
+            out[f"{key}_dead_bytes"] += per_block * len(split_dead(m, i, op_start, live)[1])
     return out
 
 
@@ -116,10 +124,8 @@ def dead_aware(plan: Any, op_start: tuple[int, ...], live: Liveness) -> Any:
             if m.kind not in ("prefetch", "evict") or not m.blocks:
                 out.append(m)
                 continue
-            at = op_start[m.target if m.kind == "prefetch" else i]
             per_block = m.nbytes / len(m.blocks)
-            dead = [b for b in m.blocks if not live.block_live(b, at)]
-            kept = [b for b in m.blocks if b not in set(dead)]
+            kept, dead = split_dead(m, i, op_start, live)
             for kind, blocks in ((m.kind, kept), ("populate" if m.kind == "prefetch" else "discard", dead)):
                 if blocks:
                     out.append(Move(kind, _runs(blocks, per_block), int(per_block * len(blocks)), m.resident_after,

@@ -101,9 +101,6 @@ class CudaCopyOps:
 class CpuCopyOps:
     """:class:`CopyOps` without a GPU (tests): plain tensors, copies done at once, no events."""
 
-    def __init__(self) -> None:
-        self.copies = 0
-
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -112,7 +109,6 @@ class CpuCopyOps:
 
     def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
         dst.copy_(src)
-        self.copies += 1
         return None
 
     def compute_wait(self, event: Any) -> None:
