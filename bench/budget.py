@@ -135,10 +135,15 @@ def host_advice(advice: str) -> bool:
     return advice == "host"
 
 
+#: the free-block numbers of ``extra["budget"]`` a row keeps (medians over steps) with ``--discard-free on``
+FREE_KEYS = ("free_discard_bytes", "free_populate_bytes", "refilled_bytes", "free_queries", "free_query_ms",
+             "ordered_calls")
+
+
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
-                advice: str = "host", stage: bool = False) -> dict[str, Any]:
+                advice: str = "host", stage: bool = False, free: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -153,7 +158,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                   telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, budget_stage_activations=stage,
-                  **SESSION_KWARGS)
+                  budget_discard_free=free, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
@@ -241,6 +246,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
+                frees: tuple[bool, ...] = (False,),
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -250,19 +256,20 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice, stage in (
-            (r, i, d, b, w, a, st) for r in ratios for i in issues for d in discards for b in batches
-            for w in gpu_waits for a in advices for st in stages):
+    for ratio, issue, discard, batch, waits, advice, stage, free in (
+            (r, i, d, b, w, a, st, f) for r in ratios for i in issues for d in discards for b in batches
+            for w in gpu_waits for a in advices for st in stages for f in frees):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
-                               "stage_activations": stage,
+                               "stage_activations": stage, "discard_free": free,
                                "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
-                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage)
+                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage,
+                              free=free)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -308,6 +315,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                                    for r in out["records"]],
             "gpu_page_faults_all": [r.gpu_page_faults for r in out["records"]],
             "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
+            **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_KEYS} if free else {}),
             "run_s": time.perf_counter() - t0,
         })
         if time_moves:
@@ -325,7 +333,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         if row_done is not None:
             row_done(rows)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
-            f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}): "
+            f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}, "
+            f"free discards {'on' if free else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
@@ -424,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", nargs="+", choices=["on", "off"], default=["off"],
                     help="stage saved activations through pinned host memory (Session(budget_stage_activations=...)); "
                          "both: a row each")
+    ap.add_argument("--discard-free", nargs="+", choices=["on", "off"], default=["off"],
+                    help="discard and populate, not copy, blocks the caching allocator holds no tensor in "
+                         "(Session(budget_discard_free=...)); both: a row each")
     ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["host"],
                     help="host (the default, Session(budget_host_advice=True)): unadvised pools prefer the host and "
                          "are mapped for the GPU, so only the scheduler's prefetches make data resident; none: no "
@@ -472,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                                      tuple(b == "on" for b in args.batch_calls),
                                      tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
                                      tuple(st == "on" for st in args.stage),
+                                     tuple(f == "on" for f in args.discard_free),
                                      row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header,
                                                                                      done + so_far))
             if not args.no_sim:

@@ -235,7 +235,8 @@ def main() -> None:
     runs = []
     for _ in range(args.processes):
         cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--blocks", str(args.blocks),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--fixed-batch"] if args.fixed_batch else [])
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--fixed-batch"] if args.fixed_batch else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"worker failed:\n{out.stderr[-3000:]}")

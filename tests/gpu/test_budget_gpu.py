@@ -165,3 +165,45 @@ def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
         resident = sum(r.resident_bytes.values())
         assert 0 < resident <= budget + 2 * MiB, (resident, budget, r.extra["budget"])
         assert r.extra["budget"]["max_resident_ledger"] <= budget + r.extra["budget"]["touched_bytes"]
+
+
+def test_free_block_discards_train_bit_for_bit_like_a_budget_run_without_them():
+    """budget_discard_free: blocks the caching allocator holds no tensor in are discarded and populated in
+    compute order instead of copied. If one ever held live data, training would differ from the same budget
+    run without them; it must match bit for bit, move fewer bytes over the link and keep the ledger under B."""
+    from um_lab.cuda.driver import can_discard
+
+    if not can_discard():
+        pytest.skip("cudaMemDiscardBatchAsync needs CUDA 13+")
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    plain, plain_params, _ = _train(budget, steps=6)
+    records, params, _ = _train(budget, steps=6, budget_discard_free=True)
+    for r in records[2:]:
+        b = r.extra["budget"]
+        assert b["followed_plan"] and b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+        assert b["free_queries"] > 0 and b["free_discard_bytes"] + b["free_populate_bytes"] > 0, b
+    for p, q in zip(plain[2:], records[2:], strict=True):
+        a, b = p.extra["budget"], q.extra["budget"]
+        assert b["prefetched_bytes"] + b["evicted_bytes"] < a["prefetched_bytes"] + a["evicted_bytes"], (a, b)
+    for a, p in zip(plain_params, params, strict=True):
+        assert torch.equal(a, p)
+    assert [r.loss for r in records] == [r.loss for r in plain]
+
+
+def test_free_block_discards_keep_cupti_residency_under_b_at_each_step_end():
+    """The ordered discards drop pages for real: CUPTI-measured residency at each step's end stays under B
+    (plus the 2 MiB-block rounding of CUPTI's records)."""
+    from um_lab.cuda.driver import can_discard
+    from um_lab.cuda.telemetry import Telemetry
+
+    if not can_discard():
+        pytest.skip("cudaMemDiscardBatchAsync needs CUDA 13+")
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    records, _, _ = _train(budget, steps=5, telemetry=Telemetry(flush="step"), budget_discard_free=True)
+    if records[-1].telemetry.startswith("unavailable"):
+        pytest.skip(f"CUPTI telemetry {records[-1].telemetry}")
+    for r in records[2:]:
+        resident = sum(r.resident_bytes.values())
+        assert 0 < resident <= budget + 2 * MiB, (resident, budget, r.extra["budget"])

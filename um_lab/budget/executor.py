@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from um_lab.budget.free import FreeRanges, split_free
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
 from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
 from um_lab.budget.order import Order, Position
@@ -57,8 +58,13 @@ class BudgetExecutor:
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
-                 batch_calls: bool = False, gpu_waits: bool = False) -> None:
+                 batch_calls: bool = False, gpu_waits: bool = False,
+                 free_ranges: Callable[[], Iterable[Span]] | None = None) -> None:
         self.ledger = Ledger(budget_bytes)
+        #: the ranges the allocator has free now: moves of wholly free blocks become ordered discards and
+        #: populates (:mod:`um_lab.budget.free`)
+        self.free_ranges = free_ranges
+        self._free_discarded: set[int] = set()  # blocks discarded as free and not brought back since
         #: compute waits for a batch on the GPU (a counter the side stream writes), never the host for the mover
         self.gpu_waits = gpu_waits and bool(getattr(streams, "value_waits", lambda: False)())
         #: consecutive prefetches to one location go in one cudaMemPrefetchBatchAsync (runtimes that have it)
@@ -208,6 +214,9 @@ class BudgetExecutor:
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
                       "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0,
                       "host_wait_ms": 0.0, "executor_ms": 0.0}
+        if self.free_ranges is not None:
+            self.stats.update({"free_discard_bytes": 0, "free_populate_bytes": 0, "refilled_bytes": 0,
+                               "free_queries": 0, "free_query_ms": 0.0, "ordered_calls": 0})
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.residency_unknown:  # a move failed: the ledger may be wrong, so start from nothing resident
             moves = self.ledger.evict_everything()
@@ -403,8 +412,10 @@ class BudgetExecutor:
             return
         if not self.cover_unknown and self._generation is not None and self._generation() != self._seen_generation:
             self.refresh_segments()
-        codes = self.runtime.codes
         segments = None if self.cover_unknown else self._live_segments()
+        if self.free_ranges is not None and any(m.kind in ("evict", "prefetch", "populate") for m in moves):
+            moves = self._issue_free(moves, segments)
+        codes = self.runtime.codes
         compute_event = self.streams.record_compute() if any(m.kind in ("evict", "discard") for m in moves) else None
         targets: set[int] = set()
         calls = []
@@ -441,6 +452,36 @@ class BudgetExecutor:
                 self._pending[t] = batch
             elif t < index:
                 self._next_pending[t] = batch
+
+    def _issue_free(self, moves: list[Move], segments: tuple[int | None, list[int], list[int]] | None) -> list[Move]:
+        """Carry out the moves of blocks the allocator has free now as ordered discards and populates; the
+        moves left for the side stream are returned."""
+        assert self.free_ranges is not None
+        began = time.perf_counter()
+        free = FreeRanges(self.free_ranges())
+        self.stats["free_query_ms"] += (time.perf_counter() - began) * 1e3
+        self.stats["free_queries"] += 1
+        side, ordered, turned = split_free(moves, self.ledger, free, self._free_discarded)
+        for key, nbytes in turned.items():
+            self.stats[key] += nbytes
+        calls = [c for c in ordered if segments is None or _inside(segments, c[0], c[1])]
+        if calls:
+            runtime, device = self.runtime, self.device
+
+            def issue(stream: int) -> None:
+                for ptr, nbytes, kind in calls:
+                    if kind == "discard":
+                        runtime.discard(ptr, nbytes, stream)  # type: ignore[attr-defined]  # can_discard
+                    else:
+                        runtime.discard_and_prefetch(ptr, nbytes, device, stream)  # type: ignore[attr-defined]
+
+            try:
+                self.streams.run_ordered(issue)
+            except BaseException:  # the ledger holds moves that did not all happen
+                self.residency_unknown = True
+                raise
+            self.stats["ordered_calls"] += len(calls)
+        return side
 
     def close(self) -> None:
         """Stop the mover after it issued what it holds, then wait for the side stream's transfers: after

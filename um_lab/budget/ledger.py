@@ -192,6 +192,14 @@ class Ledger:
         """Every block whose contents are dead now."""
         return frozenset(self._dead)
 
+    def pieces_of(self, block: int) -> list[Span]:
+        """The managed byte ranges inside ``block`` (one per segment part)."""
+        return [(p, n) for p, n, _ in self._blocks[block].pieces]
+
+    def spans_of(self, blocks: Iterable[int]) -> tuple[Span, ...]:
+        """The managed byte ranges of ``blocks``, as a move of them would issue them."""
+        return self._spans(sorted(set(blocks)))
+
     def bytes_of(self, blocks: Iterable[int]) -> int:
         """Managed bytes in ``blocks``."""
         return sum(self._blocks[b].nbytes for b in blocks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -53,6 +54,10 @@ class StreamOps(Protocol):
     def release_values(self) -> None:
         """After a failure: every wait for a value handed out so far passes (the counter jumps past them)."""
 
+    def run_ordered(self, issue: Callable[[int], None]) -> None:
+        """Call ``issue(stream handle)`` for work that must land exactly here in compute order: on a stream
+        that waits for the compute stream's work so far, and that compute's later work waits for."""
+
 
 #: how far :meth:`CudaStreams.release_values` moves the counter past the last value handed out (waits compare
 #: cyclically, so the jump stays far below 2**31)
@@ -87,6 +92,7 @@ class CudaStreams:
         self._values = _ValueCounter()
         self._counter: torch.Tensor | None = None
         self._rescue: torch.cuda.Stream | None = None
+        self._ordered: torch.cuda.Stream | None = None
         if value_waits:
             self._open_counter()
 
@@ -139,6 +145,16 @@ class CudaStreams:
     def side_handle(self) -> int:
         return int(self.stream.cuda_stream)
 
+    def run_ordered(self, issue: Callable[[int], None]) -> None:
+        if self._ordered is None:  # not the compute stream itself: the batch calls refuse the legacy default one
+            self._ordered = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        self._ordered.wait_stream(compute)
+        try:
+            issue(int(self._ordered.cuda_stream))
+        finally:
+            compute.wait_stream(self._ordered)
+
     def record_compute(self) -> Any:
         return torch.cuda.current_stream(self.device).record_event()
 
@@ -168,6 +184,7 @@ class RecordingStreams:
     counter calls too)."""
 
     SIDE = 7
+    ORDERED = 9
 
     def __init__(self, value_waits: bool = False) -> None:
         self.log: list[tuple[str, int]] = []
@@ -192,6 +209,13 @@ class RecordingStreams:
 
     def side_handle(self) -> int:
         return self.SIDE
+
+    def run_ordered(self, issue: Callable[[int], None]) -> None:
+        self.log.append(("ordered_begin", self.ORDERED))
+        try:
+            issue(self.ORDERED)
+        finally:
+            self.log.append(("ordered_end", self.ORDERED))
 
     def record_compute(self) -> Any:
         ev = next(self._ids)

@@ -90,6 +90,11 @@ class Session(Listenable):
     on the H200; ``extra["budget"]["staging"]`` holds its numbers. Off: on the H200 it was slower (ratio 2, same
     runs: ResNet-50 1.36 s against 0.85 s, GPT-2-large 14.7 s against 7.8 s; session 13): copies to host-advised
     pages run at about 4 GB/s, and the ledger still moves the blocks staged tensors leave behind.
+    ``budget_discard_free=True`` (CUDA 13+; off until measured) discards, instead of copying to the host, the
+    blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
+    tensor in when the scheduler moves them, and populates instead of copying back the ones still free when
+    they are brought in (:mod:`um_lab.budget.free`: ordered between the compute stream's kernels;
+    ``extra["budget"]["free_discard_bytes"]``, ``free_populate_bytes``).
     Without a budget nothing changes: no hooks are installed.
 
     ``populate_segments=True`` (off: on the H200 it left the MLP at 1.017-1.029x native, session 12) prefetches each new
@@ -121,6 +126,7 @@ class Session(Listenable):
         budget_gpu_waits: bool = False,
         budget_host_advice: bool = True,
         budget_stage_activations: bool = False,
+        budget_discard_free: bool = False,
         populate_segments: bool = False,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
@@ -136,10 +142,13 @@ class Session(Listenable):
         self.budget_gpu_waits = bool(budget_gpu_waits)
         self.budget_host_advice = bool(budget_host_advice)
         self.budget_stage_activations = bool(budget_stage_activations)
+        self.budget_discard_free = bool(budget_discard_free)
         self.populate_segments = bool(populate_segments)
         if self.budget_stage_activations and gpu_budget_bytes is None:
             raise InputError("budget_stage_activations=True stages activations for the budget scheduler: it needs "
                              "gpu_budget_bytes")
+        if self.budget_discard_free and gpu_budget_bytes is None:
+            raise InputError("budget_discard_free=True changes the budget scheduler's moves: it needs gpu_budget_bytes")
         if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
             raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
                              "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
@@ -529,13 +538,20 @@ class Session(Listenable):
 
         can_discard = getattr(runtime, "can_discard", None)
         discard = self.budget_discard and callable(can_discard) and bool(can_discard())
+        free_ranges = None
+        if self.budget_discard_free and self._real and device is not None:
+            if callable(can_discard) and bool(can_discard()):
+                free_ranges = _free_ranges_of(pools, device)
+            else:
+                warnings.warn("budget_discard_free=True needs cudaMemDiscardBatchAsync (CUDA 13+): it stays off",
+                              RuntimeWarning, stacklevel=3)
         can_batch = getattr(runtime, "can_prefetch_batch", None)
         batch_calls = self.budget_batch_calls and callable(can_batch) and bool(can_batch())
         return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
                              cover_unknown=not self._real, generation=source.generation if self._real else None,
                              keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
                              thread_init=select_device if self._real else None, discard_gradients=discard,
-                             batch_calls=batch_calls, gpu_waits=gpu_waits,
+                             batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
                              stager=new_stager(source, self.device if self._real else None)
                              if self.budget_stage_activations else None)
 
@@ -627,3 +643,11 @@ def _check_budget(budget: int | None, lookahead: int, issue: str) -> int | None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise BudgetError(f"gpu_budget_bytes must be a positive number of bytes or None, got {budget!r}")
     return budget
+
+
+def _free_ranges_of(pools: ManagedPools, device: torch.device) -> Callable[[], list[tuple[int, int]]]:
+    """What the caching allocator has free now in the pools whose blocks may be discarded when free."""
+    from um_lab.budget.free import inactive_ranges
+
+    pool_ids = [pools.pool_id(t) for t in (DataType.ACT, DataType.INPUT, DataType.GRAD)]
+    return lambda: inactive_ranges(pool_ids, int(torch.cuda.current_stream(device).cuda_stream))
