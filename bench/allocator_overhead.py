@@ -103,8 +103,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
 #: Variants applied before the model is placed (the others after attach).
 BEFORE_PLACE = frozenset({"native_persistent"})
 #: Variants --alternate cannot apply to one placed model moved between blocks: before placing; a session
-#: option (caller: the backward thread); or one that stops close() from moving the model back (no_gradcheck).
-NOT_ALTERNATING = BEFORE_PLACE | {"caller", "no_gradcheck"}
+#: option other than caller (passed to each block's session); or one that stops close() from moving the model
+#: back (no_gradcheck).
+NOT_ALTERNATING = BEFORE_PLACE | {"no_gradcheck"}
 
 
 class _WallTimer:
@@ -355,7 +356,8 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
             else:
                 with warnings.catch_warnings():  # a model left in managed memory at close must stop the run
                     warnings.simplefilter("error", RuntimeWarning)
-                    with Session("um-default") as lab:  # evacuate_on_close: the model leaves managed memory
+                    thread = "caller" if "caller" in um_lab_mode.split("+")[1:] else "worker"
+                    with Session("um-default", backward_thread=thread) as lab:  # evacuate_on_close: model back
                         lab.place(model)
                         lab.attach(model, opt)
                         apply_variants(lab, um_lab_mode.split("+")[1:])

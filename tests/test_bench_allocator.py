@@ -34,7 +34,7 @@ def test_the_alternating_row_pairs_blocks_inside_each_process() -> None:
 
 @pytest.mark.parametrize("modes", [["um_lab", "native"], ["native", "naive"], ["native", "um_lab", "um_lab+populate"],
                                    ["native", "um_lab+native_persistent"],
-                                   ["native", "um_lab+caller"], ["native", "um_lab+no_gradcheck"]])
+                                   ["native", "um_lab+no_gradcheck"]])
 def test_alternating_takes_native_and_one_um_lab_mode_that_can_act_after_placing(modes, monkeypatch, capsys) -> None:
     monkeypatch.setattr(sys, "argv", ["allocator_overhead.py", "--alternate", "2", "--modes", *modes])
     with pytest.raises(SystemExit) as info:

@@ -164,3 +164,21 @@ def test_free_discards_are_off_by_default_and_refused_without_a_budget(env):
         assert lab.budget.executor.free_ranges is None
     with pytest.raises(InputError, match="needs gpu_budget_bytes"):
         make_session(env, budget_discard_free=True)
+
+
+def test_moves_issued_between_steps_are_turned_too():
+    """Placing a model and staging inputs issue moves before any step began (the GPU run of session 14
+    failed there: the step's counters did not exist yet)."""
+    order = layered_order(layers=3, param_blocks=1, act_blocks=1)
+    world = FreeWorld(order)
+    runtime = CheckedRuntime(world)
+    budget = sum(n for _, n in order.segments) // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, runtime, 0, RecordingStreams(), world.segments, generation=world.generation,
+                        free_ranges=world.free_ranges)
+    ex.refresh_segments()
+    ex.touch_now(order.segments)
+    world.free_now = world.act
+    assert ex.evict_all() > 0
+    assert runtime.discarded and ex.stats["free_discard_bytes"] == sum(n for _, n in world.act)
+    drive(ex, order)
+    ex.ledger.check()

@@ -132,7 +132,8 @@ def _profiled_steps(step: Any, steps: int, warmup: int) -> tuple[list[tuple[str,
     return events, walls
 
 
-def worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: bool) -> dict[str, Any]:
+def worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: bool,
+           backward_thread: str = "worker") -> dict[str, Any]:
     """Alternating native / um_lab blocks in this process; each block's summary and each pair's differences."""
     from allocator_overhead import _native_setup, build_bench_case
 
@@ -158,7 +159,7 @@ def worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: b
             else:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", RuntimeWarning)
-                    with Session("um-default") as lab:
+                    with Session("um-default", backward_thread=backward_thread) as lab:
                         lab.place(model)
                         lab.attach(model, opt)
                         fixed_in = lab.inputs(*batch_cpu) if fixed_batch else None
@@ -174,7 +175,8 @@ def worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: b
             summary["wall_ms"] = statistics.median(walls)
             per_mode[mode].append(summary)
     pairs = [compare_blocks(n, u) for n, u in zip(per_mode["native"], per_mode["um_lab"], strict=True)]
-    return {"model": model_name, "fixed_batch": fixed_batch, "blocks": per_mode, "pairs": pairs}
+    return {"model": model_name, "fixed_batch": fixed_batch, "backward_thread": backward_thread,
+            "blocks": per_mode, "pairs": pairs}
 
 
 def report(result: dict[str, Any], top: int = 12) -> dict[str, Any]:
@@ -226,16 +228,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--fixed-batch", action="store_true")
+    ap.add_argument("--backward-thread", choices=["worker", "caller"], default="worker",
+                    help="um_lab's Session(backward_thread=...)")
     ap.add_argument("--out", default="kernel_gaps.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.model, args.blocks, args.steps, args.warmup, args.fixed_batch)))
+        print(json.dumps(worker(args.model, args.blocks, args.steps, args.warmup, args.fixed_batch,
+                                args.backward_thread)))
         return
     runs = []
     for _ in range(args.processes):
         cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--blocks", str(args.blocks),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--backward-thread", args.backward_thread]
         cmd += ["--fixed-batch"] if args.fixed_batch else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
@@ -250,6 +255,7 @@ def main() -> None:
             pair.pop("d_dur", None)
         runs.append(result)
     Path(args.out).write_text(json.dumps({"model": args.model, "fixed_batch": args.fixed_batch,
+                                          "backward_thread": args.backward_thread,
                                           "blocks": args.blocks, "steps": args.steps, "runs": runs}, indent=1) + "\n")
 
 

@@ -459,11 +459,12 @@ class BudgetExecutor:
         assert self.free_ranges is not None
         began = time.perf_counter()
         free = FreeRanges(self.free_ranges())
-        self.stats["free_query_ms"] += (time.perf_counter() - began) * 1e3
-        self.stats["free_queries"] += 1
+        stats = self.stats  # between steps (placing, inputs) it holds no counters yet
+        stats["free_query_ms"] = stats.get("free_query_ms", 0.0) + (time.perf_counter() - began) * 1e3
+        stats["free_queries"] = stats.get("free_queries", 0) + 1
         side, ordered, turned = split_free(moves, self.ledger, free, self._free_discarded)
         for key, nbytes in turned.items():
-            self.stats[key] += nbytes
+            stats[key] = stats.get(key, 0) + nbytes
         calls = [c for c in ordered if segments is None or _inside(segments, c[0], c[1])]
         if calls:
             runtime, device = self.runtime, self.device
@@ -480,7 +481,7 @@ class BudgetExecutor:
             except BaseException:  # the ledger holds moves that did not all happen
                 self.residency_unknown = True
                 raise
-            self.stats["ordered_calls"] += len(calls)
+            stats["ordered_calls"] = stats.get("ordered_calls", 0) + len(calls)
         return side
 
     def close(self) -> None:
