@@ -35,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": {}, "resnet50": {"batch_size": 128}, "gpt2-medium": {"batch_size": 8, "seq_len": 1024}}
-MODES = ("native", "um_lab", "naive")  # also: um_lab_caller (backward on the calling thread), um_lab@POLICY
+MODES = ("native", "um_lab", "naive")  # also: um_lab+worker (backward on autograd's device thread), um_lab@POLICY
 NAIVE_LIMIT = 60 << 30  # the naive pool's own abort counter: far below the card
 DEFAULT_OUT = ROOT / "bench" / "results" / "allocator_overhead.json"
 
@@ -81,8 +81,11 @@ VARIANTS: dict[str, tuple[str, str]] = {
                      "-0.005 / -0.03 ms: a Python loop over 16 / 161 parameters"),
     "no_prefetch": ("the policy's prefetch calls at phase boundaries skipped (none for um-default)",
                     "0 / 0 ms: um-default issues no prefetch"),
-    "caller": ("backward on the calling thread (no autograd hook and engine callback to route it)",
-               "-0.02 / -0.02 ms"),
+    "caller": ("backward on the calling thread (no autograd hook and engine callback to route it); the "
+               "session's default since session 14, so now a no-op", "-0.02 / -0.02 ms (before session 14)"),
+    "worker": ("(added, not left out) backward on autograd's device thread, routed by a hook on the loss and an "
+               "engine callback (the default before session 14)",
+               "+0.15 ms on the MLP: session 14's kernel gaps put +62-66 and +32-34 us at backward's start"),
     "one_pool": ("every step-time allocation routed into the activation pool (params, grads, optimizer "
                  "state stay in theirs)", "0 / 0 ms: pool lookups are per segment, not per allocation"),
     "no_routing": ("no routing during the step: temporaries from torch's native caching allocator, "
@@ -103,8 +106,8 @@ VARIANTS: dict[str, tuple[str, str]] = {
 #: Variants applied before the model is placed (the others after attach).
 BEFORE_PLACE = frozenset({"native_persistent"})
 #: Variants --alternate cannot apply to one placed model moved between blocks: before placing; a session
-#: option other than caller (passed to each block's session); or one that stops close() from moving the model
-#: back (no_gradcheck).
+#: option other than the backward thread (passed to each block's session); or one that stops close() from
+#: moving the model back (no_gradcheck).
 NOT_ALTERNATING = BEFORE_PLACE | {"no_gradcheck"}
 
 
@@ -211,7 +214,7 @@ def apply_variants(lab: object, variants: list[str]) -> None:
             lab.stage_inputs = False  # type: ignore[attr-defined]
         elif v == "populate":
             lab.populate_segments = True  # type: ignore[attr-defined]
-        elif v != "caller":
+        elif v not in ("caller", "worker"):
             raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -311,7 +314,7 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
         from um_lab.cuda.session import Session
 
         base, *variants = mode.split("+")
-        backward_thread = "caller" if base.startswith("um_lab_caller") or "caller" in variants else "worker"
+        backward_thread = "worker" if "worker" in variants else "caller"
         policy = base.split("@", 1)[1] if "@" in base else "um-default"  # e.g. um_lab@gpu-first
         expose_step_end()
         with Session(policy, evacuate_on_close=False, backward_thread=backward_thread) as lab:
@@ -356,7 +359,7 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
             else:
                 with warnings.catch_warnings():  # a model left in managed memory at close must stop the run
                     warnings.simplefilter("error", RuntimeWarning)
-                    thread = "caller" if "caller" in um_lab_mode.split("+")[1:] else "worker"
+                    thread = "worker" if "worker" in um_lab_mode.split("+")[1:] else "caller"
                     with Session("um-default", backward_thread=thread) as lab:  # evacuate_on_close: model back
                         lab.place(model)
                         lab.attach(model, opt)
@@ -418,7 +421,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="result JSON (default allocator_overhead.json; --alternate: allocator_alternating.json)")
     parser.add_argument("--modes", nargs="+", default=list(MODES),
-                        help="native, um_lab, naive, um_lab_caller, um_lab@POLICY (a preset name), or "
+                        help="native, um_lab, naive, um_lab@POLICY (a preset name), or "
                              "um_lab+VARIANT[+VARIANT] (one piece left out: " + ", ".join(VARIANTS) + ")")
     parser.add_argument("--repeats", type=int, default=1,
                         help="fresh processes per mode, interleaved; the row reports the median of their medians")

@@ -38,7 +38,7 @@ def _source():
     return SegmentSource()
 
 
-@pytest.mark.parametrize("name, backward_thread", [(m, "worker") for m in MODELS] + [("mlp", "caller")])
+@pytest.mark.parametrize("name, backward_thread", [(m, "caller") for m in MODELS] + [("mlp", "worker")])
 def test_every_tensor_lies_in_its_own_types_segments(name, backward_thread):
     case = get_model(name, **MODELS[name])
     torch.manual_seed(0)

@@ -9,13 +9,14 @@
             x, y = lab.inputs(x, y)                 # -> input pool
             record = lab.step(lambda: loss_fn(model(x), y), opt)   # forward + backward -> act pool
 
-Backward runs on autograd's own device thread (``backward_thread="worker"``, the default): a hook on
-the loss begins routing that thread into the act pool and an engine callback ends it; if backward
-fails first, the routing is ended from the calling thread, so begin/end/release always pair.
-``backward_thread="caller"`` runs backward on the calling thread instead
-(``torch.autograd.set_multithreading_enabled(False)``). Either way an exception or Ctrl-C anywhere
-in a step ends the routing. Gradients are pre-allocated in the grad pool and accumulated in place
-(``zero_grad(set_to_none=False)``).
+Backward runs on the calling thread (``backward_thread="caller"``, the default since session 14:
+``torch.autograd.set_multithreading_enabled(False)``), routed like forward. ``backward_thread="worker"``
+runs it on autograd's own device thread instead: a hook on the loss begins routing that thread into the act
+pool and an engine callback ends it; if backward fails first, the routing is ended from the calling thread,
+so begin/end/release always pair. On the H200 that hand-off made a launch-bound step 190-820 us slower
+and the MLP 2% (1.016 against 0.996 of native, alternating; ``bench/diagnostics/step_host_costs.py``,
+``kernel_gaps.py``; session 14). Either way an exception or Ctrl-C anywhere in a step ends the routing.
+Gradients are pre-allocated in the grad pool and accumulated in place (``zero_grad(set_to_none=False)``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class Session(Listenable):
         cap_bytes: int | None = None,
         allow_oversubscription: bool = False,
         evacuate_on_close: bool = True,
-        backward_thread: str = "worker",
+        backward_thread: str = "caller",
         telemetry: bool | str | Telemetry = False,
         stage_inputs: bool = True,
         gpu_budget_bytes: int | None = None,
