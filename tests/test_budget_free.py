@@ -159,7 +159,8 @@ def test_free_discards_are_off_by_default_and_refused_without_a_budget(env):
 
     with make_session(env, gpu_budget_bytes=48 * BLOCK) as lab:
         assert lab.budget.executor.free_ranges is None
-    with make_session(env, gpu_budget_bytes=48 * BLOCK, budget_discard_free=True) as lab:
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=48 * BLOCK, budget_discard_free=True) as lab:
         assert lab.budget_discard_free  # the fake driver has no allocator snapshot: nothing to ask
         assert lab.budget.executor.free_ranges is None
     with pytest.raises(InputError, match="needs gpu_budget_bytes"):

@@ -91,7 +91,8 @@ class Session(Listenable):
     on the H200; ``extra["budget"]["staging"]`` holds its numbers. Off: on the H200 it was slower (ratio 2, same
     runs: ResNet-50 1.36 s against 0.85 s, GPT-2-large 14.7 s against 7.8 s; session 13): copies to host-advised
     pages run at about 4 GB/s, and the ledger still moves the blocks staged tensors leave behind.
-    ``budget_discard_free=True`` (CUDA 13+; off until measured) discards, instead of copying to the host, the
+    ``budget_discard_free=True`` (CUDA 13+; experimental, off: on ResNet-50 its first version hung in
+    ``cudaMemDiscardBatchAsync``, session 14) discards, instead of copying to the host, the
     blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
     tensor in when the scheduler moves them, and populates instead of copying back the ones still free when
     they are brought in (:mod:`um_lab.budget.free`: ordered between the compute stream's kernels;
@@ -150,6 +151,10 @@ class Session(Listenable):
                              "gpu_budget_bytes")
         if self.budget_discard_free and gpu_budget_bytes is None:
             raise InputError("budget_discard_free=True changes the budget scheduler's moves: it needs gpu_budget_bytes")
+        if self.budget_discard_free:
+            warnings.warn("budget_discard_free=True is experimental: on ResNet-50 (H200, session 14) a discard call "
+                          "never returned; the host now waits for compute before each one, a fix not yet run on a "
+                          "GPU", RuntimeWarning, stacklevel=2)
         if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
             raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
                              "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
