@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
-# tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging.
+# tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -10,7 +10,10 @@
 # predicted: the rows of bench/results/budget_predicted_session12.json still not measured after session 13
 # (GPT-2-XL at 1.5 and 3; GPT-2-large at 3; ResNet-50 at 1.5), default session (host advice), CUPTI off; each
 # model's rows are written as they complete;
-# staging: the staging GPU tests (bit for bit, CUPTI under B) on the current code, then the staging probe.
+# staging: the staging GPU tests (bit for bit, CUPTI under B) on the current code, then the staging probe;
+# free: Session(budget_discard_free=True) (hung on ResNet-50 in session 14): its GPU tests, then ResNet-50 at
+# ratio 2 off and on, killed (SIGKILL) if it hangs, every thread's stack dumped first;
+# gaps: issue 12's kernel gaps and host costs (MLP, both batch modes).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
@@ -70,5 +73,22 @@ fi
 if [[ $what == staging ]]; then  # ~1.5 min
   timeout 90 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tee "$OUT/staging_tests.log"
   timeout 60 python3 bench/diagnostics/staging_probe.py --out "$OUT/staging_probe.json" 2>&1 | tee -a "$OUT/staging_tests.log"
+fi
+if [[ $what == free ]]; then  # ~3 min
+  timeout -s KILL 100 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k free 2>&1 | tail -20 | tee "$OUT/free_tests.log"
+  timeout -s KILL 200 python3 -c "
+import faulthandler, sys, runpy
+faulthandler.dump_traceback_later(170, exit=True)
+sys.argv = ['bench/budget.py', '--models', 'resnet50', '--ratios', '2', '--steps', '5', '--discard-free', 'off', 'on',
+            '--time-moves', '--no-sim', '--out', '$OUT/budget_free_resnet50.json']
+runpy.run_path('bench/budget.py', run_name='__main__')
+" 2>&1 | tail -60 | tee "$OUT/free.log"
+fi
+if [[ $what == gaps ]]; then  # ~2 min
+  for fixed in "" "--fixed-batch"; do
+    timeout -s KILL 100 python3 bench/diagnostics/kernel_gaps.py --model mlp --blocks 6 --steps 30 --processes 2 $fixed \
+      --out "$OUT/kernel_gaps_mlp${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/gaps.log"
+  done
+  timeout -s KILL 80 python3 bench/diagnostics/step_host_costs.py --out "$OUT/step_host_costs.json" 2>&1 | tee -a "$OUT/gaps.log"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/sanity.log"
