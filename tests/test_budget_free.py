@@ -183,3 +183,27 @@ def test_moves_issued_between_steps_are_turned_too():
     assert runtime.discarded and ex.stats["free_discard_bytes"] == sum(n for _, n in world.act)
     drive(ex, order)
     ex.ledger.check()
+
+
+def test_ordered_calls_come_after_every_earlier_move_was_issued_to_the_side_stream():
+    """A discard is undefined while a prefetch of the same range runs: the mover is drained first, so every
+    earlier move is on the side stream, which the ordered stream waits for (CudaStreams.run_ordered)."""
+    from um_lab.budget.mover import InlineMover
+
+    order = layered_order(layers=4, param_blocks=1, act_blocks=2)
+    world = FreeWorld(order)
+    runtime, streams = CheckedRuntime(world), RecordingStreams()
+
+    class LoggedMover(InlineMover):
+        def drain(self):
+            streams.log.append(("drain", 0))
+
+    budget = sum(n for _, n in order.segments) // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, runtime, 0, streams, world.segments, generation=world.generation,
+                        free_ranges=world.free_ranges, mover=LoggedMover(runtime, streams))
+    ex.refresh_segments()
+    world.free_now = world.act
+    drive(ex, order)
+    kinds = [k for k, _ in streams.log]
+    begins = [i for i, k in enumerate(kinds) if k == "ordered_begin"]
+    assert begins and all(kinds[i - 1] == "drain" for i in begins)

@@ -477,6 +477,7 @@ class BudgetExecutor:
                         runtime.discard_and_prefetch(ptr, nbytes, device, stream)  # type: ignore[attr-defined]
 
             try:
+                self.mover.drain()  # every earlier move is on the side stream, which the ordered calls wait for
                 self.streams.run_ordered(issue)
             except BaseException:  # the ledger holds moves that did not all happen
                 self.residency_unknown = True

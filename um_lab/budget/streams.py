@@ -56,7 +56,8 @@ class StreamOps(Protocol):
 
     def run_ordered(self, issue: Callable[[int], None]) -> None:
         """Call ``issue(stream handle)`` for work that must land exactly here in compute order: on a stream
-        that waits for the compute stream's work so far, and that compute's later work waits for."""
+        that waits for the compute stream's work so far and for the side stream's (a discard that runs while a
+        prefetch of the same range does is undefined behaviour), and that compute's later work waits for."""
 
 
 #: how far :meth:`CudaStreams.release_values` moves the counter past the last value handed out (waits compare
@@ -153,6 +154,7 @@ class CudaStreams:
         # discard call never returned (ResNet-50 on the H200, session 14); with compute caught up none waits
         compute.record_event().synchronize()
         self._ordered.wait_stream(compute)
+        self._ordered.wait_stream(self.stream)
         try:
             issue(int(self._ordered.cuda_stream))
         finally:

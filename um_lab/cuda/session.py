@@ -153,8 +153,8 @@ class Session(Listenable):
             raise InputError("budget_discard_free=True changes the budget scheduler's moves: it needs gpu_budget_bytes")
         if self.budget_discard_free:
             warnings.warn("budget_discard_free=True is experimental: on ResNet-50 (H200, session 14) a discard call "
-                          "never returned; the host now waits for compute before each one, a fix not yet run on a "
-                          "GPU", RuntimeWarning, stacklevel=2)
+                          "never returned; each one now waits for the side stream's earlier moves and the host for "
+                          "compute, a fix not yet run on a GPU", RuntimeWarning, stacklevel=2)
         if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
             raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
                              "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
