@@ -178,6 +178,11 @@ def expose_step_end() -> None:
     session_module._StepTimer = _exposed(session_module._StepTimer)  # type: ignore[misc]
 
 
+def backward_thread_of(variants: list[str]) -> str:
+    """The session's ``backward_thread`` for these variants: ``worker`` asks for autograd's device thread."""
+    return "worker" if "worker" in variants else "caller"
+
+
 def apply_variants(lab: object, variants: list[str]) -> None:
     """Leave out the pieces named by ``variants`` (see :data:`VARIANTS`) on an open, attached session."""
     import contextlib
@@ -314,7 +319,7 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
         from um_lab.cuda.session import Session
 
         base, *variants = mode.split("+")
-        backward_thread = "worker" if "worker" in variants else "caller"
+        backward_thread = backward_thread_of(variants)
         policy = base.split("@", 1)[1] if "@" in base else "um-default"  # e.g. um_lab@gpu-first
         expose_step_end()
         with Session(policy, evacuate_on_close=False, backward_thread=backward_thread) as lab:
@@ -359,7 +364,7 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
             else:
                 with warnings.catch_warnings():  # a model left in managed memory at close must stop the run
                     warnings.simplefilter("error", RuntimeWarning)
-                    thread = "worker" if "worker" in um_lab_mode.split("+")[1:] else "caller"
+                    thread = backward_thread_of(um_lab_mode.split("+")[1:])
                     with Session("um-default", backward_thread=thread) as lab:  # evacuate_on_close: model back
                         lab.place(model)
                         lab.attach(model, opt)

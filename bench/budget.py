@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from um_lab.budget.free import STAT_KEYS as FREE_STAT_KEYS  # noqa: E402
 from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.cuda.telemetry import Telemetry  # noqa: E402
@@ -133,11 +134,6 @@ def host_advice(advice: str) -> bool:
     if advice not in ADVICE_CHOICES:
         raise ValueError(f"advice must be one of {ADVICE_CHOICES}, got {advice!r}")
     return advice == "host"
-
-
-#: the free-block numbers of ``extra["budget"]`` a row keeps (medians over steps) with ``--discard-free on``
-FREE_KEYS = ("free_discard_bytes", "free_populate_bytes", "refilled_bytes", "free_queries", "free_query_ms",
-             "ordered_calls")
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
@@ -315,7 +311,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                                    for r in out["records"]],
             "gpu_page_faults_all": [r.gpu_page_faults for r in out["records"]],
             "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
-            **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_KEYS} if free else {}),
+            **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_STAT_KEYS} if free else {}),
             "run_s": time.perf_counter() - t0,
         })
         if time_moves:

@@ -51,3 +51,9 @@ def test_the_populate_variant_turns_on_the_sessions_option() -> None:
     allocator_overhead.apply_variants(lab, ["populate"])
     assert lab.populate_segments is True
     assert "populate" in allocator_overhead.VARIANTS
+
+
+def test_backward_runs_on_the_caller_unless_a_variant_asks_for_autograds_thread() -> None:
+    assert allocator_overhead.backward_thread_of([]) == "caller"
+    assert allocator_overhead.backward_thread_of(["caller", "no_timer"]) == "caller"
+    assert allocator_overhead.backward_thread_of(["worker"]) == "worker"

@@ -133,7 +133,7 @@ def _profiled_steps(step: Any, steps: int, warmup: int) -> tuple[list[tuple[str,
 
 
 def worker(model_name: str, blocks: int, steps: int, warmup: int, fixed_batch: bool,
-           backward_thread: str = "worker") -> dict[str, Any]:
+           backward_thread: str = "caller") -> dict[str, Any]:
     """Alternating native / um_lab blocks in this process; each block's summary and each pair's differences."""
     from allocator_overhead import _native_setup, build_bench_case
 
@@ -228,8 +228,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--fixed-batch", action="store_true")
-    ap.add_argument("--backward-thread", choices=["worker", "caller"], default="worker",
-                    help="um_lab's Session(backward_thread=...)")
+    ap.add_argument("--backward-thread", choices=["worker", "caller"], default="caller",
+                    help="um_lab's Session(backward_thread=...); caller is the session's default (session 14's "
+                         "runs, before that change, were worker)")
     ap.add_argument("--out", default="kernel_gaps.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from um_lab.budget.free import STAT_KEYS as FREE_STAT_KEYS
 from um_lab.budget.free import FreeRanges, split_free
 from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
 from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
@@ -215,8 +216,7 @@ class BudgetExecutor:
                       "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0,
                       "host_wait_ms": 0.0, "executor_ms": 0.0}
         if self.free_ranges is not None:
-            self.stats.update({"free_discard_bytes": 0, "free_populate_bytes": 0, "refilled_bytes": 0,
-                               "free_queries": 0, "free_query_ms": 0.0, "ordered_calls": 0})
+            self.stats.update(dict.fromkeys(FREE_STAT_KEYS, 0))
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.residency_unknown:  # a move failed: the ledger may be wrong, so start from nothing resident
             moves = self.ledger.evict_everything()

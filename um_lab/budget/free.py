@@ -30,6 +30,10 @@ from typing import Any
 
 from um_lab.budget.ledger import Ledger, Move, Span
 
+#: the counters a step's ``extra["budget"]`` holds with free discards on
+STAT_KEYS = ("free_discard_bytes", "free_populate_bytes", "refilled_bytes", "free_queries", "free_query_ms",
+             "ordered_calls")
+
 #: ``(ptr, nbytes, kind)`` of an ordered call; kind is "discard" or "populate"
 OrderedCall = tuple[int, int, str]
 
