@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
-# tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps.
+# tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -13,7 +13,9 @@
 # staging: the staging GPU tests (bit for bit, CUPTI under B) on the current code, then the staging probe;
 # free: Session(budget_discard_free=True) (hung on ResNet-50 in session 14): its GPU tests, then ResNet-50 at
 # ratio 2 off and on, killed (SIGKILL) if it hangs, every thread's stack dumped first;
-# gaps: issue 12's kernel gaps and host costs (MLP, both batch modes).
+# gaps: issue 12's kernel gaps and host costs (MLP, both batch modes);
+# native: issue 12's whole table on the current default (backward on the caller): every model, both batch
+# modes, native and um_lab alternating in each process (MLP in 60-step blocks: its 10-step pairs are noisy).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
@@ -83,6 +85,16 @@ sys.argv = ['bench/budget.py', '--models', 'resnet50', '--ratios', '2', '--steps
             '--time-moves', '--no-sim', '--out', '$OUT/budget_free_resnet50.json']
 runpy.run_path('bench/budget.py', run_name='__main__')
 " 2>&1 | tail -60 | tee "$OUT/free.log"
+fi
+if [[ $what == native ]]; then  # ~8 min
+  for fixed in "" "--fixed-batch"; do
+    timeout -s KILL 100 python3 bench/allocator_overhead.py --models mlp --alternate 6 --repeats 2 --steps 60 --warmup 5 \
+      --cpus auto $fixed --out "$OUT/native_mlp${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/native.log"
+    timeout -s KILL 120 python3 bench/allocator_overhead.py --models resnet50 --alternate 6 --repeats 3 --steps 10 \
+      --warmup 3 --cpus auto $fixed --out "$OUT/native_resnet50${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/native.log"
+    timeout -s KILL 100 python3 bench/allocator_overhead.py --models gpt2-medium --alternate 4 --repeats 2 --steps 6 \
+      --warmup 2 --cpus auto $fixed --out "$OUT/native_gpt2${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/native.log"
+  done
 fi
 if [[ $what == gaps ]]; then  # ~2 min
   for fixed in "" "--fixed-batch"; do
