@@ -52,7 +52,9 @@ class BudgetExecutor:
     ``segments()`` lists the live managed segments, ``generation()`` (optional) changes whenever one is
     allocated or freed, so unknown ranges re-read the segments only then; with ``cover_unknown`` (CPU
     tests, where tensors are not in managed segments) every 2 MiB block a range touches counts as managed
-    memory.
+    memory. Segments of ``pinned_types`` (the intermediate-results pool when saved activations are staged) are
+    never moved: the ledger counts them resident from registration on, a fixed part of the budget, and the
+    plan works around them.
     """
 
     def __init__(self, budget_bytes: int, runtime: Runtime, device: int, streams: StreamOps,
@@ -60,8 +62,11 @@ class BudgetExecutor:
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False, gpu_waits: bool = False,
-                 free_ranges: Callable[[], Iterable[Span]] | None = None) -> None:
+                 free_ranges: Callable[[], Iterable[Span]] | None = None,
+                 pinned_types: Iterable[DataType] = ()) -> None:
         self.ledger = Ledger(budget_bytes)
+        #: data types whose segments stay resident, never moved by the scheduler
+        self.pinned_types = frozenset(pinned_types)
         #: the ranges the allocator has free now: moves of wholly free blocks become ordered discards and
         #: populates (:mod:`um_lab.budget.free`)
         self.free_ranges = free_ranges
@@ -114,9 +119,10 @@ class BudgetExecutor:
             if current.get(ptr) != size and not self.cover_unknown:
                 self.ledger.remove_segment(ptr)
         known = self.ledger.segments()
-        for ptr, size in current.items():
-            if ptr not in known:
-                self.ledger.add_segment(ptr, size)
+        pinned = self.pinned_types
+        for s in live:
+            if s.ptr not in known:
+                self.ledger.add_segment(s.ptr, s.size, pinned=bool(pinned) and s.data_type in pinned)
         self._index = SegmentIndex(live)
 
     def span_live(self, ptr: int, nbytes: int) -> bool:
@@ -166,7 +172,9 @@ class BudgetExecutor:
         if not order.segments:
             order = Order(order.positions, sorted(self.ledger.segments().items()))
         grads = self.gradient_segments() if self.discard_gradients else set()
-        plan = make_plan(order, self.ledger.budget_bytes, self.lookahead, discard_segments=grads)
+        ledger = self.ledger
+        pinned = {p for p in ledger.segments() if ledger.is_pinned_segment(p)}
+        plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads, pinned_segments=pinned)
         self.plan, self.plan_order = plan, order
         self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
         self._discards_suspended = False
@@ -285,7 +293,9 @@ class BudgetExecutor:
             moves = self.ledger.bring_in(actual, self._lru_rank, target=index,
                                          what=f"{position.phase} of {position.layer or 'the model'}") or []
         reserve = self._touch_estimate.get((index, position.key), 0)
-        if reserve:  # last step this position wrote that much outside the plan: make room before it runs
+        if reserve or self.ledger.resident_bytes > self.ledger.budget_bytes:
+            # last step this position wrote that much outside the plan (or a pinned segment came since the
+            # last move): make room before it runs
             moves += self.ledger.make_room(reserve, self._rank(index) if self.following_plan else self._lru_rank,
                                            protect=actual, target=index)
         self._current = actual
@@ -343,6 +353,7 @@ class BudgetExecutor:
                 "prefetched_bytes": ledger.prefetched_bytes, "evicted_bytes": ledger.evicted_bytes,
                 "discarded_bytes": ledger.discarded_bytes, "populated_bytes": ledger.populated_bytes,
                 "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
+                "pinned_bytes": ledger.pinned_bytes,
                 "over_budget": ledger.max_resident > ledger.budget_bytes,
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
 

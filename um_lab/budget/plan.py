@@ -82,8 +82,9 @@ class Scheduler:
         return NextUse(self, now, dead_first)
 
     def working_set(self, i: int) -> int:
-        """Managed bytes position ``i`` needs resident at once."""
-        return self.ledger.bytes_of(self.blocks[i])
+        """Managed bytes position ``i`` needs resident at once (pinned blocks included: they never leave)."""
+        pinned = self.ledger.pinned_blocks()
+        return self.ledger.bytes_of(self.blocks[i] | pinned if pinned else self.blocks[i])
 
     def check_fits(self) -> None:
         """Raise :class:`BudgetTooSmall` for the largest position that cannot fit the budget alone."""
@@ -217,23 +218,27 @@ def dead_gradient_blocks(ledger: Ledger, order: Order, discard_segments: set[int
     return out
 
 
-def new_ledger(order: Order, budget_bytes: int) -> Ledger:
-    """A ledger over the order's managed segments, nothing resident."""
+def new_ledger(order: Order, budget_bytes: int, pinned_segments: Iterable[int] = ()) -> Ledger:
+    """A ledger over the order's managed segments, nothing resident but the segments starting at
+    ``pinned_segments`` (resident for good)."""
     ledger = Ledger(budget_bytes)
+    pinned = set(pinned_segments)
     for ptr, size in order.managed_segments():
-        ledger.add_segment(ptr, size)
+        ledger.add_segment(ptr, size, pinned=ptr in pinned)
     return ledger
 
 
 def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6,
-              discard_segments: Iterable[int] = ()) -> Plan:
+              discard_segments: Iterable[int] = (), pinned_segments: Iterable[int] = ()) -> Plan:
     """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
     until a step repeats the previous one's moves, and return that step's moves. Gradient blocks lying
-    in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`).
+    in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`); the segments starting at
+    ``pinned_segments`` stay resident throughout and are never moved (a fixed part of the budget).
 
-    Raises :class:`BudgetTooSmall` before planning when one position alone does not fit.
+    Raises :class:`BudgetTooSmall` before planning when one position alone (with the pinned blocks) does
+    not fit.
     """
-    ledger = new_ledger(order, budget_bytes)
+    ledger = new_ledger(order, budget_bytes, pinned_segments)
     scheduler = Scheduler(ledger, order, lookahead, discard_segments)
     scheduler.check_fits()
     largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)

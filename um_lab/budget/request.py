@@ -9,10 +9,12 @@ on the simulator) or below one 2 MiB block raises :class:`~um_lab.errors.BudgetE
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from um_lab.budget.ledger import BLOCK
 from um_lab.errors import BudgetError, gib
 from um_lab.policy import Advice, Policy, is_scheduled
-from um_lab.types import RunSpec
+from um_lab.types import DataType, RunSpec
 
 
 def uses_budget(spec: RunSpec, policy: Policy | str) -> bool:
@@ -58,7 +60,10 @@ def resolve_budget(spec: RunSpec, policy: Policy | str, footprint_bytes: int, *,
 HOST_RESIDENT_ADVICE = Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))
 
 
-def with_host_advice(policy: Policy) -> Policy:
-    """``policy`` with :data:`HOST_RESIDENT_ADVICE` for every data type it gives no advice (same name)."""
-    return Policy(policy.name, {t: HOST_RESIDENT_ADVICE if a.is_default else a for t, a in policy.advice.items()},
-                  policy.description)
+def with_host_advice(policy: Policy, keep: Iterable[DataType] = ()) -> Policy:
+    """``policy`` with :data:`HOST_RESIDENT_ADVICE` for every data type it gives no advice (same name), but
+    the types in ``keep`` (pools the scheduler leaves resident: their pages are placed where the GPU first
+    touches them)."""
+    kept = frozenset(keep)
+    return Policy(policy.name, {t: HOST_RESIDENT_ADVICE if a.is_default and t not in kept else a
+                                for t, a in policy.advice.items()}, policy.description)

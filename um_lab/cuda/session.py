@@ -88,9 +88,12 @@ class Session(Listenable):
     ``budget_stage_activations=True`` copies the large tensors forward saves for backward (those in the
     intermediate-results pool) to pinned host memory on a stream of their own and back ahead of backward
     (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is 10-16 GB/s
-    on the H200; ``extra["budget"]["staging"]`` holds its numbers. Off: on the H200 it was slower (ratio 2, same
-    runs: ResNet-50 1.36 s against 0.85 s, GPT-2-large 14.7 s against 7.8 s; session 13): copies to host-advised
-    pages run at about 4 GB/s, and the ledger still moves the blocks staged tensors leave behind.
+    on the H200; ``extra["budget"]["staging"]`` holds its numbers. The intermediate-results pool then gets no
+    host advice and the scheduler never moves it: what staging leaves there is one layer's working set, counted
+    resident from its segments' registration as a fixed part of B (``extra["budget"]["pinned_bytes"]``), and
+    the plan moves parameters, gradients and optimizer state around it (session 15; the version measured in
+    session 13, which left that pool host-advised and scheduled, was slower than no staging: copies from
+    host-advised pages ran at about 4 GB/s, and the ledger still moved the blocks staged tensors left behind).
     ``budget_discard_free=True`` (CUDA 13+; experimental, off: on ResNet-50 its first version hung in
     ``cudaMemDiscardBatchAsync``, session 14) discards, instead of copying to the host, the
     blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
@@ -559,7 +562,8 @@ class Session(Listenable):
                              thread_init=select_device if self._real else None, discard_gradients=discard,
                              batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
                              stager=new_stager(source, self.device if self._real else None)
-                             if self.budget_stage_activations else None)
+                             if self.budget_stage_activations else None,
+                             pinned_types=self._budget_resident_types())
 
     @property
     def budget(self) -> BudgetControl | None:
@@ -613,7 +617,12 @@ class Session(Listenable):
             return policy
         from um_lab.budget.request import with_host_advice
 
-        return with_host_advice(policy)
+        return with_host_advice(policy, keep=self._budget_resident_types())
+
+    def _budget_resident_types(self) -> tuple[DataType, ...]:
+        """The pools a budget session leaves GPU-resident, never moved: the intermediate-results pool when saved
+        activations are staged (what is left in it is a layer's working set)."""
+        return (DataType.ACT,) if self.gpu_budget_bytes is not None and self.budget_stage_activations else ()
 
     def live_bytes(self) -> dict[str, int]:
         """Live managed bytes per data type."""

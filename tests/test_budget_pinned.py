@@ -1,0 +1,187 @@
+"""Pinned segments: data the budget scheduler leaves on the GPU (the intermediate-results pool while saved
+activations are staged through pinned host memory). They count as resident from registration on, are never a
+victim, never moved by a plan or an executor, and the ledger stays under B around them."""
+
+import pytest
+from fakes import FakeRuntime
+from test_budget_ledger import layered_order
+
+from um_lab import BudgetError, BudgetTooSmall
+from um_lab.budget.executor import BudgetExecutor
+from um_lab.budget.ledger import BLOCK, GPU, Ledger
+from um_lab.budget.order import Order, Position
+from um_lab.budget.plan import make_plan
+from um_lab.budget.streams import RecordingStreams
+from um_lab.cuda.allocator import Segment
+from um_lab.types import DataType
+
+BASE = 1 << 40
+
+
+def far(_block):
+    return 0.0
+
+
+def test_a_pinned_segment_is_resident_at_once_and_never_a_victim():
+    ledger = Ledger(4 * BLOCK)
+    ledger.add_segment(BASE, 2 * BLOCK, pinned=True)
+    for i in range(2, 6):
+        ledger.add_segment(BASE + i * BLOCK, BLOCK)
+    pinned = {BASE // BLOCK, BASE // BLOCK + 1}
+    assert ledger.resident_bytes == 2 * BLOCK and ledger.pinned_blocks() == pinned and ledger.pinned_bytes == 2 * BLOCK
+    others = [BASE // BLOCK + i for i in range(2, 6)]
+    ledger.bring_in(others[:2], far)
+    moves = ledger.bring_in(others[2:], lambda b: 100.0 if b in pinned else 1.0)  # pinned ranked first: skipped
+    evicted = {b for m in moves if m.kind == "evict" for b in m.blocks}
+    assert evicted == set(others[:2]) and not evicted & pinned
+    assert ledger.evict(pinned) == [] and ledger.discard(pinned) == []
+    ledger.evict_everything()
+    assert ledger.resident_blocks() == pinned and ledger.resident_bytes == 2 * BLOCK
+    ledger.check()
+
+
+def test_a_position_that_fits_only_without_the_pinned_blocks_is_refused_before_anything_moves():
+    ledger = Ledger(4 * BLOCK)
+    ledger.add_segment(BASE, 2 * BLOCK, pinned=True)
+    ledger.add_segment(BASE + 2 * BLOCK, 3 * BLOCK)
+    wanted = ledger.blocks([(BASE + 2 * BLOCK, 3 * BLOCK)])
+    with pytest.raises(BudgetTooSmall):
+        ledger.bring_in(wanted, far)
+    assert ledger.resident_bytes == 2 * BLOCK and ledger.moves == []
+
+
+def test_a_new_pinned_segment_over_the_budget_is_made_room_for_by_evicting_others():
+    ledger = Ledger(4 * BLOCK)
+    for i in range(4):
+        ledger.add_segment(BASE + i * BLOCK, BLOCK)
+    ledger.bring_in([BASE // BLOCK + i for i in range(4)], far)
+    ledger.reset_counters()
+    ledger.add_segment(BASE + 8 * BLOCK, BLOCK, pinned=True)
+    assert ledger.resident_bytes == 5 * BLOCK and ledger.max_resident == 5 * BLOCK  # recorded, not hidden
+    moves = ledger.make_room(0, far)
+    assert [m.kind for m in moves] == ["evict"] and ledger.resident_bytes == 4 * BLOCK
+    assert ledger.where(BASE // BLOCK + 8) == GPU
+
+
+def test_removing_a_pinned_segment_frees_its_blocks_and_a_shared_block_becomes_an_ordinary_victim():
+    ledger = Ledger(8 * BLOCK)
+    ledger.add_segment(BASE, BLOCK + BLOCK // 2, pinned=True)  # its tail shares block 1
+    ledger.add_segment(BASE + BLOCK + BLOCK // 2, BLOCK // 2)
+    shared = BASE // BLOCK + 1
+    assert ledger.resident_bytes == 2 * BLOCK and shared in ledger.pinned_blocks()
+    ledger.remove_segment(BASE)
+    assert ledger.pinned_blocks() == frozenset() and ledger.resident_bytes == BLOCK // 2
+    assert [m.kind for m in ledger.evict([shared])] == ["evict"] and ledger.resident_bytes == 0
+    ledger.check()
+
+
+def test_a_segment_cannot_change_between_pinned_and_unpinned():
+    ledger = Ledger(8 * BLOCK)
+    ledger.add_segment(BASE, BLOCK, pinned=True)
+    ledger.add_segment(BASE, BLOCK, pinned=True)  # the same registration again: nothing changes
+    with pytest.raises(BudgetError):
+        ledger.add_segment(BASE, BLOCK)
+
+
+def _act_segments(order):
+    return {ptr for p in order.positions for a in p.accesses if a.data_type is DataType.ACT for ptr, _ in a.spans}
+
+
+def test_a_plan_with_pinned_activations_never_moves_them_and_stays_under_b():
+    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
+    acts = _act_segments(order)
+    act_bytes = len(acts) * 2 * BLOCK
+    budget = act_bytes + 16 * BLOCK  # every activation plus a few layers' parameters and state
+    plan = make_plan(order, budget, pinned_segments=acts)
+    pinned_blocks = {b for ptr in acts for b in range(ptr // BLOCK, ptr // BLOCK + 2)}
+    moved = [m for ms in plan.moves for m in ms if m.kind in ("prefetch", "evict")]
+    assert moved and not any(set(m.blocks) & pinned_blocks for m in moved)
+    assert plan.max_resident <= budget and plan.steady
+    assert plan.largest_working_set >= act_bytes  # the pinned blocks count in every position's working set
+    with pytest.raises(BudgetTooSmall):  # room for the activations but not for one layer beside them
+        make_plan(order, act_bytes + 2 * BLOCK, pinned_segments=acts)
+
+
+class World:
+    """Live segments of several types and a generation counter, as the session's segment source gives them."""
+
+    def __init__(self, typed):
+        self.live = [Segment(p, n, t) for p, n, t in typed]
+        self.gen = 0
+
+    def segments(self):
+        return list(self.live)
+
+    def generation(self):
+        return self.gen
+
+    def add(self, ptr, nbytes, data_type):
+        self.live.append(Segment(ptr, nbytes, data_type))
+        self.gen += 1
+
+
+def _typed(order):
+    acts = _act_segments(order)
+    types = {}
+    for p in order.positions:
+        for a in p.accesses:
+            for ptr, _ in a.spans:
+                types[ptr] = a.data_type
+    return [(ptr, n, DataType.ACT if ptr in acts else types.get(ptr, DataType.PARAM)) for ptr, n in order.segments]
+
+
+def _drive(ex, order, before=None):
+    ex.begin_step()
+    for i, p in enumerate(order.positions):
+        if before is not None:
+            before(i)
+        ex.enter(i, p)
+    return ex.end_step()
+
+
+def _inside(calls, spans):
+    return [c for c in calls if any(p <= c[0] < p + n for p, n in spans)]
+
+
+def test_an_executor_with_pinned_activations_never_issues_a_call_on_them_and_keeps_the_ledger_under_b():
+    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
+    world = World(_typed(order))
+    act_spans = [(s.ptr, s.size) for s in world.live if s.data_type is DataType.ACT]
+    budget = sum(n for _, n in act_spans) + 16 * BLOCK
+    runtime = FakeRuntime()
+    ex = BudgetExecutor(budget, runtime, 0, RecordingStreams(), world.segments, generation=world.generation,
+                        pinned_types=[DataType.ACT])
+    ex.refresh_segments()
+    assert ex.ledger.pinned_bytes == sum(n for _, n in act_spans)
+    _drive(ex, order)
+    ex.set_order(order)
+    steps = [_drive(ex, order) for _ in range(3)]
+    assert runtime.prefetched and not _inside(runtime.prefetched, act_spans)
+    for s in steps:
+        assert s["followed_plan"] and s["max_resident_ledger"] <= budget and not s["over_budget"], s
+        assert s["pinned_bytes"] == sum(n for _, n in act_spans) and s["evicted_bytes"] > 0
+
+
+def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_next_position():
+    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
+    world = World(_typed(order))
+    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
+    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
+                        pinned_types=[DataType.ACT])
+    ex.refresh_segments()
+    _drive(ex, order)
+    ex.set_order(order)
+    _drive(ex, order)
+    fresh = (BASE + (1 << 36), 4 * BLOCK)  # the caching allocator grew the pool by a new segment
+    extra = Position("forward", "l3", order.positions[3].accesses)
+    grown = Order(order.positions[:3] + [extra] + order.positions[4:], order.segments)
+
+    def grow(i):
+        if i == 3:
+            world.add(*fresh, DataType.ACT)
+            ex.touched(2, DataType.ACT, [fresh])  # the kernels of position 2 wrote into it
+
+    stats = _drive(ex, grown, before=grow)
+    assert ex.ledger.is_pinned_segment(fresh[0]) and ex.ledger.pinned_bytes == budget - 16 * BLOCK + fresh[1]
+    assert ex.ledger.resident_bytes <= budget  # room was made by evicting parameters and state, not activations
+    assert stats["max_resident_ledger"] <= budget + fresh[1], stats  # above B only until the next move
