@@ -23,6 +23,9 @@ set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/um_lab_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=$PWD:${PYTHONPATH:-}
+if [ -d .whl ] && ! python3 -c "import cupti" 2>/dev/null; then  # cupti-python, carried (.whl): CUPTI tests and rows
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
 python3 - <<'PY' 2>&1 | tee "$OUT/sanity.log"
 import torch, json
@@ -90,9 +93,6 @@ runpy.run_path('bench/budget.py', run_name='__main__')
 " 2>&1 | tail -60 | tee "$OUT/free.log"
 fi
 if [[ $what == pinned ]]; then  # ~6-9 min
-  if [ -d .whl ] && ! python3 -c "import cupti" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-  fi
   timeout -s KILL 100 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/pinned_tests.log"
   timeout -s KILL 80 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage off on --time-moves --no-sim \
     --out "$OUT/budget_pinned_resnet50.json" 2>&1 | tee "$OUT/pinned.log"
