@@ -93,12 +93,12 @@ runpy.run_path('bench/budget.py', run_name='__main__')
 " 2>&1 | tail -60 | tee "$OUT/free.log"
 fi
 if [[ $what == pinned ]]; then  # ~6-9 min
-  timeout -s KILL 100 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/pinned_tests.log"
+  timeout -s KILL 90 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/pinned_tests.log"
   timeout -s KILL 80 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage off on --time-moves --no-sim \
     --out "$OUT/budget_pinned_resnet50.json" 2>&1 | tee "$OUT/pinned.log"
-  timeout -s KILL 180 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --stage on --time-moves --no-sim \
+  timeout -s KILL 200 python3 bench/budget.py --models gpt2-large --ratios 2 3 --steps 5 --stage on --time-moves --no-sim \
     --out "$OUT/budget_pinned_gpt2l.json" 2>&1 | tee -a "$OUT/pinned.log"
-  timeout -s KILL 200 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 4 --stage on --time-moves --no-sim \
+  timeout -s KILL 170 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 4 --stage on --time-moves --no-sim \
     --out "$OUT/budget_pinned_gpt2xl.json" 2>&1 | tee -a "$OUT/pinned.log"
 fi
 if [[ $what == native ]]; then  # ~8 min

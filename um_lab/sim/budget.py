@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import ACC_WRITE_ONLY, KIND_H2D_COPY, PHASE_BWD, PHASE_FWD, PHASE_OPT, StepTrace
 from um_lab.types import DATA_TYPES, DataType, StepRecord
+
+if TYPE_CHECKING:
+    from um_lab.sim.staged import StageCopies
 
 #: host time of the recorder's Python hooks and the executor's ledger work per position (an assumption,
 #: not measured: a forward pre/post hook pair, a tensor hook, a few dict look-ups)
@@ -248,12 +251,13 @@ def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, di
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 evict_GBps: float | None = None, prefetch_GBps: float | None = None,
-                gpu_waits: bool = False) -> BudgetStep:
+                gpu_waits: bool = False, staging: StageCopies | None = None) -> BudgetStep:
     """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
     GPU->host rate, default the profile's ``scheduler_d2h_GBps``, else ``prefetch_d2h_GBps``; ``prefetch_GBps``:
     the host->GPU rate, default ``scheduler_h2d_GBps``, else ``prefetch_h2d_GBps``; ``gpu_waits``: as
     ``Session(budget_gpu_waits=True)``, the host never waits for the mover to issue a batch, only compute waits
-    for its transfers)."""
+    for its transfers; ``staging``: saved activations copied through pinned memory on a fifth clock, the copy
+    stream, as :mod:`um_lab.sim.staged` describes)."""
     p = profile
     h2d = (prefetch_GBps or p.scheduler_h2d_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
     d2h = (evict_GBps or p.scheduler_d2h_GBps or p.prefetch_d2h_GBps) * 1e3
@@ -263,15 +267,32 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     wall = busy = 0.0
     waits = calls = 0
     n = len(derived.order.positions)
+    copy = 0.0  # the staging copy stream's clock
+    backward = [pos.phase == "backward" for pos in derived.order.positions]
     for _ in range(STEADY_STEPS):
         cpu += p.cpu_step_us
         t0 = max(gpu, cpu)
         pending, next_pending = next_pending, {}
         busy = 0.0
         waits = calls = 0
+        in_flight: list[tuple[float, int]] = []  # copies to the host: (end, bytes)
+        restored: dict[int, float] = {}  # backward position -> the end of its restores
+        next_restore = 0
         for i in range(n):
             cpu += HOOK_US_PER_POSITION
             ready = 0.0
+            if staging is not None and backward[i]:  # restores a window ahead of backward, in its order
+                rate = staging.GBps * 1e3
+                next_restore = max(next_restore, i)
+                ahead = sum(staging.in_bytes[i:next_restore])
+                while next_restore < n and backward[next_restore] and (next_restore == i or ahead < staging.window):
+                    nbytes = staging.in_bytes[next_restore]
+                    if nbytes:
+                        copy = max(copy, cpu) + nbytes / rate
+                        restored[next_restore] = copy
+                        ahead += nbytes
+                    next_restore += 1
+                ready = restored.get(i, 0.0)
             for target in sorted(t for t in pending if t <= i):
                 side_done, issued = pending.pop(target)
                 if issued > cpu and not gpu_waits:
@@ -315,6 +336,11 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
             start = max(gpu, ready, cpu)
             cpu += derived.host_us[i]
             gpu = max(start + derived.compute_us[i], cpu + p.kernel_us)
+            if staging is not None and staging.out_bytes[i]:  # after the position's ops; the host throttles
+                copy = max(copy, gpu) + staging.out_bytes[i] / (staging.GBps * 1e3)
+                in_flight.append((copy, staging.out_bytes[i]))
+                while sum(b for _, b in in_flight) > staging.window and len(in_flight) > 1:
+                    cpu = max(cpu, in_flight.pop(0)[0])
         wall = gpu - t0
         cpu = max(cpu, gpu)  # the step's end: the loss is read back
     return BudgetStep(wall, float(sum(derived.compute_us)), busy, waits, calls)

@@ -1,0 +1,172 @@
+"""The layer-ahead scheduler with saved activations staged through pinned host memory, on the simulator
+(``Session(gpu_budget_bytes=B, budget_stage_activations=True)``, :mod:`um_lab.budget.stage`).
+
+**What is staged.** A storage of the intermediate-results type of at least
+:data:`~um_lab.budget.stage.MIN_STAGE_BYTES` that a forward op writes and a backward op reads: what
+autograd saves for backward (the trace cannot tell a saved tensor from one merely alive across the phase
+boundary, so this is an upper bound on the session's staged bytes). It is copied to the host after the
+position that made it (the stager's pack hook) and back ahead of the backward position that first reads
+it, a window of bytes at a time, on one copy stream at :data:`STAGE_COPY_GBPS`.
+
+**The pinned pool.** The intermediate-results pool is never moved by the scheduler: its size is the peak of
+live intermediate bytes with each staged storage counted only from its allocation to its last forward use
+and from its first backward use to its free, plus one window of copies in flight. The scheduler's plan
+moves the other types on :func:`um_lab.sim.budget.derive_order`'s positions without their intermediate
+ranges, under B less that pool and the optimizer's temporaries.
+
+**Time.** :func:`um_lab.sim.budget.replay_plan` with the copy stream (its ``staging`` argument): a position's
+copies out start once its ops are done; the host waits for the oldest while more than a window is in
+flight; restores are issued a window ahead of backward and a position's ops wait for its own. The copy
+stream and the scheduler's side stream are modelled apart (they share the host link on a GPU: an
+optimistic assumption where both are busy).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from um_lab.budget.ledger import BLOCK
+from um_lab.budget.order import Order, Position
+from um_lab.budget.plan import Plan, make_plan
+from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES
+from um_lab.errors import BudgetTooSmall
+from um_lab.sim.budget import BudgetStep, DerivedOrder, derive_order, replay_plan
+from um_lab.sim.placement import Layout
+from um_lab.sim.profile import Profile
+from um_lab.sim.trace import PHASE_BWD, PHASE_FWD, StepTrace
+from um_lab.types import DATA_TYPES, DataType
+
+#: managed (GPU-resident) <-> pinned host copies on the H200: 52.3 GB/s out, 51.0 GB/s back
+#: (bench/diagnostics/staging_probe.py, raw/session13_call2/staging_probe.json); the slower one for both
+STAGE_COPY_GBPS = 51.0
+_ACT = DATA_TYPES.index(DataType.ACT)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCopies:
+    """The staging copies of a step, by position: bytes out after ``out_bytes[i]``'s position, bytes back
+    before ``in_bytes[i]``'s; ``GBps`` the copy rate, ``window`` the bytes in flight / ahead."""
+
+    out_bytes: tuple[int, ...]
+    in_bytes: tuple[int, ...]
+    GBps: float = STAGE_COPY_GBPS
+    window: int = WINDOW_BYTES
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes copied to the host per step (as many come back)."""
+        return sum(self.out_bytes)
+
+
+@dataclasses.dataclass
+class StagedSimulation:
+    """A traced step under a budget with staged activations: the order the plan saw, the plan, the copies,
+    the pinned pool and the steady step."""
+
+    derived: DerivedOrder
+    plan: Plan
+    copies: StageCopies
+    pinned_bytes: int
+    step: BudgetStep
+
+
+def staged_storages(trace: StepTrace, min_bytes: int = MIN_STAGE_BYTES) -> np.ndarray:
+    """Indices of the storages staged (see the module docstring)."""
+    fwd = np.zeros(len(trace.st_nbytes), bool)
+    bwd = np.zeros(len(trace.st_nbytes), bool)
+    for phase, seen in ((PHASE_FWD, fwd), (PHASE_BWD, bwd)):
+        ops = np.flatnonzero(trace.op_phase == phase)
+        for op in ops:
+            seen[trace.acc_storage[trace.acc_ptr[op]:trace.acc_ptr[op + 1]]] = True
+    alloc_fwd = (trace.st_alloc >= 0) & (trace.st_alloc < trace.n_ops)
+    alloc_fwd[alloc_fwd] = trace.op_phase[trace.st_alloc[alloc_fwd]] == PHASE_FWD
+    chosen = (trace.st_type == _ACT) & (trace.st_nbytes >= min_bytes) & ~trace.st_persistent & alloc_fwd & fwd & bwd
+    return np.flatnonzero(chosen)
+
+
+def _uses(trace: StepTrace, storages: set[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """Each storage's last forward op and first backward op."""
+    last_fwd: dict[int, int] = {}
+    first_bwd: dict[int, int] = {}
+    for op in range(trace.n_ops):
+        phase = int(trace.op_phase[op])
+        for s in trace.acc_storage[trace.acc_ptr[op]:trace.acc_ptr[op + 1]].tolist():
+            if s in storages:
+                if phase == PHASE_FWD:
+                    last_fwd[s] = op
+                elif phase == PHASE_BWD:
+                    first_bwd.setdefault(s, op)
+    return last_fwd, first_bwd
+
+
+def pinned_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_BYTES) -> int:
+    """The intermediate-results pool's peak with ``staged`` storages off the GPU between their last forward and
+    first backward use, plus ``window`` (copies in flight), in whole blocks."""
+    n = trace.n_ops
+    act = (trace.st_type == _ACT) & (trace.st_nbytes > 0)
+    delta = np.zeros(n + 2, np.int64)
+    starts = np.clip(trace.st_alloc, -1, n) + 1
+    ends = np.clip(trace.st_free, 0, n + 1) + 1
+    staged_set = set(int(s) for s in staged)
+    last_fwd, first_bwd = _uses(trace, staged_set)
+    for s in np.flatnonzero(act).tolist():
+        nbytes = int(trace.st_nbytes[s])
+        if s in staged_set and s in last_fwd and s in first_bwd:
+            delta[starts[s]] += nbytes
+            delta[min(last_fwd[s] + 2, n + 1)] -= nbytes
+            delta[first_bwd[s] + 1] += nbytes
+        else:
+            delta[starts[s]] += nbytes
+        delta[min(ends[s], n + 1)] -= nbytes
+    peak = int(np.cumsum(delta).max()) if len(delta) else 0
+    return -(-(peak + window) // BLOCK) * BLOCK
+
+
+def _position_of_op(derived: DerivedOrder, op: int) -> int:
+    """The forward or backward position holding ``op`` (positions follow the ops' order)."""
+    starts = [s for s, p in zip(derived.op_start, derived.order.positions, strict=True) if p.phase != "optimizer"]
+    return max(0, bisect.bisect_right(starts, op) - 1)
+
+
+def stage_copies(trace: StepTrace, derived: DerivedOrder, staged: np.ndarray) -> StageCopies:
+    """The staging copies per position of ``derived``."""
+    n = len(derived.order.positions)
+    out = [0] * n
+    back = [0] * n
+    last_fwd, first_bwd = _uses(trace, set(int(s) for s in staged))
+    for s in staged.tolist():
+        if s in last_fwd and s in first_bwd:
+            nbytes = int(trace.st_nbytes[s])
+            out[_position_of_op(derived, int(trace.st_alloc[s]))] += nbytes
+            back[_position_of_op(derived, first_bwd[s])] += nbytes
+    return StageCopies(tuple(out), tuple(back))
+
+
+def without_intermediates(derived: DerivedOrder, layout: Layout) -> DerivedOrder:
+    """``derived`` with every intermediate-results range dropped from its positions and segments (the pool the
+    scheduler leaves alone)."""
+    positions = [Position(p.phase, p.layer, [a for a in p.accesses if a.data_type is not DataType.ACT])
+                 for p in derived.order.positions]
+    segments = [s for s in derived.order.segments if int(layout.block_type[s[0] // BLOCK]) != _ACT]
+    return dataclasses.replace(derived, order=Order(positions, segments))
+
+
+def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
+                    lookahead: int = 2) -> StagedSimulation:
+    """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
+    Raises :class:`BudgetTooSmall` when the pinned pool, the optimizer's temporaries and one position's
+    other data do not fit."""
+    derived = without_intermediates(derive_order(trace, layout, profile), layout)
+    staged = staged_storages(trace)
+    pinned = pinned_pool_bytes(trace, staged)
+    scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
+    usable = budget_bytes - pinned - scratch
+    if usable < BLOCK:
+        raise BudgetTooSmall(budget_bytes, pinned + scratch + BLOCK,
+                             "the intermediate-results pool staging leaves and the optimizer's temporaries")
+    plan = make_plan(derived.order, usable, lookahead)
+    copies = stage_copies(trace, derived, staged)
+    return StagedSimulation(derived, plan, copies, pinned, replay_plan(derived, plan, profile, staging=copies))
