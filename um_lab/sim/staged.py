@@ -104,10 +104,12 @@ def _uses(trace: StepTrace, storages: set[int]) -> tuple[dict[int, int], dict[in
 
 def pinned_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_BYTES) -> int:
     """The intermediate-results pool's peak with ``staged`` storages off the GPU between their last forward and
-    first backward use, plus ``window`` (copies in flight), in whole blocks."""
+    first backward use, plus ``window`` (copies in flight), in whole blocks; never more than the peak without
+    staging (a copy in flight only keeps a block that would have stayed anyway)."""
     n = trace.n_ops
     act = (trace.st_type == _ACT) & (trace.st_nbytes > 0)
     delta = np.zeros(n + 2, np.int64)
+    full = np.zeros(n + 2, np.int64)
     starts = np.clip(trace.st_alloc, -1, n) + 1
     ends = np.clip(trace.st_free, 0, n + 1) + 1
     staged_set = set(int(s) for s in staged)
@@ -121,8 +123,10 @@ def pinned_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW
         else:
             delta[starts[s]] += nbytes
         delta[min(ends[s], n + 1)] -= nbytes
-    peak = int(np.cumsum(delta).max()) if len(delta) else 0
-    return -(-(peak + window) // BLOCK) * BLOCK
+        full[starts[s]] += nbytes
+        full[min(ends[s], n + 1)] -= nbytes
+    peak = min(int(np.cumsum(delta).max()) + window, int(np.cumsum(full).max()))
+    return -(-peak // BLOCK) * BLOCK
 
 
 def _position_of_op(derived: DerivedOrder, op: int) -> int:
