@@ -4,6 +4,7 @@ victim, never moved by a plan or an executor, and the ledger stays under B aroun
 
 import pytest
 from fakes import FakeRuntime
+from test_budget_executor import drive as _drive
 from test_budget_ledger import layered_order
 
 from um_lab import BudgetError, BudgetTooSmall
@@ -130,15 +131,6 @@ def _typed(order):
     return [(ptr, n, DataType.ACT if ptr in acts else types.get(ptr, DataType.PARAM)) for ptr, n in order.segments]
 
 
-def _drive(ex, order, before=None):
-    ex.begin_step()
-    for i, p in enumerate(order.positions):
-        if before is not None:
-            before(i)
-        ex.enter(i, p)
-    return ex.end_step()
-
-
 def _inside(calls, spans):
     return [c for c in calls if any(p <= c[0] < p + n for p, n in spans)]
 
@@ -181,7 +173,7 @@ def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_nex
             world.add(*fresh, DataType.ACT)
             ex.touched(2, DataType.ACT, [fresh])  # the kernels of position 2 wrote into it
 
-    stats = _drive(ex, grown, before=grow)
+    stats = _drive(ex, grown, between=grow)
     assert ex.ledger.is_pinned_segment(fresh[0]) and ex.ledger.pinned_bytes == budget - 16 * BLOCK + fresh[1]
     assert ex.ledger.resident_bytes <= budget  # room was made by evicting parameters and state, not activations
     assert stats["max_resident_ledger"] <= budget + fresh[1], stats  # above B only until the next move
