@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# pinned.
+# pinned | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -17,6 +17,9 @@
 # gaps: issue 12's kernel gaps and host costs (MLP, both batch modes);
 # pinned: staging with the intermediate-results pool pinned (session 15): the staging GPU tests, then ResNet-50
 # (off and on, same process), GPT-2-large and GPT-2-XL at ratio 2 with staging (carry .whl for CUPTI);
+# final: session 15's last call: the staging GPU tests and ResNet-50 / GPT-2-large at ratio 2 with staging (pinned
+# pool, views staged through their storage, the window sized by B), then the core GPU tests (sessions, runner,
+# telemetry) on the calling-thread default;
 # native: issue 12's whole table on the current default (backward on the caller): every model, both batch
 # modes, native and um_lab alternating in each process (MLP in 60-step blocks: its 10-step pairs are noisy).
 set -uo pipefail
@@ -100,6 +103,15 @@ if [[ $what == pinned ]]; then  # ~6-9 min
     --out "$OUT/budget_pinned_gpt2l.json" 2>&1 | tee -a "$OUT/pinned.log"
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 4 --stage on --time-moves --no-sim \
     --out "$OUT/budget_pinned_gpt2xl.json" 2>&1 | tee -a "$OUT/pinned.log"
+fi
+if [[ $what == final ]]; then  # <= 9 min
+  timeout -s KILL 80 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/final_tests.log"
+  timeout -s KILL 60 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --time-moves --no-sim \
+    --out "$OUT/budget_final_resnet50.json" 2>&1 | tee "$OUT/final.log"
+  timeout -s KILL 140 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --stage on --time-moves --no-sim \
+    --out "$OUT/budget_final_gpt2l.json" 2>&1 | tee -a "$OUT/final.log"
+  timeout -s KILL 230 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
+    -q -rA -p no:cacheprovider 2>&1 | tail -60 | tee "$OUT/final_core_tests.log"
 fi
 if [[ $what == native ]]; then  # ~8 min
   for fixed in "" "--fixed-batch"; do

@@ -177,3 +177,46 @@ def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_nex
     assert ex.ledger.is_pinned_segment(fresh[0]) and ex.ledger.pinned_bytes == budget - 16 * BLOCK + fresh[1]
     assert ex.ledger.resident_bytes <= budget  # room was made by evicting parameters and state, not activations
     assert stats["max_resident_ledger"] <= budget + fresh[1], stats  # above B only until the next move
+
+
+def test_a_pool_grown_since_the_plan_trims_the_starting_set_instead_of_failing_the_step():
+    """The plan's starting set filled B beside the pinned pool it knew; the pool grew between steps (a new
+    segment of the caching allocator): the step starts with the soonest-used part of that set, stays under B,
+    and the plan records the pinned bytes it assumed (the session re-plans when the pool outgrew them)."""
+    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
+    world = World(_typed(order))
+    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
+    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
+                        pinned_types=[DataType.ACT])
+    ex.refresh_segments()
+    _drive(ex, order)
+    plan = ex.set_order(order)
+    assert plan.pinned_bytes == ex.ledger.pinned_bytes == budget - 16 * BLOCK
+    _drive(ex, order)
+    world.add(BASE + (1 << 36), 2 * BLOCK, DataType.ACT)  # between steps: the pool grew by 2 blocks
+    grown = _drive(ex, order)  # without trimming: BudgetTooSmall at the starting set
+    assert ex.ledger.pinned_bytes == plan.pinned_bytes + 2 * BLOCK
+    assert grown["max_resident_ledger"] <= budget + 2 * BLOCK and grown["realign_bytes"] > 0, grown  # the new blocks
+    after = _drive(ex, order)
+    assert after["max_resident_ledger"] <= budget and not after["over_budget"], after
+
+
+def test_a_session_re_plans_once_the_pinned_pool_outgrew_the_plan():
+    from um_lab.budget.control import BudgetControl
+
+    order = layered_order(layers=4, param_blocks=3, act_blocks=2)
+    world = World(_typed(order))
+    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
+    control = BudgetControl(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, issue="inline",
+                            generation=world.generation, pinned_types=[DataType.ACT])
+    control.executor.refresh_segments()
+    control.executor.set_order(order)
+    followed = {"followed_plan": True, "unforeseen_bytes": 0}
+    assert control._replan(order, followed) == (False, "")
+    world.add(BASE + (1 << 36), 2 * BLOCK, DataType.ACT)
+    control.executor.refresh_segments()
+    assert control._replan(order, followed) == (True, "pinned pool grew")
+    ex = control.executor
+    assert ex.plan is not None and ex.plan.pinned_bytes == ex.ledger.pinned_bytes
+    assert control._replan(order, followed) == (False, "")  # the new plan knows the pool
+    control.close()

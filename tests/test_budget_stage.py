@@ -96,6 +96,33 @@ def test_the_arena_is_reused_step_after_step_and_aligns_what_it_hands_out():
     assert arena.pinned_bytes == pinned
 
 
+def test_views_split_out_of_one_tensor_are_staged_once_through_their_storage_and_backward_is_bit_for_bit():
+    """q, k and v split out of one projection (as attention does) fill their storage only together: the storage
+    is copied once, each view rebuilt on the copy back with its own offset and strides; a view of a storage
+    more than MAX_VIEW_SPREAD times its size stays on the device."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 3 * 64)
+    big = torch.nn.Linear(64, 64 * 64)
+    x = torch.randn(32, 64)
+
+    def loss():
+        q, k, v = lin(x).view(32, 3, 64).unbind(1)  # each a strided view of the (32, 192) output
+        head = big(x)[:, :8]  # 8 of 4,096 columns: staging its storage would copy 512 times its bytes
+        return ((q * k).sum(-1, keepdim=True).softmax(0) * v).sum() + (head * head).sum()
+
+    plain = torch.autograd.grad(loss(), list(lin.parameters()) + list(big.parameters()))
+    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=1024)
+    with stager.saving():
+        out = loss()
+    staged = torch.autograd.grad(out, list(lin.parameters()) + list(big.parameters()))
+    stats = stager.end_step()
+    for a, b in zip(plain, staged, strict=True):
+        assert torch.equal(a, b)
+    assert stats["view_tensors"] == 1 and stats["shared_tensors"] >= 2, stats  # one storage for q, k and v
+    assert stats["staged_bytes"] >= 32 * 3 * 64 * 4 and stats["kept_bytes"] >= 32 * 8 * 4, stats
+    assert stats["restored_bytes"] == stats["staged_bytes"]
+
+
 def test_a_permuted_saved_tensor_keeps_its_strides_and_an_overlapping_one_stays():
     kept = []
     stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=0)
@@ -103,7 +130,7 @@ def test_a_permuted_saved_tensor_keeps_its_strides_and_an_overlapping_one_stays(
     with stager.saving():
         t = (a * 2).t()  # a permuted view: staged with its strides
         y = (t * t).sum()
-        e = (a * 1).sum(0, keepdim=True).expand(64, 32)  # overlapping: stays
+        e = (a * 1).sum(0, keepdim=True).expand(64, 32)  # overlapping: staged through its one-row storage
         z = (e * e).sum()
     (y + z).backward()
     stats = stager.end_step()

@@ -290,7 +290,9 @@ class BudgetControl:
             # the first step under a plan made for unforeseen ranges: did the new plan help?
             self._tolerated_unforeseen = unforeseen if unforeseen >= replanned_for / 2 else 0
         self._steps_under_plan += 1
-        reason = "discards" if self.executor.discards_suspended else plan_outdated(
+        plan = self.executor.plan
+        grew = plan is not None and self.executor.ledger.pinned_bytes > plan.pinned_bytes
+        reason = "discards" if self.executor.discards_suspended else "pinned pool grew" if grew else plan_outdated(
             self.executor.plan_order, order, step, self.budget_bytes, tolerated_unforeseen=self._tolerated_unforeseen)
         if not reason:
             return False, ""

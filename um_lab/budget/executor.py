@@ -173,8 +173,12 @@ class BudgetExecutor:
             order = Order(order.positions, sorted(self.ledger.segments().items()))
         grads = self.gradient_segments() if self.discard_gradients else set()
         ledger = self.ledger
-        pinned = {p for p in ledger.segments() if ledger.is_pinned_segment(p)}
-        plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads, pinned_segments=pinned)
+        pinned = {p: n for p, n in ledger.segments().items() if ledger.is_pinned_segment(p)}
+        missing = _disjoint(pinned.items(), order.segments)
+        if missing:  # pinned segments the recorded order never touched still take their room
+            order = Order(order.positions, sorted([*order.segments, *missing]))
+        plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads,
+                         pinned_segments=set(pinned))
         self.plan, self.plan_order = plan, order
         self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
         self._discards_suspended = False
@@ -233,11 +237,29 @@ class BudgetExecutor:
             self._pending = {}  # batches carried over from the failed step: not waited for
             self._issue(moves, -1)
         if self.plan is not None and self.following_plan:
-            start = set(self.plan.start_resident) & self.ledger.segment_blocks()
+            start = self._starting_set(self.plan)
             moves = self.ledger.evict(sorted(self.ledger.resident_blocks() - start))
             moves += self.ledger.bring_in(start, self._rank(0), target=0, what="the plan's starting set") or []
             self.stats["realign_bytes"] += sum(m.nbytes for m in moves)
             self._issue(moves, -1)
+
+    def _starting_set(self, plan: Plan) -> set[int]:
+        """The plan's starting set, less the blocks used last when pinned blocks that came since the plan leave
+        no room for all of it (the step then brings those in on demand; a new plan follows the step)."""
+        ledger = self.ledger
+        pinned = ledger.pinned_blocks()
+        start = set(plan.start_resident) & ledger.segment_blocks()
+        room = ledger.budget_bytes - ledger.pinned_bytes
+        if ledger.bytes_of(start - pinned) <= room:
+            return start
+        rank = self._rank(0)
+        kept: set[int] = set()
+        for b in sorted(start - pinned, key=lambda b: (rank(b), b)):  # the soonest used first
+            room -= ledger.bytes_of([b])
+            if room < 0:
+                break
+            kept.add(b)
+        return kept | (start & pinned)
 
     def enter(self, index: int, position: Position) -> None:
         """A position opens (the recorder's listener call). Its host time, waits included, adds to
@@ -506,6 +528,18 @@ class BudgetExecutor:
             if self.gpu_waits:  # nothing may wait for a value no batch will write any more
                 self.streams.release_values()
         self._raise_mover_error()
+
+
+def _disjoint(spans: Iterable[Span], others: Sequence[Span]) -> list[Span]:
+    """The ``spans`` that overlap none of ``others``."""
+    ordered = sorted(others)
+    starts = [p for p, _ in ordered]
+    out = []
+    for ptr, n in spans:
+        i = bisect.bisect_right(starts, ptr + n - 1) - 1
+        if i < 0 or ordered[i][0] + ordered[i][1] <= ptr:  # the last one starting before its end ends before it
+            out.append((ptr, n))
+    return out
 
 
 def _inside(live: tuple[int | None, list[int], list[int]], ptr: int, nbytes: int) -> bool:

@@ -161,6 +161,7 @@ class Plan:
     start_resident: frozenset[int] = frozenset()  #: the blocks resident when the steady step begins
     discarded_bytes: int = 0  #: resident bytes dropped with no copy per steady step (dead gradients)
     populated_bytes: int = 0  #: bytes brought in with no copy (dead blocks made resident again)
+    pinned_bytes: int = 0  #: bytes of pinned blocks the plan worked around (a fixed part of the budget)
 
     def evictions(self) -> list[Move]:
         """Every eviction of the steady step, in order."""
@@ -172,6 +173,7 @@ class Plan:
                 "max_resident_ledger": self.max_resident, "prefetched_bytes": self.prefetched_bytes,
                 "evicted_bytes": self.evicted_bytes, "discarded_bytes": self.discarded_bytes,
                 "populated_bytes": self.populated_bytes, "largest_working_set": self.largest_working_set,
+                "pinned_bytes": self.pinned_bytes,
                 "positions": len(self.keys), "steady": self.steady}
 
 
@@ -256,7 +258,8 @@ def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles
         previous = moves
     return Plan(budget_bytes, lookahead, order.keys(), moves, ledger.total_bytes, ledger.max_resident,
                 ledger.prefetched_bytes, ledger.evicted_bytes, largest, steady, start,
-                discarded_bytes=ledger.discarded_bytes, populated_bytes=ledger.populated_bytes)
+                discarded_bytes=ledger.discarded_bytes, populated_bytes=ledger.populated_bytes,
+                pinned_bytes=ledger.pinned_bytes)
 
 
 def _same(a: list[list[Move]], b: list[list[Move]]) -> bool:

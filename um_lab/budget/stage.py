@@ -11,6 +11,11 @@ hold tensors nobody announced); an in-place write to the original after the pack
 autograd's own version check would (saved-tensor hooks turn that check off), and a handle kept past its step
 is refused too (:class:`StaleSavedTensor`).
 
+A saved tensor that does not fill its storage densely (q, k and v split out of one attention projection) is
+staged through its whole storage when that is at most :data:`MAX_VIEW_SPREAD` times its own bytes: the storage
+is copied once for every view saved of it, and each view is rebuilt on the copy back with its own offset and
+strides, so backward sees the same layout bit for bit. Otherwise it stays on the GPU (``kept_bytes``).
+
 Host memory comes from :class:`PinnedArena`, allocated once and reused every step, capped by
 ``host_limit_bytes``; past it, tensors stay on the GPU (counted in ``kept_bytes``).
 """
@@ -37,6 +42,8 @@ MIN_STAGE_BYTES = 1 << 20
 #: bytes brought back ahead of what backward asks for, and bytes of copies to the host in flight before
 #: the training thread waits for the oldest (so freed blocks can be reused and the pool does not grow)
 WINDOW_BYTES = 1 << 30
+#: a view is staged through its storage when the storage is at most this many times the view's own bytes
+MAX_VIEW_SPREAD = 4
 #: pinned host memory is allocated in chunks of this size (a tensor larger than a chunk gets its own)
 ARENA_CHUNK_BYTES = 256 << 20
 _ALIGN = 512
@@ -171,23 +178,38 @@ class StagingStats:
     staged_bytes: int = 0  #: copied to the host in forward (bytes that crossed the link GPU→host)
     shared_tensors: int = 0  #: saved again while already staged (one copy serves both)
     restored_bytes: int = 0  #: copied back in backward (host→GPU)
-    kept_bytes: int = 0  #: saves kept on the GPU although eligible: the host limit was reached
+    kept_bytes: int = 0  #: saves kept on the GPU although eligible: the host limit was reached, or a sparse view
+    view_tensors: int = 0  #: saves staged through their storage (views that do not fill it densely)
     late_restores: int = 0  #: restores that backward asked for before the window had issued them
     throttle_ms: float = 0.0  #: host time waiting for copies to the host (the window was full)
     pinned_bytes: int = 0  #: pinned host memory held by the arena
 
 
+class _View:
+    """A saved view staged through its storage's :class:`_Staged` copy: where in it the view lies."""
+
+    __slots__ = ("base", "offset", "shape", "stride", "dtype", "source", "version")
+
+    def __init__(self, base: _Staged, t: torch.Tensor) -> None:
+        self.base = base
+        self.offset, self.shape, self.stride, self.dtype = t.storage_offset(), t.shape, tuple(t.stride()), t.dtype
+        self.source: weakref.ref[torch.Tensor] = weakref.ref(t)
+        self.version = t._version
+
+
 class _Staged:
-    """A saved tensor while its only copy is on the host."""
+    """A saved tensor (or a saved view's whole storage, as bytes) while its only copy is on the host."""
 
     __slots__ = ("host", "shape", "stride", "dtype", "nbytes", "index", "device_copy", "ready", "handed", "saves",
                  "step", "source", "version")
 
-    def __init__(self, host: torch.Tensor, src: torch.Tensor, index: int, step: int) -> None:
+    def __init__(self, host: torch.Tensor, src: torch.Tensor, index: int, step: int,
+                 source: torch.Tensor | None = None) -> None:
         self.host = host
         self.step = step  #: the stager's step it belongs to: its host memory is reused after that step
-        self.source: weakref.ref[torch.Tensor] = weakref.ref(src)  #: to catch in-place writes after the pack
-        self.version = src._version
+        #: to catch in-place writes after the pack (a view's storage: the first view saved, which keeps it alive)
+        self.source: weakref.ref[torch.Tensor] = weakref.ref(src if source is None else source)
+        self.version = (src if source is None else source)._version
         self.shape, self.stride, self.dtype = src.shape, tuple(src.stride()), src.dtype
         self.nbytes = src.numel() * src.element_size()
         self.index = index
@@ -266,8 +288,10 @@ class ActivationStager:
     def pack(self, t: torch.Tensor) -> Any:
         """The saved-tensor pack hook: ``t`` itself when it stays, else a handle while its copy is on the host."""
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or not _dense(t) or not self.eligible(t):
+        if nbytes < self.min_bytes or not self.eligible(t):
             return t
+        if not _dense(t):
+            return self._pack_view(t, nbytes)
         # the same tensor saved again (an output that is also the next op's input); a dead tensor's
         # address may already hold another one, hence the weak reference
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
@@ -276,12 +300,20 @@ class ActivationStager:
             self.stats.shared_tensors += 1
             known.saves += 1
             return known
-        raw = self.arena.take(nbytes)
-        if raw is None:
+        staged = self._stage(t, nbytes, key)
+        if staged is None:
             self.stats.kept_bytes += nbytes
             return t
+        return staged
+
+    def _stage(self, t: torch.Tensor, nbytes: int, key: tuple[Any, ...],
+               source: torch.Tensor | None = None) -> _Staged | None:
+        """Copy dense ``t`` to the arena on the side stream (None: the host limit is reached)."""
+        raw = self.arena.take(nbytes)
+        if raw is None:
+            return None
         host = raw.view(t.dtype).as_strided(t.shape, t.stride())  # dense: its span is its bytes
-        staged = _Staged(host, t, len(self._staged), self._step)
+        staged = _Staged(host, t, len(self._staged), self._step, source)
         done = self.ops.copy_on_side(host, t, keep=t)
         self._staged.append(staged)
         self._by_key[key] = staged
@@ -291,18 +323,50 @@ class ActivationStager:
         self._throttle(done, nbytes)
         return staged
 
+    def _pack_view(self, t: torch.Tensor, nbytes: int) -> Any:
+        """Stage a view that does not fill its storage densely through the whole storage (one copy per storage)."""
+        storage = t.untyped_storage()
+        sbytes = storage.nbytes()
+        if sbytes > MAX_VIEW_SPREAD * nbytes:
+            self.stats.kept_bytes += nbytes
+            return t
+        key = ("storage", storage.data_ptr(), sbytes, t._version)
+        known = self._by_key.get(key)
+        if known is not None and known.source() is not None:  # a sibling view: the first one keeps the storage
+            self.stats.shared_tensors += 1
+            known.saves += 1
+            return _View(known, t)
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (sbytes,), (1,))
+        staged = self._stage(whole, sbytes, key, source=t)
+        if staged is None:
+            self.stats.kept_bytes += nbytes
+            return t
+        self.stats.view_tensors += 1
+        return _View(staged, t)
+
     def unpack(self, saved: Any) -> torch.Tensor:
         """The saved-tensor unpack hook: the tensor back on the device (brought ahead, with the next ones)."""
         if isinstance(saved, torch.Tensor):
             return saved
-        staged: _Staged = saved
+        if isinstance(saved, _View):
+            self._check_source(saved.source(), saved.version)
+            whole = self._restore(saved.base)
+            return torch.empty(0, dtype=saved.dtype, device=whole.device).set_(
+                whole.untyped_storage(), saved.offset, saved.shape, saved.stride)
+        return self._restore(saved)
+
+    @staticmethod
+    def _check_source(source: torch.Tensor | None, version: int) -> None:
+        if source is not None and source._version != version:
+            raise RuntimeError("a tensor saved for backward was modified by an in-place operation after it was "
+                               "saved (it was staged to the host when saved; the gradient would be wrong)")
+
+    def _restore(self, staged: _Staged) -> torch.Tensor:
+        """``staged`` back on the device for one of its saves (brought ahead, with the next ones)."""
         if staged.step != self._step:
             raise StaleSavedTensor("backward reached a tensor saved in an earlier training step: staged activations "
                                    "live until the end of their step (keep no graph across steps)")
-        source = staged.source()
-        if source is not None and source._version != staged.version:
-            raise RuntimeError("a tensor saved for backward was modified by an in-place operation after it was "
-                               "saved (it was staged to the host when saved; the gradient would be wrong)")
+        self._check_source(staged.source(), staged.version)
         if staged.device_copy is None:  # not brought ahead (or a save autograd unpacks again)
             self.stats.late_restores += 1
             self._bring(staged)
@@ -362,11 +426,17 @@ def available_host_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def new_stager(source: SegmentSource, device: torch.device | None) -> ActivationStager:
+def window_for_budget(budget_bytes: int) -> int:
+    """The stager's window under a GPU budget: a sixteenth of it, between 64 MiB and :data:`WINDOW_BYTES` (the
+    blocks of copies in flight stay on the GPU, in the pool the budget holds resident)."""
+    return int(min(WINDOW_BYTES, max(64 << 20, budget_bytes // 16)))
+
+
+def new_stager(source: SegmentSource, device: torch.device | None, window_bytes: int | None = None) -> ActivationStager:
     """A stager for a session's pools: CUDA copies of tensors in the intermediate-results pool on ``device``,
-    with at most half the host's available memory pinned. Without a device (a fake driver on the CPU, in
-    tests), where tensors are not in the pools, intermediates are told by autograd instead: tensors with a
-    history that are not views of a leaf (a parameter or an input)."""
+    with at most half the host's available memory pinned and ``window_bytes`` in flight each way. Without a
+    device (a fake driver on the CPU, in tests), where tensors are not in the pools, intermediates are told by
+    autograd instead: tensors with a history that are not views of a leaf (a parameter or an input)."""
     snapshot: list[Any] = [None, None]  # (generation, index): rebuilt when a segment came or went
 
     def in_intermediate_pool(t: torch.Tensor) -> bool:
@@ -379,5 +449,7 @@ def new_stager(source: SegmentSource, device: torch.device | None) -> Activation
         return not t.is_leaf and (t._base is None or not t._base.is_leaf)
 
     if device is not None and device.type == "cuda":
-        return ActivationStager(CudaCopyOps(device), in_intermediate_pool, host_limit_bytes=available_host_bytes() // 2)
-    return ActivationStager(CpuCopyOps(), intermediate_by_history, host_limit_bytes=available_host_bytes() // 2)
+        return ActivationStager(CudaCopyOps(device), in_intermediate_pool, host_limit_bytes=available_host_bytes() // 2,
+                                window_bytes=window_bytes)
+    return ActivationStager(CpuCopyOps(), intermediate_by_history, host_limit_bytes=available_host_bytes() // 2,
+                            window_bytes=window_bytes)

@@ -533,7 +533,7 @@ class Session(Listenable):
     def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
         """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
         from um_lab.budget.control import BudgetControl  # imported only with a budget
-        from um_lab.budget.stage import new_stager
+        from um_lab.budget.stage import new_stager, window_for_budget
         from um_lab.budget.streams import CudaStreams, RecordingStreams, StreamOps
 
         source = pools.source
@@ -561,7 +561,7 @@ class Session(Listenable):
                              keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
                              thread_init=select_device if self._real else None, discard_gradients=discard,
                              batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
-                             stager=new_stager(source, self.device if self._real else None)
+                             stager=new_stager(source, self.device if self._real else None, window_for_budget(budget))
                              if self.budget_stage_activations else None,
                              pinned_types=self._budget_resident_types())
 
