@@ -105,14 +105,14 @@ if [[ $what == pinned ]]; then  # ~6-9 min
     --out "$OUT/budget_pinned_gpt2xl.json" 2>&1 | tee -a "$OUT/pinned.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
+  timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
+    -q -rA -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/final_core_tests.log"
   timeout -s KILL 80 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/final_tests.log"
-  timeout -s KILL 60 python3 bench/diagnostics/staged_pool.py --models resnet50 --out "$OUT/staged_pool.json" 2>&1 | tee "$OUT/final.log"
+  timeout -s KILL 80 python3 bench/diagnostics/staged_pool.py --models resnet50 --out "$OUT/staged_pool.json" 2>&1 | tee "$OUT/final.log"
   timeout -s KILL 60 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --time-moves --no-sim \
     --out "$OUT/budget_final_resnet50.json" 2>&1 | tee -a "$OUT/final.log"
   timeout -s KILL 140 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --stage on --time-moves --no-sim \
     --out "$OUT/budget_final_gpt2l.json" 2>&1 | tee -a "$OUT/final.log"
-  timeout -s KILL 200 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
-    -q -rA -p no:cacheprovider 2>&1 | tail -60 | tee "$OUT/final_core_tests.log"
 fi
 if [[ $what == native ]]; then  # ~8 min
   for fixed in "" "--fixed-batch"; do

@@ -40,6 +40,7 @@ def probe(name: str, steps: int, limit: int) -> dict[str, Any]:
            "staging": [r.extra["budget"].get("staging") for r in staged["records"]],
            "step_ms_plain": [r.wall_ms for r in plain["records"]],
            "step_ms_staged": [r.wall_ms for r in staged["records"]]}
+    row["growth"] = forward_growth(case, limit)
     last = row["staging"][-1] or {}
     print(f"{name}: footprint {footprint / GiB:.2f} GiB; intermediate pool {row['act_pool_bytes_plain'][-1] / GiB:.2f} "
           f"GiB without a budget, {row['act_pool_bytes_staged'][-1] / GiB:.2f} GiB with staging (by step: "
@@ -49,6 +50,47 @@ def probe(name: str, steps: int, limit: int) -> dict[str, Any]:
           f"(plain {row['step_ms_plain'][-1]:.0f})",
           flush=True)
     return row
+
+
+def forward_growth(case: Any, limit: int, steps: int = 2) -> list[dict[str, Any]]:
+    """In the last of ``steps`` staged steps, after each module two levels down: bytes allocated to tensors (all
+    pools) and the intermediate pool's segment bytes; allocated growing with depth means staged tensors stay alive,
+    segments growing alone means freed blocks wait (copies still reading them) or fragment."""
+    import budget as bench
+    import torch
+
+    from um_lab.cuda.session import Session
+
+    cap = bench.session_cap(limit)
+    torch.manual_seed(0)
+    model = case.build_model()
+    seen: list[dict[str, Any]] = []
+    with Session("um-default", cap_bytes=cap, gpu_budget_bytes=cap // 2, budget_stage_activations=True,
+                 evacuate_on_close=False) as lab:
+        model = lab.place(model)
+        opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
+        recording = [False]
+
+        def after(name: str) -> Any:
+            def hook(*_: Any) -> None:
+                if recording[0]:
+                    seen.append({"module": name, "allocated": torch.cuda.memory_allocated(),
+                                 "act_segments": lab.live_bytes()["act"]})
+            return hook
+
+        handles = [m.register_forward_hook(after(n)) for n, m in model.named_modules() if 0 < n.count(".") + 1 <= 2]
+        for step in range(steps):
+            recording[0] = step == steps - 1
+            batch = lab.inputs(*case.batch(step))
+            batch = batch if isinstance(batch, tuple) else (batch,)
+            lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt)
+        for h in handles:
+            h.remove()
+        del opt, model, batch
+    for point in seen[:: max(1, len(seen) // 12)]:
+        print(f"    after {point['module']}: allocated {point['allocated'] / GiB:.2f} GiB, intermediate segments "
+              f"{point['act_segments'] / GiB:.2f} GiB", flush=True)
+    return seen
 
 
 def main(argv: list[str] | None = None) -> int:
