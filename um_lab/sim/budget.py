@@ -32,21 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from um_lab.budget.ledger import BLOCK, Span
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
+from um_lab.budget.stage import WINDOW_BYTES
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import ACC_WRITE_ONLY, KIND_H2D_COPY, PHASE_BWD, PHASE_FWD, PHASE_OPT, StepTrace
 from um_lab.types import DATA_TYPES, DataType, StepRecord
-
-if TYPE_CHECKING:
-    from um_lab.sim.staged import StageCopies
 
 #: host time of the recorder's Python hooks and the executor's ledger work per position (an assumption,
 #: not measured: a forward pre/post hook pair, a tensor hook, a few dict look-ups)
@@ -70,6 +68,27 @@ class DerivedOrder:
     layers: int  #: parameter layers found (optimizer positions)
     grad_segments: frozenset[int] = frozenset()  #: starts of the gradient runs (what a plan may discard)
     op_start: tuple[int, ...] = ()  #: the first op of each position (optimizer positions: the first optimizer op)
+
+
+#: managed (GPU-resident) <-> pinned host copies on the H200: 52.3 GB/s out, 51.0 GB/s back
+#: (bench/diagnostics/staging_probe.py, raw/session13_call2/staging_probe.json); the slower one for both
+STAGE_COPY_GBPS = 51.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCopies:
+    """The staging copies of a step, by position: bytes out after ``out_bytes[i]``'s position, bytes back
+    before ``in_bytes[i]``'s; ``GBps`` the copy rate, ``window`` the bytes in flight / ahead."""
+
+    out_bytes: tuple[int, ...]
+    in_bytes: tuple[int, ...]
+    GBps: float = STAGE_COPY_GBPS
+    window: int = WINDOW_BYTES
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes copied to the host per step (as many come back)."""
+        return sum(self.out_bytes)
 
 
 @dataclasses.dataclass

@@ -31,34 +31,15 @@ import numpy as np
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
-from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES
+from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES, window_for_budget
 from um_lab.errors import BudgetTooSmall
-from um_lab.sim.budget import BudgetStep, DerivedOrder, derive_order, replay_plan
+from um_lab.sim.budget import BudgetStep, DerivedOrder, StageCopies, derive_order, replay_plan
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import PHASE_BWD, PHASE_FWD, StepTrace
 from um_lab.types import DATA_TYPES, DataType
 
-#: managed (GPU-resident) <-> pinned host copies on the H200: 52.3 GB/s out, 51.0 GB/s back
-#: (bench/diagnostics/staging_probe.py, raw/session13_call2/staging_probe.json); the slower one for both
-STAGE_COPY_GBPS = 51.0
 _ACT = DATA_TYPES.index(DataType.ACT)
-
-
-@dataclasses.dataclass(frozen=True)
-class StageCopies:
-    """The staging copies of a step, by position: bytes out after ``out_bytes[i]``'s position, bytes back
-    before ``in_bytes[i]``'s; ``GBps`` the copy rate, ``window`` the bytes in flight / ahead."""
-
-    out_bytes: tuple[int, ...]
-    in_bytes: tuple[int, ...]
-    GBps: float = STAGE_COPY_GBPS
-    window: int = WINDOW_BYTES
-
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes copied to the host per step (as many come back)."""
-        return sum(self.out_bytes)
 
 
 @dataclasses.dataclass
@@ -165,12 +146,13 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     other data do not fit."""
     derived = without_intermediates(derive_order(trace, layout, profile), layout)
     staged = staged_storages(trace)
-    pinned = pinned_pool_bytes(trace, staged)
+    window = window_for_budget(budget_bytes)  # as the session sizes it
+    pinned = pinned_pool_bytes(trace, staged, window)
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
     usable = budget_bytes - pinned - scratch
     if usable < BLOCK:
         raise BudgetTooSmall(budget_bytes, pinned + scratch + BLOCK,
                              "the intermediate-results pool staging leaves and the optimizer's temporaries")
     plan = make_plan(derived.order, usable, lookahead)
-    copies = stage_copies(trace, derived, staged)
+    copies = dataclasses.replace(stage_copies(trace, derived, staged), window=window)
     return StagedSimulation(derived, plan, copies, pinned, replay_plan(derived, plan, profile, staging=copies))
