@@ -3,6 +3,7 @@ Session(budget_stage_activations=True) against the fake driver: the same trainin
 only intermediate-results tensors staged, numbers in the record."""
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -180,29 +181,61 @@ def test_staging_is_off_by_default_and_refused_without_a_budget(env):
         make_session(env, budget_stage_activations=True)
 
 
-class RecordingCopyOps(CpuCopyOps):
-    """CPU copies that remember which tensor each copy keeps from reuse."""
+class _Event:
+    def __init__(self):
+        self.done = False
+
+
+class PendingCopyOps(CpuCopyOps):
+    """CPU copies whose events complete only when told (or waited for): which tensors does the stager hold?"""
 
     def __init__(self):
         super().__init__()
-        self.kept = []
+        self.copies = []  # (event, weakref to dst, weakref to src)
+        self.synchronized = 0
 
-    def copy_on_side(self, dst, src, keep):
-        self.kept.append((dst, src, keep))
-        return super().copy_on_side(dst, src, keep)
+    def copy_on_side(self, dst, src):
+        super().copy_on_side(dst, src)
+        event = _Event()
+        self.copies.append((event, weakref.ref(dst), weakref.ref(src)))  # weak: the stager alone may hold them
+        return event
+
+    def is_done(self, event):
+        return event.done
+
+    def host_wait(self, event):
+        event.done = True
+
+    def synchronize(self):
+        self.synchronized += 1
+        for event, _, _ in self.copies:
+            event.done = True
 
 
-def test_every_copy_keeps_the_device_tensor_it_reads_or_writes_from_reuse():
-    """A device block written or read on the side stream must not be reused by the compute stream before the
-    copy ends: the source of a copy out, and the device copy of a copy back (even one backward never takes)."""
-    model = mlp()
-    ops = RecordingCopyOps()
-    stager = ActivationStager(ops, lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB)
-    grads_after(model, torch.randn(1024, 512), stager)
-    stager.end_step()
-    outs = [(dst, src, keep) for dst, src, keep in ops.kept if keep is src]
-    backs = [(dst, src, keep) for dst, src, keep in ops.kept if keep is dst]
-    assert len(outs) == 5 and len(backs) == 5 and len(ops.kept) == 10
+def test_every_device_tensor_a_copy_reads_or_writes_is_held_until_the_copy_is_done_then_let_go():
+    """A device block read (a copy out) or written (a copy back) on the side stream must not be reused before
+    the copy ends: the stager holds the tensor until its event completes, not record_stream (whose release a
+    pool routing defers), and lets go of it once it has."""
+    ops = PendingCopyOps()
+    stager = ActivationStager(ops, lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB, window_bytes=1 << 30)
+    with stager.saving():
+        a = torch.randn(1024, 1024, requires_grad=True)
+        h = a * 2  # 4 MiB, saved by the multiplication below
+        y = (h * h).sum()
+    source = weakref.ref(h)
+    del h
+    assert source() is not None  # its copy out has not completed: held although forward let go of it
+    ops.copies[0][0].done = True
+    stager._release_done()
+    assert source() is None  # copy done: let go, its block may be reused
+    y.backward()
+    assert len(ops.copies) == 2  # out, then back
+    back = ops.copies[1][1]()
+    assert back is not None and [held for _, held in stager._restoring] == [back]  # written on the side: held
+    del back
+    stats = stager.end_step()
+    assert ops.synchronized == 1 and stager._restoring == [] and stager._to_host == []  # waited, then let go
+    assert stats["restored_bytes"] == stats["staged_bytes"] == 4 * MiB
 
 
 def test_a_graph_kept_past_its_step_and_an_in_place_write_after_the_pack_are_refused():

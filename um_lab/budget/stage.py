@@ -58,9 +58,12 @@ class CopyOps(Protocol):
     def empty_like_on_device(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised device tensor (allocated on the compute stream)."""
 
-    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
-        """Copy ``src`` into ``dst`` on the side stream after the compute stream's work so far; ``keep`` (a
-        device tensor) may not be reused before the copy is done. Returns an event for the copy's end."""
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy ``src`` into ``dst`` on the side stream after the compute stream's work so far. Returns an event
+        for the copy's end; the caller keeps the device tensor alive until then (see :class:`ActivationStager`)."""
+
+    def is_done(self, event: Any) -> bool:
+        """True once ``event`` has completed (the host does not wait)."""
 
     def compute_wait(self, event: Any) -> None:
         """The compute (current) stream waits for ``event``."""
@@ -85,15 +88,16 @@ class CudaCopyOps:
     def empty_like_on_device(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
 
-    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        if keep is not None:
-            keep.record_stream(self.stream)
         return done
+
+    def is_done(self, event: Any) -> bool:
+        return bool(event.query())
 
     def compute_wait(self, event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
@@ -114,9 +118,12 @@ class CpuCopyOps:
     def empty_like_on_device(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty_strided(shape, stride, dtype=dtype)
 
-    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, keep: torch.Tensor | None) -> Any:
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         dst.copy_(src)
         return None
+
+    def is_done(self, event: Any) -> bool:
+        return True
 
     def compute_wait(self, event: Any) -> None:
         pass
@@ -235,6 +242,14 @@ def _dense(t: torch.Tensor) -> bool:
 class ActivationStager:
     """Stage saved activations through pinned host memory (see the module docstring).
 
+    A device tensor a side-stream copy reads (the source of a copy out) or writes (a device copy brought back)
+    is kept referenced here until the copy's event has completed, so its block cannot be handed out again
+    while the copy runs. ``Tensor.record_stream`` would say the same to the caching allocator, but a block
+    with recorded streams that is freed while any pool routing is active (``beginAllocateToPool``: every
+    routed phase of a session) has its release deferred until no routing is active, and is released only by
+    an allocation made outside every pool, which a session's step never makes: the intermediate-results pool
+    then took new segments every step (H200, session 15: it filled any budget, twice the footprint too).
+
     ``eligible(t)`` says whether a saved tensor may be staged (the session passes: it lives in the
     intermediate-results pool); tensors under ``min_bytes`` (default :data:`MIN_STAGE_BYTES`) stay. Use
     :meth:`saving` around forward (or :meth:`pack` / :meth:`unpack` from saved-tensor hooks of one's own, as
@@ -249,7 +264,8 @@ class ActivationStager:
         self.arena = PinnedArena(ops, host_limit_bytes)
         self._staged: list[_Staged] = []
         self._by_key: dict[tuple[Any, ...], _Staged] = {}
-        self._to_host: list[tuple[Any, int]] = []  # (event, bytes) of copies to the host not known done
+        self._to_host: list[tuple[Any, int, torch.Tensor]] = []  # (event, bytes, source) of copies out not known done
+        self._restoring: list[tuple[Any, torch.Tensor]] = []  # (event, device copy) of copies back not known done
         self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
         self._step = 0  # counts end_step calls: a handle from an earlier step is refused at unpack
         self.stats = StagingStats()
@@ -265,9 +281,13 @@ class ActivationStager:
         the copies of both steps are ordered on one side stream)."""
         self.stats.pinned_bytes = self.arena.pinned_bytes
         out = asdict(self.stats)
+        self._release_done()
+        if self._to_host or self._restoring:  # copies still running read or write blocks about to be let go
+            self.ops.synchronize()
         self._staged.clear()
         self._by_key.clear()
         self._to_host.clear()
+        self._restoring.clear()
         self._cursor = -1
         self._step += 1
         self.arena.reset()
@@ -314,13 +334,13 @@ class ActivationStager:
             return None
         host = raw.view(t.dtype).as_strided(t.shape, t.stride())  # dense: its span is its bytes
         staged = _Staged(host, t, len(self._staged), self._step, source)
-        done = self.ops.copy_on_side(host, t, keep=t)
+        done = self.ops.copy_on_side(host, t)
         self._staged.append(staged)
         self._by_key[key] = staged
         self._cursor = staged.index
         self.stats.staged_tensors += 1
         self.stats.staged_bytes += nbytes
-        self._throttle(done, nbytes)
+        self._throttle(done, nbytes, t)
         return staged
 
     def _pack_view(self, t: torch.Tensor, nbytes: int) -> Any:
@@ -363,6 +383,7 @@ class ActivationStager:
 
     def _restore(self, staged: _Staged) -> torch.Tensor:
         """``staged`` back on the device for one of its saves (brought ahead, with the next ones)."""
+        self._release_done()
         if staged.step != self._step:
             raise StaleSavedTensor("backward reached a tensor saved in an earlier training step: staged activations "
                                    "live until the end of their step (keep no graph across steps)")
@@ -381,14 +402,22 @@ class ActivationStager:
 
     # ---- moves ----
 
-    def _throttle(self, done: Any, nbytes: int) -> None:
-        self._to_host.append((done, nbytes))
-        in_flight = sum(n for _, n in self._to_host)
+    def _release_done(self) -> None:
+        """Let go of the device tensors whose copies have completed (the side stream runs them in order)."""
+        while self._to_host and self.ops.is_done(self._to_host[0][0]):
+            self._to_host.pop(0)
+        while self._restoring and self.ops.is_done(self._restoring[0][0]):
+            self._restoring.pop(0)
+
+    def _throttle(self, done: Any, nbytes: int, source: torch.Tensor) -> None:
+        self._release_done()
+        self._to_host.append((done, nbytes, source))
+        in_flight = sum(n for _, n, _ in self._to_host)
         if in_flight <= self.window_bytes:
             return
         began = time.perf_counter()
         while in_flight > self.window_bytes and len(self._to_host) > 1:
-            event, n = self._to_host.pop(0)
+            event, n, _ = self._to_host.pop(0)
             self.ops.host_wait(event)
             in_flight -= n
         self.stats.throttle_ms += (time.perf_counter() - began) * 1e3
@@ -397,7 +426,8 @@ class ActivationStager:
         device_copy = self.ops.empty_like_on_device(staged.shape, staged.stride, staged.dtype)
         # written on the side stream: its block may not be reused before the copy ends, even when backward never
         # takes it (brought ahead for a tensor autograd does not unpack, or a step that failed)
-        staged.ready = self.ops.copy_on_side(device_copy, staged.host, keep=device_copy)
+        staged.ready = self.ops.copy_on_side(device_copy, staged.host)
+        self._restoring.append((staged.ready, device_copy))
         staged.device_copy = device_copy
         self.stats.restored_bytes += staged.nbytes
 
