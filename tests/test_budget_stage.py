@@ -151,7 +151,8 @@ def test_a_budget_session_staging_activations_trains_exactly_as_without_and_stag
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
     budget = 48 * MiB
-    with make_session(env, gpu_budget_bytes=budget, budget_issue=issue, budget_stage_activations=True) as lab:
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_issue=issue, budget_stage_activations=True) as lab:
         stager = lab.budget.stager
         seen = []
         eligible = stager.eligible
@@ -258,7 +259,8 @@ def test_a_graph_kept_past_its_step_and_an_in_place_write_after_the_pack_are_ref
 
 def test_a_failing_step_end_still_ends_the_stagers_step(env, monkeypatch):
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         x, y = lab.inputs(*batches[0])
         stager = lab.budget.stager

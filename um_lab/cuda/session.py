@@ -85,15 +85,18 @@ class Session(Listenable):
     scheduler's prefetches make data GPU-resident, and what it did not foresee (temporaries inside a layer) is
     read over the link instead of faulting in unseen by the ledger; without it CUPTI measured ResNet-50 at
     1.7 times B at ratio 2 (session 12). The policy's own advice is kept where it gives some.
-    ``budget_stage_activations=True`` copies the large tensors forward saves for backward (those in the
+    ``budget_stage_activations=True`` (experimental, off, warned) copies the large tensors forward saves for
+    backward (those in the
     intermediate-results pool) to pinned host memory on a stream of their own and back ahead of backward
     (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is 10-16 GB/s
     on the H200; ``extra["budget"]["staging"]`` holds its numbers. The intermediate-results pool then gets no
     host advice and the scheduler never moves it: what staging leaves there is one layer's working set, counted
     resident from its segments' registration as a fixed part of B (``extra["budget"]["pinned_bytes"]``), and
-    the plan moves parameters, gradients and optimizer state around it (session 15; the version measured in
-    session 13, which left that pool host-advised and scheduled, was slower than no staging: copies from
-    host-advised pages ran at about 4 GB/s, and the ledger still moved the blocks staged tensors left behind).
+    the plan moves parameters, gradients and optimizer state around it (session 15). On the H200 every such
+    run was refused (``BudgetTooSmall``): the pool grew every step, because the stager's ``record_stream``
+    calls defer a block's release while a pool routing is active; the stager now holds those tensors itself
+    until their copies end (not yet run on a GPU). The session-13 version (that pool host-advised and
+    scheduled) was slower than no staging, probably for the same reason.
     ``budget_discard_free=True`` (CUDA 13+; experimental, off: on ResNet-50 its first version hung in
     ``cudaMemDiscardBatchAsync``, session 14) discards, instead of copying to the host, the
     blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
@@ -154,6 +157,11 @@ class Session(Listenable):
                              "gpu_budget_bytes")
         if self.budget_discard_free and gpu_budget_bytes is None:
             raise InputError("budget_discard_free=True changes the budget scheduler's moves: it needs gpu_budget_bytes")
+        if self.budget_stage_activations and gpu_budget_bytes is not None:
+            warnings.warn("budget_stage_activations=True is experimental: on the H200 (session 15) the intermediate "
+                          "pool grew every step until it filled the budget (record_stream's deferred release under "
+                          "pool routing); the stager now holds its copies' tensors instead, a fix not yet run on a "
+                          "GPU", RuntimeWarning, stacklevel=2)
         if self.budget_discard_free:
             warnings.warn("budget_discard_free=True is experimental: on ResNet-50 (H200, session 14) a discard call "
                           "never returned; each one now waits for the side stream's earlier moves and the host for "
