@@ -154,13 +154,19 @@ def test_an_executor_with_pinned_activations_never_issues_a_call_on_them_and_kee
         assert s["pinned_bytes"] == sum(n for _, n in act_spans) and s["evicted_bytes"] > 0
 
 
-def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_next_position():
+def _pinned_executor():
+    """A six-layer order, its typed segments, B = every activation + 16 blocks, an executor pinning activations."""
     order = layered_order(layers=6, param_blocks=3, act_blocks=2)
     world = World(_typed(order))
     budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
     ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
                         pinned_types=[DataType.ACT])
     ex.refresh_segments()
+    return order, world, budget, ex
+
+
+def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_next_position():
+    order, world, budget, ex = _pinned_executor()
     _drive(ex, order)
     ex.set_order(order)
     _drive(ex, order)
@@ -183,12 +189,7 @@ def test_a_pool_grown_since_the_plan_trims_the_starting_set_instead_of_failing_t
     """The plan's starting set filled B beside the pinned pool it knew; the pool grew between steps (a new
     segment of the caching allocator): the step starts with the soonest-used part of that set, stays under B,
     and the plan records the pinned bytes it assumed (the session re-plans when the pool outgrew them)."""
-    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
-    world = World(_typed(order))
-    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
-    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
-                        pinned_types=[DataType.ACT])
-    ex.refresh_segments()
+    order, world, budget, ex = _pinned_executor()
     _drive(ex, order)
     plan = ex.set_order(order)
     assert plan.pinned_bytes == ex.ledger.pinned_bytes == budget - 16 * BLOCK
