@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# pinned | final.
+# staged | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -15,11 +15,11 @@
 # free: Session(budget_discard_free=True) (hung on ResNet-50 in session 14): its GPU tests, then ResNet-50 at
 # ratio 2 off and on, killed (SIGKILL) if it hangs, every thread's stack dumped first;
 # gaps: issue 12's kernel gaps and host costs (MLP, both batch modes);
-# pinned: staging with the intermediate-results pool pinned (session 15): the staging GPU tests, then ResNet-50
-# (off and on, same process), GPT-2-large and GPT-2-XL at ratio 2 with staging (carry .whl for CUPTI);
-# final: session 15's last call: the staging GPU tests and ResNet-50 / GPT-2-large at ratio 2 with staging (pinned
-# pool, views staged through their storage, the window sized by B), then the core GPU tests (sessions, runner,
-# telemetry) on the calling-thread default;
+# staged: staging with the intermediate-results pool fixed in the ledger (session 15; run then as 'pinned', every
+# row refused by the pool leak since fixed): the staging GPU tests, the pool probe, then ResNet-50 (off and on,
+# same process), GPT-2-large at 2 and 3 and GPT-2-XL at 2 with staging (carry .whl for CUPTI);
+# final: session 15's last call: the core GPU tests (sessions, runner, telemetry) on the calling-thread default,
+# then the staging GPU tests, the pool probe and ResNet-50 / GPT-2-large at ratio 2 with staging;
 # native: issue 12's whole table on the current default (backward on the caller): every model, both batch
 # modes, native and um_lab alternating in each process (MLP in 60-step blocks: its 10-step pairs are noisy).
 set -uo pipefail
@@ -95,14 +95,15 @@ sys.argv = ['bench/budget.py', '--models', 'resnet50', '--ratios', '2', '--steps
 runpy.run_path('bench/budget.py', run_name='__main__')
 " 2>&1 | tail -60 | tee "$OUT/free.log"
 fi
-if [[ $what == pinned ]]; then  # ~6-9 min
-  timeout -s KILL 90 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/pinned_tests.log"
+if [[ $what == staged ]]; then  # ~7-9 min
+  timeout -s KILL 90 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/staged_tests.log"
+  timeout -s KILL 90 python3 bench/diagnostics/staged_pool.py --models resnet50 --out "$OUT/staged_pool.json" 2>&1 | tee "$OUT/staged_pool.log"
   timeout -s KILL 80 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage off on --time-moves --no-sim \
-    --out "$OUT/budget_pinned_resnet50.json" 2>&1 | tee "$OUT/pinned.log"
+    --out "$OUT/budget_staged_resnet50.json" 2>&1 | tee "$OUT/staged.log"
   timeout -s KILL 200 python3 bench/budget.py --models gpt2-large --ratios 2 3 --steps 5 --stage on --time-moves --no-sim \
-    --out "$OUT/budget_pinned_gpt2l.json" 2>&1 | tee -a "$OUT/pinned.log"
+    --out "$OUT/budget_staged_gpt2l.json" 2>&1 | tee -a "$OUT/staged.log"
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 4 --stage on --time-moves --no-sim \
-    --out "$OUT/budget_pinned_gpt2xl.json" 2>&1 | tee -a "$OUT/pinned.log"
+    --out "$OUT/budget_staged_gpt2xl.json" 2>&1 | tee -a "$OUT/staged.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

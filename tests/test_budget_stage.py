@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.stage import ActivationStager, CpuCopyOps, PinnedArena, StaleSavedTensor, available_host_bytes
+from um_lab.budget.pinned import CpuCopyOps, PinnedArena, available_host_bytes
+from um_lab.budget.stage import ActivationStager, StaleSavedTensor
 from um_lab.errors import InputError
 
 MiB = 1 << 20

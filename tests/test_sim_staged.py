@@ -1,5 +1,5 @@
-"""Staging with the pinned intermediate-results pool on the simulator (um_lab.sim.staged): what is staged, the
-pinned pool's size, a plan that never moves intermediates, and a step no faster than its copies allow."""
+"""Staging with the fixed intermediate-results pool on the simulator (um_lab.sim.staged): what is staged, the
+fixed pool's size, a plan that never moves intermediates, and a step no faster than its copies allow."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from um_lab.budget.ledger import BLOCK
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.backend import SimBackend
 from um_lab.sim.budget import replay_plan
-from um_lab.sim.staged import pinned_pool_bytes, simulate_staged, staged_storages
+from um_lab.sim.staged import fixed_pool_bytes, simulate_staged, staged_storages
 from um_lab.sim.trace import PHASE_BWD, PHASE_FWD
 from um_lab.types import DATA_TYPES, DataType
 
@@ -45,15 +45,15 @@ def test_staged_storages_are_large_intermediates_written_in_forward_and_read_in_
     assert len(staged_storages(trace, min_bytes=1 << 40)) == 0
 
 
-def test_the_pinned_pool_is_smaller_with_staging_plus_its_window_but_never_above_the_pool_without(prepared):
+def test_the_fixed_pool_is_smaller_with_staging_plus_its_window_but_never_above_the_pool_without(prepared):
     _, prep = prepared
     trace = prep.trace
     staged = staged_storages(trace)
-    none = pinned_pool_bytes(trace, np.array([], dtype=np.int64), window=0)
-    some = pinned_pool_bytes(trace, staged, window=0)
+    none = fixed_pool_bytes(trace, np.array([], dtype=np.int64), window=0)
+    some = fixed_pool_bytes(trace, staged, window=0)
     assert 0 < some < none and some % BLOCK == 0
-    assert min(some + 64 * MiB, none) - BLOCK <= pinned_pool_bytes(trace, staged, window=64 * MiB) <= none
-    assert pinned_pool_bytes(trace, staged, window=1 << 40) == none  # never above the pool without staging
+    assert min(some + 64 * MiB, none) - BLOCK <= fixed_pool_bytes(trace, staged, window=64 * MiB) <= none
+    assert fixed_pool_bytes(trace, staged, window=1 << 40) == none  # never above the pool without staging
 
 
 def test_the_plan_never_moves_intermediates_and_the_step_is_bounded_by_its_copies(prepared):
@@ -63,7 +63,7 @@ def test_the_plan_never_moves_intermediates_and_the_step_is_bounded_by_its_copie
     moved = [m for ms in result.plan.moves for m in ms if m.kind in ("prefetch", "evict")]
     assert moved, "half the footprint: parameters, gradients or optimizer state must move"
     assert not any(int(layout.block_type[b]) == ACT for m in moved for b in m.blocks)
-    assert result.plan.max_resident + result.pinned_bytes <= prep.footprint_bytes // 2
+    assert result.plan.max_resident + result.fixed_bytes <= prep.footprint_bytes // 2
     copies = result.copies
     assert copies.staged_bytes == sum(copies.in_bytes) > 0
     floor_us = 2 * copies.staged_bytes / (copies.GBps * 1e3)  # out and back on one copy stream
@@ -72,8 +72,8 @@ def test_the_plan_never_moves_intermediates_and_the_step_is_bounded_by_its_copie
     assert slower.wall_us > result.step.wall_us
 
 
-def test_a_budget_below_the_pinned_pool_is_refused(prepared):
+def test_a_budget_below_the_fixed_pool_is_refused(prepared):
     sim, prep = prepared
     result = simulate_staged(prep.trace, prep.placement.final, sim.profile, prep.footprint_bytes)
     with pytest.raises(BudgetTooSmall):
-        simulate_staged(prep.trace, prep.placement.final, sim.profile, result.pinned_bytes)
+        simulate_staged(prep.trace, prep.placement.final, sim.profile, result.fixed_bytes)

@@ -1,6 +1,6 @@
 """How large the intermediate-results pool stays when saved activations are staged (issue 13, a GPU probe).
 
-Staging leaves that pool resident and pinned in the budget's ledger, so the scheduler only has room for the
+Staging leaves that pool resident and fixed in the budget's ledger, so the scheduler only has room for the
 other types if staging really shrinks it. For each model this trains a few steps without a budget (the pool as
 training needs it) and with ``budget_stage_activations=True`` under a budget far above the footprint (nothing
 needs to move; the pool as staging leaves it), and prints the pool's segment bytes per step with the stager's
@@ -36,7 +36,7 @@ def probe(name: str, steps: int, limit: int) -> dict[str, Any]:
     row = {"model": name, "footprint_bytes": footprint,
            "act_pool_bytes_plain": [r.live_bytes["act"] for r in plain["records"]],
            "act_pool_bytes_staged": [r.live_bytes["act"] for r in staged["records"]],
-           "pinned_bytes": [r.extra["budget"].get("pinned_bytes") for r in staged["records"]],
+           "fixed_bytes": [r.extra["budget"].get("fixed_bytes") for r in staged["records"]],
            "staging": [r.extra["budget"].get("staging") for r in staged["records"]],
            "step_ms_plain": [r.wall_ms for r in plain["records"]],
            "step_ms_staged": [r.wall_ms for r in staged["records"]]}

@@ -146,7 +146,7 @@ def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging(
         b = r.extra["budget"]
         assert b["followed_plan"] and b["max_resident_ledger"] <= budget + b["touched_bytes"], b
         # the intermediate-results pool stays resident, a fixed part of B, and the scheduler still moves the rest
-        assert 0 < b["pinned_bytes"] < budget and b["evicted_bytes"] > 0, b
+        assert 0 < b["fixed_bytes"] < budget and b["evicted_bytes"] > 0, b
     for a, p in zip(plain_params, params, strict=True):
         assert torch.equal(a, p)
     assert [r.loss for r in records] == [r.loss for r in plain]
@@ -154,7 +154,7 @@ def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging(
 
 def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
     """With staging the intermediate-results pool gets no host advice (copies to host-advised pages ran at
-    3.7-4.0 GB/s) and stays resident, pinned in the ledger from its segments' registration: CUPTI-measured
+    3.7-4.0 GB/s) and stays resident, fixed in the ledger from its segments' registration: CUPTI-measured
     residency at each step's end still stays under B (plus the 2 MiB-block rounding of CUPTI's records)."""
     _assert_cupti_residency_under_b(budget_stage_activations=True)
 

@@ -48,14 +48,14 @@ class BudgetControl:
                  thread_init: Callable[[], None] | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
-                 stager: ActivationStager | None = None, pinned_types: Iterable[DataType] = ()) -> None:
+                 stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = ()) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
-                                       gpu_waits=gpu_waits, free_ranges=free_ranges, pinned_types=pinned_types)
+                                       gpu_waits=gpu_waits, free_ranges=free_ranges, fixed_types=fixed_types)
         self.keep_tensor = keep_tensor
         self.stager = stager
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
@@ -291,8 +291,8 @@ class BudgetControl:
             self._tolerated_unforeseen = unforeseen if unforeseen >= replanned_for / 2 else 0
         self._steps_under_plan += 1
         plan = self.executor.plan
-        grew = plan is not None and self.executor.ledger.pinned_bytes > plan.pinned_bytes
-        reason = "discards" if self.executor.discards_suspended else "pinned pool grew" if grew else plan_outdated(
+        grew = plan is not None and self.executor.ledger.fixed_bytes > plan.fixed_bytes
+        reason = "discards" if self.executor.discards_suspended else "fixed pool grew" if grew else plan_outdated(
             self.executor.plan_order, order, step, self.budget_bytes, tolerated_unforeseen=self._tolerated_unforeseen)
         if not reason:
             return False, ""

@@ -52,7 +52,7 @@ class BudgetExecutor:
     ``segments()`` lists the live managed segments, ``generation()`` (optional) changes whenever one is
     allocated or freed, so unknown ranges re-read the segments only then; with ``cover_unknown`` (CPU
     tests, where tensors are not in managed segments) every 2 MiB block a range touches counts as managed
-    memory. Segments of ``pinned_types`` (the intermediate-results pool when saved activations are staged) are
+    memory. Segments of ``fixed_types`` (the intermediate-results pool when saved activations are staged) are
     never moved: the ledger counts them resident from registration on, a fixed part of the budget, and the
     plan works around them.
     """
@@ -63,10 +63,10 @@ class BudgetExecutor:
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
-                 pinned_types: Iterable[DataType] = ()) -> None:
+                 fixed_types: Iterable[DataType] = ()) -> None:
         self.ledger = Ledger(budget_bytes)
         #: data types whose segments stay resident, never moved by the scheduler
-        self.pinned_types = frozenset(pinned_types)
+        self.fixed_types = frozenset(fixed_types)
         #: the ranges the allocator has free now: moves of wholly free blocks become ordered discards and
         #: populates (:mod:`um_lab.budget.free`)
         self.free_ranges = free_ranges
@@ -119,10 +119,10 @@ class BudgetExecutor:
             if current.get(ptr) != size and not self.cover_unknown:
                 self.ledger.remove_segment(ptr)
         known = self.ledger.segments()
-        pinned = self.pinned_types
+        fixed = self.fixed_types
         for s in live:
             if s.ptr not in known:
-                self.ledger.add_segment(s.ptr, s.size, pinned=bool(pinned) and s.data_type in pinned)
+                self.ledger.add_segment(s.ptr, s.size, fixed=bool(fixed) and s.data_type in fixed)
         self._index = SegmentIndex(live)
 
     def span_live(self, ptr: int, nbytes: int) -> bool:
@@ -173,12 +173,12 @@ class BudgetExecutor:
             order = Order(order.positions, sorted(self.ledger.segments().items()))
         grads = self.gradient_segments() if self.discard_gradients else set()
         ledger = self.ledger
-        pinned = {p: n for p, n in ledger.segments().items() if ledger.is_pinned_segment(p)}
-        missing = _disjoint(pinned.items(), order.segments)
-        if missing:  # pinned segments the recorded order never touched still take their room
+        fixed = {p: n for p, n in ledger.segments().items() if ledger.is_fixed_segment(p)}
+        missing = _disjoint(fixed.items(), order.segments)
+        if missing:  # fixed segments the recorded order never touched still take their room
             order = Order(order.positions, sorted([*order.segments, *missing]))
         plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads,
-                         pinned_segments=set(pinned))
+                         fixed_segments=set(fixed))
         self.plan, self.plan_order = plan, order
         self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
         self._discards_suspended = False
@@ -244,22 +244,22 @@ class BudgetExecutor:
             self._issue(moves, -1)
 
     def _starting_set(self, plan: Plan) -> set[int]:
-        """The plan's starting set, less the blocks used last when pinned blocks that came since the plan leave
+        """The plan's starting set, less the blocks used last when fixed blocks that came since the plan leave
         no room for all of it (the step then brings those in on demand; a new plan follows the step)."""
         ledger = self.ledger
-        pinned = ledger.pinned_blocks()
+        fixed = ledger.fixed_blocks()
         start = set(plan.start_resident) & ledger.segment_blocks()
-        room = ledger.budget_bytes - ledger.pinned_bytes
-        if ledger.bytes_of(start - pinned) <= room:
+        room = ledger.budget_bytes - ledger.fixed_bytes
+        if ledger.bytes_of(start - fixed) <= room:
             return start
         rank = self._rank(0)
         kept: set[int] = set()
-        for b in sorted(start - pinned, key=lambda b: (rank(b), b)):  # the soonest used first
+        for b in sorted(start - fixed, key=lambda b: (rank(b), b)):  # the soonest used first
             room -= ledger.bytes_of([b])
             if room < 0:
                 break
             kept.add(b)
-        return kept | (start & pinned)
+        return kept | (start & fixed)
 
     def enter(self, index: int, position: Position) -> None:
         """A position opens (the recorder's listener call). Its host time, waits included, adds to
@@ -316,7 +316,7 @@ class BudgetExecutor:
                                          what=f"{position.phase} of {position.layer or 'the model'}") or []
         reserve = self._touch_estimate.get((index, position.key), 0)
         if reserve or self.ledger.resident_bytes > self.ledger.budget_bytes:
-            # last step this position wrote that much outside the plan (or a pinned segment came since the
+            # last step this position wrote that much outside the plan (or a fixed segment came since the
             # last move): make room before it runs
             moves += self.ledger.make_room(reserve, self._rank(index) if self.following_plan else self._lru_rank,
                                            protect=actual, target=index)
@@ -375,7 +375,7 @@ class BudgetExecutor:
                 "prefetched_bytes": ledger.prefetched_bytes, "evicted_bytes": ledger.evicted_bytes,
                 "discarded_bytes": ledger.discarded_bytes, "populated_bytes": ledger.populated_bytes,
                 "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
-                "pinned_bytes": ledger.pinned_bytes,
+                "fixed_bytes": ledger.fixed_bytes,
                 "over_budget": ledger.max_resident > ledger.budget_bytes,
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
 

@@ -12,7 +12,7 @@ ledger never lets resident bytes exceed the budget: it evicts first, choosing vi
 caller gives (the scheduler ranks by next use in the learned order: Belady), and raises
 :class:`~um_lab.errors.BudgetTooSmall` before anything moves when the blocks wanted at once cannot fit.
 
-A segment registered as *pinned* (``add_segment(..., pinned=True)``: data the scheduler leaves on the GPU,
+A segment registered as *fixed* (``add_segment(..., fixed=True)``: data the scheduler leaves on the GPU,
 such as the intermediate-results pool when saved activations are staged through pinned host memory) counts
 as resident from registration on and is never a victim: it is a fixed part of the budget.
 
@@ -79,7 +79,7 @@ class _Block:
     where: str = HOST
     ever_on_gpu: bool = False
     dead: bool = False  # contents discarded: bringing it in moves no bytes over the link
-    pinned: int = 0  # pinned segments with a piece here: while > 0 the block stays resident, never a victim
+    fixed: int = 0  # fixed segments with a piece here: while > 0 the block stays resident, never a victim
 
 
 class Ledger:
@@ -93,8 +93,8 @@ class Ledger:
         self._segments: dict[int, int] = {}  # segment start -> size
         self._gpu: set[int] = set()
         self._dead: set[int] = set()  # blocks whose contents are dead (mirrors _Block.dead)
-        self._pinned: set[int] = set()  # blocks held resident by a pinned segment (mirrors _Block.pinned > 0)
-        self._pinned_segments: set[int] = set()
+        self._fixed: set[int] = set()  # blocks held resident by a fixed segment (mirrors _Block.fixed > 0)
+        self._fixed_segments: set[int] = set()
         self.resident_bytes = 0
         self.max_resident = 0
         self.prefetched_bytes = 0
@@ -113,8 +113,8 @@ class Ledger:
         """All managed bytes the ledger knows (every segment registered)."""
         return sum(self._segments.values())
 
-    def add_segment(self, ptr: int, size: int, *, pinned: bool = False) -> None:
-        """Register a managed segment (not resident anywhere on the GPU yet). A ``pinned`` one is resident at
+    def add_segment(self, ptr: int, size: int, *, fixed: bool = False) -> None:
+        """Register a managed segment (not resident anywhere on the GPU yet). A ``fixed`` one is resident at
         once and stays so (never a victim); resident bytes may then exceed the budget until the caller makes
         room (:meth:`make_room`), and ``max_resident`` records it."""
         if size <= 0:
@@ -122,9 +122,9 @@ class Ledger:
         if ptr in self._segments:
             if self._segments[ptr] != size:
                 raise BudgetError(f"segment at {ptr:#x} registered with {self._segments[ptr]} B, now {size} B")
-            if pinned != (ptr in self._pinned_segments):
-                raise BudgetError(f"segment at {ptr:#x} registered {'un' if pinned else ''}pinned, now "
-                                  f"{'' if pinned else 'un'}pinned")
+            if fixed != (ptr in self._fixed_segments):
+                raise BudgetError(f"segment at {ptr:#x} registered {'not ' if fixed else ''}fixed, now "
+                                  f"{'' if fixed else 'not '}fixed")
             return
         for b in blocks_of_span(ptr, size):
             lo, hi = max(ptr, b * BLOCK), min(ptr + size, (b + 1) * BLOCK)
@@ -139,12 +139,12 @@ class Ledger:
                 if block.where == GPU:
                     self.resident_bytes += hi - lo
         self._segments[ptr] = size
-        if pinned:
-            self._pinned_segments.add(ptr)
+        if fixed:
+            self._fixed_segments.add(ptr)
             for b in blocks_of_span(ptr, size):
                 block = self._blocks[b]
-                block.pinned += 1
-                self._pinned.add(b)
+                block.fixed += 1
+                self._fixed.add(b)
                 if block.where != GPU:
                     block.where = GPU
                     block.ever_on_gpu = True
@@ -158,8 +158,8 @@ class Ledger:
     def remove_segment(self, ptr: int) -> None:
         """Forget a freed segment (its resident bytes stop counting)."""
         size = self._segments.pop(ptr)
-        pinned = ptr in self._pinned_segments
-        self._pinned_segments.discard(ptr)
+        fixed = ptr in self._fixed_segments
+        self._fixed_segments.discard(ptr)
         for b in blocks_of_span(ptr, size):
             block = self._blocks[b]
             lo, hi = max(ptr, b * BLOCK), min(ptr + size, (b + 1) * BLOCK)
@@ -167,15 +167,15 @@ class Ledger:
             block.nbytes -= hi - lo
             if block.where == GPU:
                 self.resident_bytes -= hi - lo
-            if pinned:
-                block.pinned -= 1
-                if not block.pinned:  # what else it holds stays resident, now an ordinary victim
-                    self._pinned.discard(b)
+            if fixed:
+                block.fixed -= 1
+                if not block.fixed:  # what else it holds stays resident, now an ordinary victim
+                    self._fixed.discard(b)
             if not block.pieces:
                 del self._blocks[b]
                 self._gpu.discard(b)
                 self._dead.discard(b)
-                self._pinned.discard(b)
+                self._fixed.discard(b)
 
     def known_blocks(self, blocks: Iterable[int]) -> list[int]:
         """The blocks of ``blocks`` that still hold managed bytes (a freed segment's blocks are gone)."""
@@ -241,18 +241,18 @@ class Ledger:
         """The blocks on the GPU now."""
         return set(self._gpu)
 
-    def pinned_blocks(self) -> frozenset[int]:
-        """The blocks pinned segments hold resident (never victims)."""
-        return frozenset(self._pinned)
+    def fixed_blocks(self) -> frozenset[int]:
+        """The blocks fixed segments hold resident (never victims)."""
+        return frozenset(self._fixed)
 
     @property
-    def pinned_bytes(self) -> int:
-        """Managed bytes in pinned blocks: the part of the budget the scheduler cannot move."""
-        return self.bytes_of(self._pinned)
+    def fixed_bytes(self) -> int:
+        """Managed bytes in fixed blocks: the part of the budget the scheduler cannot move."""
+        return self.bytes_of(self._fixed)
 
-    def is_pinned_segment(self, ptr: int) -> bool:
-        """True when the segment starting at ``ptr`` was registered pinned."""
-        return ptr in self._pinned_segments
+    def is_fixed_segment(self, ptr: int) -> bool:
+        """True when the segment starting at ``ptr`` was registered fixed."""
+        return ptr in self._fixed_segments
 
     def bytes_by_state(self) -> dict[str, int]:
         """Managed bytes per state; they add up to :attr:`total_bytes`."""
@@ -293,7 +293,7 @@ class Ledger:
         """
         wanted = set(blocks)
         keep = wanted | set(protect)
-        need_all = self.bytes_of(keep | self._pinned)
+        need_all = self.bytes_of(keep | self._fixed)
         if need_all > self.budget_bytes:
             raise BudgetTooSmall(self.budget_bytes, need_all, what)
         missing = sorted(b for b in wanted if self._blocks[b].where != GPU)
@@ -326,14 +326,14 @@ class Ledger:
         return self._evict(self._victims(excess, set(protect), rank), target)
 
     def evict(self, blocks: Iterable[int], target: int = -1) -> list[Move]:
-        """Push resident ``blocks`` to the host (blocks already there, and pinned ones, are skipped)."""
-        return self._evict([b for b in blocks if self._blocks[b].where == GPU and b not in self._pinned], target)
+        """Push resident ``blocks`` to the host (blocks already there, and fixed ones, are skipped)."""
+        return self._evict([b for b in blocks if self._blocks[b].where == GPU and b not in self._fixed], target)
 
     def discard(self, blocks: Iterable[int], target: int = -1) -> list[Move]:
         """Declare the contents of ``blocks`` dead (``cudaMemDiscardBatchAsync``): resident ones stop
         counting with no transfer, and bringing any of them in later populates pages instead of copying.
-        Blocks already discarded (dead and not resident), and pinned ones, are skipped."""
-        chosen = sorted(b for b in set(blocks) if b not in self._pinned
+        Blocks already discarded (dead and not resident), and fixed ones, are skipped."""
+        chosen = sorted(b for b in set(blocks) if b not in self._fixed
                         and not (self._blocks[b].dead and self._blocks[b].where != GPU))
         if not chosen:
             return []
@@ -352,10 +352,10 @@ class Ledger:
 
     def mark_dead(self, blocks: Iterable[int]) -> None:
         """The contents of ``blocks`` are dead from now on: nothing moves yet, but a resident one picked as a
-        victim is discarded instead of copied, and bringing a non-resident one in populates it (pinned blocks
+        victim is discarded instead of copied, and bringing a non-resident one in populates it (fixed blocks
         are skipped: they never move)."""
         for b in blocks:
-            if b in self._pinned:
+            if b in self._fixed:
                 continue
             self._blocks[b].dead = True
             self._dead.add(b)
@@ -368,9 +368,9 @@ class Ledger:
 
     def evict_everything(self, target: int = -1) -> list[Move]:
         """Push every block to the host, whatever the ledger believes about it (after moves that may
-        not have happened: its state is unknown); afterwards only pinned blocks count as resident (nothing
+        not have happened: its state is unknown); afterwards only fixed blocks count as resident (nothing
         moves them)."""
-        blocks = sorted(set(self._blocks) - self._pinned)
+        blocks = sorted(set(self._blocks) - self._fixed)
         for b in blocks:
             self._blocks[b].where = GPU
         self._gpu.update(blocks)
@@ -405,8 +405,8 @@ class Ledger:
     def _by_rank(self, keep: set[int], rank: Callable[[int], float]) -> Iterator[int]:
         """Resident blocks outside ``keep``, highest rank first (ties: lowest block), lazily. A ``rank`` with a
         ``many`` method (an array of blocks -> their ranks) is evaluated for all of them at once."""
-        if self._pinned:
-            keep = keep | self._pinned
+        if self._fixed:
+            keep = keep | self._fixed
         many = getattr(rank, "many", None)
         if many is not None:
             candidates = np.fromiter(self._gpu, dtype=np.int64, count=len(self._gpu))

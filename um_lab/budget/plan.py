@@ -82,9 +82,9 @@ class Scheduler:
         return NextUse(self, now, dead_first)
 
     def working_set(self, i: int) -> int:
-        """Managed bytes position ``i`` needs resident at once (pinned blocks included: they never leave)."""
-        pinned = self.ledger.pinned_blocks()
-        return self.ledger.bytes_of(self.blocks[i] | pinned if pinned else self.blocks[i])
+        """Managed bytes position ``i`` needs resident at once (fixed blocks included: they never leave)."""
+        fixed = self.ledger.fixed_blocks()
+        return self.ledger.bytes_of(self.blocks[i] | fixed if fixed else self.blocks[i])
 
     def check_fits(self) -> None:
         """Raise :class:`BudgetTooSmall` for the largest position that cannot fit the budget alone."""
@@ -161,7 +161,7 @@ class Plan:
     start_resident: frozenset[int] = frozenset()  #: the blocks resident when the steady step begins
     discarded_bytes: int = 0  #: resident bytes dropped with no copy per steady step (dead gradients)
     populated_bytes: int = 0  #: bytes brought in with no copy (dead blocks made resident again)
-    pinned_bytes: int = 0  #: bytes of pinned blocks the plan worked around (a fixed part of the budget)
+    fixed_bytes: int = 0  #: bytes of fixed blocks the plan worked around (a fixed part of the budget)
 
     def evictions(self) -> list[Move]:
         """Every eviction of the steady step, in order."""
@@ -173,7 +173,7 @@ class Plan:
                 "max_resident_ledger": self.max_resident, "prefetched_bytes": self.prefetched_bytes,
                 "evicted_bytes": self.evicted_bytes, "discarded_bytes": self.discarded_bytes,
                 "populated_bytes": self.populated_bytes, "largest_working_set": self.largest_working_set,
-                "pinned_bytes": self.pinned_bytes,
+                "fixed_bytes": self.fixed_bytes,
                 "positions": len(self.keys), "steady": self.steady}
 
 
@@ -220,27 +220,27 @@ def dead_gradient_blocks(ledger: Ledger, order: Order, discard_segments: set[int
     return out
 
 
-def new_ledger(order: Order, budget_bytes: int, pinned_segments: Iterable[int] = ()) -> Ledger:
+def new_ledger(order: Order, budget_bytes: int, fixed_segments: Iterable[int] = ()) -> Ledger:
     """A ledger over the order's managed segments, nothing resident but the segments starting at
-    ``pinned_segments`` (resident for good)."""
+    ``fixed_segments`` (resident for good)."""
     ledger = Ledger(budget_bytes)
-    pinned = set(pinned_segments)
+    fixed = set(fixed_segments)
     for ptr, size in order.managed_segments():
-        ledger.add_segment(ptr, size, pinned=ptr in pinned)
+        ledger.add_segment(ptr, size, fixed=ptr in fixed)
     return ledger
 
 
 def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6,
-              discard_segments: Iterable[int] = (), pinned_segments: Iterable[int] = ()) -> Plan:
+              discard_segments: Iterable[int] = (), fixed_segments: Iterable[int] = ()) -> Plan:
     """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
     until a step repeats the previous one's moves, and return that step's moves. Gradient blocks lying
     in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`); the segments starting at
-    ``pinned_segments`` stay resident throughout and are never moved (a fixed part of the budget).
+    ``fixed_segments`` stay resident throughout and are never moved (a fixed part of the budget).
 
-    Raises :class:`BudgetTooSmall` before planning when one position alone (with the pinned blocks) does
+    Raises :class:`BudgetTooSmall` before planning when one position alone (with the fixed blocks) does
     not fit.
     """
-    ledger = new_ledger(order, budget_bytes, pinned_segments)
+    ledger = new_ledger(order, budget_bytes, fixed_segments)
     scheduler = Scheduler(ledger, order, lookahead, discard_segments)
     scheduler.check_fits()
     largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)
@@ -259,7 +259,7 @@ def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles
     return Plan(budget_bytes, lookahead, order.keys(), moves, ledger.total_bytes, ledger.max_resident,
                 ledger.prefetched_bytes, ledger.evicted_bytes, largest, steady, start,
                 discarded_bytes=ledger.discarded_bytes, populated_bytes=ledger.populated_bytes,
-                pinned_bytes=ledger.pinned_bytes)
+                fixed_bytes=ledger.fixed_bytes)
 
 
 def _same(a: list[list[Move]], b: list[list[Move]]) -> bool:

@@ -91,7 +91,7 @@ class Session(Listenable):
     (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is 10-16 GB/s
     on the H200; ``extra["budget"]["staging"]`` holds its numbers. The intermediate-results pool then gets no
     host advice and the scheduler never moves it: what staging leaves there is one layer's working set, counted
-    resident from its segments' registration as a fixed part of B (``extra["budget"]["pinned_bytes"]``), and
+    resident from its segments' registration as a fixed part of B (``extra["budget"]["fixed_bytes"]``), and
     the plan moves parameters, gradients and optimizer state around it (session 15). On the H200 every such
     run was refused (``BudgetTooSmall``): the pool grew every step, because the stager's ``record_stream``
     calls defer a block's release while a pool routing is active; the stager now holds those tensors itself
@@ -571,7 +571,7 @@ class Session(Listenable):
                              batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
                              stager=new_stager(source, self.device if self._real else None, window_for_budget(budget))
                              if self.budget_stage_activations else None,
-                             pinned_types=self._budget_resident_types())
+                             fixed_types=self._budget_resident_types())
 
     @property
     def budget(self) -> BudgetControl | None:

@@ -8,7 +8,7 @@ boundary, so this is an upper bound on the session's staged bytes). It is copied
 position that made it (the stager's pack hook) and back ahead of the backward position that first reads
 it, a window of bytes at a time, on one copy stream at :data:`STAGE_COPY_GBPS`.
 
-**The pinned pool.** The intermediate-results pool is never moved by the scheduler: its size is the peak of
+**The fixed pool.** The intermediate-results pool is never moved by the scheduler: its size is the peak of
 live intermediate bytes with each staged storage counted only from its allocation to its last forward use
 and from its first backward use to its free, plus one window of copies in flight. The scheduler's plan
 moves the other types on :func:`um_lab.sim.budget.derive_order`'s positions without their intermediate
@@ -45,12 +45,12 @@ _ACT = DATA_TYPES.index(DataType.ACT)
 @dataclasses.dataclass
 class StagedSimulation:
     """A traced step under a budget with staged activations: the order the plan saw, the plan, the copies,
-    the pinned pool and the steady step."""
+    the fixed pool and the steady step."""
 
     derived: DerivedOrder
     plan: Plan
     copies: StageCopies
-    pinned_bytes: int
+    fixed_bytes: int
     step: BudgetStep
 
 
@@ -83,7 +83,7 @@ def _uses(trace: StepTrace, storages: set[int]) -> tuple[dict[int, int], dict[in
     return last_fwd, first_bwd
 
 
-def pinned_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_BYTES) -> int:
+def fixed_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_BYTES) -> int:
     """The intermediate-results pool's peak with ``staged`` storages off the GPU between their last forward and
     first backward use, plus ``window`` (copies in flight), in whole blocks; never more than the peak without
     staging (a copy in flight only keeps a block that would have stayed anyway)."""
@@ -142,17 +142,17 @@ def without_intermediates(derived: DerivedOrder, layout: Layout) -> DerivedOrder
 def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
                     lookahead: int = 2) -> StagedSimulation:
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
-    Raises :class:`BudgetTooSmall` when the pinned pool, the optimizer's temporaries and one position's
+    Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
     other data do not fit."""
     derived = without_intermediates(derive_order(trace, layout, profile), layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
-    pinned = pinned_pool_bytes(trace, staged, window)
+    fixed = fixed_pool_bytes(trace, staged, window)
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
-    usable = budget_bytes - pinned - scratch
+    usable = budget_bytes - fixed - scratch
     if usable < BLOCK:
-        raise BudgetTooSmall(budget_bytes, pinned + scratch + BLOCK,
+        raise BudgetTooSmall(budget_bytes, fixed + scratch + BLOCK,
                              "the intermediate-results pool staging leaves and the optimizer's temporaries")
     plan = make_plan(derived.order, usable, lookahead)
     copies = dataclasses.replace(stage_copies(trace, derived, staged), window=window)
-    return StagedSimulation(derived, plan, copies, pinned, replay_plan(derived, plan, profile, staging=copies))
+    return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))

@@ -1,4 +1,4 @@
-"""Pinned segments: data the budget scheduler leaves on the GPU (the intermediate-results pool while saved
+"""Fixed segments: data the budget scheduler leaves on the GPU (the intermediate-results pool while saved
 activations are staged through pinned host memory). They count as resident from registration on, are never a
 victim, never moved by a plan or an executor, and the ledger stays under B around them."""
 
@@ -23,27 +23,27 @@ def far(_block):
     return 0.0
 
 
-def test_a_pinned_segment_is_resident_at_once_and_never_a_victim():
+def test_a_fixed_segment_is_resident_at_once_and_never_a_victim():
     ledger = Ledger(4 * BLOCK)
-    ledger.add_segment(BASE, 2 * BLOCK, pinned=True)
+    ledger.add_segment(BASE, 2 * BLOCK, fixed=True)
     for i in range(2, 6):
         ledger.add_segment(BASE + i * BLOCK, BLOCK)
-    pinned = {BASE // BLOCK, BASE // BLOCK + 1}
-    assert ledger.resident_bytes == 2 * BLOCK and ledger.pinned_blocks() == pinned and ledger.pinned_bytes == 2 * BLOCK
+    fixed = {BASE // BLOCK, BASE // BLOCK + 1}
+    assert ledger.resident_bytes == 2 * BLOCK and ledger.fixed_blocks() == fixed and ledger.fixed_bytes == 2 * BLOCK
     others = [BASE // BLOCK + i for i in range(2, 6)]
     ledger.bring_in(others[:2], far)
-    moves = ledger.bring_in(others[2:], lambda b: 100.0 if b in pinned else 1.0)  # pinned ranked first: skipped
+    moves = ledger.bring_in(others[2:], lambda b: 100.0 if b in fixed else 1.0)  # fixed ranked first: skipped
     evicted = {b for m in moves if m.kind == "evict" for b in m.blocks}
-    assert evicted == set(others[:2]) and not evicted & pinned
-    assert ledger.evict(pinned) == [] and ledger.discard(pinned) == []
+    assert evicted == set(others[:2]) and not evicted & fixed
+    assert ledger.evict(fixed) == [] and ledger.discard(fixed) == []
     ledger.evict_everything()
-    assert ledger.resident_blocks() == pinned and ledger.resident_bytes == 2 * BLOCK
+    assert ledger.resident_blocks() == fixed and ledger.resident_bytes == 2 * BLOCK
     ledger.check()
 
 
-def test_a_position_that_fits_only_without_the_pinned_blocks_is_refused_before_anything_moves():
+def test_a_position_that_fits_only_without_the_fixed_blocks_is_refused_before_anything_moves():
     ledger = Ledger(4 * BLOCK)
-    ledger.add_segment(BASE, 2 * BLOCK, pinned=True)
+    ledger.add_segment(BASE, 2 * BLOCK, fixed=True)
     ledger.add_segment(BASE + 2 * BLOCK, 3 * BLOCK)
     wanted = ledger.blocks([(BASE + 2 * BLOCK, 3 * BLOCK)])
     with pytest.raises(BudgetTooSmall):
@@ -51,35 +51,35 @@ def test_a_position_that_fits_only_without_the_pinned_blocks_is_refused_before_a
     assert ledger.resident_bytes == 2 * BLOCK and ledger.moves == []
 
 
-def test_a_new_pinned_segment_over_the_budget_is_made_room_for_by_evicting_others():
+def test_a_new_fixed_segment_over_the_budget_is_made_room_for_by_evicting_others():
     ledger = Ledger(4 * BLOCK)
     for i in range(4):
         ledger.add_segment(BASE + i * BLOCK, BLOCK)
     ledger.bring_in([BASE // BLOCK + i for i in range(4)], far)
     ledger.reset_counters()
-    ledger.add_segment(BASE + 8 * BLOCK, BLOCK, pinned=True)
+    ledger.add_segment(BASE + 8 * BLOCK, BLOCK, fixed=True)
     assert ledger.resident_bytes == 5 * BLOCK and ledger.max_resident == 5 * BLOCK  # recorded, not hidden
     moves = ledger.make_room(0, far)
     assert [m.kind for m in moves] == ["evict"] and ledger.resident_bytes == 4 * BLOCK
     assert ledger.where(BASE // BLOCK + 8) == GPU
 
 
-def test_removing_a_pinned_segment_frees_its_blocks_and_a_shared_block_becomes_an_ordinary_victim():
+def test_removing_a_fixed_segment_frees_its_blocks_and_a_shared_block_becomes_an_ordinary_victim():
     ledger = Ledger(8 * BLOCK)
-    ledger.add_segment(BASE, BLOCK + BLOCK // 2, pinned=True)  # its tail shares block 1
+    ledger.add_segment(BASE, BLOCK + BLOCK // 2, fixed=True)  # its tail shares block 1
     ledger.add_segment(BASE + BLOCK + BLOCK // 2, BLOCK // 2)
     shared = BASE // BLOCK + 1
-    assert ledger.resident_bytes == 2 * BLOCK and shared in ledger.pinned_blocks()
+    assert ledger.resident_bytes == 2 * BLOCK and shared in ledger.fixed_blocks()
     ledger.remove_segment(BASE)
-    assert ledger.pinned_blocks() == frozenset() and ledger.resident_bytes == BLOCK // 2
+    assert ledger.fixed_blocks() == frozenset() and ledger.resident_bytes == BLOCK // 2
     assert [m.kind for m in ledger.evict([shared])] == ["evict"] and ledger.resident_bytes == 0
     ledger.check()
 
 
-def test_a_segment_cannot_change_between_pinned_and_unpinned():
+def test_a_segment_cannot_change_between_fixed_and_not():
     ledger = Ledger(8 * BLOCK)
-    ledger.add_segment(BASE, BLOCK, pinned=True)
-    ledger.add_segment(BASE, BLOCK, pinned=True)  # the same registration again: nothing changes
+    ledger.add_segment(BASE, BLOCK, fixed=True)
+    ledger.add_segment(BASE, BLOCK, fixed=True)  # the same registration again: nothing changes
     with pytest.raises(BudgetError):
         ledger.add_segment(BASE, BLOCK)
 
@@ -88,19 +88,19 @@ def _act_segments(order):
     return {ptr for p in order.positions for a in p.accesses if a.data_type is DataType.ACT for ptr, _ in a.spans}
 
 
-def test_a_plan_with_pinned_activations_never_moves_them_and_stays_under_b():
+def test_a_plan_with_fixed_activations_never_moves_them_and_stays_under_b():
     order = layered_order(layers=6, param_blocks=3, act_blocks=2)
     acts = _act_segments(order)
     act_bytes = len(acts) * 2 * BLOCK
     budget = act_bytes + 16 * BLOCK  # every activation plus a few layers' parameters and state
-    plan = make_plan(order, budget, pinned_segments=acts)
-    pinned_blocks = {b for ptr in acts for b in range(ptr // BLOCK, ptr // BLOCK + 2)}
+    plan = make_plan(order, budget, fixed_segments=acts)
+    fixed_blocks = {b for ptr in acts for b in range(ptr // BLOCK, ptr // BLOCK + 2)}
     moved = [m for ms in plan.moves for m in ms if m.kind in ("prefetch", "evict")]
-    assert moved and not any(set(m.blocks) & pinned_blocks for m in moved)
+    assert moved and not any(set(m.blocks) & fixed_blocks for m in moved)
     assert plan.max_resident <= budget and plan.steady
-    assert plan.largest_working_set >= act_bytes  # the pinned blocks count in every position's working set
+    assert plan.largest_working_set >= act_bytes  # the fixed blocks count in every position's working set
     with pytest.raises(BudgetTooSmall):  # room for the activations but not for one layer beside them
-        make_plan(order, act_bytes + 2 * BLOCK, pinned_segments=acts)
+        make_plan(order, act_bytes + 2 * BLOCK, fixed_segments=acts)
 
 
 class World:
@@ -135,38 +135,38 @@ def _inside(calls, spans):
     return [c for c in calls if any(p <= c[0] < p + n for p, n in spans)]
 
 
-def test_an_executor_with_pinned_activations_never_issues_a_call_on_them_and_keeps_the_ledger_under_b():
+def test_an_executor_with_fixed_activations_never_issues_a_call_on_them_and_keeps_the_ledger_under_b():
     order = layered_order(layers=6, param_blocks=3, act_blocks=2)
     world = World(_typed(order))
     act_spans = [(s.ptr, s.size) for s in world.live if s.data_type is DataType.ACT]
     budget = sum(n for _, n in act_spans) + 16 * BLOCK
     runtime = FakeRuntime()
     ex = BudgetExecutor(budget, runtime, 0, RecordingStreams(), world.segments, generation=world.generation,
-                        pinned_types=[DataType.ACT])
+                        fixed_types=[DataType.ACT])
     ex.refresh_segments()
-    assert ex.ledger.pinned_bytes == sum(n for _, n in act_spans)
+    assert ex.ledger.fixed_bytes == sum(n for _, n in act_spans)
     _drive(ex, order)
     ex.set_order(order)
     steps = [_drive(ex, order) for _ in range(3)]
     assert runtime.prefetched and not _inside(runtime.prefetched, act_spans)
     for s in steps:
         assert s["followed_plan"] and s["max_resident_ledger"] <= budget and not s["over_budget"], s
-        assert s["pinned_bytes"] == sum(n for _, n in act_spans) and s["evicted_bytes"] > 0
+        assert s["fixed_bytes"] == sum(n for _, n in act_spans) and s["evicted_bytes"] > 0
 
 
-def _pinned_executor():
+def _fixed_executor():
     """A six-layer order, its typed segments, B = every activation + 16 blocks, an executor pinning activations."""
     order = layered_order(layers=6, param_blocks=3, act_blocks=2)
     world = World(_typed(order))
     budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
     ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
-                        pinned_types=[DataType.ACT])
+                        fixed_types=[DataType.ACT])
     ex.refresh_segments()
     return order, world, budget, ex
 
 
 def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_next_position():
-    order, world, budget, ex = _pinned_executor()
+    order, world, budget, ex = _fixed_executor()
     _drive(ex, order)
     ex.set_order(order)
     _drive(ex, order)
@@ -180,44 +180,44 @@ def test_an_activation_segment_that_appears_mid_step_is_made_room_for_at_the_nex
             ex.touched(2, DataType.ACT, [fresh])  # the kernels of position 2 wrote into it
 
     stats = _drive(ex, grown, between=grow)
-    assert ex.ledger.is_pinned_segment(fresh[0]) and ex.ledger.pinned_bytes == budget - 16 * BLOCK + fresh[1]
+    assert ex.ledger.is_fixed_segment(fresh[0]) and ex.ledger.fixed_bytes == budget - 16 * BLOCK + fresh[1]
     assert ex.ledger.resident_bytes <= budget  # room was made by evicting parameters and state, not activations
     assert stats["max_resident_ledger"] <= budget + fresh[1], stats  # above B only until the next move
 
 
 def test_a_pool_grown_since_the_plan_trims_the_starting_set_instead_of_failing_the_step():
-    """The plan's starting set filled B beside the pinned pool it knew; the pool grew between steps (a new
+    """The plan's starting set filled B beside the fixed pool it knew; the pool grew between steps (a new
     segment of the caching allocator): the step starts with the soonest-used part of that set, stays under B,
-    and the plan records the pinned bytes it assumed (the session re-plans when the pool outgrew them)."""
-    order, world, budget, ex = _pinned_executor()
+    and the plan records the fixed bytes it assumed (the session re-plans when the pool outgrew them)."""
+    order, world, budget, ex = _fixed_executor()
     _drive(ex, order)
     plan = ex.set_order(order)
-    assert plan.pinned_bytes == ex.ledger.pinned_bytes == budget - 16 * BLOCK
+    assert plan.fixed_bytes == ex.ledger.fixed_bytes == budget - 16 * BLOCK
     _drive(ex, order)
     world.add(BASE + (1 << 36), 2 * BLOCK, DataType.ACT)  # between steps: the pool grew by 2 blocks
     grown = _drive(ex, order)  # without trimming: BudgetTooSmall at the starting set
-    assert ex.ledger.pinned_bytes == plan.pinned_bytes + 2 * BLOCK
+    assert ex.ledger.fixed_bytes == plan.fixed_bytes + 2 * BLOCK
     assert grown["max_resident_ledger"] <= budget + 2 * BLOCK and grown["realign_bytes"] > 0, grown  # the new blocks
     after = _drive(ex, order)
     assert after["max_resident_ledger"] <= budget and not after["over_budget"], after
 
 
-def test_a_session_re_plans_once_the_pinned_pool_outgrew_the_plan():
+def test_a_session_re_plans_once_the_fixed_pool_outgrew_the_plan():
     from um_lab.budget.control import BudgetControl
 
     order = layered_order(layers=4, param_blocks=3, act_blocks=2)
     world = World(_typed(order))
     budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
     control = BudgetControl(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, issue="inline",
-                            generation=world.generation, pinned_types=[DataType.ACT])
+                            generation=world.generation, fixed_types=[DataType.ACT])
     control.executor.refresh_segments()
     control.executor.set_order(order)
     followed = {"followed_plan": True, "unforeseen_bytes": 0}
     assert control._replan(order, followed) == (False, "")
     world.add(BASE + (1 << 36), 2 * BLOCK, DataType.ACT)
     control.executor.refresh_segments()
-    assert control._replan(order, followed) == (True, "pinned pool grew")
+    assert control._replan(order, followed) == (True, "fixed pool grew")
     ex = control.executor
-    assert ex.plan is not None and ex.plan.pinned_bytes == ex.ledger.pinned_bytes
+    assert ex.plan is not None and ex.plan.fixed_bytes == ex.ledger.fixed_bytes
     assert control._replan(order, followed) == (False, "")  # the new plan knows the pool
     control.close()
