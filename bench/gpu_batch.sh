@@ -115,13 +115,13 @@ if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 140 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --stage on --time-moves --no-sim \
     --out "$OUT/budget_final_gpt2l.json" 2>&1 | tee -a "$OUT/final.log"
 fi
-if [[ $what == native ]]; then  # ~8 min
+if [[ $what == native ]]; then  # ~9 min (session 15: GPT-2-medium's second process needs more than 100 s)
   for fixed in "" "--fixed-batch"; do
     timeout -s KILL 100 python3 bench/allocator_overhead.py --models mlp --alternate 6 --repeats 2 --steps 60 --warmup 5 \
       --cpus auto $fixed --out "$OUT/native_mlp${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/native.log"
     timeout -s KILL 120 python3 bench/allocator_overhead.py --models resnet50 --alternate 6 --repeats 3 --steps 10 \
       --warmup 3 --cpus auto $fixed --out "$OUT/native_resnet50${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/native.log"
-    timeout -s KILL 100 python3 bench/allocator_overhead.py --models gpt2-medium --alternate 4 --repeats 2 --steps 6 \
+    timeout -s KILL 170 python3 bench/allocator_overhead.py --models gpt2-medium --alternate 4 --repeats 2 --steps 6 \
       --warmup 2 --cpus auto $fixed --out "$OUT/native_gpt2${fixed:+_fixed}.json" 2>&1 | tee -a "$OUT/native.log"
   done
 fi
