@@ -194,12 +194,25 @@ def test_a_pool_grown_since_the_plan_trims_the_starting_set_instead_of_failing_t
     plan = ex.set_order(order)
     assert plan.fixed_bytes == ex.ledger.fixed_bytes == budget - 16 * BLOCK
     _drive(ex, order)
-    world.add(BASE + (1 << 36), 2 * BLOCK, DataType.ACT)  # between steps: the pool grew by 2 blocks
+    world.add(BASE + (1 << 36), 4 * BLOCK, DataType.ACT)  # between steps: the pool grew by 4 blocks
     grown = _drive(ex, order)  # without trimming: BudgetTooSmall at the starting set
-    assert ex.ledger.fixed_bytes == plan.fixed_bytes + 2 * BLOCK
-    assert grown["max_resident_ledger"] <= budget + 2 * BLOCK and grown["realign_bytes"] > 0, grown  # the new blocks
+    assert ex.ledger.fixed_bytes == plan.fixed_bytes + 4 * BLOCK
+    assert grown["max_resident_ledger"] <= budget + 4 * BLOCK and grown["realign_bytes"] > 0, grown  # the new blocks
     after = _drive(ex, order)
     assert after["max_resident_ledger"] <= budget and not after["over_budget"], after
+
+
+def test_trimming_the_starting_set_keeps_what_the_first_positions_use_position_0_included():
+    order, world, budget, ex = _fixed_executor()
+    _drive(ex, order)
+    plan = ex.set_order(order)
+    world.add(BASE + (1 << 36), 7 * BLOCK, DataType.ACT)  # room for 9 of the starting set's 16 blocks
+    ex.refresh_segments()
+    trimmed = ex._starting_set(plan)
+    start = set(plan.start_resident)
+    first = ex.ledger.blocks(order.positions[0].spans()) & start - ex.ledger.fixed_blocks()
+    assert first and first <= trimmed < start  # what position 0 uses stays; the latest-used blocks go
+    assert ex.ledger.bytes_of(trimmed - ex.ledger.fixed_blocks()) <= budget - ex.ledger.fixed_bytes
 
 
 def test_a_session_re_plans_once_the_fixed_pool_outgrew_the_plan():

@@ -2,9 +2,9 @@
 
 Staging leaves that pool resident and fixed in the budget's ledger, so the scheduler only has room for the
 other types if staging really shrinks it. For each model this trains a few steps without a budget (the pool as
-training needs it) and with ``budget_stage_activations=True`` under a budget far above the footprint (nothing
-needs to move; the pool as staging leaves it), and prints the pool's segment bytes per step with the stager's
-numbers (staged, kept on the GPU, views staged through their storage).
+training needs it) and with ``budget_stage_activations=True`` under a budget of twice the footprint, or half the
+session's cap where that is smaller (little needs to move; the pool as staging leaves it), and prints the pool's
+segment bytes per step with the stager's numbers (staged, kept on the GPU, views staged through their storage).
 
     python bench/diagnostics/staged_pool.py --models resnet50 gpt2-large --out staged_pool.json
 """
@@ -25,7 +25,8 @@ GiB = 1 << 30
 
 
 def probe(name: str, steps: int, limit: int) -> dict[str, Any]:
-    """The pool per step without a budget and with staging under a budget of twice the footprint."""
+    """The pool per step without a budget and with staging under a budget of twice the footprint (at most half
+    the session's cap)."""
     import budget as bench  # bench/budget.py: the same sizes, safety counter and session options
 
     case = bench.build_case(name)

@@ -252,7 +252,7 @@ class BudgetExecutor:
         room = ledger.budget_bytes - ledger.fixed_bytes
         if ledger.bytes_of(start - fixed) <= room:
             return start
-        rank = self._rank(0)
+        rank = self._rank(-1)  # from position 0 on, position 0 itself included
         kept: set[int] = set()
         for b in sorted(start - fixed, key=lambda b: (rank(b), b)):  # the soonest used first
             room -= ledger.bytes_of([b])
@@ -292,7 +292,11 @@ class BudgetExecutor:
                     try:  # never evict this position's actual ranges (at new addresses they rank last)
                         moves += self.ledger.bring_in(blocks, rank, target=index, protect=actual, what=what) or []
                     except BudgetTooSmall:  # the plan's blocks and the actual ones do not fit together
-                        moves += self.ledger.bring_in(blocks, rank, target=index, what=what) or []
+                        try:
+                            moves += self.ledger.bring_in(blocks, rank, target=index, what=what) or []
+                        except BudgetTooSmall:  # not even alone beside the fixed pool (it grew): the actual
+                            self.stats["skipped_ahead"] += 1  # ranges below decide whether the step can run
+                            continue
                 elif planned.to_gpu:
                     try:  # a look-ahead: with this position's actual ranges it may no longer fit; skip it
                         got = self.ledger.bring_in(blocks, rank, target=planned.target, protect=actual,
@@ -315,9 +319,7 @@ class BudgetExecutor:
             moves = self.ledger.bring_in(actual, self._lru_rank, target=index,
                                          what=f"{position.phase} of {position.layer or 'the model'}") or []
         reserve = self._touch_estimate.get((index, position.key), 0)
-        if reserve or self.ledger.resident_bytes > self.ledger.budget_bytes:
-            # last step this position wrote that much outside the plan (or a fixed segment came since the
-            # last move): make room before it runs
+        if reserve:  # last step this position wrote that much outside the plan: make room before it runs
             moves += self.ledger.make_room(reserve, self._rank(index) if self.following_plan else self._lru_rank,
                                            protect=actual, target=index)
         self._current = actual

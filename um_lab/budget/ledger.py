@@ -95,6 +95,8 @@ class Ledger:
         self._dead: set[int] = set()  # blocks whose contents are dead (mirrors _Block.dead)
         self._fixed: set[int] = set()  # blocks held resident by a fixed segment (mirrors _Block.fixed > 0)
         self._fixed_segments: set[int] = set()
+        self._layout = 0  # counts segment registrations and removals (the fixed bytes' cache key)
+        self._fixed_cache = (-1, 0)
         self.resident_bytes = 0
         self.max_resident = 0
         self.prefetched_bytes = 0
@@ -139,6 +141,7 @@ class Ledger:
                 if block.where == GPU:
                     self.resident_bytes += hi - lo
         self._segments[ptr] = size
+        self._layout += 1
         if fixed:
             self._fixed_segments.add(ptr)
             for b in blocks_of_span(ptr, size):
@@ -158,6 +161,7 @@ class Ledger:
     def remove_segment(self, ptr: int) -> None:
         """Forget a freed segment (its resident bytes stop counting)."""
         size = self._segments.pop(ptr)
+        self._layout += 1
         fixed = ptr in self._fixed_segments
         self._fixed_segments.discard(ptr)
         for b in blocks_of_span(ptr, size):
@@ -248,7 +252,15 @@ class Ledger:
     @property
     def fixed_bytes(self) -> int:
         """Managed bytes in fixed blocks: the part of the budget the scheduler cannot move."""
-        return self.bytes_of(self._fixed)
+        if self._fixed_cache[0] != self._layout:  # a block's bytes change only when segments come or go
+            self._fixed_cache = (self._layout, self.bytes_of(self._fixed))
+        return self._fixed_cache[1]
+
+    def bytes_with_fixed(self, blocks: set[int]) -> int:
+        """Managed bytes in ``blocks`` and every fixed block, each counted once."""
+        if not self._fixed:
+            return self.bytes_of(blocks)
+        return self.bytes_of(blocks - self._fixed) + self.fixed_bytes
 
     def is_fixed_segment(self, ptr: int) -> bool:
         """True when the segment starting at ``ptr`` was registered fixed."""
@@ -293,7 +305,7 @@ class Ledger:
         """
         wanted = set(blocks)
         keep = wanted | set(protect)
-        need_all = self.bytes_of(keep | self._fixed)
+        need_all = self.bytes_with_fixed(keep)
         if need_all > self.budget_bytes:
             raise BudgetTooSmall(self.budget_bytes, need_all, what)
         missing = sorted(b for b in wanted if self._blocks[b].where != GPU)
@@ -405,18 +417,17 @@ class Ledger:
     def _by_rank(self, keep: set[int], rank: Callable[[int], float]) -> Iterator[int]:
         """Resident blocks outside ``keep``, highest rank first (ties: lowest block), lazily. A ``rank`` with a
         ``many`` method (an array of blocks -> their ranks) is evaluated for all of them at once."""
-        if self._fixed:
-            keep = keep | self._fixed
+        movable = self._gpu - self._fixed if self._fixed else self._gpu
         many = getattr(rank, "many", None)
         if many is not None:
-            candidates = np.fromiter(self._gpu, dtype=np.int64, count=len(self._gpu))
+            candidates = np.fromiter(movable, dtype=np.int64, count=len(movable))
             if keep:
                 candidates = candidates[~np.isin(candidates, np.fromiter(keep, dtype=np.int64, count=len(keep)))]
             ranks = np.asarray(many(candidates), dtype=np.float64)
             for k in np.lexsort((candidates, -ranks)):
                 yield int(candidates[k])
             return
-        heap = [(-rank(b), b) for b in self._gpu if b not in keep]
+        heap = [(-rank(b), b) for b in movable if b not in keep]
         heapq.heapify(heap)
         while heap:
             yield heapq.heappop(heap)[1]

@@ -83,8 +83,7 @@ class Scheduler:
 
     def working_set(self, i: int) -> int:
         """Managed bytes position ``i`` needs resident at once (fixed blocks included: they never leave)."""
-        fixed = self.ledger.fixed_blocks()
-        return self.ledger.bytes_of(self.blocks[i] | fixed if fixed else self.blocks[i])
+        return self.ledger.bytes_with_fixed(self.blocks[i])
 
     def check_fits(self) -> None:
         """Raise :class:`BudgetTooSmall` for the largest position that cannot fit the budget alone."""

@@ -303,6 +303,14 @@ class ActivationStager:
         self._restoring.append((staged.ready, device_copy))
         staged.device_copy = device_copy
         self.stats.restored_bytes += staged.nbytes
+        held = sum(t.numel() * t.element_size() for _, t in self._restoring)
+        if held > 2 * self.window_bytes:  # the host ran far ahead of the copies back: wait for the oldest
+            began = time.perf_counter()
+            while held > 2 * self.window_bytes and len(self._restoring) > 1:
+                event, t = self._restoring.pop(0)
+                self.ops.host_wait(event)
+                held -= t.numel() * t.element_size()
+            self.stats.throttle_ms += (time.perf_counter() - began) * 1e3
 
     def _bring_ahead(self, index: int) -> None:
         """Bring back the staged tensors below ``index`` (backward's next ones) while the window has room."""
