@@ -298,6 +298,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "discarded_bytes": int(statistics.median(b.get("discarded_bytes", 0) for b in budgets)),
             "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
+            "fixed_bytes_all": [r.extra["budget"].get("fixed_bytes", 0) for r in out["records"]],
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),
@@ -334,7 +335,9 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
-            f"{row['max_resident_ledger'] / GiB:.2f} GiB, followed plan {row['followed_plan']}; training thread: "
+            f"{row['max_resident_ledger'] / GiB:.2f} GiB (fixed pool by step: "
+            + ", ".join(f"{f / GiB:.2f}" for f in row["fixed_bytes_all"]) + f" GiB), followed plan "
+            f"{row['followed_plan']}; training thread: "
             f"{row['executor_ms']:.0f} ms in the scheduler's hooks, {row['host_wait_ms']:.0f} ms of it waiting for the "
             "mover")
     return rows
