@@ -234,3 +234,20 @@ def test_a_session_re_plans_once_the_fixed_pool_outgrew_the_plan():
     assert ex.plan is not None and ex.plan.fixed_bytes == ex.ledger.fixed_bytes
     assert control._replan(order, followed) == (False, "")  # the new plan knows the pool
     control.close()
+
+
+def test_a_planned_bring_in_that_no_longer_fits_beside_a_grown_pool_is_skipped_when_the_position_fits():
+    """The plan brings each optimizer position's parameters, gradients and state in (12 blocks); the fixed pool
+    then grew so that only 10 fit beside it, and this step's optimizer positions touch parameters and gradients
+    only (6 blocks): the planned bring-ins are skipped and the step runs under B."""
+    order, world, budget, ex = _fixed_executor()
+    _drive(ex, order)
+    ex.set_order(order)
+    _drive(ex, order)
+    world.add(BASE + (1 << 36), 6 * BLOCK, DataType.ACT)
+    lean = Order([Position(p.phase, p.layer, [a for a in p.accesses if a.data_type is not DataType.OPTIM])
+                  if p.phase == "optimizer" else p for p in order.positions], order.segments)
+    stats = _drive(ex, lean)
+    assert stats["skipped_ahead"] > 0 and stats["followed_plan"], stats
+    after = _drive(ex, lean)
+    assert after["max_resident_ledger"] <= budget, after

@@ -11,7 +11,8 @@ recorder. Every residency change goes through its :class:`~um_lab.budget.ledger.
   the steady step begins with; ranges the plan did not foresee are brought in on demand, and room is
   made before a position for the most it wrote outside the plan in an earlier step (new output addresses);
   a planned look-ahead that no longer fits beside the position's actual ranges is skipped
-  (``skipped_ahead``), never an error: only the position's own ranges can fail a step.
+  (``skipped_ahead``), never an error, as is a planned bring-in that no longer fits beside a fixed pool that
+  grew since the plan: only the position's own ranges can fail a step.
 
 Moves are issued on a side stream, by a :mod:`~um_lab.budget.mover` (a thread of its own on a GPU,
 where a prefetch call blocks the host until its stream's earlier work is done): before an eviction
