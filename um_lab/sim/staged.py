@@ -68,7 +68,10 @@ def staged_storages(trace: StepTrace, min_bytes: int = MIN_STAGE_BYTES) -> np.nd
     return np.flatnonzero(chosen)
 
 
-def _uses(trace: StepTrace, storages: set[int]) -> tuple[dict[int, int], dict[int, int]]:
+Uses = tuple[dict[int, int], dict[int, int]]  #: each staged storage's last forward op and first backward op
+
+
+def _uses(trace: StepTrace, storages: set[int]) -> Uses:
     """Each storage's last forward op and first backward op."""
     last_fwd: dict[int, int] = {}
     first_bwd: dict[int, int] = {}
@@ -83,7 +86,8 @@ def _uses(trace: StepTrace, storages: set[int]) -> tuple[dict[int, int], dict[in
     return last_fwd, first_bwd
 
 
-def fixed_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_BYTES) -> int:
+def fixed_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_BYTES, *,
+                     uses: Uses | None = None) -> int:
     """The intermediate-results pool's peak with ``staged`` storages off the GPU between their last forward and
     first backward use, plus ``window`` (copies in flight), in whole blocks; never more than the peak without
     staging (a copy in flight only keeps a block that would have stayed anyway)."""
@@ -94,7 +98,7 @@ def fixed_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_
     starts = np.clip(trace.st_alloc, -1, n) + 1
     ends = np.clip(trace.st_free, 0, n + 1) + 1
     staged_set = set(int(s) for s in staged)
-    last_fwd, first_bwd = _uses(trace, staged_set)
+    last_fwd, first_bwd = uses if uses is not None else _uses(trace, staged_set)
     for s in np.flatnonzero(act).tolist():
         nbytes = int(trace.st_nbytes[s])
         if s in staged_set and s in last_fwd and s in first_bwd:
@@ -110,23 +114,24 @@ def fixed_pool_bytes(trace: StepTrace, staged: np.ndarray, window: int = WINDOW_
     return -(-peak // BLOCK) * BLOCK
 
 
-def _position_of_op(derived: DerivedOrder, op: int) -> int:
-    """The forward or backward position holding ``op`` (positions follow the ops' order)."""
-    starts = [s for s, p in zip(derived.op_start, derived.order.positions, strict=True) if p.phase != "optimizer"]
-    return max(0, bisect.bisect_right(starts, op) - 1)
-
-
-def stage_copies(trace: StepTrace, derived: DerivedOrder, staged: np.ndarray) -> StageCopies:
+def stage_copies(trace: StepTrace, derived: DerivedOrder, staged: np.ndarray, *,
+                 uses: Uses | None = None) -> StageCopies:
     """The staging copies per position of ``derived``."""
     n = len(derived.order.positions)
     out = [0] * n
     back = [0] * n
-    last_fwd, first_bwd = _uses(trace, set(int(s) for s in staged))
+    last_fwd, first_bwd = uses if uses is not None else _uses(trace, set(int(s) for s in staged))
+    # the forward and backward positions' first ops, in op order: the position holding an op is found by bisect
+    starts = [s for s, p in zip(derived.op_start, derived.order.positions, strict=True) if p.phase != "optimizer"]
+
+    def position_of(op: int) -> int:
+        return max(0, bisect.bisect_right(starts, op) - 1)
+
     for s in staged.tolist():
         if s in last_fwd and s in first_bwd:
             nbytes = int(trace.st_nbytes[s])
-            out[_position_of_op(derived, int(trace.st_alloc[s]))] += nbytes
-            back[_position_of_op(derived, first_bwd[s])] += nbytes
+            out[position_of(int(trace.st_alloc[s]))] += nbytes
+            back[position_of(first_bwd[s])] += nbytes
     return StageCopies(tuple(out), tuple(back))
 
 
@@ -147,12 +152,13 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     derived = without_intermediates(derive_order(trace, layout, profile), layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
-    fixed = fixed_pool_bytes(trace, staged, window)
+    uses = _uses(trace, set(int(s) for s in staged))  # one pass over the trace's accesses serves both below
+    fixed = fixed_pool_bytes(trace, staged, window, uses=uses)
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
     usable = budget_bytes - fixed - scratch
     if usable < BLOCK:
         raise BudgetTooSmall(budget_bytes, fixed + scratch + BLOCK,
                              "the intermediate-results pool staging leaves and the optimizer's temporaries")
     plan = make_plan(derived.order, usable, lookahead)
-    copies = dataclasses.replace(stage_copies(trace, derived, staged), window=window)
+    copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
