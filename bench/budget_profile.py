@@ -107,6 +107,50 @@ def kernel_summary(prof: Any) -> dict[str, Any]:
                                "total_ms": round(a.cpu_time_total / 1e3, 2)} for a in host]}
 
 
+def timeline(trace: dict[str, Any], bins: int) -> dict[str, Any]:
+    """The profiled step's GPU work cut into ``bins`` equal time bins (a Chrome trace of torch.profiler): per
+    bin, the busy ms of kernels per stream and the GB copied each way with their busy ms; per stream and
+    direction, the copies' total GB, busy ms and GB/s while busy. Shows where copies run below the link's rate
+    and whether compute waits for them."""
+    gpu = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur") is not None]
+    if not gpu:
+        return {}
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    width = (end - start) / bins
+    rows = [collections.defaultdict(float) for _ in range(bins)]
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for e in gpu:
+        stream = str(e.get("args", {}).get("stream", e.get("tid", "?")))
+        if e["cat"] == "gpu_memcpy":
+            name = e.get("name", "")
+            kind = "dtoh" if "DtoH" in name else "htod" if "HtoD" in name else "dtod"
+            nbytes = float(e.get("args", {}).get("bytes", 0))
+            key = f"{kind}@{stream}"
+            t = totals[key]
+            t[0] += nbytes
+            t[1] += e["dur"]
+            t[2] += 1
+        else:
+            key, nbytes = f"kernel@{stream}", 0.0
+        a, b = e["ts"], e["ts"] + e["dur"]
+        first, last = int((a - start) // width), min(bins - 1, int((b - start) // width))
+        for i in range(max(0, first), last + 1):
+            lo, hi = start + i * width, start + (i + 1) * width
+            overlap = min(b, hi) - max(a, lo)
+            if overlap <= 0:
+                continue
+            rows[i][key + "_ms"] += overlap / 1e3
+            if nbytes:
+                rows[i][key + "_GB"] += nbytes * overlap / max(e["dur"], 1e-9) / 1e9
+    return {"span_ms": round((end - start) / 1e3, 2), "bin_ms": round(width / 1e3, 2),
+            "copies": {k: {"GB": round(v[0] / 1e9, 3), "busy_ms": round(v[1] / 1e3, 2), "count": int(v[2]),
+                           "GBps_busy": round(v[0] / max(v[1], 1e-9) / 1e3, 2)} for k, v in totals.items()
+                       if not k.startswith("kernel")},
+            "bins": [{k: round(v, 3) for k, v in sorted(r.items())} for r in rows]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-large")
@@ -116,10 +160,14 @@ def main() -> int:
     ap.add_argument("--sample", action="store_true",
                     help="sample every thread's Python stack in the last step instead of the PyTorch profiler")
     ap.add_argument("--batch-size", type=int, help="the model's batch size (default: bench/budget.py's)")
+    ap.add_argument("--profile-too", action="store_true",
+                    help="with --sample: sample the step before the last and profile the last")
+    ap.add_argument("--stage", action="store_true", help="Session(budget_stage_activations=True)")
+    ap.add_argument("--bins", type=int, default=40, help="time bins of the profiled step's timeline")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results" / "budget_profile")
     args = ap.parse_args()
-    if args.steps < 3:
-        ap.error("--steps must be >= 3 (learn, plan, then a planned step)")
+    if args.steps < 3 + int(args.profile_too):
+        ap.error("--steps must be >= 3 (learn, plan, then a planned step), 4 with --profile-too")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     free, _ = torch.cuda.mem_get_info()
     cap = session_cap(int(free * 0.5))
@@ -128,8 +176,9 @@ def main() -> int:
     torch.manual_seed(0)
     model = case.build_model()
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=int(args.budget_gib * GiB), telemetry=args.telemetry,
-                  evacuate_on_close=False)
+                  evacuate_on_close=False, budget_stage_activations=args.stage)
     summary: dict[str, Any] = {"model": args.model, "budget_gib": args.budget_gib, "cap_bytes": cap,
+                               "stage_activations": args.stage,
                                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "device": torch.cuda.get_device_name(0), "steps": []}
     out = args.out_dir / "summary.json"
@@ -147,9 +196,10 @@ def main() -> int:
             batch = lab.inputs(*case.batch(step))
             batch = batch if isinstance(batch, tuple) else (batch,)
             last = step == args.steps - 1
-            profiled = last and not args.telemetry and not args.sample
+            profiled = last and not args.telemetry and (not args.sample or args.profile_too)
+            sampled = args.sample and step == args.steps - 1 - int(args.profile_too)
             t0 = time.perf_counter()
-            if last and args.sample:
+            if sampled:
                 with StackSampler() as sampler:
                     rec = lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt)
                     torch.cuda.synchronize()
@@ -174,6 +224,8 @@ def main() -> int:
                 out.write_text(json.dumps(summary, indent=1) + "\n")
                 raw = args.out_dir / "trace.json"
                 prof.export_chrome_trace(str(raw))
+                summary["timeline"] = timeline(json.loads(raw.read_text()), args.bins)
+                out.write_text(json.dumps(summary, indent=1) + "\n")
                 with raw.open("rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
                     shutil.copyfileobj(src, dst)
                 raw.unlink()

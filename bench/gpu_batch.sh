@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | final.
+# staged | stagedprof | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -104,6 +104,14 @@ if [[ $what == staged ]]; then  # ~7-9 min
     --out "$OUT/budget_staged_gpt2l.json" 2>&1 | tee -a "$OUT/staged.log"
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 4 --stage on --time-moves --no-sim \
     --out "$OUT/budget_staged_gpt2xl.json" 2>&1 | tee -a "$OUT/staged.log"
+fi
+if [[ $what == stagedprof ]]; then  # ~5 min: session 16: the staging GPU tests, then where a staged step's time goes
+  timeout -s KILL 120 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/staged_tests.log"
+  for spec in "gpt2-large 19.48" "gpt2-xl 24.85"; do set -- $spec
+    timeout -s KILL 150 python3 bench/budget_profile.py --model $1 --budget-gib $2 --stage --steps 5 --sample --profile-too \
+      --out-dir /tmp/prof_$1 2>&1 | tail -c 1500
+    cp /tmp/prof_$1/summary.json "$OUT/profile_staged_$1.json"
+  done
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

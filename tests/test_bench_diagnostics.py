@@ -78,3 +78,24 @@ def test_the_stack_sampler_sees_where_another_thread_spends_its_time() -> None:
     top_frame, share = report["spinner"]["leaf"][0]
     assert "spin_in_here" in top_frame and share > 0.5
     assert "MainThread" in report and report["MainThread"]["um_lab"] == []
+
+
+def test_the_profile_timeline_splits_copies_by_direction_and_bins_them_by_time() -> None:
+    """bench/budget_profile.py's timeline: a copy of 2 GB over 40 ms (50 GB/s) and a kernel land in the bins
+    they overlap, and the copy's rate while busy is its bytes over its duration."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from bench.budget_profile import timeline
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 20_000, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 20_000, "dur": 40_000,
+         "args": {"stream": 9, "bytes": 2e9}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99_000},
+    ]}
+    out = timeline(trace, bins=3)
+    assert out["span_ms"] == 60.0 and out["bin_ms"] == 20.0
+    assert out["copies"] == {"dtoh@9": {"GB": 2.0, "busy_ms": 40.0, "count": 1, "GBps_busy": 50.0}}
+    assert out["bins"][0] == {"kernel@7_ms": 20.0}
+    assert out["bins"][1] == {"dtoh@9_GB": 1.0, "dtoh@9_ms": 20.0}
+    assert out["bins"][2] == out["bins"][1]
+    assert timeline({"traceEvents": []}, bins=3) == {}
