@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | final.
+# staged | stagedprof | hostwritten | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=$PWD:${PYTH
 if [ -d .whl ] && ! python3 -c "import cupti" 2>/dev/null; then  # cupti-python, carried (.whl): CUPTI tests and rows
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
+python3 setup.py -q build_ext --inplace >/tmp/um_lab_build.log 2>&1 || { cat /tmp/um_lab_build.log; exit 1; }
 python3 - <<'PY' 2>&1 | tee "$OUT/sanity.log"
 import torch, json
 from um_lab.cuda import driver
@@ -107,11 +107,24 @@ if [[ $what == staged ]]; then  # ~7-9 min
 fi
 if [[ $what == stagedprof ]]; then  # ~5 min: session 16: the staging GPU tests, then where a staged step's time goes
   timeout -s KILL 120 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k staged 2>&1 | tail -30 | tee "$OUT/staged_tests.log"
-  for spec in "gpt2-large 19.48" "gpt2-xl 24.85"; do set -- $spec
+  for spec in "gpt2-large 19.48 0" "gpt2-large 19.48 2048" "gpt2-xl 24.85 0"; do set -- $spec
     timeout -s KILL 150 python3 bench/budget_profile.py --model $1 --budget-gib $2 --stage --steps 5 --sample --profile-too \
-      --out-dir /tmp/prof_$1 2>&1 | tail -c 1500
-    cp /tmp/prof_$1/summary.json "$OUT/profile_staged_$1.json"
+      --window-mib $3 --out-dir /tmp/prof_$1_$3 2>&1 | tail -c 1500
+    cp /tmp/prof_$1_$3/summary.json "$OUT/profile_staged_$1_w$3.json"
   done
+fi
+if [[ $what == hostwritten ]]; then  # ~8 min: session 16: the ledger's host-written pools (GPU writes land on the host)
+  timeout -s KILL 150 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
+    -k "device_speed or staged_activations_train" 2>&1 | tail -30 | tee "$OUT/tests.log"
+  timeout -s KILL 130 python3 bench/budget.py --models gpt2-large --ratios 2 3 --steps 5 --stage on --time-moves --no-sim \
+    --out "$OUT/budget_gpt2l.json" 2>&1 | tee "$OUT/rows.log"
+  timeout -s KILL 50 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --time-moves --no-sim \
+    --out "$OUT/budget_resnet50.json" 2>&1 | tee -a "$OUT/rows.log"
+  timeout -s KILL 110 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 5 --stage on --time-moves --no-sim \
+    --out "$OUT/budget_gpt2xl.json" 2>&1 | tee -a "$OUT/rows.log"
+  timeout -s KILL 90 python3 bench/budget_profile.py --model gpt2-large --budget-gib 19.48 --stage --steps 5 --sample \
+    --profile-too --out-dir /tmp/prof 2>&1 | tail -c 1500
+  cp /tmp/prof/summary.json "$OUT/profile_gpt2l.json"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

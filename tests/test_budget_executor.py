@@ -250,3 +250,32 @@ def test_the_training_threads_time_in_the_hooks_and_waiting_for_the_mover_is_cou
     assert 0 < stats["host_wait_ms"] <= stats["executor_ms"]
     assert stats["host_wait_ms"] >= 2.0 * 0.5  # at least part of one slow call was waited for
     ex.close()
+
+
+def test_a_kernel_write_to_a_host_written_pool_is_not_counted_resident_and_the_plan_prefetches_it():
+    """Pools with the budget's host advice (preferred location: host): a GPU write to a page that is not resident
+    lands in host memory, mapped remotely (the driver populates pages at the preferred location). The executor
+    keeps such writes out of the ledger's resident bytes and out of the room it reserves for unforeseen writes,
+    and a planned step prefetches those ranges before the positions that use them."""
+    order = layered_order(layers=4, param_blocks=2, act_blocks=1)
+    world = World(order.segments)
+    runtime = FakeRuntime()
+    budget = sum(n for _, n in order.segments) // 2 // BLOCK * BLOCK
+    ex = BudgetExecutor(budget, runtime, 0, RecordingStreams(), world.segments, generation=world.generation,
+                        host_written_types=[DataType.ACT])
+    ex.refresh_segments()
+    first = order.segments[0]
+    ex.touch_now([first])  # e.g. a batch copied in: stays on the host
+    assert ex.ledger.resident_bytes == 0 and ex.ledger.host_touched_bytes == first[1]
+    drive(ex, order)
+    ex.set_order(order)
+    runtime.prefetched.clear()
+    ex.begin_step()
+    for i, p in enumerate(order.positions):
+        ex.enter(i, p)
+        ex.touched(i, DataType.ACT, [s for s in p.spans()])  # every position writes what it uses
+    stats = ex.end_step()
+    assert stats["followed_plan"] and stats["max_resident_ledger"] <= budget
+    assert stats["touched_bytes"] == 0  # every block a position wrote was resident by a prefetch first
+    assert on(first, [c for c in runtime.prefetched if c[2] == runtime.codes.location_device])
+    assert not ex._touch_estimate or max(ex._touch_estimate.values()) == 0

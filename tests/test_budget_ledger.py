@@ -245,3 +245,26 @@ def test_a_segment_added_into_a_resident_block_raises_the_peak_too():
     ledger.remove_segment(BASE + 1 * MiB)
     assert ledger.resident_bytes == 1 * MiB and ledger.max_resident == 2 * MiB
     ledger.check()
+
+
+def test_a_gpu_write_to_a_host_written_segment_leaves_it_on_the_host_until_a_prefetch():
+    """A pool preferring the host (the budget's host advice): a kernel's write to a page that is not resident lands
+    in host memory, mapped remotely. The ledger keeps such blocks on the host (counting the bytes), and only a
+    bring-in makes them resident; a block shared with another segment counts resident when touched."""
+    ledger = Ledger(64 * MiB)
+    ledger.add_segment(BASE, 4 * MiB, host_written=True)  # blocks 0, 1
+    ledger.add_segment(BASE + 4 * MiB, 1 * MiB, host_written=True)  # block 2, shared with
+    ledger.add_segment(BASE + 5 * MiB, 1 * MiB)  # an ordinary segment
+    host_only = ledger.blocks([(BASE, 4 * MiB)])
+    assert ledger.touched(host_only, far) == []
+    assert ledger.resident_bytes == 0 and ledger.host_touched_bytes == 4 * MiB
+    assert all(ledger.where(b) == HOST and ledger.written_on_host(b) for b in host_only)
+    shared = ledger.blocks([(BASE + 4 * MiB, 1)])
+    assert not ledger.written_on_host(next(iter(shared)))
+    assert [m.kind for m in ledger.touched(shared, far)] == ["touch"] and ledger.resident_bytes == 2 * MiB
+    moves = ledger.bring_in(host_only, far)
+    assert [m.kind for m in moves] == ["prefetch"] and ledger.resident_bytes == 6 * MiB
+    ledger.reset_counters()
+    assert ledger.host_touched_bytes == 0
+    ledger.remove_segment(BASE + 5 * MiB)  # block 2 now holds only its host-written piece
+    assert ledger.written_on_host(next(iter(shared)))

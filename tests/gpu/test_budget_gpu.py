@@ -208,3 +208,43 @@ def test_free_block_discards_keep_cupti_residency_under_b_at_each_step_end():
     if not can_discard():
         pytest.skip("cudaMemDiscardBatchAsync needs CUDA 13+")
     _assert_cupti_residency_under_b(budget_discard_free=True)
+
+
+def test_what_the_ledger_counts_resident_reads_at_device_speed():
+    """With host advice, a kernel's first write to a pool page lands in host memory (the preferred location) and is
+    mapped remotely: the ledger must not count it resident until a prefetch moved it. Session 16 found optimizer
+    state and gradients, created by GPU writes, counted resident while the GPU read them over the host link.
+    After planned steps at 0.9 of the footprint, the optimizer state and gradients the ledger holds resident
+    read at device-memory speed (a remote read runs at ~50 GB/s on the H200's link; HBM at ~3,000)."""
+    _, _, footprint = _train(None, steps=2)
+    budget = int(footprint * 0.9)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
+                                  for _ in range(8)], torch.nn.Linear(4096, 10))
+    with _session("um-default", gpu_budget_bytes=budget) as lab:
+        model = lab.place(model)
+        opt = lab.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        for _ in range(5):
+            x, y = lab.inputs(torch.randn(256, 4096), torch.randint(0, 10, (256,)))
+            rec = lab.step(lambda x=x, y=y, model=model: torch.nn.functional.cross_entropy(model(x), y), opt)
+        assert rec.extra["budget"]["followed_plan"], rec.extra["budget"]
+        ex = lab.budget.executor
+        ex.mover.drain()  # look-aheads for the next step issued, then done
+        torch.cuda.synchronize()
+        state = [v for p in model.parameters() for v in opt.state[p].values() if v.is_cuda and v.numel() > 1]
+        spans = {id(t): [(t.data_ptr(), t.numel() * t.element_size())] for t in state}
+        spans.update({id(p.grad): [(p.grad.data_ptr(), p.grad.numel() * 4)] for p in model.parameters()})
+        tensors = [t for t in state + [p.grad for p in model.parameters()]
+                   if all(ex.ledger.where(b) == "gpu" for b in ex.blocks(spans[id(t)]))]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        assert nbytes >= 256 * MiB, (nbytes, rec.extra["budget"])
+        for _ in range(2):  # the second pass is timed
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for t in tensors:
+                t.sum()
+            end.record()
+            torch.cuda.synchronize()
+        gbps = nbytes / (start.elapsed_time(end) * 1e-3) / 1e9
+        assert gbps > 400, (gbps, nbytes, rec.extra["budget"])
+        del opt, model, x, y, state, tensors

@@ -48,14 +48,16 @@ class BudgetControl:
                  thread_init: Callable[[], None] | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
-                 stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = ()) -> None:
+                 stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = (),
+                 host_written_types: Iterable[DataType] = ()) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
-                                       gpu_waits=gpu_waits, free_ranges=free_ranges, fixed_types=fixed_types)
+                                       gpu_waits=gpu_waits, free_ranges=free_ranges, fixed_types=fixed_types,
+                                       host_written_types=host_written_types)
         self.keep_tensor = keep_tensor
         self.stager = stager
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle

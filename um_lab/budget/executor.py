@@ -64,10 +64,13 @@ class BudgetExecutor:
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
-                 fixed_types: Iterable[DataType] = ()) -> None:
+                 fixed_types: Iterable[DataType] = (), host_written_types: Iterable[DataType] = ()) -> None:
         self.ledger = Ledger(budget_bytes)
         #: data types whose segments stay resident, never moved by the scheduler
         self.fixed_types = frozenset(fixed_types)
+        #: data types whose pools prefer the host: a kernel's write to a non-resident page lands in host memory
+        #: (mapped remotely), so only the scheduler's prefetches make their blocks resident
+        self.host_written_types = frozenset(host_written_types)
         #: the ranges the allocator has free now: moves of wholly free blocks become ordered discards and
         #: populates (:mod:`um_lab.budget.free`)
         self.free_ranges = free_ranges
@@ -120,10 +123,11 @@ class BudgetExecutor:
             if current.get(ptr) != size and not self.cover_unknown:
                 self.ledger.remove_segment(ptr)
         known = self.ledger.segments()
-        fixed = self.fixed_types
+        fixed, host = self.fixed_types, self.host_written_types
         for s in live:
             if s.ptr not in known:
-                self.ledger.add_segment(s.ptr, s.size, fixed=bool(fixed) and s.data_type in fixed)
+                self.ledger.add_segment(s.ptr, s.size, fixed=bool(fixed) and s.data_type in fixed,
+                                        host_written=s.data_type in host)
         self._index = SegmentIndex(live)
 
     def span_live(self, ptr: int, nbytes: int) -> bool:
@@ -337,7 +341,8 @@ class BudgetExecutor:
     def _touched(self, index: int, spans: list[Span]) -> None:
         blocks = self.blocks(spans)
         rank = self._rank(index) if self.following_plan else self._lru_rank
-        missing = self.ledger.bytes_of(b for b in blocks if self.ledger.where(b) != "gpu")
+        ledger = self.ledger
+        missing = ledger.bytes_of(b for b in blocks if ledger.where(b) != "gpu" and not ledger.written_on_host(b))
         if missing:
             key = (index, self._keys.get(index, ("", "")))
             self._touch_now[key] = self._touch_now.get(key, 0) + missing
@@ -378,6 +383,7 @@ class BudgetExecutor:
                 "prefetched_bytes": ledger.prefetched_bytes, "evicted_bytes": ledger.evicted_bytes,
                 "discarded_bytes": ledger.discarded_bytes, "populated_bytes": ledger.populated_bytes,
                 "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
+                "host_touched_bytes": ledger.host_touched_bytes,
                 "fixed_bytes": ledger.fixed_bytes,
                 "over_budget": ledger.max_resident > ledger.budget_bytes,
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}

@@ -80,6 +80,7 @@ class _Block:
     ever_on_gpu: bool = False
     dead: bool = False  # contents discarded: bringing it in moves no bytes over the link
     fixed: int = 0  # fixed segments with a piece here: while > 0 the block stays resident, never a victim
+    host_written: int = 0  # pieces in segments whose GPU writes land in host memory (preferred location: host)
 
 
 class Ledger:
@@ -95,6 +96,7 @@ class Ledger:
         self._dead: set[int] = set()  # blocks whose contents are dead (mirrors _Block.dead)
         self._fixed: set[int] = set()  # blocks held resident by a fixed segment (mirrors _Block.fixed > 0)
         self._fixed_segments: set[int] = set()
+        self._host_written_segments: set[int] = set()
         self._layout = 0  # counts segment registrations and removals (the fixed bytes' cache key)
         self._fixed_cache = (-1, 0)
         self.resident_bytes = 0
@@ -103,6 +105,7 @@ class Ledger:
         self.evicted_bytes = 0
         self.first_touch_bytes = 0
         self.touched_bytes = 0
+        self.host_touched_bytes = 0  #: GPU writes to non-resident host-written blocks (they stay on the host)
         self.discarded_bytes = 0
         self.populated_bytes = 0
         self.moves: list[Move] = []  #: every move, in order (cleared by :meth:`reset_counters`)
@@ -115,10 +118,12 @@ class Ledger:
         """All managed bytes the ledger knows (every segment registered)."""
         return sum(self._segments.values())
 
-    def add_segment(self, ptr: int, size: int, *, fixed: bool = False) -> None:
+    def add_segment(self, ptr: int, size: int, *, fixed: bool = False, host_written: bool = False) -> None:
         """Register a managed segment (not resident anywhere on the GPU yet). A ``fixed`` one is resident at
         once and stays so (never a victim); resident bytes may then exceed the budget until the caller makes
-        room (:meth:`make_room`), and ``max_resident`` records it."""
+        room (:meth:`make_room`), and ``max_resident`` records it. A ``host_written`` one prefers the host:
+        a GPU write to a non-resident page lands in host memory, mapped remotely, so :meth:`touched` leaves its
+        blocks where they are; only a prefetch makes them resident."""
         if size <= 0:
             raise BudgetError(f"a segment needs a positive size, got {size}")
         if ptr in self._segments:
@@ -132,8 +137,9 @@ class Ledger:
             lo, hi = max(ptr, b * BLOCK), min(ptr + size, (b + 1) * BLOCK)
             block = self._blocks.get(b)
             if block is None:
-                self._blocks[b] = _Block(hi - lo, [(lo, hi - lo, ptr)])
+                self._blocks[b] = _Block(hi - lo, [(lo, hi - lo, ptr)], host_written=int(host_written))
             else:
+                block.host_written += int(host_written)
                 if any(p < hi and lo < p + n for p, n, _ in block.pieces):
                     raise BudgetError(f"segment at {ptr:#x} ({size} B) overlaps a registered segment")
                 block.nbytes += hi - lo
@@ -142,6 +148,8 @@ class Ledger:
                     self.resident_bytes += hi - lo
         self._segments[ptr] = size
         self._layout += 1
+        if host_written:
+            self._host_written_segments.add(ptr)
         if fixed:
             self._fixed_segments.add(ptr)
             for b in blocks_of_span(ptr, size):
@@ -164,6 +172,8 @@ class Ledger:
         self._layout += 1
         fixed = ptr in self._fixed_segments
         self._fixed_segments.discard(ptr)
+        host_written = ptr in self._host_written_segments
+        self._host_written_segments.discard(ptr)
         for b in blocks_of_span(ptr, size):
             block = self._blocks[b]
             lo, hi = max(ptr, b * BLOCK), min(ptr + size, (b + 1) * BLOCK)
@@ -171,6 +181,7 @@ class Ledger:
             block.nbytes -= hi - lo
             if block.where == GPU:
                 self.resident_bytes -= hi - lo
+            block.host_written -= int(host_written)
             if fixed:
                 block.fixed -= 1
                 if not block.fixed:  # what else it holds stays resident, now an ordinary victim
@@ -180,6 +191,11 @@ class Ledger:
                 self._gpu.discard(b)
                 self._dead.discard(b)
                 self._fixed.discard(b)
+
+    def written_on_host(self, block: int) -> bool:
+        """True when a GPU write leaves ``block`` on the host: every piece is in a host-written segment."""
+        b = self._blocks[block]
+        return bool(b.host_written) and b.host_written == len(b.pieces)
 
     def known_blocks(self, blocks: Iterable[int]) -> list[int]:
         """The blocks of ``blocks`` that still hold managed bytes (a freed segment's blocks are gone)."""
@@ -288,7 +304,7 @@ class Ledger:
         """Start a new period (a step): max resident from now, byte counters and move log at zero."""
         self.max_resident = self.resident_bytes
         self.prefetched_bytes = self.evicted_bytes = self.first_touch_bytes = self.touched_bytes = 0
-        self.discarded_bytes = self.populated_bytes = 0
+        self.discarded_bytes = self.populated_bytes = self.host_touched_bytes = 0
         self.moves = []
 
     # ---- moves ----
@@ -393,8 +409,16 @@ class Ledger:
                 protect: Iterable[int] = ()) -> list[Move]:
         """The GPU has touched ``blocks`` (a kernel wrote them): mark them resident, evicting victims to
         get back under the budget. The touch is not ours to stop, so this never raises: when the blocks
-        alone exceed the budget the excess is recorded (``max_resident``) and ``check`` fails."""
-        missing = sorted(b for b in set(blocks) if self._blocks[b].where != GPU)
+        alone exceed the budget the excess is recorded (``max_resident``) and ``check`` fails. A block whose
+        every piece is host-written (:meth:`add_segment`) stays on the host (``host_touched_bytes``)."""
+        missing = []
+        for b in sorted(set(blocks)):
+            if self._blocks[b].where == GPU:
+                continue
+            if self.written_on_host(b):
+                self.host_touched_bytes += self._blocks[b].nbytes
+                continue
+            missing.append(b)
         if not missing:
             return []
         moves = [self._move_in(missing, "touch", target)]

@@ -43,7 +43,7 @@ from um_lab.cuda.step_timer import warm_up_outside_pools as _warm_up_outside_poo
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
 from um_lab.errors import BudgetError, InputError, SessionStateError, gib
 from um_lab.listeners import Listenable, RecordListeners
-from um_lab.policy import PREFETCH_BEFORE, Policy, get_policy
+from um_lab.policy import PREFETCH_BEFORE, Location, Policy, get_policy
 from um_lab.types import DataType, StepRecord
 
 if TYPE_CHECKING:
@@ -571,7 +571,8 @@ class Session(Listenable):
                              batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
                              stager=new_stager(source, self.device if self._real else None, window_for_budget(budget))
                              if self.budget_stage_activations else None,
-                             fixed_types=self._budget_resident_types())
+                             fixed_types=self._budget_resident_types(),
+                             host_written_types=self._host_preferred_types())
 
     @property
     def budget(self) -> BudgetControl | None:
@@ -626,6 +627,13 @@ class Session(Listenable):
         from um_lab.budget.request import with_host_advice
 
         return with_host_advice(policy, keep=self._budget_resident_types())
+
+    def _host_preferred_types(self) -> tuple[DataType, ...]:
+        """The types whose pools prefer the host under this session's advice: a GPU write to a page of theirs
+        that is not resident lands in host memory (mapped remotely), so the budget's ledger counts only its
+        own prefetches as making them resident."""
+        advice = self._pool_policy(self.policy)
+        return tuple(t for t in DataType if advice[t].preferred_location is Location.CPU)
 
     def _budget_resident_types(self) -> tuple[DataType, ...]:
         """The pools a budget session leaves GPU-resident, never moved: the intermediate-results pool when saved
