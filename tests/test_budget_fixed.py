@@ -3,6 +3,7 @@ activations are staged through pinned host memory). They count as resident from 
 victim, never moved by a plan or an executor, and the ledger stays under B around them."""
 
 import pytest
+import torch
 from fakes import FakeRuntime
 from test_budget_executor import drive as _drive
 from test_budget_ledger import layered_order
@@ -251,3 +252,30 @@ def test_a_planned_bring_in_that_no_longer_fits_beside_a_grown_pool_is_skipped_w
     assert stats["skipped_ahead"] > 0 and stats["followed_plan"], stats
     after = _drive(ex, lean)
     assert after["max_resident_ledger"] <= budget, after
+
+
+def test_with_staging_a_chunk_whose_state_exists_steps_in_the_resident_intermediate_pool():
+    """The optimizer's temporaries (AdamW's sqrt(v) + eps, one chunk's size) go where they are resident: in the
+    optimizer-state pool, which prefers the host under a budget, they crossed the link every step. A chunk whose
+    state is still to be created steps in the optimizer-state pool (the state must land there); without staging
+    nothing changes."""
+    from um_lab.budget.control import BudgetControl
+    from um_lab.budget.stage import new_stager
+
+    def control(stager):
+        return BudgetControl(1 << 30, FakeRuntime(), 0, RecordingStreams(), lambda: [], issue="inline",
+                             stager=stager)
+
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(layer.parameters())
+    params = list(layer.parameters())
+    stager = new_stager(None, None)  # a CPU stager: only whether there is one matters here
+    staged, plain = control(stager), control(None)
+    assert staged._optimizer_pool(opt, params) is DataType.OPTIM  # no state yet
+    layer(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert staged._optimizer_pool(opt, params) is DataType.ACT
+    assert staged._optimizer_pool(opt, params + [torch.nn.Parameter(torch.ones(2))]) is DataType.OPTIM
+    assert plain._optimizer_pool(opt, params) is DataType.OPTIM
+    staged.close()
+    plain.close()

@@ -319,11 +319,14 @@ def check_chunkable(optimizer: torch.optim.Optimizer) -> None:
 def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[tuple[str, list[nn.Parameter]]],
                              before_chunk: Callable[[str, list[nn.Parameter]], object] | None = None,
                              after_chunk: Callable[[str, list[nn.Parameter], object], None] | None = None,
-                             zero_grad: bool = True) -> None:
+                             zero_grad: bool = True,
+                             around_chunk: Callable[[list[nn.Parameter]], contextlib.AbstractContextManager[object]]
+                             | None = None) -> None:
     """``optimizer.step()`` one chunk at a time: each call sees only the chunk's parameters in its
     groups (per-parameter state, so the result equals one full step for element-wise optimizers such as
     SGD, Adam, AdamW), then the chunk's gradients are zeroed in place. ``before_chunk(name, params)``
-    runs before each chunk's step, ``after_chunk(name, params, what before_chunk returned)`` after it.
+    runs before each chunk's step, ``after_chunk(name, params, what before_chunk returned)`` after it,
+    all three inside ``around_chunk(params)`` when given (the session's allocation routing).
     The groups are restored on any exit. Other optimizers raise
     :class:`~um_lab.errors.UnsupportedOptimizer` (:func:`check_chunkable`) before anything runs.
     """
@@ -335,10 +338,11 @@ def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[
             ids = {id(p) for p in params}
             for g, full in zip(groups, originals, strict=True):
                 g["params"] = [p for p in full if id(p) in ids]
-            token = before_chunk(name, params) if before_chunk is not None else None
-            optimizer.step()
-            if after_chunk is not None:
-                after_chunk(name, params, token)
+            with around_chunk(params) if around_chunk is not None else contextlib.nullcontext():
+                token = before_chunk(name, params) if before_chunk is not None else None
+                optimizer.step()
+                if after_chunk is not None:
+                    after_chunk(name, params, token)
             if zero_grad:
                 for p in params:
                     if p.grad is not None:
