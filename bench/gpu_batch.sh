@@ -126,11 +126,11 @@ if [[ $what == hostwritten ]]; then  # ~8 min: session 16: the ledger's host-wri
     --profile-too --out-dir /tmp/prof 2>&1 | tail -c 1500
   cp /tmp/prof/summary.json "$OUT/profile_gpt2l.json"
 fi
-if [[ $what == optimtemp ]]; then  # ~5 min: session 16 call 3: the optimizer's temporaries in the resident pool
-  timeout -s KILL 100 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
-    -k "device_speed or staged_activations_train" 2>&1 | tail -8 | tee "$OUT/tests.log"
+if [[ $what == optimtemp ]]; then  # ~5 min: session 16 call 3: optimizer temporaries in the resident pool, window B/10
   timeout -s KILL 120 python3 bench/budget.py --models gpt2-large --ratios 2 3 --steps 5 --stage on --time-moves --no-sim \
     --out "$OUT/budget_gpt2l.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 100 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
+    -k "device_speed or staged_activations_train" 2>&1 | tail -8 | tee "$OUT/tests.log"
   timeout -s KILL 100 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 5 --stage on --time-moves --no-sim \
     --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
   timeout -s KILL 45 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --time-moves --no-sim \

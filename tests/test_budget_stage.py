@@ -275,3 +275,14 @@ def test_a_failing_step_end_still_ends_the_stagers_step(env, monkeypatch):
             lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
         assert stager._step == before + 1 and not stager._staged
 
+
+
+def test_a_budget_sessions_window_is_a_tenth_of_the_budget_between_64_mib_and_2_gib():
+    """Backward needs about two layers of look-ahead or copies and kernels alternate (window_for_budget's docstring):
+    GPT-2-large at ratio 2 (B = 19.48 GiB) gets 1.95 GiB where it had 1 GiB."""
+    from um_lab.budget.stage import BUDGET_WINDOW_MAX_BYTES, window_for_budget
+
+    gib = 1 << 30
+    assert window_for_budget(int(19.48 * gib)) == int(19.48 * gib) // 10
+    assert window_for_budget(100 * gib) == BUDGET_WINDOW_MAX_BYTES == 2 * gib
+    assert window_for_budget(100 << 20) == 64 << 20

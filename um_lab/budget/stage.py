@@ -325,10 +325,19 @@ class ActivationStager:
             i -= 1
 
 
+#: the most a budget session's window may be (:func:`window_for_budget`)
+BUDGET_WINDOW_MAX_BYTES = 2 << 30
+
+
 def window_for_budget(budget_bytes: int) -> int:
-    """The stager's window under a GPU budget: a sixteenth of it, between 64 MiB and :data:`WINDOW_BYTES` (the
-    blocks of copies in flight stay on the GPU, in the pool the budget holds resident)."""
-    return int(min(WINDOW_BYTES, max(64 << 20, budget_bytes // 16)))
+    """The stager's window under a GPU budget: a tenth of it, between 64 MiB and :data:`BUDGET_WINDOW_MAX_BYTES`
+    (the blocks of copies in flight stay on the GPU, in the pool the budget holds resident).
+
+    A restore's device block comes from the caching allocator on the compute stream, so its copy waits for the
+    compute issued before it; backward then needs ``window > (copy + compute) / copy`` layers of look-ahead or
+    copies and kernels alternate: per layer at least (copy + compute) / window. Session 16 (GPT-2-large, 1 GiB,
+    about 1.5 of its layers): copy engine and kernels each ~60% busy in backward."""
+    return int(min(BUDGET_WINDOW_MAX_BYTES, max(64 << 20, budget_bytes // 10)))
 
 
 def new_stager(source: SegmentSource, device: torch.device | None, window_bytes: int | None = None) -> ActivationStager:
