@@ -306,8 +306,8 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 ahead = sum(staging.in_bytes[i:next_restore])
                 while next_restore < n and backward[next_restore] and (next_restore == i or ahead < staging.window):
                     nbytes = staging.in_bytes[next_restore]
-                    if nbytes:
-                        copy = max(copy, cpu) + nbytes / rate
+                    if nbytes:  # its device block comes from the compute stream's pool: it waits for compute so far
+                        copy = max(copy, cpu, gpu) + nbytes / rate
                         restored[next_restore] = copy
                         ahead += nbytes
                     next_restore += 1
