@@ -50,7 +50,9 @@ def add_fsdp2(rows: list[dict[str, Any]], peer_lines: list[dict[str, Any]], sour
 
 def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any]) -> None:
     """``predicted_step_ms``: the pre-registered step for the row's (model, ratio), when there is one."""
-    table = {(p["model"], float(p["ratio"])): p for p in predicted.get("rows", [])}
+    rows_with_sim = [p for p in [*predicted.get("rows", []), *predicted.get("sim", {}).get("rows", [])]
+                     if p.get("sim_step_ms") is not None]  # a file's simulator section ("sim") too
+    table = {(p["model"], float(p["ratio"])): p for p in rows_with_sim}
     for row in rows:
         p = table.get((row.get("model"), float(row.get("ratio", 0))))
         if p is not None:

@@ -279,3 +279,27 @@ def test_with_staging_a_chunk_whose_state_exists_steps_in_the_resident_intermedi
     assert plain._optimizer_pool(opt, params) is DataType.OPTIM
     staged.close()
     plain.close()
+
+
+def test_after_the_fixed_pool_grew_the_plan_leaves_room_for_it_to_grow_again_and_the_ledger_stays_under_b():
+    """A new fixed segment is resident at once, before evictions can make room. After the pool grew once, a
+    re-plan keeps that much room free, so a second growth of the same size leaves the ledger under B (H200,
+    session 16: GPT-2-large at ratio 3 passed B by one segment when its pool grew under a plan)."""
+    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
+    world = World(_typed(order))
+    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 28 * BLOCK
+    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
+                        fixed_types=[DataType.ACT])
+    ex.refresh_segments()
+    _drive(ex, order)
+    plan = ex.set_order(order)
+    world.add(BASE + (1 << 36), 4 * BLOCK, DataType.ACT)
+    _drive(ex, order)
+    replanned = ex.set_order(order)
+    assert ex.fixed_reserve == 4 * BLOCK and replanned.budget_bytes == budget - 4 * BLOCK
+    assert replanned.fixed_bytes == plan.fixed_bytes + 4 * BLOCK
+    _drive(ex, order)
+    world.add(BASE + (1 << 37), 4 * BLOCK, DataType.ACT)  # grows again under the new plan
+    again = _drive(ex, order)
+    assert again["max_resident_ledger"] <= budget and not again["over_budget"], again
+    assert again["fixed_reserve_bytes"] == 4 * BLOCK

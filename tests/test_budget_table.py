@@ -57,3 +57,15 @@ def test_a_missing_file_is_refused_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "budget.json"
     assert table_module().main([str(tmp_path / "nope.json"), "--out", str(out)]) == 2
     assert not out.exists() and "no such file" in capsys.readouterr().err
+
+
+def test_predictions_come_from_a_files_simulator_section_too():
+    """A predictions file whose rows are by hand keeps the simulator's under "sim" (budget_predicted_staging_pinned):
+    those rows' sim_step_ms are attached; rows without one are not."""
+    table = table_module()
+    rows = [row("gpt2-large", 2.0, 1700.0, stage=True), row("resnet50", 2.0, 300.0, stage=True)]
+    table.add_predictions(rows, {"rows": [{"model": "gpt2-large", "ratio": 2.0, "predicted_step_ms": 982},
+                                          {"model": "resnet50", "ratio": 2.0, "predicted_step_ms": 237}],
+                                 "sim": {"rows": [{"model": "gpt2-large", "ratio": 2.0, "sim_step_ms": 961}]}})
+    assert rows[0]["predicted_step_ms"] == 961
+    assert "predicted_step_ms" not in rows[1]

@@ -109,6 +109,10 @@ class BudgetExecutor:
         self.residency_unknown = False  # a move failed after the ledger applied it: evict all at the next step
         self.clock: MoveClock | None = None  # side-stream timing of every call (time_moves)
         self._skipped: dict[int, set[int]] = {}  # position -> blocks of its look-ahead skipped this step
+        #: room the plan leaves for the fixed pool to grow: the most it grew between two plans. A new fixed segment
+        #: is resident at once (its first touch), before evictions can make room; without this room the ledger
+        #: passed B by one segment when the pool grew under a plan (H200, session 16: GPT-2-large at ratio 3)
+        self.fixed_reserve = 0
 
     # ---- segments ----
 
@@ -182,8 +186,16 @@ class BudgetExecutor:
         missing = _disjoint(fixed.items(), order.segments)
         if missing:  # fixed segments the recorded order never touched still take their room
             order = Order(order.positions, sorted([*order.segments, *missing]))
-        plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads,
-                         fixed_segments=set(fixed))
+        if self.plan is not None and ledger.fixed_bytes > self.plan.fixed_bytes:
+            self.fixed_reserve = max(self.fixed_reserve, ledger.fixed_bytes - self.plan.fixed_bytes)
+        try:  # room for the fixed pool to grow again by as much as it once did
+            plan = make_plan(order, ledger.budget_bytes - self.fixed_reserve, self.lookahead,
+                             discard_segments=grads, fixed_segments=set(fixed))
+        except BudgetTooSmall:
+            if not self.fixed_reserve:
+                raise
+            plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads,
+                             fixed_segments=set(fixed))
         self.plan, self.plan_order = plan, order
         self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
         self._discards_suspended = False
@@ -384,7 +396,7 @@ class BudgetExecutor:
                 "discarded_bytes": ledger.discarded_bytes, "populated_bytes": ledger.populated_bytes,
                 "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
                 "host_touched_bytes": ledger.host_touched_bytes,
-                "fixed_bytes": ledger.fixed_bytes,
+                "fixed_bytes": ledger.fixed_bytes, "fixed_reserve_bytes": self.fixed_reserve,
                 "over_budget": ledger.max_resident > ledger.budget_bytes,
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
 
