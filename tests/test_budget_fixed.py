@@ -155,11 +155,12 @@ def test_an_executor_with_fixed_activations_never_issues_a_call_on_them_and_keep
         assert s["fixed_bytes"] == sum(n for _, n in act_spans) and s["evicted_bytes"] > 0
 
 
-def _fixed_executor():
-    """A six-layer order, its typed segments, B = every activation + 16 blocks, an executor pinning activations."""
+def _fixed_executor(room_blocks=16):
+    """A six-layer order, its typed segments, B = every activation + ``room_blocks`` blocks, an executor pinning
+    activations."""
     order = layered_order(layers=6, param_blocks=3, act_blocks=2)
     world = World(_typed(order))
-    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 16 * BLOCK
+    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + room_blocks * BLOCK
     ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
                         fixed_types=[DataType.ACT])
     ex.refresh_segments()
@@ -285,12 +286,7 @@ def test_after_the_fixed_pool_grew_the_plan_leaves_room_for_it_to_grow_again_and
     """A new fixed segment is resident at once, before evictions can make room. After the pool grew once, a
     re-plan keeps that much room free, so a second growth of the same size leaves the ledger under B (H200,
     session 16: GPT-2-large at ratio 3 passed B by one segment when its pool grew under a plan)."""
-    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
-    world = World(_typed(order))
-    budget = sum(s.size for s in world.live if s.data_type is DataType.ACT) + 28 * BLOCK
-    ex = BudgetExecutor(budget, FakeRuntime(), 0, RecordingStreams(), world.segments, generation=world.generation,
-                        fixed_types=[DataType.ACT])
-    ex.refresh_segments()
+    order, world, budget, ex = _fixed_executor(room_blocks=28)
     _drive(ex, order)
     plan = ex.set_order(order)
     world.add(BASE + (1 << 36), 4 * BLOCK, DataType.ACT)

@@ -77,3 +77,23 @@ def test_a_budget_below_the_fixed_pool_is_refused(prepared):
     result = simulate_staged(prep.trace, prep.placement.final, sim.profile, prep.footprint_bytes)
     with pytest.raises(BudgetTooSmall):
         simulate_staged(prep.trace, prep.placement.final, sim.profile, result.fixed_bytes)
+
+
+def test_the_policy_layer_ahead_staged_runs_on_the_simulator_with_staged_copies_in_its_records(tmp_path):
+    """``layer-ahead-staged`` is a scheduled policy: a run on sim simulates the staged step (sim.staged); its records
+    carry the fixed pool and the staged bytes, the intermediate type's residency includes the fixed pool, and
+    the step is no faster than its copies. Plain ``layer-ahead`` at the same budget stages nothing."""
+    from um_lab import RunSpec, run
+    from um_lab.policy import LAYER_AHEAD_STAGED, is_scheduled, named_policies, stages_activations
+
+    assert LAYER_AHEAD_STAGED in named_policies() and is_scheduled(LAYER_AHEAD_STAGED)
+    assert stages_activations(LAYER_AHEAD_STAGED) and not stages_activations("layer-ahead")
+    spec = dict(model="mlp", model_kwargs=MLP, backend="sim", steps=2, warmup_steps=0, gpu_budget_fraction=0.5)
+    staged = list(run(RunSpec(policy=LAYER_AHEAD_STAGED, **spec), out_dir=tmp_path).records())
+    plain = list(run(RunSpec(policy="layer-ahead", **spec), out_dir=tmp_path).records())
+    b = staged[-1].extra["budget"]
+    assert b["staged_bytes"] > 0 and b["fixed_bytes"] > 0 and not b["over_budget"], b
+    assert staged[-1].resident_bytes["act"] >= b["fixed_bytes"]
+    assert staged[-1].htod_bytes["act"] >= b["staged_bytes"]
+    assert staged[-1].wall_ms * 1e3 >= 2 * b["staged_bytes"] / 51.0e3  # out and back at <= 51 GB/s (bytes per us)
+    assert "staged_bytes" not in plain[-1].extra["budget"]

@@ -248,3 +248,18 @@ def test_what_the_ledger_counts_resident_reads_at_device_speed():
         gbps = nbytes / (start.elapsed_time(end) * 1e-3) / 1e9
         assert gbps > 400, (gbps, nbytes, rec.extra["budget"])
         del opt, model, x, y, state, tensors
+
+
+def test_the_runner_stages_activations_under_the_policy_layer_ahead_staged(tmp_path):
+    """The scheduled policy ``layer-ahead-staged`` from the runner (as the CLI and the lab run it): the session
+    stages saved activations, the ledger stays under B once planned, and the run log completes."""
+    from um_lab import RunSpec, run
+
+    spec = RunSpec(model="mlp", model_kwargs={"width": 2048, "depth": 4, "batch_size": 512}, backend="cuda",
+                   policy="layer-ahead-staged", steps=4, warmup_steps=1, gpu_budget_fraction=0.5)
+    with pytest.warns(RuntimeWarning, match="experimental"):
+        result = run(spec, out_dir=tmp_path)
+    records = list(result.records())
+    b = records[-1].extra["budget"]
+    assert b["staging"]["staged_bytes"] > 0 and b["fixed_bytes"] > 0, b
+    assert b["followed_plan"] and b["max_resident_ledger"] <= b["budget_bytes"], b

@@ -15,7 +15,7 @@ from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
 from um_lab.errors import CudaUnavailableError
 from um_lab.models import ModelCase
-from um_lab.policy import Policy
+from um_lab.policy import Policy, stages_activations
 from um_lab.sizing import check_fits, estimate_memory
 from um_lab.types import RunSpec, StepRecord
 
@@ -115,7 +115,8 @@ class CudaBackend(BackendBase):
         batch = case.batch(spec.seed)
         lab = Session(policy, cap_bytes=self.cap_bytes, allow_oversubscription=self.allow_oversubscription,
                       evacuate_on_close=False, telemetry=self.telemetry, gpu_budget_bytes=budget,
-                      budget_lookahead=self.budget_lookahead)
+                      budget_lookahead=self.budget_lookahead,
+                      budget_stage_activations=budget is not None and stages_activations(policy))
         lab.open()
         try:
             model = lab.place(model)

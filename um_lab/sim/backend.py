@@ -22,7 +22,7 @@ from um_lab.backend_base import BackendBase
 from um_lab.budget.request import resolve_budget, uses_budget
 from um_lab.errors import BudgetError, HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
-from um_lab.policy import Policy, get_policy
+from um_lab.policy import Policy, get_policy, stages_activations
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile, profile_sha256
@@ -151,6 +151,11 @@ class SimBackend(BackendBase):
         prepared = self.prepare(case)
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
         budget = self._budget(spec, prepared, policy, capacity)
+        if budget is not None and stages_activations(policy):  # saved activations staged too (sim.staged)
+            from um_lab.sim.staged import staged_records
+
+            return staged_records(prepared.trace, prepared.placement.final, self.profile, spec.steps,
+                                  spec.warmup_steps, budget, capacity, policy.name, self.name)
         if budget is not None:  # the layer-ahead scheduler instead of the driver's demand paging (sim.budget)
             from um_lab.sim.budget import budget_records
 

@@ -406,8 +406,8 @@ def budget_records(trace: StepTrace, layout: Layout, profile: Profile, steps: in
     simulated = simulate_budget(trace, layout, profile, budget_bytes, lookahead)
     derived, plan, step = simulated.derived, simulated.plan, simulated.step
     extra = budget_extra(plan, step, derived, budget_bytes)
-    resident = _resident_by_type(plan, layout)
-    moved_in, moved_out = _moved_by_type(plan, layout)
+    resident = resident_by_type(plan, layout)
+    moved_in, moved_out = moved_by_type(plan, layout)
     live = {t.value: int(layout.segment_bytes[t.value]) for t in DATA_TYPES}
     for i in range(warmup_steps + steps):
         yield StepRecord(step=i, wall_ms=step.wall_us / 1e3, live_bytes=live, cap_bytes=None,
@@ -431,7 +431,7 @@ def _block_types(layout: Layout) -> np.ndarray:
     return layout.block_type
 
 
-def _resident_by_type(plan: Plan, layout: Layout) -> dict[str, int]:
+def resident_by_type(plan: Plan, layout: Layout) -> dict[str, int]:
     """GPU-resident bytes per data type when the steady step starts (its end, too)."""
     types = _block_types(layout)
     out = {t.value: 0 for t in DATA_TYPES}
@@ -441,7 +441,7 @@ def _resident_by_type(plan: Plan, layout: Layout) -> dict[str, int]:
     return out
 
 
-def _moved_by_type(plan: Plan, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+def moved_by_type(plan: Plan, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes prefetched to the GPU and evicted to the host per data type in the steady step."""
     types = _block_types(layout)
     moved_in = {t.value: 0 for t in DATA_TYPES}

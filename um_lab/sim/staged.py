@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -35,11 +36,20 @@ from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
 from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES, window_for_budget
 from um_lab.errors import BudgetTooSmall
-from um_lab.sim.budget import BudgetStep, DerivedOrder, StageCopies, derive_order, replay_plan
+from um_lab.sim.budget import (
+    BudgetStep,
+    DerivedOrder,
+    StageCopies,
+    budget_extra,
+    derive_order,
+    moved_by_type,
+    replay_plan,
+    resident_by_type,
+)
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import PHASE_BWD, PHASE_FWD, StepTrace
-from um_lab.types import DATA_TYPES, DataType
+from um_lab.types import DATA_TYPES, DataType, StepRecord
 
 _ACT = DATA_TYPES.index(DataType.ACT)
 
@@ -164,3 +174,30 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     plan = make_plan(derived.order, usable, lookahead)
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
+
+
+def staged_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
+                   budget_bytes: int, capacity: int, policy_name: str, backend: str,
+                   lookahead: int = 2) -> Iterator[StepRecord]:
+    """The SimBackend's records for a run under the policy ``layer-ahead-staged``: every step the steady step of
+    :func:`simulate_staged`. Residency counts the fixed intermediate-results pool; the staged copies count in
+    the intermediate type's bytes each way (pinned copies, not migrations: ``extra["budget"]["staged_bytes"]``)."""
+    simulated = simulate_staged(trace, layout, profile, budget_bytes, lookahead)
+    plan, step = simulated.plan, simulated.step
+    extra = {**budget_extra(plan, step, simulated.derived, budget_bytes), "fixed_bytes": simulated.fixed_bytes,
+             "staged_bytes": simulated.copies.staged_bytes, "window_bytes": simulated.copies.window,
+             "over_budget": plan.max_resident + simulated.fixed_bytes > budget_bytes,
+             "model": "sim.staged: the plan around the fixed intermediate pool, copies on a stream of their own"}
+    resident = resident_by_type(plan, layout)
+    resident[DataType.ACT.value] += simulated.fixed_bytes
+    moved_in, moved_out = moved_by_type(plan, layout)
+    moved_in[DataType.ACT.value] += simulated.copies.staged_bytes
+    moved_out[DataType.ACT.value] += simulated.copies.staged_bytes
+    live = {t.value: int(layout.segment_bytes[t.value]) for t in DATA_TYPES}
+    for i in range(warmup_steps + steps):
+        yield StepRecord(step=i, wall_ms=step.wall_us / 1e3, live_bytes=live, cap_bytes=None,
+                         gpu_capacity_bytes=int(capacity // BLOCK * BLOCK), backend=backend, policy=policy_name,
+                         warmup=i < warmup_steps, resident_bytes=dict(resident), htod_bytes=dict(moved_in),
+                         dtoh_bytes=dict(moved_out), gpu_page_faults=0,
+                         evictions=sum(len(m.blocks) for m in plan.evictions()), remote_bytes=0,
+                         telemetry="simulated", extra={"budget": dict(extra), "trace_ops": trace.n_ops})
