@@ -137,6 +137,7 @@ if [[ $what == optimtemp ]]; then  # ~5 min: session 16 call 3: optimizer tempor
     --out "$OUT/budget_resnet50.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
 fi
 if [[ $what == nextstaged ]]; then  # ~9 min, at most 8 files back: what session 16 left for layer-ahead-staged
+  timeout -s KILL 60 python3 bench/diagnostics/copy_interference.py --out "$OUT/copy_interference.json" 2>&1 | tail -12
   timeout -s KILL 200 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
     -k "staged or device_speed or layer_ahead_staged" 2>&1 | tail -12 | tee "$OUT/tests.log"
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-large --ratios 2 3 1.5 --steps 7 --stage on --time-moves \

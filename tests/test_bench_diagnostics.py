@@ -99,3 +99,13 @@ def test_the_profile_timeline_splits_copies_by_direction_and_bins_them_by_time()
     assert out["bins"][1] == {"dtoh@9_GB": 1.0, "dtoh@9_ms": 20.0}
     assert out["bins"][2] == out["bins"][1]
     assert timeline({"traceEvents": []}, bins=3) == {}
+
+
+def test_copy_interference_reports_each_configuration_against_the_same_operands_alone() -> None:
+    """bench/diagnostics/copy_interference.py: medians per configuration and the slowdown against no copy."""
+    from copy_interference import slowdowns
+
+    out = slowdowns({"managed|none": [10.0, 12.0, 11.0], "managed|managed->host": [22.0, 20.0, 24.0],
+                     "device|none": [10.0], "device|device->host": [10.5]})
+    assert out["managed|managed->host"] == {"ms": 22.0, "slowdown": 2.0, "n": 3}
+    assert out["managed|none"]["slowdown"] == 1.0 and out["device|device->host"]["slowdown"] == 1.05
