@@ -118,6 +118,8 @@ def timeline(trace: dict[str, Any], bins: int) -> dict[str, Any]:
         return {}
     start = min(e["ts"] for e in gpu)
     end = max(e["ts"] + e["dur"] for e in gpu)
+    if end <= start:
+        return {}
     width = (end - start) / bins
     rows = [collections.defaultdict(float) for _ in range(bins)]
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])

@@ -268,3 +268,16 @@ def test_a_gpu_write_to_a_host_written_segment_leaves_it_on_the_host_until_a_pre
     assert ledger.host_touched_bytes == 0
     ledger.remove_segment(BASE + 5 * MiB)  # block 2 now holds only its host-written piece
     assert ledger.written_on_host(next(iter(shared)))
+
+
+def test_a_gpu_write_to_a_discarded_host_written_block_makes_its_contents_live_again():
+    """A discarded block written by a kernel while on the host holds data again: bringing it in must copy it
+    (prefetch), never populate it (which would drop what was written)."""
+    ledger = Ledger(64 * MiB)
+    ledger.add_segment(BASE, 2 * MiB, host_written=True)
+    block = ledger.blocks([(BASE, 2 * MiB)])
+    ledger.bring_in(block, far)
+    ledger.discard(sorted(block))
+    assert ledger.is_dead(next(iter(block)))
+    assert ledger.touched(block, far) == [] and not ledger.is_dead(next(iter(block)))
+    assert [m.kind for m in ledger.bring_in(block, far)] == ["prefetch"]

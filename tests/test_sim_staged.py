@@ -97,3 +97,16 @@ def test_the_policy_layer_ahead_staged_runs_on_the_simulator_with_staged_copies_
     assert staged[-1].htod_bytes["act"] >= b["staged_bytes"]
     assert staged[-1].wall_ms * 1e3 >= 2 * b["staged_bytes"] / 51.0e3  # out and back at <= 51 GB/s (bytes per us)
     assert "staged_bytes" not in plain[-1].extra["budget"]
+
+
+def test_a_budget_the_staged_model_refuses_is_refused_before_the_run_folder(tmp_path):
+    """The simulator's check before a run uses the model the run will use: a budget the staged plan cannot hold
+    (below its fixed pool) is refused for layer-ahead-staged before anything is written, even where the unstaged
+    plan would fit it."""
+    from um_lab import RunSpec, run
+
+    spec = RunSpec(model="mlp", model_kwargs=MLP, backend="sim", steps=1, warmup_steps=0, gpu_budget_fraction=0.27,
+                   policy="layer-ahead-staged")
+    with pytest.raises(BudgetTooSmall):
+        run(spec, out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())

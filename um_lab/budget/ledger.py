@@ -139,9 +139,9 @@ class Ledger:
             if block is None:
                 self._blocks[b] = _Block(hi - lo, [(lo, hi - lo, ptr)], host_written=int(host_written))
             else:
-                block.host_written += int(host_written)
                 if any(p < hi and lo < p + n for p, n, _ in block.pieces):
                     raise BudgetError(f"segment at {ptr:#x} ({size} B) overlaps a registered segment")
+                block.host_written += int(host_written)
                 block.nbytes += hi - lo
                 block.pieces.append((lo, hi - lo, ptr))
                 if block.where == GPU:
@@ -417,6 +417,9 @@ class Ledger:
                 continue
             if self.written_on_host(b):
                 self.host_touched_bytes += self._blocks[b].nbytes
+                if self._blocks[b].dead:  # written: its contents live again (a bring-in must copy, not populate)
+                    self._blocks[b].dead = False
+                    self._dead.discard(b)
                 continue
             missing.append(b)
         if not missing:

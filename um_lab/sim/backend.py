@@ -134,12 +134,14 @@ class SimBackend(BackendBase):
         if not uses_budget(spec, policy):
             return None
         from um_lab.sim.budget import simulate_budget
+        from um_lab.sim.staged import simulate_staged
 
         prepared = self.prepare(case)
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
         budget = self._budget(spec, prepared, policy, capacity)
         assert budget is not None
-        simulate_budget(prepared.trace, prepared.placement.final, self.profile, budget)
+        simulate = simulate_staged if stages_activations(policy) else simulate_budget  # the model run() uses
+        simulate(prepared.trace, prepared.placement.final, self.profile, budget)
         return {"gpu_budget_bytes": budget, "footprint_bytes": prepared.footprint_bytes, "capacity_bytes": capacity}
 
     def run(self, spec: RunSpec, case: ModelCase,
