@@ -31,8 +31,8 @@ waits for). The step time is the compute stream's, as the session's CUDA-event t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -374,8 +374,22 @@ class BudgetSimulation:
     step: BudgetStep
 
 
-_SIMULATED: dict[tuple[str, str, int, int, bool], BudgetSimulation] = {}
+_SIMULATED: dict[tuple[Any, ...], Any] = {}
 _SIMULATED_KEEP = 16
+_T = TypeVar("_T")
+
+
+def memoised(key: tuple[Any, ...], compute: Callable[[], _T]) -> _T:
+    """``compute()``, kept for the next call with the same ``key`` (the last :data:`_SIMULATED_KEEP` results): a
+    pre-flight and the run that follows plan once."""
+    hit = _SIMULATED.get(key)
+    if hit is not None:
+        return cast(_T, hit)
+    result = compute()
+    if len(_SIMULATED) >= _SIMULATED_KEEP:
+        _SIMULATED.pop(next(iter(_SIMULATED)))
+    _SIMULATED[key] = result
+    return result
 
 
 def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
@@ -385,17 +399,13 @@ def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     follows plan once). Raises :class:`BudgetTooSmall`."""
     from um_lab.sim.profile import profile_sha256
 
-    key = (trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead), bool(discard))
-    hit = _SIMULATED.get(key)
-    if hit is not None:
-        return hit
-    derived = derive_order(trace, layout, profile)
-    plan = plan_budget(derived, budget_bytes, lookahead, discard)
-    result = BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
-    if len(_SIMULATED) >= _SIMULATED_KEEP:
-        _SIMULATED.pop(next(iter(_SIMULATED)))
-    _SIMULATED[key] = result
-    return result
+    def compute() -> BudgetSimulation:
+        derived = derive_order(trace, layout, profile)
+        plan = plan_budget(derived, budget_bytes, lookahead, discard)
+        return BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
+
+    key = ("budget", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead), bool(discard))
+    return memoised(key, compute)
 
 
 def budget_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
@@ -405,15 +415,24 @@ def budget_records(trace: StepTrace, layout: Layout, profile: Profile, steps: in
     every step the steady step (the first step, which learns the order on a GPU, is not modelled apart)."""
     simulated = simulate_budget(trace, layout, profile, budget_bytes, lookahead)
     derived, plan, step = simulated.derived, simulated.plan, simulated.step
-    extra = budget_extra(plan, step, derived, budget_bytes)
-    resident = resident_by_type(plan, layout)
     moved_in, moved_out = moved_by_type(plan, layout)
+    return steady_records(trace, layout, plan, step, budget_extra(plan, step, derived, budget_bytes),
+                          resident_by_type(plan, layout), moved_in, moved_out, steps=steps,
+                          warmup_steps=warmup_steps, capacity=capacity, policy_name=policy_name, backend=backend)
+
+
+def steady_records(trace: StepTrace, layout: Layout, plan: Plan, step: BudgetStep, extra: dict[str, Any],
+                   resident: dict[str, int], moved_in: dict[str, int], moved_out: dict[str, int], *, steps: int,
+                   warmup_steps: int, capacity: int, policy_name: str, backend: str) -> Iterator[StepRecord]:
+    """One :class:`StepRecord` per step (warm-up steps first), each the simulated steady ``step`` of ``plan``:
+    resident and moved bytes per type and ``extra["budget"]`` as given."""
     live = {t.value: int(layout.segment_bytes[t.value]) for t in DATA_TYPES}
     for i in range(warmup_steps + steps):
         yield StepRecord(step=i, wall_ms=step.wall_us / 1e3, live_bytes=live, cap_bytes=None,
                          gpu_capacity_bytes=int(capacity // BLOCK * BLOCK), backend=backend, policy=policy_name,
-                         warmup=i < warmup_steps, resident_bytes=resident, htod_bytes=moved_in, dtoh_bytes=moved_out,
-                         gpu_page_faults=0, evictions=sum(len(m.blocks) for m in plan.evictions()), remote_bytes=0,
+                         warmup=i < warmup_steps, resident_bytes=dict(resident), htod_bytes=dict(moved_in),
+                         dtoh_bytes=dict(moved_out), gpu_page_faults=0,
+                         evictions=sum(len(m.blocks) for m in plan.evictions()), remote_bytes=0,
                          telemetry="simulated", extra={"budget": dict(extra), "trace_ops": trace.n_ops})
 
 

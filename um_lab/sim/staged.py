@@ -42,9 +42,11 @@ from um_lab.sim.budget import (
     StageCopies,
     budget_extra,
     derive_order,
+    memoised,
     moved_by_type,
     replay_plan,
     resident_by_type,
+    steady_records,
 )
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
@@ -160,7 +162,17 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
                     lookahead: int = 2) -> StagedSimulation:
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
     Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
-    other data do not fit."""
+    other data do not fit. Memoised as :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run
+    simulate once)."""
+    from um_lab.sim.profile import profile_sha256
+
+    key = ("staged", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead),
+           window_for_budget(budget_bytes))
+    return memoised(key, lambda: _simulate_staged(trace, layout, profile, budget_bytes, lookahead))
+
+
+def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
+                     lookahead: int) -> StagedSimulation:
     derived = without_intermediates(derive_order(trace, layout, profile), layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
@@ -193,11 +205,5 @@ def staged_records(trace: StepTrace, layout: Layout, profile: Profile, steps: in
     moved_in, moved_out = moved_by_type(plan, layout)
     moved_in[DataType.ACT.value] += simulated.copies.staged_bytes
     moved_out[DataType.ACT.value] += simulated.copies.staged_bytes
-    live = {t.value: int(layout.segment_bytes[t.value]) for t in DATA_TYPES}
-    for i in range(warmup_steps + steps):
-        yield StepRecord(step=i, wall_ms=step.wall_us / 1e3, live_bytes=live, cap_bytes=None,
-                         gpu_capacity_bytes=int(capacity // BLOCK * BLOCK), backend=backend, policy=policy_name,
-                         warmup=i < warmup_steps, resident_bytes=dict(resident), htod_bytes=dict(moved_in),
-                         dtoh_bytes=dict(moved_out), gpu_page_faults=0,
-                         evictions=sum(len(m.blocks) for m in plan.evictions()), remote_bytes=0,
-                         telemetry="simulated", extra={"budget": dict(extra), "trace_ops": trace.n_ops})
+    return steady_records(trace, layout, plan, step, extra, resident, moved_in, moved_out, steps=steps,
+                          warmup_steps=warmup_steps, capacity=capacity, policy_name=policy_name, backend=backend)
