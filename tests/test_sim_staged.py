@@ -110,3 +110,13 @@ def test_a_budget_the_staged_model_refuses_is_refused_before_the_run_folder(tmp_
     with pytest.raises(BudgetTooSmall):
         run(spec, out_dir=tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_the_staged_simulation_is_planned_once_for_a_preflight_and_its_run(prepared):
+    """simulate_staged is memoised per trace, profile, budget, look-ahead and window: the same result object
+    comes back, and another budget is simulated afresh."""
+    sim, prep = prepared
+    layout = prep.placement.final
+    first = simulate_staged(prep.trace, layout, sim.profile, prep.footprint_bytes // 2)
+    assert simulate_staged(prep.trace, layout, sim.profile, prep.footprint_bytes // 2) is first
+    assert simulate_staged(prep.trace, layout, sim.profile, prep.footprint_bytes // 2 + (64 << 20)) is not first
