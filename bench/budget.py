@@ -139,7 +139,8 @@ def host_advice(advice: str) -> bool:
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
-                advice: str = "host", stage: bool = False, free: bool = False) -> dict[str, Any]:
+                advice: str = "host", stage: bool = False, free: bool = False,
+                device_act: bool | None = None) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -154,7 +155,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                   telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, budget_stage_activations=stage,
-                  budget_discard_free=free, **SESSION_KWARGS)
+                  budget_discard_free=free, budget_device_activations=device_act if stage else None, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
@@ -242,7 +243,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
-                frees: tuple[bool, ...] = (False,),
+                frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -252,20 +253,22 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice, stage, free in (
-            (r, i, d, b, w, a, st, f) for r in ratios for i in issues for d in discards for b in batches
-            for w in gpu_waits for a in advices for st in stages for f in frees):
+    for ratio, issue, discard, batch, waits, advice, stage, free, device_act in (
+            (r, i, d, b, w, a, st, f, da) for r in ratios for i in issues for d in discards for b in batches
+            for w in gpu_waits for a in advices for st in stages for f in frees
+            for da in (device_acts if st else (None,))):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
                                "stage_activations": stage, "discard_free": free,
+                               "device_activations": stage if device_act is None else device_act,
                                "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
                               time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage,
-                              free=free)
+                              free=free, device_act=device_act)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -331,6 +334,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             row_done(rows)
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
             f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}, "
+            f"device activations {'on' if row['device_activations'] else 'off'}, "
             f"free discards {'on' if free else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
@@ -432,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", nargs="+", choices=["on", "off"], default=["off"],
                     help="stage saved activations through pinned host memory (Session(budget_stage_activations=...)); "
                          "both: a row each")
+    ap.add_argument("--device-act", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                    help="with --stage on: the intermediate-results pool in plain device memory "
+                         "(Session(budget_device_activations=...); auto: the session's default, on with staging); "
+                         "several: a row each")
     ap.add_argument("--discard-free", nargs="+", choices=["on", "off"], default=["off"],
                     help="discard and populate, not copy, blocks the caching allocator holds no tensor in "
                          "(Session(budget_discard_free=...)); both: a row each")
@@ -484,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                                      tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
                                      tuple(st == "on" for st in args.stage),
                                      tuple(f == "on" for f in args.discard_free),
+                                     tuple(None if d == "auto" else d == "on" for d in args.device_act),
                                      row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header,
                                                                                      done + so_far))
             if not args.no_sim:

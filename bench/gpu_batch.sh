@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -144,6 +144,16 @@ if [[ $what == nextstaged ]]; then  # ~9 min, at most 8 files back: what session
     --no-sim --out "$OUT/budget_gpt2l.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-xl --ratios 1.5 3 --steps 6 --stage on --time-moves \
     --no-sim --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == devact ]]; then  # <= 9.5 min, 6 files: session 17 call 2, the intermediate pool in device memory
+  timeout -s KILL 120 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
+    -k "device_memory or staged or device_speed" 2>&1 | tail -12 | tee "$OUT/tests.log"
+  timeout -s KILL 250 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 7 --stage on --device-act off on \
+    --fsdp2 --time-moves --no-sim --out "$OUT/budget_gpt2l.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 120 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 6 --stage on --time-moves \
+    --no-sim --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+  timeout -s KILL 75 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --device-act off on \
+    --time-moves --no-sim --out "$OUT/budget_resnet50.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

@@ -17,6 +17,7 @@ class MemLocation(ctypes.Structure):
 MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
 FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 ADVISE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, MemLocation)
+MALLOC_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
 
 CODES = AdviceCodes(
     set_read_mostly=1, unset_read_mostly=2, set_preferred_location=3, unset_preferred_location=4,
@@ -30,6 +31,7 @@ class FakeDriver:
     def __init__(self) -> None:
         self.next_address = 1 << 40
         self.mallocs: list[tuple[int, int]] = []
+        self.device_mallocs: list[tuple[int, int]] = []  # cudaMalloc stand-in's calls
         self.frees: list[int] = []
         self.advice: list[tuple[int, int, int, int, int]] = []
         self.fail_next = 0  # error code to return from the next malloc
@@ -55,10 +57,23 @@ class FakeDriver:
             self.advice.append((ptr, size, advice, loc.type, loc.id))
             return 0
 
+        @MALLOC_DEVICE
+        def malloc_device(out, size):
+            addr = self.next_address
+            self.next_address += (size + (2 << 20) - 1) // (2 << 20) * (2 << 20) + (2 << 20)
+            out[0] = addr
+            self.device_mallocs.append((addr, size))
+            return 0
+
         self._callbacks = (malloc, free, advise)  # keep alive
+        self._device_callback = malloc_device
 
     def addresses(self) -> tuple[int, int, int]:
         return tuple(ctypes.cast(c, ctypes.c_void_p).value for c in self._callbacks)  # type: ignore[return-value]
+
+    def device_malloc_address(self) -> int:
+        """The cudaMalloc stand-in (configure's ``malloc_device``)."""
+        return int(ctypes.cast(self._device_callback, ctypes.c_void_p).value or 0)
 
 
 def install_fake_driver(cap: int = 1 << 40) -> tuple[SegmentSource, FakeDriver]:
@@ -66,10 +81,11 @@ def install_fake_driver(cap: int = 1 << 40) -> tuple[SegmentSource, FakeDriver]:
     source = SegmentSource()
     drain(source)
     driver = FakeDriver()
-    source.configure(*driver.addresses())
+    source.configure(*driver.addresses(), malloc_device=driver.device_malloc_address())
     source.set_cap(cap, False)
     for t in range(5):
         source._shim.set_advice(t, [])
+        source._shim.set_device_memory(t, False)
     return source, driver
 
 

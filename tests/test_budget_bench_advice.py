@@ -34,6 +34,17 @@ def test_staging_gets_its_own_row_and_its_bytes_count_as_crossing(bench, monkeyp
     assert all(st["staged_tensors"] > 0 for st in staged["staging_all"])
 
 
+def test_device_activations_get_a_row_each_only_where_staging_is_on(bench, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(stage, "MIN_STAGE_BYTES", 64 << 10)
+    torch.manual_seed(0)
+    rows = bench.bench_model("mlp-small", [2.0], 3, 1 << 40, False, lambda line: None, stages=(False, True),
+                             device_acts=(False, True))
+    assert [(r["stage_activations"], r["device_activations"]) for r in rows] == [(False, False), (True, False),
+                                                                                   (True, True)]
+    assert all("error" not in r and r["step_ms"] > 0 for r in rows)
+    assert [r["staging_all"][0]["staged_tensors"] > 0 for r in rows[1:]] == [True, True]
+
+
 def test_each_row_is_handed_on_as_it_completes_so_a_stopped_run_keeps_it(bench, monkeypatch):  # noqa: F811
     """bench/budget.py writes its file after every row: a run its caller's time limit stops keeps the rows done."""
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ from test_budget_session import make_session, model_and_data, train
 from um_lab.budget.pinned import CpuCopyOps, PinnedArena, available_host_bytes
 from um_lab.budget.stage import ActivationStager, StaleSavedTensor
 from um_lab.errors import InputError
+from um_lab.types import DataType
 
 MiB = 1 << 20
 
@@ -286,3 +287,43 @@ def test_a_budget_sessions_window_is_a_tenth_of_the_budget_between_64_mib_and_2_
     assert window_for_budget(int(19.48 * gib)) == int(19.48 * gib) // 10
     assert window_for_budget(100 * gib) == BUDGET_WINDOW_MAX_BYTES == 2 * gib
     assert window_for_budget(100 << 20) == 64 << 20
+
+
+def test_staging_makes_the_intermediate_pool_device_memory_by_default_and_the_pools_managed_again_at_close(env):
+    source, driver, api, runtime = env
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
+        assert lab.budget_device_activations is True
+        act = source.allocate(DataType.ACT, 4 * MiB)
+        grad = source.allocate(DataType.GRAD, 4 * MiB)
+        assert driver.device_mallocs and driver.device_mallocs[-1] == (act, 4 * MiB)
+        managed = {s.ptr: s.managed for s in source.segments()}
+        assert managed[act] is False and managed[grad] is True
+        runtime.advised.clear()
+        assert lab.set_policy("um-default") == 1  # re-advises live segments: never the device-memory one
+        advised = {ptr for ptr, *_ in runtime.advised}
+        assert grad in advised and act not in advised
+        runtime.prefetched.clear()
+        lab._pools.prefetch(DataType.ACT, "gpu")
+        assert runtime.prefetched == [], "device memory is never prefetched"
+        source.free(act)
+        source.free(grad)
+    source.set_cap(1 << 40)  # close set it to 0
+    after = source.allocate(DataType.ACT, 2 * MiB)
+    assert after and {s.ptr: s.managed for s in source.segments()}[after] is True, "close switches the pools back"
+    source.free(after)
+
+
+def test_device_activations_can_be_turned_off_and_need_staging(env):
+    source, driver, api, runtime = env
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True,
+                         budget_device_activations=False) as lab:
+        assert lab.budget_device_activations is False
+        act = source.allocate(DataType.ACT, 4 * MiB)
+        assert {s.ptr: s.managed for s in source.segments()}[act] is True
+        source.free(act)
+    with pytest.raises(InputError, match="needs budget_stage_activations"):
+        make_session(env, gpu_budget_bytes=48 * MiB, budget_device_activations=True)
+    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+        assert lab.budget_device_activations is False

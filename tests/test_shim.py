@@ -121,3 +121,34 @@ def test_default_cap_keeps_a_reserve():
 def test_addresses_are_distinct_entry_points():
     allocs, free = SegmentSource().addresses()
     assert len(set(allocs.values())) == 5 and free not in allocs.values()
+
+
+def test_a_type_switched_to_device_memory_takes_cudamalloc_without_advice_under_the_same_cap(fake):
+    source, driver = fake
+    source.set_advice(DataType.ACT, [(CODES.set_preferred_location, CODES.location_host, 0)])
+    source.set_device_memory(DataType.ACT, True)
+    managed_before, advice_before = len(driver.mallocs), len(driver.advice)
+    act = source.allocate(DataType.ACT, 30 * MiB)
+    param = source.allocate(DataType.PARAM, 30 * MiB)
+    assert act and param
+    assert driver.device_mallocs[-1] == (act, 30 * MiB)
+    assert len(driver.mallocs) == managed_before + 1 and driver.mallocs[-1][0] == param
+    assert len(driver.advice) == advice_before, "device memory takes no advice"
+    segs = {s.ptr: s for s in source.segments()}
+    assert segs[act].managed is False and segs[param].managed is True
+    assert source.stats()["live_device"] == 30 * MiB
+    assert source.live_bytes()["act"] == 30 * MiB  # counted as any segment
+    assert source.allocate(DataType.ACT, 41 * MiB) == 0, "the cap covers device memory too"
+    source.free(act)
+    assert source.stats()["live_device"] == 0
+    source.set_device_memory(DataType.ACT, False)
+    again = source.allocate(DataType.ACT, 2 * MiB)
+    assert driver.mallocs[-1][0] == again and {s.ptr: s.managed for s in source.segments()}[again]
+
+
+def test_device_memory_needs_a_configured_allocator(fake):
+    source, driver = fake
+    source.configure(*driver.addresses())  # no malloc_device
+    with pytest.raises(ValueError, match="device-memory allocator"):
+        source.set_device_memory(DataType.ACT, True)
+    source.set_device_memory(DataType.ACT, False)  # switching off needs none

@@ -152,11 +152,50 @@ def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging(
     assert [r.loss for r in records] == [r.loss for r in plain]
 
 
+def test_staged_activations_in_device_memory_train_bit_for_bit_like_managed_ones():
+    """budget_device_activations (on with staging by default): the intermediate-results pool is cudaMalloc memory
+    (the CUDA runtime says so), every other pool managed; training matches the same staged run with a managed
+    intermediate pool bit for bit, and the ledger stays under B."""
+    from um_lab.cuda.driver import _cudart
+    from um_lab.types import DataType
+
+    cudart = _cudart()
+    with _session("um-default", gpu_budget_bytes=1 << 30, budget_stage_activations=True) as lab:
+        with lab.allocating("act"):
+            act = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        with lab.allocating("grad"):
+            grad = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        kinds = {}
+        for name, t in (("act", act), ("grad", grad)):
+            err, attrs = cudart.cudaPointerGetAttributes(t.data_ptr())
+            assert int(err) == 0
+            kinds[name] = attrs.type
+        assert kinds == {"act": cudart.cudaMemoryType.cudaMemoryTypeDevice,
+                         "grad": cudart.cudaMemoryType.cudaMemoryTypeManaged}
+        assert {s.data_type for s in lab._pools.source.segments() if not s.managed} == {DataType.ACT}
+        del act, grad
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    managed, managed_params, _ = _train(budget, steps=5, budget_stage_activations=True,
+                                        budget_device_activations=False)
+    records, params, _ = _train(budget, steps=5, budget_stage_activations=True)
+    for r in records[2:]:
+        b = r.extra["budget"]
+        assert b["device_activations"] and b["followed_plan"], b
+        assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+    assert not managed[-1].extra["budget"]["device_activations"]
+    for a, p in zip(managed_params, params, strict=True):
+        assert torch.equal(a, p)
+    assert [r.loss for r in records] == [r.loss for r in managed]
+
+
 def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
     """With staging the intermediate-results pool gets no host advice (copies to host-advised pages ran at
     3.7-4.0 GB/s) and stays resident, fixed in the ledger from its segments' registration: CUPTI-measured
-    residency at each step's end still stays under B (plus the 2 MiB-block rounding of CUPTI's records)."""
-    _assert_cupti_residency_under_b(budget_stage_activations=True)
+    residency at each step's end still stays under B (plus the 2 MiB-block rounding of CUPTI's records). That
+    pool is device memory by default, resident by construction: its bytes are added to CUPTI's managed ones."""
+    records = _assert_cupti_residency_under_b(budget_stage_activations=True)
+    assert all(r.extra["device_memory_bytes"]["act"] > 0 for r in records[2:])
 
 
 def _assert_cupti_residency_under_b(**session_kw):
@@ -174,6 +213,7 @@ def _assert_cupti_residency_under_b(**session_kw):
         resident = sum(r.resident_bytes.values())
         assert 0 < resident <= budget + 2 * MiB, (resident, budget, r.extra["budget"])
         assert r.extra["budget"]["max_resident_ledger"] <= budget + r.extra["budget"]["touched_bytes"]
+    return records
 
 
 def test_free_block_discards_train_bit_for_bit_like_a_budget_run_without_them():

@@ -10,6 +10,9 @@
  * bytes past the safety cap before CUDA is called.
  *
  * One allocation entry point per data type (the signature carries no pool), one free for all.
+ * A type may be switched to plain device memory (cudaMalloc, no advice): its segments are counted
+ * under the same cap and registry, marked as device memory (a copy engine reading managed memory
+ * serialises with the kernels beside it on the H200; reading device memory does not).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,15 +30,19 @@ typedef int (*malloc_managed_fn)(void **ptr, size_t size, unsigned int flags);
 typedef int (*free_fn)(void *ptr);
 typedef int (*advise_fn)(const void *ptr, size_t count, int advice, mem_location location);
 typedef int (*get_last_error_fn)(void);
+typedef int (*malloc_device_fn)(void **ptr, size_t size);
 
 typedef struct { int advice; mem_location location; } advice_entry;
-typedef struct { uintptr_t ptr; size_t size; int tag; } segment;
+typedef struct { uintptr_t ptr; size_t size; int tag; int device; } segment;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static malloc_managed_fn g_malloc = NULL;
 static free_fn g_free = NULL;
 static advise_fn g_advise = NULL;
 static get_last_error_fn g_get_last_error = NULL;
+static malloc_device_fn g_malloc_device = NULL;
+static int g_device_tag[N_TAGS]; /* 1: this type's new segments are plain device memory */
+static unsigned long long g_live_device = 0;
 static unsigned long long g_cap = 0;
 static int g_allow_over = 0;
 static unsigned long long g_live[N_TAGS];
@@ -57,7 +64,7 @@ static void clear_last_error(void) {
     if (g_get_last_error) g_get_last_error();
 }
 
-static int registry_add(uintptr_t ptr, size_t size, int tag) {
+static int registry_add(uintptr_t ptr, size_t size, int tag, int device) {
     if (g_n_segs == g_cap_segs) {
         size_t n = g_cap_segs ? 2 * g_cap_segs : 256;
         segment *grown = (segment *)realloc(g_segs, n * sizeof(segment));
@@ -68,6 +75,7 @@ static int registry_add(uintptr_t ptr, size_t size, int tag) {
     g_segs[g_n_segs].ptr = ptr;
     g_segs[g_n_segs].size = size;
     g_segs[g_n_segs].tag = tag;
+    g_segs[g_n_segs].device = device;
     g_n_segs++;
     return 0;
 }
@@ -75,7 +83,7 @@ static int registry_add(uintptr_t ptr, size_t size, int tag) {
 static void *alloc_tagged(size_t size, int tag) {
     void *ptr = NULL;
     advice_entry advice[MAX_ADVICE];
-    int n_advice, err;
+    int n_advice, err, device;
 
     pthread_mutex_lock(&g_lock);
     unsigned long long in_use = g_live_total + g_reserved;
@@ -90,11 +98,12 @@ static void *alloc_tagged(size_t size, int tag) {
         return NULL; /* torch turns this into an OutOfMemoryError; Python names the refusal */
     }
     g_reserved += size; /* concurrent requests cannot both squeeze under the cap */
-    n_advice = g_n_advice[tag];
+    device = g_device_tag[tag] && g_malloc_device;
+    n_advice = device ? 0 : g_n_advice[tag];
     memcpy(advice, g_advice[tag], sizeof(advice_entry) * (size_t)n_advice);
     pthread_mutex_unlock(&g_lock);
 
-    err = g_malloc(&ptr, size, ATTACH_GLOBAL);
+    err = device ? g_malloc_device(&ptr, size) : g_malloc(&ptr, size, ATTACH_GLOBAL);
     if (err == 0 && ptr && g_advise) {
         for (int i = 0; i < n_advice; i++) {
             int e = g_advise(ptr, size, advice[i].advice, advice[i].location);
@@ -111,7 +120,7 @@ static void *alloc_tagged(size_t size, int tag) {
     pthread_mutex_lock(&g_lock);
     g_reserved -= size;
     g_malloc_calls++;
-    if (err != 0 || !ptr || registry_add((uintptr_t)ptr, size, tag) != 0) {
+    if (err != 0 || !ptr || registry_add((uintptr_t)ptr, size, tag, device) != 0) {
         if (err != 0) clear_last_error();
         g_malloc_errors++;
         g_last_error = err ? err : -1;
@@ -121,6 +130,7 @@ static void *alloc_tagged(size_t size, int tag) {
     }
     g_live[tag] += size;
     g_live_total += size;
+    if (device) g_live_device += size;
     if (g_live_total > g_peak) g_peak = g_live_total;
     pthread_mutex_unlock(&g_lock);
     return ptr;
@@ -135,6 +145,7 @@ static void shim_free(void *ptr, size_t size, int device, void *stream) {
         if (g_segs[i].ptr == (uintptr_t)ptr) {
             g_live[g_segs[i].tag] -= g_segs[i].size;
             g_live_total -= g_segs[i].size;
+            if (g_segs[i].device) g_live_device -= g_segs[i].size;
             g_segs[i] = g_segs[--g_n_segs];
             found = 1;
             break;
@@ -165,14 +176,27 @@ static void *(*const k_allocs[N_TAGS])(size_t, int, void *) = {
 /* ---- Python surface (control only; never on the allocation path) ---- */
 
 static PyObject *py_configure(PyObject *self, PyObject *args) {
-    unsigned long long m, f, a, e = 0;
-    if (!PyArg_ParseTuple(args, "KKK|K", &m, &f, &a, &e)) return NULL;
+    unsigned long long m, f, a, e = 0, d = 0;
+    if (!PyArg_ParseTuple(args, "KKK|KK", &m, &f, &a, &e, &d)) return NULL;
     pthread_mutex_lock(&g_lock);
     g_malloc = (malloc_managed_fn)(uintptr_t)m;
     g_free = (free_fn)(uintptr_t)f;
     g_advise = (advise_fn)(uintptr_t)a;
     g_get_last_error = (get_last_error_fn)(uintptr_t)e;
+    g_malloc_device = (malloc_device_fn)(uintptr_t)d;
     pthread_mutex_unlock(&g_lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_device_memory(PyObject *self, PyObject *args) {
+    int tag, on;
+    if (!PyArg_ParseTuple(args, "ip", &tag, &on)) return NULL;
+    if (tag < 0 || tag >= N_TAGS) return PyErr_Format(PyExc_ValueError, "tag %d out of range", tag);
+    pthread_mutex_lock(&g_lock);
+    int missing = on && !g_malloc_device;
+    if (!missing) g_device_tag[tag] = on;
+    pthread_mutex_unlock(&g_lock);
+    if (missing) return PyErr_Format(PyExc_ValueError, "no device-memory allocator configured (configure's 5th address)");
     Py_RETURN_NONE;
 }
 
@@ -227,7 +251,7 @@ static PyObject *py_stats(PyObject *self, PyObject *noargs) {
     /* Copy under the lock, build Python objects after releasing it: building may run the garbage
      * collector, whose finalizers may free segments (and need this lock). */
     unsigned long long live[N_TAGS], live_total, peak, cap, mallocs, frees, refused, merr, ferr, unknown;
-    unsigned long long aerr, rsize, rlive, rcap, rthread, reserved;
+    unsigned long long aerr, rsize, rlive, rcap, rthread, reserved, live_device;
     int last_error, last_aerr, rtag, allow;
     size_t nsegs;
     pthread_mutex_lock(&g_lock);
@@ -237,17 +261,17 @@ static PyObject *py_stats(PyObject *self, PyObject *noargs) {
     aerr = g_advise_errors; last_error = g_last_error; last_aerr = g_last_advise_error;
     rsize = g_last_refused_size; rlive = g_last_refused_live; rcap = g_last_refused_cap;
     rtag = g_last_refused_tag; rthread = g_last_refused_thread; reserved = g_reserved;
-    allow = g_allow_over; nsegs = g_n_segs;
+    allow = g_allow_over; nsegs = g_n_segs; live_device = g_live_device;
     pthread_mutex_unlock(&g_lock);
     return Py_BuildValue(
-        "{s:K,s:(KKKKK),s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:(KKKi),s:K,s:K,s:i,s:n}",
+        "{s:K,s:(KKKKK),s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:(KKKi),s:K,s:K,s:i,s:n,s:K}",
         "live_total", live_total, "live_by_tag", live[0], live[1], live[2], live[3], live[4],
         "peak_total", peak, "cap", cap, "malloc_calls", mallocs, "free_calls", frees,
         "refused", refused, "malloc_errors", merr, "free_errors", ferr,
         "unknown_frees", unknown, "advise_errors", aerr, "last_error", last_error,
         "last_advise_error", last_aerr, "last_refusal", rsize, rlive, rcap, rtag,
         "last_refusal_thread", rthread, "reserved", reserved,
-        "allow_oversubscription", allow, "segments", (Py_ssize_t)nsegs);
+        "allow_oversubscription", allow, "segments", (Py_ssize_t)nsegs, "live_device", live_device);
 }
 
 /* The two readings a training step takes (stats() builds a 20-entry dict): refusals so far, live bytes per tag. */
@@ -284,8 +308,8 @@ static PyObject *py_segments(PyObject *self, PyObject *noargs) {
     PyObject *list = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; list && i < n; i++)
         PyList_SET_ITEM(list, (Py_ssize_t)i,
-                        Py_BuildValue("(Kni)", (unsigned long long)copy[i].ptr, (Py_ssize_t)copy[i].size,
-                                      copy[i].tag));
+                        Py_BuildValue("(Knii)", (unsigned long long)copy[i].ptr, (Py_ssize_t)copy[i].size,
+                                      copy[i].tag, copy[i].device));
     free(copy);
     return list;
 }
@@ -320,12 +344,13 @@ static PyObject *py_free(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"configure", py_configure, METH_VARARGS, "configure(malloc_managed, free, advise[, get_last_error]): CUDA function addresses."},
+    {"configure", py_configure, METH_VARARGS, "configure(malloc_managed, free, advise[, get_last_error[, malloc_device]]): CUDA function addresses."},
+    {"set_device_memory", py_set_device_memory, METH_VARARGS, "set_device_memory(tag, on): the type's new segments from cudaMalloc (no advice)."},
     {"set_cap", py_set_cap, METH_VARARGS, "set_cap(cap_bytes, allow_oversubscription)."},
     {"set_advice", py_set_advice, METH_VARARGS, "set_advice(tag, [(advice, location_type, location_id), ...])."},
     {"addresses", py_addresses, METH_NOARGS, "((alloc per tag...), free): C function addresses for torch."},
     {"stats", py_stats, METH_NOARGS, "Counters and live bytes."},
-    {"segments", py_segments, METH_NOARGS, "Live segments as [(ptr, size, tag)]."},
+    {"segments", py_segments, METH_NOARGS, "Live segments as [(ptr, size, tag, device)]."},
     {"refused", py_refused, METH_NOARGS, "Requests refused by the cap so far."},
     {"live_by_tag", py_live_by_tag, METH_NOARGS, "Live bytes per tag, as a tuple."},
     {"generation", py_generation, METH_NOARGS, "Allocations plus frees so far: changes with the segment list."},

@@ -146,11 +146,13 @@ def _shim() -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """One managed segment handed to torch."""
+    """One segment handed to torch: managed memory, or plain device memory for a pool switched to it
+    (``managed=False``: always GPU-resident, never advised, prefetched or discarded)."""
 
     ptr: int
     size: int
     data_type: DataType
+    managed: bool = True
 
     def contains(self, address: int) -> bool:
         """True when ``address`` lies inside this segment."""
@@ -178,9 +180,16 @@ class SegmentSource:
     def __init__(self) -> None:
         self._shim = _shim()
 
-    def configure(self, malloc_managed: int, free: int, advise: int, get_last_error: int = 0) -> None:
-        """Give the shim the CUDA runtime's function addresses (or a fake driver's)."""
-        self._shim.configure(malloc_managed, free, advise, get_last_error)
+    def configure(self, malloc_managed: int, free: int, advise: int, get_last_error: int = 0,
+                  malloc_device: int = 0) -> None:
+        """Give the shim the CUDA runtime's function addresses (or a fake driver's); ``malloc_device``
+        (cudaMalloc) serves the pools switched to device memory (:meth:`set_device_memory`)."""
+        self._shim.configure(malloc_managed, free, advise, get_last_error, malloc_device)
+
+    def set_device_memory(self, data_type: DataType, on: bool) -> None:
+        """New segments of ``data_type`` come from plain device memory (``on``) or managed memory. They stay
+        under the same cap and in the same registry (``Segment.managed`` tells them apart)."""
+        self._shim.set_device_memory(DATA_TYPES.index(data_type), bool(on))
 
     def set_cap(self, cap_bytes: int, allow_oversubscription: bool = False) -> None:
         """Live managed bytes may not exceed ``cap_bytes`` (unless oversubscription is allowed)."""
@@ -216,7 +225,7 @@ class SegmentSource:
 
     def segments(self, data_type: DataType | None = None) -> list[Segment]:
         """Live segments, optionally of one type."""
-        segs = [Segment(p, s, DATA_TYPES[t]) for p, s, t in self._shim.segments()]
+        segs = [Segment(p, s, DATA_TYPES[t], not d) for p, s, t, d in self._shim.segments()]
         return [s for s in segs if data_type is None or s.data_type == data_type]
 
     def index(self) -> SegmentIndex:
@@ -257,10 +266,14 @@ class ManagedPools:
         """True between :meth:`open` and :meth:`close`."""
         return bool(self._pools)
 
-    def open(self, policy: Policy, cap_bytes: int, allow_oversubscription: bool = False) -> None:
-        """Set cap and advice, then create the pools (nothing is allocated yet)."""
+    def open(self, policy: Policy, cap_bytes: int, allow_oversubscription: bool = False,
+             device_types: tuple[DataType, ...] = ()) -> None:
+        """Set cap and advice, then create the pools (nothing is allocated yet); the pools of
+        ``device_types`` take plain device memory instead of managed memory."""
         if self._pools:
             raise SessionStateError("pools are already open")
+        for t in DATA_TYPES:
+            self.source.set_device_memory(t, t in device_types)
         self.source.set_cap(cap_bytes, allow_oversubscription)
         self._set_advice_table(policy)
         allocs, free = self.source.addresses()
@@ -427,6 +440,8 @@ class ManagedPools:
         count = 0
         codes = self.runtime.codes
         for seg in self.source.segments():
+            if not seg.managed:
+                continue
             calls = reset_entries(self.device, codes) + advice_entries(policy[seg.data_type], self.device, codes)
             for code, loc_type, loc_id in calls:
                 self.runtime.advise(seg.ptr, seg.size, code, loc_type, loc_id)
@@ -440,6 +455,8 @@ class ManagedPools:
         stream = self.runtime.current_stream()
         total = 0
         for seg in self.source.segments(data_type):
+            if not seg.managed:
+                continue
             self.runtime.prefetch(seg.ptr, seg.size, loc[0], loc[1], stream)
             total += seg.size
         return total
@@ -461,3 +478,5 @@ class ManagedPools:
         pools.clear()  # MemPool destructors release the pools and free their idle segments
         self.api.empty_cache()
         self.source.set_cap(0, False)  # nothing may allocate into a closed session's pools
+        for t in DATA_TYPES:
+            self.source.set_device_memory(t, False)

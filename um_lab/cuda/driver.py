@@ -150,8 +150,9 @@ def runtime_version() -> int:
     return version.value
 
 
-def shim_function_addresses() -> tuple[int, int, int, int]:
-    """Addresses of cudaMallocManaged, cudaFree, the location-taking cudaMemAdvise, cudaGetLastError."""
+def shim_function_addresses() -> tuple[int, int, int, int, int]:
+    """Addresses of cudaMallocManaged, cudaFree, the location-taking cudaMemAdvise, cudaGetLastError,
+    cudaMalloc."""
     lib = runtime_library()
     advise_name = "cudaMemAdvise" if runtime_version() >= 13000 else "cudaMemAdvise_v2"
     try:
@@ -164,7 +165,8 @@ def shim_function_addresses() -> tuple[int, int, int, int]:
     def addr(fn: Any) -> int:
         return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
-    return addr(lib.cudaMallocManaged), addr(lib.cudaFree), addr(advise), addr(lib.cudaGetLastError)
+    return (addr(lib.cudaMallocManaged), addr(lib.cudaFree), addr(advise), addr(lib.cudaGetLastError),
+            addr(lib.cudaMalloc))
 
 
 # ---- advice and prefetch from Python (re-applying a policy, phase prefetches) ----

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from um_lab.budget import ISSUE_MODES
-from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, SegmentSource, TorchPoolAPI, default_cap
+from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, Segment, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.evacuate import evacuate
 from um_lab.cuda.evacuate import is_tensor as _is_tensor
 from um_lab.cuda.evacuate import module_tensors as _module_tensors
@@ -97,6 +97,11 @@ class Session(Listenable):
     write until the copies end (``record_stream`` would defer their blocks' release while a pool routing is
     active: session 15's pool leak). On the H200 (session 16) it trains bit for bit like the same budget run
     without it; ResNet-50 at ratio 2 took 310 ms a step against 1,013 ms without it in the same run.
+    ``budget_device_activations`` (default: as ``budget_stage_activations``) makes that pool plain device memory
+    (cudaMalloc through the same shim, cap and registry; never advised or moved): on the H200 a copy between
+    managed memory and pinned memory, even of GPU-resident pages, ran serialised with the GEMMs beside it
+    (2.1-2.2x their time alone), a copy from device memory did not (1.01x; session 17,
+    ``bench/diagnostics/copy_interference.py``), and the stager's copies read and write that pool.
     ``budget_discard_free=True`` (CUDA 13+; experimental, off: on ResNet-50 its first version hung in
     ``cudaMemDiscardBatchAsync``, session 14) discards, instead of copying to the host, the
     blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
@@ -134,6 +139,7 @@ class Session(Listenable):
         budget_gpu_waits: bool = False,
         budget_host_advice: bool = True,
         budget_stage_activations: bool = False,
+        budget_device_activations: bool | None = None,
         budget_discard_free: bool = False,
         populate_segments: bool = False,
         _pool_api: PoolAPI | None = None,
@@ -150,18 +156,22 @@ class Session(Listenable):
         self.budget_gpu_waits = bool(budget_gpu_waits)
         self.budget_host_advice = bool(budget_host_advice)
         self.budget_stage_activations = bool(budget_stage_activations)
+        self.budget_device_activations = (self.budget_stage_activations if budget_device_activations is None
+                                          else bool(budget_device_activations))
         self.budget_discard_free = bool(budget_discard_free)
         self.populate_segments = bool(populate_segments)
         if self.budget_stage_activations and gpu_budget_bytes is None:
             raise InputError("budget_stage_activations=True stages activations for the budget scheduler: it needs "
                              "gpu_budget_bytes")
+        if self.budget_device_activations and not self.budget_stage_activations:
+            raise InputError("budget_device_activations=True keeps the intermediate-results pool in device memory, "
+                             "which the scheduler cannot move: it needs budget_stage_activations=True")
         if self.budget_discard_free and gpu_budget_bytes is None:
             raise InputError("budget_discard_free=True changes the budget scheduler's moves: it needs gpu_budget_bytes")
         if self.budget_stage_activations and gpu_budget_bytes is not None:
-            warnings.warn("budget_stage_activations=True is experimental: on the H200 (session 16) it trained bit for "
-                          "bit like the same budget run without it (ResNet-50 at ratio 2: 310 ms a step against 1,013 "
-                          "in the same run), but its CUPTI residency check has not run since the stager's pool-leak "
-                          "fix", RuntimeWarning, stacklevel=2)
+            warnings.warn("budget_stage_activations=True is experimental: on the H200 it trained bit for bit like the "
+                          "same budget run without it and kept CUPTI residency under B (sessions 16-17), but no real "
+                          "oversubscribed run has been made with it", RuntimeWarning, stacklevel=2)
         if self.budget_discard_free:
             warnings.warn("budget_discard_free=True is experimental: on ResNet-50 (H200, session 14) a discard call "
                           "never returned; each one now waits for the side stream's earlier moves and the host for "
@@ -266,7 +276,8 @@ class Session(Listenable):
                               f"{cap} B ({gib(cap)}): a budget can only be smaller than the managed "
                               "memory the card may hold")
         pools = ManagedPools(index, self._pool_api or TorchPoolAPI(), runtime, source)
-        pools.open(self._pool_policy(self.policy), cap, self.allow_oversubscription)
+        pools.open(self._pool_policy(self.policy), cap, self.allow_oversubscription,
+                   device_types=(DataType.ACT,) if self.budget_device_activations else ())
         self._pools = pools
         if budget is not None:
             self._budget = self._new_budget_control(budget, index, runtime, pools)
@@ -512,17 +523,32 @@ class Session(Listenable):
         )
         if budget_extra is not None:
             budget_extra["host_advice"] = self.budget_host_advice  # the pools' advice, beside the policy's name
+            budget_extra["device_activations"] = self.budget_device_activations
             record.extra["budget"] = budget_extra
         if self.populate_segments:  # after the end event: the next step runs on the populated segments
             self._populate(pools, record)
         if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
             if self._budget is not None and budget_extra is not None:  # residency once the step's moves are done
                 budget_extra["finish_moves_ms"] = self._budget.finish_moves()
-            self.telemetry.fill(record, pools.source.segments())
+            self._fill_telemetry(record, pools.source.segments())
         self.steps_done += 1
         self.last_record = record
         self._listeners.emit(record)
         return record
+
+    def _fill_telemetry(self, record: StepRecord, segments: list[Segment]) -> None:
+        """CUPTI's measured fields for the managed segments; segments of plain device memory are resident by
+        construction and are added to ``resident_bytes`` (their bytes also in ``extra["device_memory_bytes"]``)."""
+        assert self.telemetry is not None
+        self.telemetry.fill(record, [s for s in segments if s.managed])
+        device: dict[str, int] = {}
+        for s in segments:
+            if not s.managed:
+                device[s.data_type.value] = device.get(s.data_type.value, 0) + s.size
+        if device:
+            record.extra["device_memory_bytes"] = device
+            if record.resident_bytes is not None:
+                record.resident_bytes = {t: n + device.get(t, 0) for t, n in record.resident_bytes.items()}
 
     def _populate(self, pools: ManagedPools, record: StepRecord) -> None:
         """Populate the segments new since the last step (``populate_segments``); a failed prefetch is a
@@ -558,7 +584,7 @@ class Session(Listenable):
         free_ranges = None
         if self.budget_discard_free and self._real and device is not None:
             if callable(can_discard) and bool(can_discard()):
-                free_ranges = _free_ranges_of(pools, device)
+                free_ranges = _free_ranges_of(pools, device, self.budget_device_activations)
             else:
                 warnings.warn("budget_discard_free=True needs cudaMemDiscardBatchAsync (CUDA 13+): it stays off",
                               RuntimeWarning, stacklevel=3)
@@ -676,9 +702,12 @@ def _check_budget(budget: int | None, lookahead: int, issue: str) -> int | None:
     return budget
 
 
-def _free_ranges_of(pools: ManagedPools, device: torch.device) -> Callable[[], list[tuple[int, int]]]:
-    """What the caching allocator has free now in the pools whose blocks may be discarded when free."""
+def _free_ranges_of(pools: ManagedPools, device: torch.device,
+                    device_activations: bool = False) -> Callable[[], list[tuple[int, int]]]:
+    """What the caching allocator has free now in the pools whose blocks may be discarded when free (managed
+    ones only: not the intermediate-results pool when it is device memory)."""
     from um_lab.budget.free import inactive_ranges
 
-    pool_ids = [pools.pool_id(t) for t in (DataType.ACT, DataType.INPUT, DataType.GRAD)]
+    types = (DataType.INPUT, DataType.GRAD) if device_activations else (DataType.ACT, DataType.INPUT, DataType.GRAD)
+    pool_ids = [pools.pool_id(t) for t in types]
     return lambda: inactive_ranges(pool_ids, int(torch.cuda.current_stream(device).cuda_stream))
