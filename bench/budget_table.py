@@ -50,13 +50,22 @@ def add_fsdp2(rows: list[dict[str, Any]], peer_lines: list[dict[str, Any]], sour
 
 def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any]) -> None:
     """``predicted_step_ms``: the pre-registered step for the row's (model, ratio), when there is one."""
-    rows_with_sim = [p for p in [*predicted.get("rows", []), *predicted.get("sim", {}).get("rows", [])]
+    sim = predicted.get("sim")  # a section of rows, or (session 17's files) a line saying how they were made
+    sim_rows = sim.get("rows", []) if isinstance(sim, dict) else []
+    rows_with_sim = [p for p in [*predicted.get("rows", []), *sim_rows]
                      if p.get("sim_step_ms") is not None]  # a file's simulator section ("sim") too
     table = {(p["model"], float(p["ratio"])): p for p in rows_with_sim}
     for row in rows:
         p = table.get((row.get("model"), float(row.get("ratio", 0))))
         if p is not None:
             row["predicted_step_ms"] = p.get("sim_step_ms")
+
+
+def staging_cell(row: dict[str, Any]) -> str:
+    """The staging column: off, on (intermediate pool managed) or on with that pool in device memory."""
+    if not row.get("stage_activations"):
+        return "off"
+    return "on, device pool" if row.get("device_activations") else "on, managed pool"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -78,7 +87,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         predicted = f"{r['predicted_step_ms']:,.0f}" if r.get("predicted_step_ms") is not None else ""
         lines.append(
             f"| {r['model']} | {r['ratio']:g} | {r.get('advice', 'host')} | "
-            f"{'on' if r.get('stage_activations') else 'off'} | {telemetry} | "
+            f"{staging_cell(r)} | {telemetry} | "
             f"{r['step_ms']:,.0f} | {r['fit_step_ms']:,.0f} | {r['crossing_bytes'] / GiB:.1f} GiB | "
             f"{r['over_bound']:.2f} | {r['max_resident_ledger'] / GiB:.2f} / {r['budget_bytes'] / GiB:.2f} GiB | "
             f"{cupti} | {fsdp2} | {predicted} | {run} |")

@@ -49,7 +49,7 @@ def test_runs_merge_with_peer_and_predictions_and_print_a_line_each(tmp_path, ca
     assert rows[2]["predicted_step_ms"] == 4300.0 and rows[1]["predicted_step_ms"] == 4139.0
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 + 4
-    assert "| gpt2-large | 2 | host | on | off | 1,500 |" in printed[3] and "1,910 (25.0)" in printed[3]
+    assert "| gpt2-large | 2 | host | on, managed pool | off | 1,500 |" in printed[3] and "1,910 (25.0)" in printed[3]
     assert "error: BudgetTooSmall: x" in printed[4]
 
 
@@ -69,3 +69,15 @@ def test_predictions_come_from_a_files_simulator_section_too():
                                  "sim": {"rows": [{"model": "gpt2-large", "ratio": 2.0, "sim_step_ms": 961}]}})
     assert rows[0]["predicted_step_ms"] == 961
     assert "predicted_step_ms" not in rows[1]
+
+
+def test_the_staging_column_names_the_intermediate_pool_and_a_string_sim_field_is_not_rows():
+    budget_table = table_module()
+
+    assert budget_table.staging_cell({"stage_activations": False}) == "off"
+    assert budget_table.staging_cell({"stage_activations": True}) == "on, managed pool"
+    assert budget_table.staging_cell({"stage_activations": True, "device_activations": True}) == "on, device pool"
+    rows = [{"model": "gpt2-large", "ratio": 2.0}]
+    budget_table.add_predictions(rows, {"sim": "how the rows were simulated",
+                                        "rows": [{"model": "gpt2-large", "ratio": 2, "sim_step_ms": 961.0}]})
+    assert rows[0]["predicted_step_ms"] == 961.0
