@@ -294,6 +294,8 @@ def test_staging_makes_the_intermediate_pool_device_memory_by_default_and_the_po
     with pytest.warns(RuntimeWarning, match="experimental"), \
             make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
         assert lab.budget_device_activations is True
+        pools = lab._pools
+        assert pools.device_types == {DataType.ACT}
         act = source.allocate(DataType.ACT, 4 * MiB)
         grad = source.allocate(DataType.GRAD, 4 * MiB)
         assert driver.device_mallocs and driver.device_mallocs[-1] == (act, 4 * MiB)
@@ -308,6 +310,7 @@ def test_staging_makes_the_intermediate_pool_device_memory_by_default_and_the_po
         assert runtime.prefetched == [], "device memory is never prefetched"
         source.free(act)
         source.free(grad)
+    assert pools.device_types == frozenset()
     source.set_cap(1 << 40)  # close set it to 0
     after = source.allocate(DataType.ACT, 2 * MiB)
     assert after and {s.ptr: s.managed for s in source.segments()}[after] is True, "close switches the pools back"

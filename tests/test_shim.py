@@ -136,6 +136,7 @@ def test_a_type_switched_to_device_memory_takes_cudamalloc_without_advice_under_
     assert len(driver.advice) == advice_before, "device memory takes no advice"
     segs = {s.ptr: s for s in source.segments()}
     assert segs[act].managed is False and segs[param].managed is True
+    assert [s.ptr for s in source.managed_segments()] == [param] and source.managed_segments(DataType.ACT) == []
     assert source.stats()["live_device"] == 30 * MiB
     assert source.live_bytes()["act"] == 30 * MiB  # counted as any segment
     assert source.allocate(DataType.ACT, 41 * MiB) == 0, "the cap covers device memory too"

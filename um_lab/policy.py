@@ -323,9 +323,9 @@ SCHEDULED: dict[str, Policy] = {
         "The layer-ahead scheduler with saved activations staged through pinned host memory (experimental): "
         "the tensors forward saves for backward are copied to the host at the link's rate (~52 GB/s on the H200, "
         "where managed prefetch to the host ran at 8-16) and back a window ahead of backward; the "
-        "intermediate-results pool stays resident and the scheduler moves parameters, gradients and optimizer "
-        "state around it. On the H200, GPT-2-large at half its footprint: 1.7 s a step (session 16), where managed "
-        "prefetch alone took 7.8 s (session 13). Budget as for layer-ahead. No advice."),
+        "intermediate-results pool stays resident (plain device memory) and the scheduler moves parameters, "
+        "gradients and optimizer state around it. On the H200, GPT-2-large at half its footprint: 1.2 s a step "
+        "(session 17), where managed prefetch alone took 7.8 s (session 13). Budget as for layer-ahead. No advice."),
 }
 
 

@@ -228,6 +228,11 @@ class SegmentSource:
         segs = [Segment(p, s, DATA_TYPES[t], not d) for p, s, t, d in self._shim.segments()]
         return [s for s in segs if data_type is None or s.data_type == data_type]
 
+    def managed_segments(self, data_type: DataType | None = None) -> list[Segment]:
+        """Live managed segments, optionally of one type: what advice, prefetches and CUPTI apply to (not the
+        pools switched to device memory)."""
+        return [s for s in self.segments(data_type) if s.managed]
+
     def index(self) -> SegmentIndex:
         """A snapshot of the live segments for many address lookups."""
         return SegmentIndex(self.segments())
@@ -257,6 +262,7 @@ class ManagedPools:
         self._routes: dict[int, DataType] = {}  # thread id -> routed type
         self._lock = threading.Lock()
         self.policy: Policy | None = None
+        self.device_types: frozenset[DataType] = frozenset()
         self.begins = 0
         self.ends = 0
         self.releases = 0
@@ -274,6 +280,7 @@ class ManagedPools:
             raise SessionStateError("pools are already open")
         for t in DATA_TYPES:
             self.source.set_device_memory(t, t in device_types)
+        self.device_types = frozenset(device_types)  #: the pools of plain device memory (never advised or moved)
         self.source.set_cap(cap_bytes, allow_oversubscription)
         self._set_advice_table(policy)
         allocs, free = self.source.addresses()
@@ -439,9 +446,7 @@ class ManagedPools:
         self._set_advice_table(policy)
         count = 0
         codes = self.runtime.codes
-        for seg in self.source.segments():
-            if not seg.managed:
-                continue
+        for seg in self.source.managed_segments():
             calls = reset_entries(self.device, codes) + advice_entries(policy[seg.data_type], self.device, codes)
             for code, loc_type, loc_id in calls:
                 self.runtime.advise(seg.ptr, seg.size, code, loc_type, loc_id)
@@ -454,9 +459,7 @@ class ManagedPools:
         loc = (codes.location_device, self.device) if processor == "gpu" else (codes.location_host, 0)
         stream = self.runtime.current_stream()
         total = 0
-        for seg in self.source.segments(data_type):
-            if not seg.managed:
-                continue
+        for seg in self.source.managed_segments(data_type):
             self.runtime.prefetch(seg.ptr, seg.size, loc[0], loc[1], stream)
             total += seg.size
         return total
@@ -480,3 +483,4 @@ class ManagedPools:
         self.source.set_cap(0, False)  # nothing may allocate into a closed session's pools
         for t in DATA_TYPES:
             self.source.set_device_memory(t, False)
+        self.device_types = frozenset()

@@ -38,7 +38,7 @@ class SegmentPopulator:
         if generation == self._generation:
             return 0
         self._generation = generation
-        segments = [s for s in source.segments() if s.managed]  # device-memory ones are resident already
+        segments = source.managed_segments()  # device-memory ones are resident already
         self._seen &= {(s.ptr, s.size) for s in segments}
         runtime, device = self.pools.runtime, self.pools.device
         stream = runtime.current_stream()

@@ -584,7 +584,7 @@ class Session(Listenable):
         free_ranges = None
         if self.budget_discard_free and self._real and device is not None:
             if callable(can_discard) and bool(can_discard()):
-                free_ranges = _free_ranges_of(pools, device, self.budget_device_activations)
+                free_ranges = _free_ranges_of(pools, device)
             else:
                 warnings.warn("budget_discard_free=True needs cudaMemDiscardBatchAsync (CUDA 13+): it stays off",
                               RuntimeWarning, stacklevel=3)
@@ -702,12 +702,10 @@ def _check_budget(budget: int | None, lookahead: int, issue: str) -> int | None:
     return budget
 
 
-def _free_ranges_of(pools: ManagedPools, device: torch.device,
-                    device_activations: bool = False) -> Callable[[], list[tuple[int, int]]]:
+def _free_ranges_of(pools: ManagedPools, device: torch.device) -> Callable[[], list[tuple[int, int]]]:
     """What the caching allocator has free now in the pools whose blocks may be discarded when free (managed
-    ones only: not the intermediate-results pool when it is device memory)."""
+    ones only: not a pool of plain device memory)."""
     from um_lab.budget.free import inactive_ranges
 
-    types = (DataType.INPUT, DataType.GRAD) if device_activations else (DataType.ACT, DataType.INPUT, DataType.GRAD)
-    pool_ids = [pools.pool_id(t) for t in types]
+    pool_ids = [pools.pool_id(t) for t in (DataType.ACT, DataType.INPUT, DataType.GRAD) if t not in pools.device_types]
     return lambda: inactive_ranges(pool_ids, int(torch.cuda.current_stream(device).cuda_stream))
