@@ -140,7 +140,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
                 advice: str = "host", stage: bool = False, free: bool = False,
-                device_act: bool | None = None) -> dict[str, Any]:
+                device_act: bool | None = None, remote: bool = True) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -155,7 +155,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                   telemetry=Telemetry(flush="step") if telemetry else False,
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, budget_stage_activations=stage,
-                  budget_discard_free=free, budget_device_activations=device_act if stage else None, **SESSION_KWARGS)
+                  budget_discard_free=free, budget_device_activations=device_act if stage else None,
+                  budget_remote_optimizer=remote, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
@@ -244,6 +245,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
+                remotes: tuple[bool, ...] = (True,),
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -253,22 +255,22 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice, stage, free, device_act in (
-            (r, i, d, b, w, a, st, f, da) for r in ratios for i in issues for d in discards for b in batches
+    for ratio, issue, discard, batch, waits, advice, stage, free, device_act, remote in (
+            (r, i, d, b, w, a, st, f, da, ro) for r in ratios for i in issues for d in discards for b in batches
             for w in gpu_waits for a in advices for st in stages for f in frees
-            for da in (device_acts if st else (None,))):
+            for da in (device_acts if st else (None,)) for ro in remotes):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
                                "stage_activations": stage, "discard_free": free,
                                "device_activations": stage if device_act is None else device_act,
-                               "fit_step_ms": fit_ms,
+                               "remote_optimizer": remote, "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
                               time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage,
-                              free=free, device_act=device_act)
+                              free=free, device_act=device_act, remote=remote)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -282,22 +284,24 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         budgets = [r.extra["budget"] for r in recs]
         step_ms = statistics.median(r.wall_ms for r in recs)
         stagings = [b.get("staging") or {} for b in budgets]
+        # optimizer state left in host memory crosses at least twice (read, written back), as a moved block does
         crossing = int(statistics.median(
             b["prefetched_bytes"] + b["evicted_bytes"] + st.get("staged_bytes", 0) + st.get("restored_bytes", 0)
-            for b, st in zip(budgets, stagings, strict=True)))
+            + 2 * b.get("remote_bytes", 0) for b, st in zip(budgets, stagings, strict=True)))
         bound_ms = max(fit_ms, crossing / LINK_BYTES_PER_S * 1e3)
         prefetched = int(statistics.median(b["prefetched_bytes"] for b in budgets))
         evicted = int(statistics.median(b["evicted_bytes"] for b in budgets))
         staged = int(statistics.median(st.get("staged_bytes", 0) for st in stagings))
         restored = int(statistics.median(st.get("restored_bytes", 0) for st in stagings))
-        primitive_bound = primitive_bound_ms(fit_ms, prefetched, evicted, staged, restored)
+        remote_bytes = int(statistics.median(b.get("remote_bytes", 0) for b in budgets))
+        primitive_bound = primitive_bound_ms(fit_ms, prefetched, evicted, staged, restored, remote_bytes)
         row.update({
             "step_ms": step_ms, "crossing_bytes": crossing, "bound_ms": bound_ms, "over_bound": step_ms / bound_ms,
             "primitive_bound_ms": primitive_bound, "over_primitive_bound": step_ms / primitive_bound,
             "max_resident_ledger": max(b["max_resident_ledger"] for b in budgets),
             "max_resident_cupti": cupti_max(recs),
             "prefetched_bytes": prefetched, "evicted_bytes": evicted,
-            "staged_bytes": staged, "restored_bytes": restored, "staging_all": stagings,
+            "staged_bytes": staged, "restored_bytes": restored, "staging_all": stagings, "remote_bytes": remote_bytes,
             "discarded_bytes": int(statistics.median(b.get("discarded_bytes", 0) for b in budgets)),
             "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
@@ -335,6 +339,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
             f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}, "
             f"device activations {'on' if row['device_activations'] else 'off'}, "
+            f"remote optimizer {'on' if remote else 'off'} ({remote_bytes / GiB:.2f} GiB), "
             f"free discards {'on' if free else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
@@ -440,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --stage on: the intermediate-results pool in plain device memory "
                          "(Session(budget_device_activations=...); auto: the session's default, on with staging); "
                          "several: a row each")
+    ap.add_argument("--remote-optim", nargs="+", choices=["on", "off"], default=["on"],
+                    help="Session(budget_remote_optimizer=...): optimizer state the plan would move stays in host "
+                         "memory, updated there (on, the default) or is prefetched in and out (off); both: a row each")
     ap.add_argument("--discard-free", nargs="+", choices=["on", "off"], default=["off"],
                     help="discard and populate, not copy, blocks the caching allocator holds no tensor in "
                          "(Session(budget_discard_free=...)); both: a row each")
@@ -493,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                                      tuple(st == "on" for st in args.stage),
                                      tuple(f == "on" for f in args.discard_free),
                                      tuple(None if d == "auto" else d == "on" for d in args.device_act),
+                                     remotes=tuple(r == "on" for r in args.remote_optim),
                                      row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header,
                                                                                      done + so_far))
             if not args.no_sim:
@@ -541,15 +550,17 @@ PINNED_COPY_BYTES_PER_S = 55e9
 
 
 def primitive_bound_ms(fit_ms: float, prefetched_bytes: int, evicted_bytes: int, staged_bytes: int = 0,
-                       restored_bytes: int = 0) -> float:
+                       restored_bytes: int = 0, remote_bytes: int = 0) -> float:
     """The bound from the primitives measured on the H200 (the h200 profile): max(fit step, bytes in at
     the managed host->GPU prefetch rate + bytes out at the GPU->host rate, the two directions did not
-    overlap in the probe; + staged activations at the pinned copy rate, 55 GB/s each way)."""
+    overlap in the probe; + staged activations at the pinned copy rate, 55 GB/s each way; + optimizer state
+    left in host memory read once at the remote read rate and written once at the remote write rate)."""
     from um_lab.sim.profile import load_profile
 
     profile = load_profile("h200")
     move_s = prefetched_bytes / (profile.prefetch_h2d_GBps * 1e9) + evicted_bytes / (profile.prefetch_d2h_GBps * 1e9)
     move_s += (staged_bytes + restored_bytes) / PINNED_COPY_BYTES_PER_S
+    move_s += remote_bytes / (profile.remote_GBps * 1e9) + remote_bytes / (profile.remote_write_GBps * 1e9)
     return max(fit_ms, move_s * 1e3)
 
 

@@ -54,18 +54,24 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any]) -> No
     sim_rows = sim.get("rows", []) if isinstance(sim, dict) else []
     rows_with_sim = [p for p in [*predicted.get("rows", []), *sim_rows]
                      if p.get("sim_step_ms") is not None]  # a file's simulator section ("sim") too
-    table = {(p["model"], float(p["ratio"])): p for p in rows_with_sim}
+    table = {(p["model"], float(p["ratio"])): p for p in rows_with_sim if "remote_optimizer" not in p}
+    # a prediction for one setting of Session(budget_remote_optimizer=...) goes to the rows with that setting only
+    table.update({(p["model"], float(p["ratio"]), bool(p["remote_optimizer"])): p
+                  for p in rows_with_sim if "remote_optimizer" in p})
     for row in rows:
-        p = table.get((row.get("model"), float(row.get("ratio", 0))))
+        key = (row.get("model"), float(row.get("ratio", 0)))
+        p = table.get((*key, bool(row.get("remote_optimizer", False)))) or table.get(key)
         if p is not None:
             row["predicted_step_ms"] = p.get("sim_step_ms")
 
 
 def staging_cell(row: dict[str, Any]) -> str:
-    """The staging column: off, on (intermediate pool managed) or on with that pool in device memory."""
+    """The staging column: off, on (intermediate pool managed) or on with that pool in device memory; and the
+    optimizer state left in host memory (``Session(budget_remote_optimizer=True)``) where a row had some."""
+    remote = f"; optimizer state remote {row['remote_bytes'] / GiB:.1f} GiB" if row.get("remote_bytes") else ""
     if not row.get("stage_activations"):
-        return "off"
-    return "on, device pool" if row.get("device_activations") else "on, managed pool"
+        return "off" + remote
+    return ("on, device pool" if row.get("device_activations") else "on, managed pool") + remote
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

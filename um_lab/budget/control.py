@@ -49,7 +49,7 @@ class BudgetControl:
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
                  stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = (),
-                 host_written_types: Iterable[DataType] = ()) -> None:
+                 host_written_types: Iterable[DataType] = (), remote_optimizer: bool = False) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
@@ -57,7 +57,7 @@ class BudgetControl:
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
                                        gpu_waits=gpu_waits, free_ranges=free_ranges, fixed_types=fixed_types,
-                                       host_written_types=host_written_types)
+                                       host_written_types=host_written_types, remote_optimizer=remote_optimizer)
         self.keep_tensor = keep_tensor
         self.stager = stager
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle

@@ -64,8 +64,12 @@ class BudgetExecutor:
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
-                 fixed_types: Iterable[DataType] = (), host_written_types: Iterable[DataType] = ()) -> None:
+                 fixed_types: Iterable[DataType] = (), host_written_types: Iterable[DataType] = (),
+                 remote_optimizer: bool = False) -> None:
         self.ledger = Ledger(budget_bytes)
+        #: optimizer state the plan would move stays in host memory, updated there over the link
+        #: (:func:`~um_lab.budget.plan.make_plan`); only where that pool's writes land on the host
+        self.remote_optimizer = remote_optimizer and DataType.OPTIM in frozenset(host_written_types)
         #: data types whose segments stay resident, never moved by the scheduler
         self.fixed_types = frozenset(fixed_types)
         #: data types whose pools prefer the host: a kernel's write to a non-resident page lands in host memory
@@ -190,14 +194,14 @@ class BudgetExecutor:
             self.fixed_reserve = max(self.fixed_reserve, ledger.fixed_bytes - self.plan.fixed_bytes)
         try:  # room for the fixed pool to grow again by as much as it once did
             plan = make_plan(order, ledger.budget_bytes - self.fixed_reserve, self.lookahead,
-                             discard_segments=grads, fixed_segments=set(fixed))
+                             discard_segments=grads, fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer)
         except BudgetTooSmall:
             if not self.fixed_reserve:
                 raise
             plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads,
-                             fixed_segments=set(fixed))
+                             fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer)
         self.plan, self.plan_order = plan, order
-        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads)
+        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads, plan.remote_blocks)
         self._discards_suspended = False
         return plan
 
@@ -291,6 +295,7 @@ class BudgetExecutor:
         self._wait_pending(index)
         plan = self.plan
         if self.following_plan and plan is not None and index < len(plan.keys) and plan.keys[index] == position.key:
+            actual -= plan.remote_blocks  # used where they are, in host memory
             rank = self._rank(index)
             moves: list[Move] = []
             for planned in plan.moves[index]:
@@ -397,6 +402,7 @@ class BudgetExecutor:
                 "touched_bytes": ledger.touched_bytes, "first_touch_bytes": ledger.first_touch_bytes,
                 "host_touched_bytes": ledger.host_touched_bytes,
                 "fixed_bytes": ledger.fixed_bytes, "fixed_reserve_bytes": self.fixed_reserve,
+                "remote_bytes": self.plan.remote_bytes if self.plan is not None and self.following_plan else 0,
                 "over_budget": ledger.max_resident > ledger.budget_bytes,
                 "planned": self.plan is not None, "followed_plan": self.following_plan, **self.stats}
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from um_lab.budget.ledger import Ledger, Move
+from um_lab.budget.ledger import Ledger, Move, blocks_of_span
 from um_lab.budget.order import Order
 from um_lab.errors import BudgetError, BudgetTooSmall
 from um_lab.types import DataType
@@ -31,14 +31,16 @@ class Scheduler:
     """Belady evictions and look-ahead prefetches over a cyclic :class:`Order` (see the module doc)."""
 
     def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2,
-                 discard_segments: Iterable[int] = ()) -> None:
+                 discard_segments: Iterable[int] = (), remote_blocks: Iterable[int] = ()) -> None:
         if lookahead < 0:
             raise BudgetError(f"lookahead must be >= 0, got {lookahead}")
         self.ledger = ledger
         self.order = order
         self.lookahead = lookahead
         self.n = len(order.positions)
-        self.blocks = [ledger.blocks(p.spans()) for p in order.positions]
+        #: blocks left in host memory and accessed there (never brought in: see :func:`make_plan`)
+        self.remote_blocks = frozenset(remote_blocks)
+        self.blocks = [ledger.blocks(p.spans()) - self.remote_blocks for p in order.positions]
         uses: dict[int, list[int]] = {}
         for i, blocks in enumerate(self.blocks):
             for b in blocks:
@@ -161,6 +163,9 @@ class Plan:
     discarded_bytes: int = 0  #: resident bytes dropped with no copy per steady step (dead gradients)
     populated_bytes: int = 0  #: bytes brought in with no copy (dead blocks made resident again)
     fixed_bytes: int = 0  #: bytes of fixed blocks the plan worked around (a fixed part of the budget)
+    #: optimizer-state blocks left in host memory, read and written there by the optimizer's kernels
+    remote_blocks: frozenset[int] = frozenset()
+    remote_bytes: int = 0  #: their bytes
 
     def evictions(self) -> list[Move]:
         """Every eviction of the steady step, in order."""
@@ -172,7 +177,7 @@ class Plan:
                 "max_resident_ledger": self.max_resident, "prefetched_bytes": self.prefetched_bytes,
                 "evicted_bytes": self.evicted_bytes, "discarded_bytes": self.discarded_bytes,
                 "populated_bytes": self.populated_bytes, "largest_working_set": self.largest_working_set,
-                "fixed_bytes": self.fixed_bytes,
+                "fixed_bytes": self.fixed_bytes, "remote_bytes": self.remote_bytes,
                 "positions": len(self.keys), "steady": self.steady}
 
 
@@ -230,17 +235,61 @@ def new_ledger(order: Order, budget_bytes: int, fixed_segments: Iterable[int] = 
 
 
 def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6,
-              discard_segments: Iterable[int] = (), fixed_segments: Iterable[int] = ()) -> Plan:
+              discard_segments: Iterable[int] = (), fixed_segments: Iterable[int] = (),
+              remote_optimizer: bool = False, remote_blocks: Iterable[int] = ()) -> Plan:
     """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
     until a step repeats the previous one's moves, and return that step's moves. Gradient blocks lying
     in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`); the segments starting at
-    ``fixed_segments`` stay resident throughout and are never moved (a fixed part of the budget).
+    ``fixed_segments`` stay resident throughout and are never moved (a fixed part of the budget);
+    ``remote_blocks`` are never brought in (the positions that use them access them in host memory).
+
+    ``remote_optimizer``: optimizer state that the plan would move (in for the optimizer, out again after
+    it) stays in host memory instead, read and written there by the optimizer's kernels over the link:
+    the state is replanned without those blocks until no optimizer state moves
+    (:func:`optimizer_only_blocks`). Only for pools whose non-resident pages the GPU maps remotely
+    (host advice); a GPU prefetch to the host runs at a third of the link's rate or less, the remote
+    update at about the link's.
 
     Raises :class:`BudgetTooSmall` before planning when one position alone (with the fixed blocks) does
     not fit.
     """
+    remote = frozenset(remote_blocks)
+    plan = _make_plan(order, budget_bytes, lookahead, max_cycles, discard_segments, fixed_segments, remote)
+    if not remote_optimizer:
+        return plan
+    optim = optimizer_only_blocks(order)
+    for _ in range(REMOTE_ROUNDS):
+        moved = {b for ms in plan.moves for m in ms if m.kind in ("prefetch", "evict") for b in m.blocks} & optim
+        if not moved - remote:
+            break
+        remote |= moved
+        plan = _make_plan(order, budget_bytes, lookahead, max_cycles, discard_segments, fixed_segments, remote)
+    return plan
+
+
+#: at most this many replans while moving optimizer state to host memory (each one leaves room that may
+#: let the plan keep some other optimizer state resident, never more to move: two were enough on every order tried)
+REMOTE_ROUNDS = 4
+
+
+def optimizer_only_blocks(order: Order) -> frozenset[int]:
+    """The blocks that only optimizer positions use and that hold optimizer state (no other type's data)."""
+    optim: set[int] = set()
+    other: set[int] = set()
+    for p in order.positions:
+        for a in p.accesses:
+            blocks = {b for ptr, n in a.spans for b in blocks_of_span(ptr, n)}
+            if a.data_type is DataType.OPTIM and p.phase == "optimizer":
+                optim |= blocks
+            else:
+                other |= blocks
+    return frozenset(optim - other)
+
+
+def _make_plan(order: Order, budget_bytes: int, lookahead: int, max_cycles: int, discard_segments: Iterable[int],
+               fixed_segments: Iterable[int], remote: frozenset[int]) -> Plan:
     ledger = new_ledger(order, budget_bytes, fixed_segments)
-    scheduler = Scheduler(ledger, order, lookahead, discard_segments)
+    scheduler = Scheduler(ledger, order, lookahead, discard_segments, remote)
     scheduler.check_fits()
     largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)
     previous: list[list[Move]] | None = None
@@ -258,7 +307,8 @@ def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles
     return Plan(budget_bytes, lookahead, order.keys(), moves, ledger.total_bytes, ledger.max_resident,
                 ledger.prefetched_bytes, ledger.evicted_bytes, largest, steady, start,
                 discarded_bytes=ledger.discarded_bytes, populated_bytes=ledger.populated_bytes,
-                fixed_bytes=ledger.fixed_bytes)
+                fixed_bytes=ledger.fixed_bytes, remote_blocks=remote,
+                remote_bytes=ledger.bytes_of(ledger.known_blocks(remote)))
 
 
 def _same(a: list[list[Move]], b: list[list[Move]]) -> bool:

@@ -43,6 +43,7 @@ from um_lab.budget.stage import WINDOW_BYTES
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
+from um_lab.sim.remote_optim import RemoteCost, by_layer, remote_costs, remote_extra_us
 from um_lab.sim.trace import ACC_WRITE_ONLY, KIND_H2D_COPY, PHASE_BWD, PHASE_FWD, PHASE_OPT, StepTrace
 from um_lab.types import DATA_TYPES, DataType, StepRecord
 
@@ -68,6 +69,8 @@ class DerivedOrder:
     layers: int  #: parameter layers found (optimizer positions)
     grad_segments: frozenset[int] = frozenset()  #: starts of the gradient runs (what a plan may discard)
     op_start: tuple[int, ...] = ()  #: the first op of each position (optimizer positions: the first optimizer op)
+    #: per position, its optimizer-state storages' cost if left in host memory (:mod:`um_lab.sim.remote_optim`)
+    remote_costs: tuple[tuple[RemoteCost, ...], ...] = ()
 
 
 #: managed (GPU-resident) <-> pinned host copies on the H200: 52.3 GB/s out, 51.0 GB/s back
@@ -100,6 +103,8 @@ class BudgetStep:
     side_busy_us: float  #: time the side stream spent moving data (both directions)
     host_waits: int  #: positions whose prefetches the training thread had to wait to see issued
     calls: int  #: prefetch calls made per step
+    remote_us: float = 0.0  #: GPU time the optimizer spent on state left in host memory
+    remote_link_bytes: float = 0.0  #: bytes its kernels read and wrote over the link for it
 
 
 def _layer_of_params(trace: StepTrace) -> tuple[dict[int, int], int]:
@@ -232,7 +237,10 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
         if trace.st_type[s] == _PARAM:
             tensors[lay] += 1
     total_tensors = float(tensors.sum()) or 1.0
+    remote = by_layer(remote_costs(trace, layout, profile, opt_ops), layer)
+    costs: list[tuple[RemoteCost, ...]] = [()] * len(positions)
     for lay in sorted(opt_layers):
+        costs.append(tuple(remote.get(lay, ())))
         positions.append(opt_layers[lay])
         starts.append(opt_ops[0] if opt_ops else trace.n_ops)
         compute.append(shared_compute * float(param_bytes[lay]) / total_param + float(own_us["compute"][lay]))
@@ -241,7 +249,7 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
     segments = _type_runs(layout)
     grads = frozenset(p for p, _ in segments if DATA_TYPES[int(layout.block_type[p // BLOCK])] is DataType.GRAD)
     return DerivedOrder(Order(positions, segments), compute, host_us, int(scratch.max()) if len(scratch) else 0,
-                        len(opt_layers), grads, tuple(starts))
+                        len(opt_layers), grads, tuple(starts), tuple(costs))
 
 
 def _type_runs(layout: Layout) -> list[Span]:
@@ -257,15 +265,18 @@ def _type_runs(layout: Layout) -> list[Span]:
     return runs
 
 
-def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = False) -> Plan:
+def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = False,
+                remote_optimizer: bool = False) -> Plan:
     """The scheduler's steady-state plan of ``derived`` under ``budget_bytes`` less the optimizer's
-    temporaries (whole blocks); ``discard``: dead gradients discarded, as ``Session(budget_discard=True)``.
-    Raises :class:`BudgetTooSmall` when one position cannot fit."""
+    temporaries (whole blocks); ``discard``: dead gradients discarded, as ``Session(budget_discard=True)``;
+    ``remote_optimizer``: optimizer state the plan would move left in host memory, as
+    ``Session(budget_remote_optimizer=True)``. Raises :class:`BudgetTooSmall` when one position cannot fit."""
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
     usable = budget_bytes - scratch
     if usable < BLOCK:
         raise BudgetTooSmall(budget_bytes, scratch + BLOCK, "the optimizer's temporaries of one layer")
-    return make_plan(derived.order, usable, lookahead, discard_segments=derived.grad_segments if discard else ())
+    return make_plan(derived.order, usable, lookahead, discard_segments=derived.grad_segments if discard else (),
+                     remote_optimizer=remote_optimizer)
 
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
@@ -288,6 +299,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     n = len(derived.order.positions)
     copy = 0.0  # the staging copy stream's clock
     backward = [pos.phase == "backward" for pos in derived.order.positions]
+    remote_us, remote_link = remote_extra_us(derived.remote_costs, plan.remote_blocks, n)  # state updated over the link
     for _ in range(STEADY_STEPS):
         cpu += p.cpu_step_us
         t0 = max(gpu, cpu)
@@ -354,7 +366,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                         next_pending[t] = (max(old[0], side), max(old[1], mover))
             start = max(gpu, ready, cpu)
             cpu += derived.host_us[i]
-            gpu = max(start + derived.compute_us[i], cpu + p.kernel_us)
+            gpu = max(start + derived.compute_us[i] + remote_us[i], cpu + p.kernel_us)
             if staging is not None and staging.out_bytes[i]:  # after the position's ops; the host throttles
                 copy = max(copy, gpu) + staging.out_bytes[i] / (staging.GBps * 1e3)
                 in_flight.append((copy, staging.out_bytes[i]))
@@ -362,7 +374,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                     cpu = max(cpu, in_flight.pop(0)[0])
         wall = gpu - t0
         cpu = max(cpu, gpu)  # the step's end: the loss is read back
-    return BudgetStep(wall, float(sum(derived.compute_us)), busy, waits, calls)
+    return BudgetStep(wall, float(sum(derived.compute_us)), busy, waits, calls, float(sum(remote_us)), remote_link)
 
 
 @dataclasses.dataclass
@@ -393,7 +405,7 @@ def memoised(key: tuple[Any, ...], compute: Callable[[], _T]) -> _T:
 
 
 def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                    lookahead: int = 2, discard: bool = False) -> BudgetSimulation:
+                    lookahead: int = 2, discard: bool = False, remote_optimizer: bool = True) -> BudgetSimulation:
     """Order, plan and steady step of ``trace`` placed by ``layout`` (the steady one) under ``budget_bytes``
     (memoised per trace, profile constants, budget, look-ahead and ``discard``; a pre-flight and the run that
     follows plan once). Raises :class:`BudgetTooSmall`."""
@@ -401,10 +413,11 @@ def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_b
 
     def compute() -> BudgetSimulation:
         derived = derive_order(trace, layout, profile)
-        plan = plan_budget(derived, budget_bytes, lookahead, discard)
+        plan = plan_budget(derived, budget_bytes, lookahead, discard, remote_optimizer)
         return BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
 
-    key = ("budget", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead), bool(discard))
+    key = ("budget", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead), bool(discard),
+           bool(remote_optimizer))
     return memoised(key, compute)
 
 
@@ -432,7 +445,8 @@ def steady_records(trace: StepTrace, layout: Layout, plan: Plan, step: BudgetSte
                          gpu_capacity_bytes=int(capacity // BLOCK * BLOCK), backend=backend, policy=policy_name,
                          warmup=i < warmup_steps, resident_bytes=dict(resident), htod_bytes=dict(moved_in),
                          dtoh_bytes=dict(moved_out), gpu_page_faults=0,
-                         evictions=sum(len(m.blocks) for m in plan.evictions()), remote_bytes=0,
+                         evictions=sum(len(m.blocks) for m in plan.evictions()),
+                         remote_bytes=int(step.remote_link_bytes),
                          telemetry="simulated", extra={"budget": dict(extra), "trace_ops": trace.n_ops})
 
 
@@ -442,7 +456,8 @@ def budget_extra(plan: Plan, step: BudgetStep, derived: DerivedOrder, budget_byt
     return {**summary, "budget_bytes": budget_bytes, "planned_budget_bytes": plan.budget_bytes,
             "optim_scratch_bytes": derived.optim_scratch_bytes, "followed_plan": True, "planned": True,
             "over_budget": plan.max_resident > plan.budget_bytes, "compute_ms": step.compute_us / 1e3,
-            "side_busy_ms": step.side_busy_us / 1e3, "host_waits": step.host_waits, "prefetch_calls": step.calls,
+            "side_busy_ms": step.side_busy_us / 1e3, "remote_optimizer_ms": step.remote_us / 1e3,
+            "host_waits": step.host_waits, "prefetch_calls": step.calls,
             "model": "sim.budget: steady-state plan replayed on host, mover, side-stream and compute clocks"}
 
 

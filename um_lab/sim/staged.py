@@ -159,20 +159,21 @@ def without_intermediates(derived: DerivedOrder, layout: Layout) -> DerivedOrder
 
 
 def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                    lookahead: int = 2) -> StagedSimulation:
+                    lookahead: int = 2, remote_optimizer: bool = True) -> StagedSimulation:
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
     Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
-    other data do not fit. Memoised as :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run
+    other data do not fit. ``remote_optimizer``: optimizer state the plan would move stays in host memory
+    (``Session(budget_remote_optimizer=True)``, :mod:`um_lab.sim.remote_optim`). Memoised as :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run
     simulate once)."""
     from um_lab.sim.profile import profile_sha256
 
     key = ("staged", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead),
-           window_for_budget(budget_bytes))
-    return memoised(key, lambda: _simulate_staged(trace, layout, profile, budget_bytes, lookahead))
+           window_for_budget(budget_bytes), bool(remote_optimizer))
+    return memoised(key, lambda: _simulate_staged(trace, layout, profile, budget_bytes, lookahead, remote_optimizer))
 
 
 def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                     lookahead: int) -> StagedSimulation:
+                     lookahead: int, remote_optimizer: bool) -> StagedSimulation:
     derived = without_intermediates(derive_order(trace, layout, profile), layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
@@ -183,7 +184,7 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
     if usable < BLOCK:
         raise BudgetTooSmall(budget_bytes, fixed + scratch + BLOCK,
                              "the intermediate-results pool staging leaves and the optimizer's temporaries")
-    plan = make_plan(derived.order, usable, lookahead)
+    plan = make_plan(derived.order, usable, lookahead, remote_optimizer=remote_optimizer)
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
 
