@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -160,6 +160,22 @@ if [[ $what == devact2 ]]; then  # <= 6.5 min: session 17 call 3, the other rati
     --no-sim --out "$OUT/budget_gpt2l.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-xl --ratios 3 1.5 --steps 6 --stage on --time-moves \
     --no-sim --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == remote ]]; then  # <= 9.5 min, 5 files: session 18 call 1, optimizer state left in host memory
+  timeout -s KILL 150 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
+    -k "host_memory or budget_run_stays" 2>&1 | tail -12 | tee "$OUT/tests.log"
+  timeout -s KILL 270 python3 bench/budget.py --models gpt2-xl --ratios 2 3 --steps 5 --stage on --remote-optim on off \
+    --time-moves --no-sim --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 150 python3 bench/budget.py --models gpt2-large --ratios 3 --steps 6 --stage on --remote-optim on off \
+    --time-moves --no-sim --out "$OUT/budget_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == remote2 ]]; then  # <= 9.5 min, 6 files: session 18 call 2, ResNet-50's ratios and the FSDP2 peers
+  timeout -s KILL 150 python3 bench/budget.py --models resnet50 --ratios 1.5 2 3 --steps 7 --stage on --time-moves \
+    --no-sim --fsdp2 --out "$OUT/budget_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 330 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 5 --stage on --time-moves --no-sim \
+    --fsdp2 --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+  timeout -s KILL 60 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
+    -k "host_memory_keeps_cupti" 2>&1 | tail -8 | tee "$OUT/tests.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

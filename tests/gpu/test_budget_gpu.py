@@ -58,7 +58,8 @@ def test_budget_run_stays_under_b_and_trains_like_a_run_without_one(discard):
 
     plain, plain_params, footprint = _train(None)
     budget = footprint // 2
-    records, params, _ = _train(budget, budget_discard=discard)
+    # optimizer state moving (not left in host memory): the moves under test
+    records, params, _ = _train(budget, budget_discard=discard, budget_remote_optimizer=False)
     for r in records[2:]:  # dead gradients are discarded (CUDA 13+), not copied to the host
         assert (r.extra["budget"]["discarded_bytes"] > 0) == (discard and can_discard()), r.extra["budget"]
     for r in records:
@@ -85,7 +86,7 @@ def test_each_mover_option_keeps_the_ledger_under_b_and_trains_like_a_run_withou
         pytest.skip("cudaMemPrefetchBatchAsync needs CUDA 13+")
     plain, plain_params, footprint = _train(None)
     budget = footprint // 2
-    records, params, _ = _train(budget, **{option: True})
+    records, params, _ = _train(budget, budget_remote_optimizer=False, **{option: True})
     for r in records[2:]:
         b = r.extra["budget"]
         assert b["followed_plan"] and b["max_resident_ledger"] <= budget and not b["over_budget"], b
@@ -135,8 +136,8 @@ def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging(
     so training matches the same budget run without staging bit for bit, and the ledger stays under B."""
     _, _, footprint = _train(None, steps=2)
     budget = footprint // 2
-    plain, plain_params, _ = _train(budget, steps=5)
-    records, params, _ = _train(budget, steps=5, budget_stage_activations=True)
+    plain, plain_params, _ = _train(budget, steps=5, budget_remote_optimizer=False)
+    records, params, _ = _train(budget, steps=5, budget_stage_activations=True, budget_remote_optimizer=False)
     for r in records:
         st = r.extra["budget"]["staging"]
         # every Linear's 4 MiB input and GELU's input are saved: 8 layers' worth at least
@@ -187,6 +188,36 @@ def test_staged_activations_in_device_memory_train_bit_for_bit_like_managed_ones
     for a, p in zip(managed_params, params, strict=True):
         assert torch.equal(a, p)
     assert [r.loss for r in records] == [r.loss for r in managed]
+
+
+def test_optimizer_state_left_in_host_memory_trains_bit_for_bit_like_moving_it():
+    """budget_remote_optimizer (the default): the optimizer state the plan would move stays in host memory and
+    AdamW updates it there over the link; the same kernels on the same values, so training matches the run that
+    prefetches it in and out bit for bit. No optimizer state is prefetched or evicted, the ledger stays under B,
+    and with staging too."""
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    for stage in (False, True):
+        moving, moving_params, _ = _train(budget, steps=5, budget_remote_optimizer=False,
+                                          budget_stage_activations=stage)
+        records, params, _ = _train(budget, steps=5, budget_stage_activations=stage)
+        for r in records[2:]:
+            b = r.extra["budget"]
+            assert b["remote_optimizer"] and b["remote_bytes"] > 0 and b["followed_plan"], b
+            assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+        late = [r.extra["budget"] for r in records[2:]]
+        before = [r.extra["budget"] for r in moving[2:]]
+        assert sum(b["evicted_bytes"] for b in late) < sum(b["evicted_bytes"] for b in before), (late, before)
+        for a, p in zip(moving_params, params, strict=True):
+            assert torch.equal(a, p)
+        assert [r.loss for r in records] == [r.loss for r in moving]
+
+
+def test_optimizer_state_left_in_host_memory_keeps_cupti_residency_under_b():
+    """Remote optimizer state is read and written in place over the link, never migrated: CUPTI's residency at
+    each step's end stays under B."""
+    records = _assert_cupti_residency_under_b(budget_remote_optimizer=True)
+    assert all(r.extra["budget"]["remote_bytes"] > 0 for r in records[2:])
 
 
 def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():

@@ -163,8 +163,8 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
     Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
     other data do not fit. ``remote_optimizer``: optimizer state the plan would move stays in host memory
-    (``Session(budget_remote_optimizer=True)``, :mod:`um_lab.sim.remote_optim`). Memoised as :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run
-    simulate once)."""
+    (``Session(budget_remote_optimizer=True)``, :mod:`um_lab.sim.remote_optim`). Memoised as
+    :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run simulate once)."""
     from um_lab.sim.profile import profile_sha256
 
     key = ("staged", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead),
