@@ -222,7 +222,7 @@ def move_rates(budgets: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         gb = statistics.median(t["bytes"] for t in steps) / 1e9
         ms = statistics.median(t["ms"] for t in steps)
         host_ms = statistics.median(t["host_ms"] for t in steps)
-        out[kind] = {"GB": round(gb, 3), "ms": round(ms, 1), "host_ms": round(host_ms, 1),
+        out[kind] = {"GB": round(gb, 4), "ms": round(ms, 1), "host_ms": round(host_ms, 1),
                      "calls": int(statistics.median(t["calls"] for t in steps)),
                      "GBps": round(gb / (ms / 1e3), 2) if ms > 0 else float("nan")}
     return out

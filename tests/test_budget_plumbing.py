@@ -113,7 +113,8 @@ def test_cli_run_on_the_simulator_records_the_budget_in_the_run_folder(tmp_path,
     for record in records:
         numbers = record.extra["budget"]
         assert numbers["budget_bytes"] == budget and numbers["max_resident_ledger"] <= budget
-        assert numbers["prefetched_bytes"] > 0 and record.wall_ms > 0
+        # the MLP's moving data at half its footprint is optimizer state: left in host memory by default
+        assert numbers["prefetched_bytes"] + numbers["remote_bytes"] > 0 and record.wall_ms > 0
 
 
 def test_compare_shows_layer_ahead_as_one_more_policy_and_gives_only_it_the_budget(tmp_path):

@@ -26,7 +26,8 @@ def analysed(dead_moves):
     sim = SimBackend()
     prepared = sim.prepare(dead_moves.build_case("mlp-small"))
     layout = prepared.placement.final
-    result = simulate_budget(prepared.trace, layout, sim.profile, int(prepared.footprint_bytes / 2))
+    result = simulate_budget(prepared.trace, layout, sim.profile, int(prepared.footprint_bytes / 2),
+                             remote_optimizer=False)  # what the plan that moves optimizer state moves
     return prepared.trace, layout, result
 
 

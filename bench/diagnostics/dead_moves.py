@@ -156,7 +156,7 @@ def analyse(name: str, ratio: float) -> dict[str, Any]:
     prepared = sim.prepare(build_case(name))
     budget = int(prepared.footprint_bytes / ratio)
     layout = prepared.placement.final
-    result = simulate_budget(prepared.trace, layout, sim.profile, budget)
+    result = simulate_budget(prepared.trace, layout, sim.profile, budget, remote_optimizer=False)  # the moving plan
     live = Liveness(prepared.trace, layout.st_va)
     shares = dead_share(result.plan, result.derived.op_start, live)
     moved = shares["prefetched_bytes"] + shares["evicted_bytes"]
