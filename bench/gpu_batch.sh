@@ -172,7 +172,7 @@ fi
 if [[ $what == remote2 ]]; then  # <= 9.5 min, 6 files: session 18 call 2, ResNet-50's ratios and the FSDP2 peers
   timeout -s KILL 150 python3 bench/budget.py --models resnet50 --ratios 1.5 2 3 --steps 7 --stage on --time-moves \
     --no-sim --fsdp2 --out "$OUT/budget_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
-  timeout -s KILL 330 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 5 --stage on --time-moves --no-sim \
+  timeout -s KILL 330 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 8 --stage on --time-moves --no-sim \
     --fsdp2 --out "$OUT/budget_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
   timeout -s KILL 60 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
     -k "host_memory_keeps_cupti" 2>&1 | tail -8 | tee "$OUT/tests.log"
