@@ -177,13 +177,13 @@ if [[ $what == remote2 ]]; then  # <= 9.5 min, 6 files: session 18 call 2, ResNe
   timeout -s KILL 60 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
     -k "host_memory_keeps_cupti" 2>&1 | tail -8 | tee "$OUT/tests.log"
 fi
-if [[ $what == cupti ]]; then  # <= 8 min, 5 files: session 18 call 3, CUPTI residency on the real models' budget rows
-  timeout -s KILL 100 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --telemetry --no-sim \
-    --out "$OUT/budget_cupti_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
-  timeout -s KILL 170 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --stage on --telemetry --no-sim \
+if [[ $what == cupti ]]; then  # <= 9 min, 5 files: session 18 call 3, CUPTI residency on the real models' budget rows
+  timeout -s KILL 270 python3 bench/budget.py --models gpt2-xl --ratios 3 --steps 5 --stage on --telemetry --no-sim \
+    --fsdp2 --out "$OUT/budget_cupti_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 150 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 5 --stage on --telemetry --no-sim \
     --out "$OUT/budget_cupti_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
-  timeout -s KILL 200 python3 bench/budget.py --models gpt2-xl --ratios 3 --steps 5 --stage on --telemetry --no-sim \
-    --out "$OUT/budget_cupti_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+  timeout -s KILL 60 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --telemetry --no-sim \
+    --out "$OUT/budget_cupti_resnet50.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
