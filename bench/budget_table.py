@@ -3,6 +3,7 @@ file, and print the README's table.
 
     python bench/budget_table.py RUN.json [RUN.json ...] --fsdp2 PEER.jsonl \\
         --predicted bench/results/budget_predicted_session12.json --note "..." --out bench/results/budget.json
+    python bench/budget_table.py OLD.json@gpt2-large:1.5,gpt2-xl:1.5 NEW.json ...   # some rows of a run only
 
 Each row keeps its run's file (``source``). ``fsdp2_step_ms`` / ``fsdp2_peak_bytes`` come from the peer's
 line for the same model (``bench/fsdp2_peer.py``: same model and batch, its own process; ``fsdp2_source``
@@ -28,13 +29,28 @@ def relative(path: Path, root: Path) -> str:
         else str(path)
 
 
-def load_rows(paths: list[Path], root: Path) -> tuple[list[dict[str, Any]], str]:
-    """Every row of every run (with ``source``: the file relative to ``root``) and the runs' device."""
+def run_spec(spec: str) -> tuple[Path, set[tuple[str, float]] | None]:
+    """``RUN.json`` (every row) or ``RUN.json@model:ratio,model:ratio`` (those rows only)."""
+    path, _, chosen = spec.partition("@")
+    if not chosen:
+        return Path(path), None
+    picks = set()
+    for item in chosen.split(","):
+        model, _, ratio = item.rpartition(":")
+        picks.add((model, float(ratio)))
+    return Path(path), picks
+
+
+def load_rows(specs: list[str], root: Path) -> tuple[list[dict[str, Any]], str]:
+    """The rows of every run (:func:`run_spec`; with ``source``: the file relative to ``root``) and the runs'
+    device."""
     rows, devices = [], set()
-    for path in paths:
+    for spec in specs:
+        path, picks = run_spec(spec)
         run = json.loads(path.read_text())
         devices.add(run.get("device", "?"))
-        rows += [{**row, "source": relative(path, root)} for row in run["rows"]]
+        rows += [{**row, "source": relative(path, root)} for row in run["rows"]
+                 if picks is None or (row.get("model"), float(row.get("ratio", 0))) in picks]
     return rows, " / ".join(sorted(devices))
 
 
@@ -48,27 +64,40 @@ def add_fsdp2(rows: list[dict[str, Any]], peer_lines: list[dict[str, Any]], sour
                        fsdp2_source=source)
 
 
-def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any]) -> None:
-    """``predicted_step_ms``: the pre-registered step for the row's (model, ratio), when there is one."""
+def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], source_prefix: str = "") -> None:
+    """``predicted_step_ms`` (the simulator's step) and ``predicted_range_ms`` (a hand range) registered for the
+    row's model and ratio, for rows whose ``source`` starts with ``source_prefix``. A prediction naming
+    ``remote_optimizer`` or ``telemetry`` goes to rows with that setting only (telemetry off where it names none)."""
     sim = predicted.get("sim")  # a section of rows, or (session 17's files) a line saying how they were made
     sim_rows = sim.get("rows", []) if isinstance(sim, dict) else []
-    rows_with_sim = [p for p in [*predicted.get("rows", []), *sim_rows]
-                     if p.get("sim_step_ms") is not None]  # a file's simulator section ("sim") too
-    table = {(p["model"], float(p["ratio"])): p for p in rows_with_sim if "remote_optimizer" not in p}
-    # a prediction for one setting of Session(budget_remote_optimizer=...) goes to the rows with that setting only
-    table.update({(p["model"], float(p["ratio"]), bool(p["remote_optimizer"])): p
-                  for p in rows_with_sim if "remote_optimizer" in p})
+    candidates = [p for p in [*predicted.get("rows", []), *sim_rows]  # a file's simulator section ("sim") too
+                  if "ratio" in p and (p.get("sim_step_ms") is not None or p.get("predicted_step_ms") is not None)]
+
+    def key(model: Any, ratio: Any, remote: Any, telemetry: Any) -> tuple[Any, float, Any, bool]:
+        return model, float(ratio or 0), remote, bool(telemetry)
+
+    table = {key(p["model"], p["ratio"], p.get("remote_optimizer"), p.get("telemetry")): p for p in candidates}
     for row in rows:
-        key = (row.get("model"), float(row.get("ratio", 0)))
-        p = table.get((*key, bool(row.get("remote_optimizer", False)))) or table.get(key)
-        if p is not None:
-            row["predicted_step_ms"] = p.get("sim_step_ms")
+        if not str(row.get("source", "")).startswith(source_prefix):
+            continue
+        telemetry = row.get("telemetry") or row.get("max_resident_cupti") is not None
+        p = (table.get(key(row.get("model"), row.get("ratio"), row.get("remote_optimizer"), telemetry))
+             or table.get(key(row.get("model"), row.get("ratio"), None, telemetry)))
+        if p is None:
+            continue
+        if p.get("sim_step_ms") is not None:
+            row["predicted_step_ms"] = p["sim_step_ms"]
+        hand = p.get("predicted_step_ms")
+        if isinstance(hand, list) and len(hand) == 2:
+            row["predicted_range_ms"] = hand
 
 
 def staging_cell(row: dict[str, Any]) -> str:
     """The staging column: off, on (intermediate pool managed) or on with that pool in device memory; and the
     optimizer state left in host memory (``Session(budget_remote_optimizer=True)``) where a row had some."""
     remote = f"; optimizer state remote {row['remote_bytes'] / GiB:.1f} GiB" if row.get("remote_bytes") else ""
+    if row.get("remote_optimizer") is False and row.get("prefetched_bytes"):
+        remote = "; optimizer state moved"
     if not row.get("stage_activations"):
         return "off" + remote
     return ("on, device pool" if row.get("device_activations") else "on, managed pool") + remote
@@ -90,7 +119,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         telemetry = "on" if r.get("telemetry") or r.get("max_resident_cupti") else "off"
         fsdp2 = (f"{r['fsdp2_step_ms']:,.0f} ({r['fsdp2_peak_bytes'] / GiB:.1f})"
                  if r.get("fsdp2_step_ms") is not None else "")
-        predicted = f"{r['predicted_step_ms']:,.0f}" if r.get("predicted_step_ms") is not None else ""
+        hand = r.get("predicted_range_ms")
+        predicted = " / ".join(
+            ([f"{r['predicted_step_ms']:,.0f} (sim)"] if r.get("predicted_step_ms") is not None else [])
+            + ([f"{hand[0]:,}–{hand[1]:,}"] if hand else []))
         lines.append(
             f"| {r['model']} | {r['ratio']:g} | {r.get('advice', 'host')} | "
             f"{staging_cell(r)} | {telemetry} | "
@@ -102,14 +134,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="bench/budget.py result files")
+    ap.add_argument("runs", nargs="+", help="bench/budget.py result files, each as FILE or FILE@model:ratio,...")
     ap.add_argument("--fsdp2", type=Path, help="bench/fsdp2_peer.py output lines (JSONL)")
-    ap.add_argument("--predicted", type=Path, help="pre-registered predictions (bench/budget.py --predict)")
+    ap.add_argument("--predicted", action="append", default=[],
+                    help="pre-registered predictions (bench/budget.py --predict), as FILE or FILE@SOURCE_PREFIX (for "
+                         "the rows of runs whose path relative to bench/results starts with it); may be repeated")
     ap.add_argument("--note", default="", help="what the rows are (kept in the file)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
-    missing = [p for p in [*args.runs, args.fsdp2, args.predicted] if p is not None and not p.exists()]
+    predictions = [(Path(f), prefix) for f, _, prefix in (spec.partition("@") for spec in args.predicted)]
+    missing = [p for p in [*(run_spec(r)[0] for r in args.runs), args.fsdp2, *(f for f, _ in predictions)]
+               if p is not None and not p.exists()]
     if missing:
         print(f"no such file: {', '.join(map(str, missing))}", file=sys.stderr)
         return 2
@@ -117,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp2 is not None:
         lines = [json.loads(line) for line in args.fsdp2.read_text().splitlines() if line.strip()]
         add_fsdp2(rows, lines, relative(args.fsdp2, root))
-    if args.predicted is not None:
-        add_predictions(rows, json.loads(args.predicted.read_text()))
+    for path, prefix in predictions:
+        add_predictions(rows, json.loads(path.read_text()), prefix)
     result = {"date": datetime.date.today().isoformat(), "device": device, "link_bytes_per_s": 47e9,
               "note": args.note, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")

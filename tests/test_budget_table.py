@@ -81,3 +81,41 @@ def test_the_staging_column_names_the_intermediate_pool_and_a_string_sim_field_i
     budget_table.add_predictions(rows, {"sim": "how the rows were simulated",
                                         "rows": [{"model": "gpt2-large", "ratio": 2, "sim_step_ms": 961.0}]})
     assert rows[0]["predicted_step_ms"] == 961.0
+
+
+def test_a_run_may_give_some_of_its_rows_only(tmp_path, capsys):
+    table = table_module()
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"device": "H200", "rows": [row("gpt2-large", 1.5, 1000.0), row("gpt2-large", 3.0, 2000.0),
+                                                       row("gpt2-xl", 1.5, 900.0)]}))
+    out = tmp_path / "budget.json"
+    assert table.main([f"{a}@gpt2-large:1.5,gpt2-xl:1.5", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["ratio"]) for r in rows] == [("gpt2-large", 1.5), ("gpt2-xl", 1.5)]
+    assert all(r["source"] == str(a) for r in rows)
+    assert table.main([f"{tmp_path / 'nope.json'}@gpt2-xl:2", "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_were_made_for():
+    table = table_module()
+    rows = [row("gpt2-xl", 2.0, 1500.0, remote_optimizer=True, source="raw/s18_call1/x.json"),
+            row("gpt2-xl", 2.0, 2200.0, remote_optimizer=False, prefetched_bytes=GiB, source="raw/s18_call1/x.json"),
+            row("gpt2-xl", 2.0, 1400.0, remote_optimizer=True, source="raw/s18_call2/x.json"),
+            row("gpt2-xl", 2.0, 1900.0, remote_optimizer=True, max_resident_cupti=GiB, source="raw/s18_call3/x.json")]
+    first = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "remote_optimizer": True, "sim_step_ms": 956.0,
+                       "predicted_step_ms": [950, 1350]},
+                      {"model": "gpt2-xl", "ratio": 2.0, "remote_optimizer": False, "sim_step_ms": 1163.0,
+                       "predicted_step_ms": [1550, 1950]}]}
+    later = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "remote_optimizer": True, "predicted_step_ms": [1300, 1900]},
+                      {"model": "gpt2-xl", "peer": "fsdp2", "predicted_step_ms": [2500, 3200]}]}
+    table.add_predictions(rows, first, "raw/s18_call1")
+    table.add_predictions(rows, later, "raw/s18_call2")
+    assert (rows[0]["predicted_step_ms"], rows[0]["predicted_range_ms"]) == (956.0, [950, 1350])
+    assert (rows[1]["predicted_step_ms"], rows[1]["predicted_range_ms"]) == (1163.0, [1550, 1950])
+    assert rows[2]["predicted_range_ms"] == [1300, 1900] and "predicted_step_ms" not in rows[2]
+    assert "predicted_range_ms" not in rows[3]  # a CUPTI-on row: no prediction was made for it here
+    lines = table.markdown(rows).splitlines()
+    assert "956 (sim) / 950–1,350" in lines[2] and "; optimizer state moved" in lines[3]
+    assert table.staging_cell({"stage_activations": True, "device_activations": True, "remote_bytes": 2 * GiB}) \
+        == "on, device pool; optimizer state remote 2.0 GiB"
