@@ -299,3 +299,27 @@ def test_after_the_fixed_pool_grew_the_plan_leaves_room_for_it_to_grow_again_and
     again = _drive(ex, order)
     assert again["max_resident_ledger"] <= budget and not again["over_budget"], again
     assert again["fixed_reserve_bytes"] == 4 * BLOCK
+
+
+def test_growth_announced_in_advance_is_planned_for_and_not_taken_for_unforeseen_growth():
+    """Partial staging keeps saves on the GPU on purpose: the executor is told first (expect_fixed_growth), the plan
+    leaves the room at once, and when the pool grows by that much no reserve for further growth is kept."""
+    order, world, budget, ex = _fixed_executor(room_blocks=28)
+    _drive(ex, order)
+    ex.set_order(order)
+    ex.expect_fixed_growth(4 * BLOCK)
+    ahead = ex.set_order(order)
+    assert ahead.budget_bytes == budget - 4 * BLOCK and ex.expected_growth == 4 * BLOCK
+    # the kept saves come during the next step's forward (a new segment of the pool, resident at once)
+    def grow(i):
+        if i == 2:
+            world.add(BASE + (1 << 36), 4 * BLOCK, DataType.ACT)
+
+    grown = _drive(ex, order, between=grow)
+    assert grown["max_resident_ledger"] <= budget and not grown["over_budget"], grown
+    after = ex.set_order(order)
+    assert ex.fixed_reserve == 0 and ex.expected_growth == 0 and after.budget_bytes == budget
+    world.add(BASE + (1 << 37), 2 * BLOCK, DataType.ACT)  # growth nobody announced: reserved for as before
+    _drive(ex, order)
+    ex.set_order(order)
+    assert ex.fixed_reserve == 2 * BLOCK

@@ -330,3 +330,64 @@ def test_device_activations_can_be_turned_off_and_need_staging(env):
         make_session(env, gpu_budget_bytes=48 * MiB, budget_device_activations=True)
     with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
         assert lab.budget_device_activations is False
+
+
+def test_partial_staging_keeps_forwards_last_saves_on_the_gpu_from_the_second_step_and_backward_is_unchanged():
+    model = mlp()
+    x = torch.randn(1024, 512)
+    plain = grads_after(model, x)
+    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
+                              window_bytes=4 * MiB)
+    stager.keep_tail_bytes = 4 * MiB
+    first = grads_after(model, x, stager)
+    full = stager.end_step()  # no step before it to tell where forward's tail starts: all staged
+    assert full["staged_tensors"] == 5 and full["tail_kept_bytes"] == 0 and full["keep_tail_bytes"] == 4 * MiB
+    second = grads_after(model, x, stager)
+    partial = stager.end_step()
+    # 10 MiB of eligible saves (five 2 MiB tensors): the last two stay, the first three go out and come back
+    assert partial["tail_kept_bytes"] == 4 * MiB and partial["staged_tensors"] == 3
+    assert partial["staged_bytes"] == partial["restored_bytes"] == 6 * MiB
+    for a, b, c in zip(plain, first, second, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    stager.keep_tail_bytes = 0
+    grads_after(model, x, stager)
+    assert stager.end_step()["staged_tensors"] == 5  # off again: all staged
+
+
+def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_without(env, monkeypatch):
+    from um_lab.budget import control
+
+    monkeypatch.setattr(control, "MIN_TAIL_BYTES", 1 * MiB)  # this model saves ~12 MiB a step
+    model, batches = model_and_data()
+    twin, third = copy.deepcopy(model), copy.deepcopy(model)
+    budget = 176 * MiB  # more than the model, gradients and AdamW state (~120 MiB): room left under the plan
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True,
+                         budget_partial_staging=True) as lab:
+        records = train(lab, model, batches)
+        stager, executor = lab.budget.stager, lab.budget.executor
+        # decided once, from the room the plan leaves (the fake's addresses change every step: it varies by a block)
+        assert stager.keep_tail_bytes >= 1 * MiB
+        plan_room = executor.plan.budget_bytes
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as full:
+        staged_in_full = train(full, third, batches)
+    with make_session(env) as plain:
+        expected = train(plain, twin, batches)
+    assert [r.loss for r in records] == [r.loss for r in expected] == [r.loss for r in staged_in_full]
+    reasons = [r.extra["budget"]["replan_reason"] for r in records]
+    decided = reasons.index("partial staging")
+    after = [r.extra["budget"]["staging"] for r in records[decided + 2:]]
+    assert after and all(s["tail_kept_bytes"] > 0 for s in after)
+    whole = [r.extra["budget"]["staging"] for r in staged_in_full[decided + 2:]]
+    assert all(a["staged_bytes"] < w["staged_bytes"] for a, w in zip(after, whole, strict=False))
+    # the plan made at the decision leaves the announced room: its budget is B less the tail
+    assert plan_room <= budget - stager.keep_tail_bytes
+    for r in records:
+        b = r.extra["budget"]
+        assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+
+
+def test_partial_staging_needs_staging(env):
+    with pytest.raises(InputError, match="needs budget_stage_activations"):
+        make_session(env, gpu_budget_bytes=48 * MiB, budget_partial_staging=True)

@@ -49,7 +49,8 @@ class BudgetControl:
                  batch_calls: bool = False, gpu_waits: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
                  stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = (),
-                 host_written_types: Iterable[DataType] = (), remote_optimizer: bool = False) -> None:
+                 host_written_types: Iterable[DataType] = (), remote_optimizer: bool = False,
+                 partial_staging: bool = False) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
@@ -60,6 +61,9 @@ class BudgetControl:
                                        host_written_types=host_written_types, remote_optimizer=remote_optimizer)
         self.keep_tensor = keep_tensor
         self.stager = stager
+        #: keep forward's last saves on the GPU where the plan leaves room (:meth:`_keep_tail`)
+        self.partial_staging = partial_staging and stager is not None
+        self._tail_decided = False
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
         self._pending_zero: set[int] = set()
@@ -265,10 +269,38 @@ class BudgetControl:
             extra["staging"] = staging
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
+        if not extra["replanned"] and self.partial_staging:
+            extra["replanned"], extra["replan_reason"] = self._keep_tail(extra)
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
         return loss, extra
+
+    def _keep_tail(self, step: Mapping[str, Any]) -> tuple[bool, str]:
+        """Partial staging: after the first step that followed its plan without a replan, the room the plan left
+        under B (less :data:`TAIL_MARGIN_FRACTION` of B) becomes forward's last saves kept on the GPU
+        (:attr:`~um_lab.budget.stage.ActivationStager.keep_tail_bytes`), announced to the executor as growth of
+        the fixed pool and planned for at once. Decided once per session; returns (replanned, reason)."""
+        executor, stager = self.executor, self.stager
+        plan = executor.plan
+        if stager is None or self._tail_decided or plan is None or executor.plan_order is None \
+                or not step.get("followed_plan", False):
+            return False, ""
+        self._tail_decided = True
+        margin = int(TAIL_MARGIN_FRACTION * self.budget_bytes)
+        measured = self.budget_bytes - executor.fixed_reserve - int(step.get("max_resident_ledger", self.budget_bytes))
+        room = min(plan.budget_bytes - plan.max_resident, measured) - margin
+        if room < MIN_TAIL_BYTES:
+            return False, ""
+        stager.keep_tail_bytes = room
+        executor.expect_fixed_growth(room)
+        try:
+            executor.set_order(executor.plan_order)
+        except BudgetTooSmall:  # cannot happen with the room measured on this plan; staged in full again if it does
+            stager.keep_tail_bytes = 0
+            executor.expected_growth = 0
+            return False, ""
+        return True, "partial staging"
 
     def _optimizer_pool(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> DataType:
         """Where a chunk's optimizer step allocates: the optimizer-state pool while some parameter of the chunk
@@ -329,6 +361,12 @@ class BudgetControl:
         return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
                            if isinstance(v, torch.Tensor))
 
+
+#: partial staging keeps this share of B free beyond the saves it keeps on the GPU (the caching allocator's
+#: rounding of the pool's new segments)
+TAIL_MARGIN_FRACTION = 0.05
+#: less room than this under the plan: everything is staged
+MIN_TAIL_BYTES = 64 << 20
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02

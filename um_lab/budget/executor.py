@@ -117,6 +117,9 @@ class BudgetExecutor:
         #: is resident at once (its first touch), before evictions can make room; without this room the ledger
         #: passed B by one segment when the pool grew under a plan (H200, session 16: GPT-2-large at ratio 3)
         self.fixed_reserve = 0
+        #: growth of the fixed pool announced in advance (:meth:`expect_fixed_growth`): plans leave room for it
+        #: until it has happened, and it does not count toward ``fixed_reserve``
+        self.expected_growth = 0
 
     # ---- segments ----
 
@@ -191,9 +194,12 @@ class BudgetExecutor:
         if missing:  # fixed segments the recorded order never touched still take their room
             order = Order(order.positions, sorted([*order.segments, *missing]))
         if self.plan is not None and ledger.fixed_bytes > self.plan.fixed_bytes:
-            self.fixed_reserve = max(self.fixed_reserve, ledger.fixed_bytes - self.plan.fixed_bytes)
-        try:  # room for the fixed pool to grow again by as much as it once did
-            plan = make_plan(order, ledger.budget_bytes - self.fixed_reserve, self.lookahead,
+            growth = ledger.fixed_bytes - self.plan.fixed_bytes
+            expected = min(growth, self.expected_growth)
+            self.expected_growth -= expected
+            self.fixed_reserve = max(self.fixed_reserve, growth - expected)
+        try:  # room for the fixed pool to grow again by as much as it once did, and by what is announced
+            plan = make_plan(order, ledger.budget_bytes - self.fixed_reserve - self.expected_growth, self.lookahead,
                              discard_segments=grads, fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer)
         except BudgetTooSmall:
             if not self.fixed_reserve:
@@ -204,6 +210,12 @@ class BudgetExecutor:
         self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads, plan.remote_blocks)
         self._discards_suspended = False
         return plan
+
+    def expect_fixed_growth(self, nbytes: int) -> None:
+        """The fixed pool will grow by up to ``nbytes`` (saved activations kept on the GPU instead of staged):
+        plans from now on leave that room, and the growth, when it comes, is not taken for the unforeseen kind
+        that ``fixed_reserve`` guards against. Call :meth:`set_order` after it for a plan that leaves it."""
+        self.expected_growth += max(0, int(nbytes))
 
     def suspend_discards(self) -> None:
         """Gradients were re-created (new addresses): carry out no planned discard until the next plan."""

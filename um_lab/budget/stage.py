@@ -18,6 +18,11 @@ strides, so backward sees the same layout bit for bit. Otherwise it stays on the
 
 Host memory comes from :class:`~um_lab.budget.pinned.PinnedArena`, allocated once and reused every step, capped by
 ``host_limit_bytes``; past it, tensors stay on the GPU (counted in ``kept_bytes``).
+
+**Partial staging** (``keep_tail_bytes``): the last saves of forward are the first that backward reads, so a copy
+of them would go out and come straight back. With ``keep_tail_bytes = K`` the saves of a step after the first
+that come within ``K`` bytes of the end of the previous step's eligible saves stay on the GPU (``tail_kept_bytes``):
+the link carries ``2 K`` bytes less per step, and the intermediate-results pool holds about ``K`` more.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class StagingStats:
     shared_tensors: int = 0  #: saved again while already staged (one copy serves both)
     restored_bytes: int = 0  #: copied back in backward (host→GPU)
     kept_bytes: int = 0  #: saves kept on the GPU although eligible: the host limit was reached, or a sparse view
+    tail_kept_bytes: int = 0  #: saves kept on the GPU as forward's last ``keep_tail_bytes`` (partial staging)
+    keep_tail_bytes: int = 0  #: the setting this step ran with
     view_tensors: int = 0  #: saves staged through their storage (views that do not fill it densely)
     late_restores: int = 0  #: restores that backward asked for before the window had issued them
     throttle_ms: float = 0.0  #: host time waiting for copies to the host (the window was full)
@@ -141,6 +148,11 @@ class ActivationStager:
         self._restoring: list[tuple[Any, torch.Tensor]] = []  # (event, device copy) of copies back not known done
         self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
         self._step = 0  # counts end_step calls: a handle from an earlier step is refused at unpack
+        #: forward's last this many bytes of eligible saves stay on the GPU (partial staging; module docstring)
+        self.keep_tail_bytes = 0
+        self._eligible_seen = 0  # eligible bytes saved so far this step (each tensor or storage once)
+        self._last_eligible = 0  # the same over the last step
+        self._tail: dict[tuple[Any, ...], weakref.ref[torch.Tensor]] = {}  # saves kept in the tail this step
         self.stats = StagingStats()
 
     @contextlib.contextmanager
@@ -153,7 +165,10 @@ class ActivationStager:
         """The step's numbers; forgets the step's tensors (their host memory is reused by the next step:
         the copies of both steps are ordered on one side stream)."""
         self.stats.pinned_bytes = self.arena.pinned_bytes
+        self.stats.keep_tail_bytes = self.keep_tail_bytes
         out = asdict(self.stats)
+        self._last_eligible, self._eligible_seen = self._eligible_seen, 0
+        self._tail.clear()
         self._release_done()
         if self._to_host or self._restoring:  # copies still running read or write blocks about to be let go
             self.ops.synchronize()
@@ -193,6 +208,12 @@ class ActivationStager:
             self.stats.shared_tensors += 1
             known.saves += 1
             return known
+        kept = self._tail.get(key)
+        if kept is not None and kept() is t:  # kept in the tail already: counted once
+            return t
+        if self._in_tail(nbytes):
+            self._tail[key] = weakref.ref(t)
+            return t
         staged = self._stage(t, nbytes, key)
         if staged is None:
             self.stats.kept_bytes += nbytes
@@ -229,6 +250,12 @@ class ActivationStager:
             self.stats.shared_tensors += 1
             known.saves += 1
             return _View(known, t)
+        kept = self._tail.get(key)
+        if kept is not None and kept() is not None:  # its storage is kept in the tail already
+            return t
+        if self._in_tail(sbytes):
+            self._tail[key] = weakref.ref(t)
+            return t
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (sbytes,), (1,))
         staged = self._stage(whole, sbytes, key, source=t)
         if staged is None:
@@ -236,6 +263,17 @@ class ActivationStager:
             return t
         self.stats.view_tensors += 1
         return _View(staged, t)
+
+    def _in_tail(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of eligible saves; True when they lie in forward's last ``keep_tail_bytes`` (as the
+        last step's saves tell: forward saves the same way every step) and stay on the GPU."""
+        self._eligible_seen += nbytes
+        if self.keep_tail_bytes <= 0 or self._last_eligible <= 0:
+            return False
+        if self._eligible_seen <= self._last_eligible - self.keep_tail_bytes:
+            return False
+        self.stats.tail_kept_bytes += nbytes
+        return True
 
     def unpack(self, saved: Any) -> torch.Tensor:
         """The saved-tensor unpack hook: the tensor back on the device (brought ahead, with the next ones)."""

@@ -113,6 +113,10 @@ class Session(Listenable):
     and write it over the link (:func:`um_lab.budget.plan.make_plan`; ``extra["budget"]["remote_bytes"]``): a
     prefetch to the host ran at 9-14 GB/s on the H200, a remote update at about the link's rate. It takes
     effect only where the optimizer-state pool prefers the host (``budget_host_advice``).
+    ``budget_partial_staging=True`` (experimental, off; not yet run on a GPU) keeps forward's last saved
+    activations on the GPU instead of staging them, as many bytes as the plan leaves free under B after the first
+    step that followed it (less 5% of B): the link then carries twice those bytes less per step
+    (``extra["budget"]["staging"]["tail_kept_bytes"]``).
     Without a budget nothing changes: no hooks are installed.
 
     ``populate_segments=True`` (off: on the H200 it left the MLP at 1.017-1.029x native, session 12) prefetches each new
@@ -147,6 +151,7 @@ class Session(Listenable):
         budget_device_activations: bool | None = None,
         budget_discard_free: bool = False,
         budget_remote_optimizer: bool = True,
+        budget_partial_staging: bool = False,
         populate_segments: bool = False,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
@@ -166,6 +171,10 @@ class Session(Listenable):
                                           else bool(budget_device_activations))
         self.budget_discard_free = bool(budget_discard_free)
         self.budget_remote_optimizer = bool(budget_remote_optimizer)
+        self.budget_partial_staging = bool(budget_partial_staging)
+        if self.budget_partial_staging and not self.budget_stage_activations:
+            raise InputError("budget_partial_staging=True keeps part of the staged activations on the GPU: it needs "
+                             "budget_stage_activations=True")
         self.populate_segments = bool(populate_segments)
         if self.budget_stage_activations and gpu_budget_bytes is None:
             raise InputError("budget_stage_activations=True stages activations for the budget scheduler: it needs "
@@ -607,7 +616,8 @@ class Session(Listenable):
                              if self.budget_stage_activations else None,
                              fixed_types=self._budget_resident_types(),
                              host_written_types=self._host_preferred_types(),
-                             remote_optimizer=self.budget_remote_optimizer)
+                             remote_optimizer=self.budget_remote_optimizer,
+                             partial_staging=self.budget_partial_staging)
 
     @property
     def budget(self) -> BudgetControl | None:
