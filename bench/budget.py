@@ -140,7 +140,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
                 advice: str = "host", stage: bool = False, free: bool = False,
-                device_act: bool | None = None, remote: bool = True) -> dict[str, Any]:
+                device_act: bool | None = None, remote: bool = True, partial: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
     managed bytes above the session's start (segments, read after every step: the caching allocator keeps
     a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
@@ -156,7 +156,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                   evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
                   budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, budget_stage_activations=stage,
                   budget_discard_free=free, budget_device_activations=device_act if stage else None,
-                  budget_remote_optimizer=remote, **SESSION_KWARGS)
+                  budget_remote_optimizer=remote, budget_partial_staging=partial and stage, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
@@ -245,7 +245,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
-                remotes: tuple[bool, ...] = (True,),
+                remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -255,22 +255,22 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice, stage, free, device_act, remote in (
-            (r, i, d, b, w, a, st, f, da, ro) for r in ratios for i in issues for d in discards for b in batches
+    for ratio, issue, discard, batch, waits, advice, stage, free, device_act, remote, partial in (
+            (r, i, d, b, w, a, st, f, da, ro, pa) for r in ratios for i in issues for d in discards for b in batches
             for w in gpu_waits for a in advices for st in stages for f in frees
-            for da in (device_acts if st else (None,)) for ro in remotes):
+            for da in (device_acts if st else (None,)) for ro in remotes for pa in (partials if st else (False,))):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
                                "stage_activations": stage, "discard_free": free,
                                "device_activations": stage if device_act is None else device_act,
-                               "remote_optimizer": remote, "fit_step_ms": fit_ms,
+                               "remote_optimizer": remote, "partial_staging": partial, "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
                               time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage,
-                              free=free, device_act=device_act, remote=remote)
+                              free=free, device_act=device_act, remote=remote, partial=partial)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -329,6 +329,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 f"host {v['host_ms']:.0f} ms)"
                 for k, v in row["move_timing"].items()))
         if stage:
+            row["tail_kept_bytes"] = int(statistics.median(st.get("tail_kept_bytes", 0) for st in stagings))
             say(f"    staging: {staged / GiB:.2f} GiB to the host, {restored / GiB:.2f} GiB back per step; late "
                 f"restores {max(st.get('late_restores', 0) for st in stagings)}, host waits for copies "
                 f"{statistics.median(st.get('throttle_ms', 0.0) for st in stagings):.0f} ms, pinned "
@@ -340,6 +341,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}, "
             f"device activations {'on' if row['device_activations'] else 'off'}, "
             f"remote optimizer {'on' if remote else 'off'} ({remote_bytes / GiB:.2f} GiB), "
+            f"partial staging {'on' if partial else 'off'} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
             f"free discards {'on' if free else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
@@ -448,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remote-optim", nargs="+", choices=["on", "off"], default=["on"],
                     help="Session(budget_remote_optimizer=...): optimizer state the plan would move stays in host "
                          "memory, updated there (on, the default) or is prefetched in and out (off); both: a row each")
+    ap.add_argument("--partial-stage", nargs="+", choices=["on", "off"], default=["off"],
+                    help="Session(budget_partial_staging=...) with --stage on: forward's last saves kept on the GPU "
+                         "where the plan leaves room; both: a row each")
     ap.add_argument("--discard-free", nargs="+", choices=["on", "off"], default=["off"],
                     help="discard and populate, not copy, blocks the caching allocator holds no tensor in "
                          "(Session(budget_discard_free=...)); both: a row each")
@@ -502,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                                      tuple(f == "on" for f in args.discard_free),
                                      tuple(None if d == "auto" else d == "on" for d in args.device_act),
                                      remotes=tuple(r == "on" for r in args.remote_optim),
+                                     partials=tuple(p == "on" for p in args.partial_stage),
                                      row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header,
                                                                                      done + so_far))
             if not args.no_sim:

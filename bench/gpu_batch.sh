@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -184,6 +184,10 @@ if [[ $what == cupti ]]; then  # <= 9 min, 5 files: session 18 call 3, CUPTI res
     --out "$OUT/budget_cupti_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
   timeout -s KILL 60 python3 bench/budget.py --models resnet50 --ratios 2 --steps 6 --stage on --telemetry --no-sim \
     --out "$OUT/budget_cupti_resnet50.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == partial ]]; then  # ~2 min, 3 files: session 18 call 4, partial staging on ResNet-50 beside FSDP2
+  timeout -s KILL 170 python3 bench/budget.py --models resnet50 --ratios 1.5 2 --steps 7 --stage on --partial-stage on off \
+    --time-moves --no-sim --fsdp2 --out "$OUT/budget_partial_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

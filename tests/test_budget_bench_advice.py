@@ -45,6 +45,19 @@ def test_device_activations_get_a_row_each_only_where_staging_is_on(bench, monke
     assert [r["staging_all"][0]["staged_tensors"] > 0 for r in rows[1:]] == [True, True]
 
 
+def test_partial_staging_and_remote_optimizer_state_get_a_row_each_with_their_fields(bench, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(stage, "MIN_STAGE_BYTES", 64 << 10)
+    torch.manual_seed(0)
+    rows = bench.bench_model("mlp-small", [2.0], 3, 1 << 40, False, lambda line: None, stages=(False, True),
+                             partials=(False, True), remotes=(True, False))
+    assert [(r["stage_activations"], r["partial_staging"], r["remote_optimizer"]) for r in rows] == [
+        (False, False, True), (False, False, False), (True, False, True), (True, True, True),
+        (True, False, False), (True, True, False)]
+    assert all("error" not in r and r["step_ms"] > 0 for r in rows)
+    assert all(r["tail_kept_bytes"] >= 0 for r in rows[2:]) and all("tail_kept_bytes" not in r for r in rows[:2])
+    assert all(r["remote_bytes"] == 0 for r in rows if not r["remote_optimizer"])
+
+
 def test_each_row_is_handed_on_as_it_completes_so_a_stopped_run_keeps_it(bench, monkeypatch):  # noqa: F811
     """bench/budget.py writes its file after every row: a run its caller's time limit stops keeps the rows done."""
     torch.manual_seed(0)

@@ -120,3 +120,34 @@ def test_the_staged_simulation_is_planned_once_for_a_preflight_and_its_run(prepa
     first = simulate_staged(prep.trace, layout, sim.profile, prep.footprint_bytes // 2)
     assert simulate_staged(prep.trace, layout, sim.profile, prep.footprint_bytes // 2) is first
     assert simulate_staged(prep.trace, layout, sim.profile, prep.footprint_bytes // 2 + (64 << 20)) is not first
+
+
+def test_kept_tail_is_forwards_last_saves_from_where_the_rest_fits_the_bytes_kept(prepared):
+    from um_lab.sim.staged import kept_tail
+
+    _, prep = prepared
+    trace = prep.trace
+    staged = staged_storages(trace)
+    sizes = trace.st_nbytes[staged]
+    assert len(kept_tail(trace, staged, 0)) == 0
+    assert set(kept_tail(trace, staged, int(sizes.sum()))) == set(staged.tolist())
+    last = staged[np.argmax(trace.st_alloc[staged])]
+    one = kept_tail(trace, staged, 1)  # a straddling save is kept: the last one alone
+    assert one.tolist() == [last]
+    kept = kept_tail(trace, staged, int(trace.st_nbytes[last]) + 1)
+    assert len(kept) == 2 and all(trace.st_alloc[k] >= trace.st_alloc[staged].max() - trace.n_ops for k in kept)
+
+
+def test_partial_staging_keeps_the_room_the_plan_leaves_and_copies_less(prepared):
+    sim, prep = prepared
+    trace, layout = prep.trace, prep.placement.final
+    budget = int(prep.footprint_bytes * 1.2)  # room beyond everything but the staged saves' copies in flight
+    full = simulate_staged(trace, layout, sim.profile, budget)
+    partial = simulate_staged(trace, layout, sim.profile, budget, partial=True)
+    assert full.copies.staged_bytes > 0 and partial.copies.staged_bytes < full.copies.staged_bytes
+    assert partial.fixed_bytes >= full.fixed_bytes
+    assert partial.plan.max_resident + partial.fixed_bytes <= budget
+    assert partial.step.wall_us <= full.step.wall_us
+    tight = int(prep.footprint_bytes * 0.45)  # no room: the same as full staging
+    assert simulate_staged(trace, layout, sim.profile, tight, partial=True).copies.staged_bytes == \
+        simulate_staged(trace, layout, sim.profile, tight).copies.staged_bytes

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from um_lab.budget.control import MIN_TAIL_BYTES, TAIL_MARGIN_FRACTION
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
@@ -158,33 +159,57 @@ def without_intermediates(derived: DerivedOrder, layout: Layout) -> DerivedOrder
     return dataclasses.replace(derived, order=Order(positions, segments))
 
 
+def kept_tail(trace: StepTrace, staged: np.ndarray, keep_bytes: int) -> np.ndarray:
+    """The staged storages partial staging keeps on the GPU: forward's last saves (by allocation) from where the
+    saves still to come are ``keep_bytes`` or fewer, as :meth:`um_lab.budget.stage.ActivationStager.pack` counts
+    (a save straddling the line is kept)."""
+    if keep_bytes <= 0 or not len(staged):
+        return staged[:0]
+    order = staged[np.argsort(trace.st_alloc[staged], kind="stable")]
+    seen = np.cumsum(trace.st_nbytes[order].astype(np.int64))
+    return order[seen > seen[-1] - keep_bytes]
+
+
 def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                    lookahead: int = 2, remote_optimizer: bool = True) -> StagedSimulation:
+                    lookahead: int = 2, remote_optimizer: bool = True, partial: bool = False) -> StagedSimulation:
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
     Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
     other data do not fit. ``remote_optimizer``: optimizer state the plan would move stays in host memory
     (``Session(budget_remote_optimizer=True)``, :mod:`um_lab.sim.remote_optim`). Memoised as
-    :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run simulate once)."""
+    :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run simulate once). ``partial``: as
+    ``Session(budget_partial_staging=True)``, the room the plan leaves under B (less 5% of B) is forward's last saves
+    kept on the GPU (:func:`kept_tail`), and the plan is made again with them in the fixed pool."""
     from um_lab.sim.profile import profile_sha256
 
     key = ("staged", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead),
-           window_for_budget(budget_bytes), bool(remote_optimizer))
-    return memoised(key, lambda: _simulate_staged(trace, layout, profile, budget_bytes, lookahead, remote_optimizer))
+           window_for_budget(budget_bytes), bool(remote_optimizer), bool(partial))
+    return memoised(key, lambda: _simulate_staged(trace, layout, profile, budget_bytes, lookahead, remote_optimizer,
+                                                  partial))
 
 
 def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                     lookahead: int, remote_optimizer: bool) -> StagedSimulation:
+                     lookahead: int, remote_optimizer: bool, partial: bool) -> StagedSimulation:
     derived = without_intermediates(derive_order(trace, layout, profile), layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
     uses = _uses(trace, set(int(s) for s in staged))  # one pass over the trace's accesses serves both below
-    fixed = fixed_pool_bytes(trace, staged, window, uses=uses)
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
-    usable = budget_bytes - fixed - scratch
-    if usable < BLOCK:
-        raise BudgetTooSmall(budget_bytes, fixed + scratch + BLOCK,
-                             "the intermediate-results pool staging leaves and the optimizer's temporaries")
-    plan = make_plan(derived.order, usable, lookahead, remote_optimizer=remote_optimizer)
+
+    def plan_for(staged: np.ndarray) -> tuple[int, Plan]:
+        fixed = fixed_pool_bytes(trace, staged, window, uses=uses)
+        usable = budget_bytes - fixed - scratch
+        if usable < BLOCK:
+            raise BudgetTooSmall(budget_bytes, fixed + scratch + BLOCK,
+                                 "the intermediate-results pool staging leaves and the optimizer's temporaries")
+        return fixed, make_plan(derived.order, usable, lookahead, remote_optimizer=remote_optimizer)
+
+    fixed, plan = plan_for(staged)
+    if partial:  # the room the plan leaves, as the session's control measures it (less its margin)
+        room = plan.budget_bytes - plan.max_resident - int(TAIL_MARGIN_FRACTION * budget_bytes)
+        if room >= MIN_TAIL_BYTES:
+            kept = set(kept_tail(trace, staged, room).tolist())
+            staged = np.array([s for s in staged.tolist() if s not in kept], dtype=staged.dtype)
+            fixed, plan = plan_for(staged)
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
 
