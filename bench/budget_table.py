@@ -64,27 +64,30 @@ def add_fsdp2(rows: list[dict[str, Any]], peer_lines: list[dict[str, Any]], sour
                        fsdp2_source=source)
 
 
+#: settings a prediction may name: it then goes to rows run with that setting only (a row's default when absent)
+SETTINGS = {"remote_optimizer": False, "device_activations": False, "partial_staging": False}
+
+
 def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], source_prefix: str = "") -> None:
     """``predicted_step_ms`` (the simulator's step) and ``predicted_range_ms`` (a hand range) registered for the
-    row's model and ratio, for rows whose ``source`` starts with ``source_prefix``. A prediction naming
-    ``remote_optimizer`` or ``telemetry`` goes to rows with that setting only (telemetry off where it names none)."""
+    row's model and ratio, for rows whose ``source`` starts with ``source_prefix``. A prediction naming one of
+    :data:`SETTINGS` or ``telemetry`` goes to rows with that setting only (telemetry off where it names none); the
+    one naming the most of them wins."""
     sim = predicted.get("sim")  # a section of rows, or (session 17's files) a line saying how they were made
     sim_rows = sim.get("rows", []) if isinstance(sim, dict) else []
     candidates = [p for p in [*predicted.get("rows", []), *sim_rows]  # a file's simulator section ("sim") too
                   if "ratio" in p and (p.get("sim_step_ms") is not None or p.get("predicted_step_ms") is not None)]
-
-    def key(model: Any, ratio: Any, remote: Any, telemetry: Any) -> tuple[Any, float, Any, bool]:
-        return model, float(ratio or 0), remote, bool(telemetry)
-
-    table = {key(p["model"], p["ratio"], p.get("remote_optimizer"), p.get("telemetry")): p for p in candidates}
     for row in rows:
         if not str(row.get("source", "")).startswith(source_prefix):
             continue
-        telemetry = row.get("telemetry") or row.get("max_resident_cupti") is not None
-        p = (table.get(key(row.get("model"), row.get("ratio"), row.get("remote_optimizer"), telemetry))
-             or table.get(key(row.get("model"), row.get("ratio"), None, telemetry)))
-        if p is None:
+        telemetry = bool(row.get("telemetry") or row.get("max_resident_cupti") is not None)
+        matches = [p for p in candidates
+                   if p["model"] == row.get("model") and float(p["ratio"]) == float(row.get("ratio", 0))
+                   and bool(p.get("telemetry")) == telemetry
+                   and all(bool(row.get(k, d)) == bool(p[k]) for k, d in SETTINGS.items() if k in p)]
+        if not matches:
             continue
+        p = max(reversed(matches), key=lambda p: sum(k in p for k in SETTINGS))  # the last of the most specific
         if p.get("sim_step_ms") is not None:
             row["predicted_step_ms"] = p["sim_step_ms"]
         hand = p.get("predicted_step_ms")
