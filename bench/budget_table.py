@@ -103,7 +103,8 @@ def staging_cell(row: dict[str, Any]) -> str:
         remote = "; optimizer state moved"
     if not row.get("stage_activations"):
         return "off" + remote
-    return ("on, device pool" if row.get("device_activations") else "on, managed pool") + remote
+    tail = f", last {row['tail_kept_bytes'] / GiB:.2f} GiB kept" if row.get("tail_kept_bytes") else ""
+    return ("on, device pool" if row.get("device_activations") else "on, managed pool") + tail + remote
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

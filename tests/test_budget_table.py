@@ -119,3 +119,5 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
     assert "956 (sim) / 950–1,350" in lines[2] and "; optimizer state moved" in lines[3]
     assert table.staging_cell({"stage_activations": True, "device_activations": True, "remote_bytes": 2 * GiB}) \
         == "on, device pool; optimizer state remote 2.0 GiB"
+    assert table.staging_cell({"stage_activations": True, "device_activations": True, "tail_kept_bytes": GiB}) \
+        == "on, device pool, last 1.00 GiB kept"
