@@ -423,6 +423,11 @@ def predict(models: list[str], ratios: list[float], say: Callable[[str], None]) 
     return rows
 
 
+def on_off(ap: argparse.ArgumentParser, flag: str, default: str, what: str) -> None:
+    """An option taking ``on``, ``off`` or both (a row each)."""
+    ap.add_argument(flag, nargs="+", choices=["on", "off"], default=[default], help=f"{what}; both: a row each")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write the JSON (merging rows of other models already in it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -432,30 +437,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--telemetry", action="store_true", help="CUPTI residency per step (max_resident_cupti)")
     ap.add_argument("--issue", nargs="+", choices=["thread", "inline"], default=["thread"],
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
-    ap.add_argument("--discard", nargs="+", choices=["on", "off"], default=["off"],
-                    help="discard dead gradients, not copy them (Session(budget_discard=...)); both: a row each")
-    ap.add_argument("--batch-calls", nargs="+", choices=["on", "off"], default=["off"],
-                    help="consecutive prefetches to one location as one cudaMemPrefetchBatchAsync "
-                         "(Session(budget_batch_calls=...)); both: a row each")
-    ap.add_argument("--gpu-waits", nargs="+", choices=["on", "off"], default=["off"],
-                    help="compute waits for prefetches on the GPU, never the host for the mover "
-                         "(Session(budget_gpu_waits=...)); both: a row each")
-    ap.add_argument("--stage", nargs="+", choices=["on", "off"], default=["off"],
-                    help="stage saved activations through pinned host memory (Session(budget_stage_activations=...)); "
-                         "both: a row each")
+    on_off(ap, "--discard", "off", "discard dead gradients, not copy them (Session(budget_discard=...))")
+    on_off(ap, "--batch-calls", "off", "consecutive prefetches to one location as one cudaMemPrefetchBatchAsync "
+           "(Session(budget_batch_calls=...))")
+    on_off(ap, "--gpu-waits", "off", "compute waits for prefetches on the GPU, never the host for the mover "
+           "(Session(budget_gpu_waits=...))")
+    on_off(ap, "--stage", "off", "stage saved activations through pinned host memory "
+           "(Session(budget_stage_activations=...))")
     ap.add_argument("--device-act", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="with --stage on: the intermediate-results pool in plain device memory "
                          "(Session(budget_device_activations=...); auto: the session's default, on with staging); "
                          "several: a row each")
-    ap.add_argument("--remote-optim", nargs="+", choices=["on", "off"], default=["on"],
-                    help="Session(budget_remote_optimizer=...): optimizer state the plan would move stays in host "
-                         "memory, updated there (on, the default) or is prefetched in and out (off); both: a row each")
-    ap.add_argument("--partial-stage", nargs="+", choices=["on", "off"], default=["off"],
-                    help="Session(budget_partial_staging=...) with --stage on: forward's last saves kept on the GPU "
-                         "where the plan leaves room; both: a row each")
-    ap.add_argument("--discard-free", nargs="+", choices=["on", "off"], default=["off"],
-                    help="discard and populate, not copy, blocks the caching allocator holds no tensor in "
-                         "(Session(budget_discard_free=...)); both: a row each")
+    on_off(ap, "--remote-optim", "on", "Session(budget_remote_optimizer=...): optimizer state the plan would move "
+           "stays in host memory, updated there (on, the default) or is prefetched in and out (off)")
+    on_off(ap, "--partial-stage", "off", "Session(budget_partial_staging=...) with --stage on: forward's last saves "
+           "kept on the GPU where the plan leaves room")
+    on_off(ap, "--discard-free", "off", "discard and populate, not copy, blocks the caching allocator holds no tensor "
+           "in (Session(budget_discard_free=...))")
     ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["host"],
                     help="host (the default, Session(budget_host_advice=True)): unadvised pools prefer the host and "
                          "are mapped for the GPU, so only the scheduler's prefetches make data resident; none: no "
