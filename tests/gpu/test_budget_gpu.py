@@ -220,6 +220,26 @@ def test_optimizer_state_left_in_host_memory_keeps_cupti_residency_under_b():
     assert all(r.extra["budget"]["remote_bytes"] > 0 for r in records[2:])
 
 
+def test_partial_staging_trains_bit_for_bit_like_full_staging_and_stays_under_b():
+    """budget_partial_staging (experimental): with room under B, forward's last saves stay on the GPU from the step
+    after the decision; the same tensors reach backward, so training matches full staging bit for bit, and the
+    ledger stays under B while the intermediate pool grows into the announced room."""
+    _, _, footprint = _train(None, steps=2)
+    budget = int(footprint * 0.9)
+    full, full_params, _ = _train(budget, steps=6, budget_stage_activations=True)
+    records, params, _ = _train(budget, steps=6, budget_stage_activations=True, budget_partial_staging=True)
+    reasons = [r.extra["budget"]["replan_reason"] for r in records]
+    assert "partial staging" in reasons, reasons
+    decided = reasons.index("partial staging")
+    for r in records[decided + 1:]:
+        b = r.extra["budget"]
+        assert b["staging"]["tail_kept_bytes"] > 0, b["staging"]
+        assert b["max_resident_ledger"] <= budget + b["touched_bytes"] and not b["over_budget"], b
+    for a, p in zip(full_params, params, strict=True):
+        assert torch.equal(a, p)
+    assert [r.loss for r in records] == [r.loss for r in full]
+
+
 def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
     """With staging the intermediate-results pool gets no host advice (copies to host-advised pages ran at
     3.7-4.0 GB/s) and stays resident, fixed in the ledger from its segments' registration: CUPTI-measured
