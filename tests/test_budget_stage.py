@@ -355,9 +355,9 @@ def test_partial_staging_keeps_forwards_last_saves_on_the_gpu_from_the_second_st
 
 
 def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_without(env, monkeypatch):
-    from um_lab.budget import control
+    from um_lab.budget import stage
 
-    monkeypatch.setattr(control, "MIN_TAIL_BYTES", 1 * MiB)  # this model saves ~12 MiB a step
+    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)  # this model saves ~12 MiB a step
     model, batches = model_and_data()
     batches = batches * 2  # the decision waits for a step that followed its plan with no re-plan: chances for it
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
@@ -392,3 +392,14 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_wi
 def test_partial_staging_needs_staging(env):
     with pytest.raises(InputError, match="needs budget_stage_activations"):
         make_session(env, gpu_budget_bytes=48 * MiB, budget_partial_staging=True)
+
+
+def test_tail_bytes_is_the_room_less_the_margin_and_nothing_below_the_minimum():
+    from um_lab.budget.stage import MIN_TAIL_BYTES, TAIL_MARGIN_FRACTION, tail_bytes
+
+    budget = 20 << 30
+    margin = int(TAIL_MARGIN_FRACTION * budget)
+    assert tail_bytes(margin + (3 << 30), budget) == 3 << 30
+    assert tail_bytes(margin + MIN_TAIL_BYTES, budget) == MIN_TAIL_BYTES
+    assert tail_bytes(margin + MIN_TAIL_BYTES - 1, budget) == 0
+    assert tail_bytes(0, budget) == 0 and tail_bytes(-(1 << 30), budget) == 0

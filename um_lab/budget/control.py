@@ -31,7 +31,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
-from um_lab.budget.stage import ActivationStager
+from um_lab.budget.stage import ActivationStager, tail_bytes
 from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
@@ -278,7 +278,7 @@ class BudgetControl:
 
     def _keep_tail(self, step: Mapping[str, Any]) -> tuple[bool, str]:
         """Partial staging: after the first step that followed its plan without a replan, the room the plan left
-        under B (less :data:`TAIL_MARGIN_FRACTION` of B) becomes forward's last saves kept on the GPU
+        under B, less a margin (:func:`~um_lab.budget.stage.tail_bytes`), becomes forward's last saves kept on the GPU
         (:attr:`~um_lab.budget.stage.ActivationStager.keep_tail_bytes`), announced to the executor as growth of
         the fixed pool and planned for at once. Decided once per session; returns (replanned, reason)."""
         executor, stager = self.executor, self.stager
@@ -287,13 +287,12 @@ class BudgetControl:
                 or not step.get("followed_plan", False):
             return False, ""
         self._tail_decided = True
-        margin = int(TAIL_MARGIN_FRACTION * self.budget_bytes)
         measured = self.budget_bytes - executor.fixed_reserve - int(step.get("max_resident_ledger", self.budget_bytes))
-        room = min(plan.budget_bytes - plan.max_resident, measured) - margin
-        if room < MIN_TAIL_BYTES:
+        keep = tail_bytes(min(plan.budget_bytes - plan.max_resident, measured), self.budget_bytes)
+        if not keep:
             return False, ""
-        stager.keep_tail_bytes = room
-        executor.expect_fixed_growth(room)
+        stager.keep_tail_bytes = keep
+        executor.expect_fixed_growth(keep)
         try:
             executor.set_order(executor.plan_order)
         except BudgetTooSmall:  # cannot happen with the room measured on this plan; staged in full again if it does
@@ -361,12 +360,6 @@ class BudgetControl:
         return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
                            if isinstance(v, torch.Tensor))
 
-
-#: partial staging keeps this share of B free beyond the saves it keeps on the GPU (the caching allocator's
-#: rounding of the pool's new segments)
-TAIL_MARGIN_FRACTION = 0.05
-#: less room than this under the plan: everything is staged
-MIN_TAIL_BYTES = 64 << 20
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02

@@ -49,6 +49,18 @@ MIN_STAGE_BYTES = 1 << 20
 WINDOW_BYTES = 1 << 30
 #: a view is staged through its storage when the storage is at most this many times the view's own bytes
 MAX_VIEW_SPREAD = 4
+#: partial staging keeps this share of B free beyond the saves it keeps on the GPU (the caching allocator's
+#: rounding of the pool's new segments)
+TAIL_MARGIN_FRACTION = 0.05
+#: less room than this under the plan: everything is staged
+MIN_TAIL_BYTES = 64 << 20
+
+
+def tail_bytes(room_bytes: int, budget_bytes: int) -> int:
+    """What partial staging keeps on the GPU when a plan leaves ``room_bytes`` free under ``budget_bytes``: the
+    room less :data:`TAIL_MARGIN_FRACTION` of B, or 0 when that is under :data:`MIN_TAIL_BYTES`."""
+    keep = int(room_bytes) - int(TAIL_MARGIN_FRACTION * budget_bytes)
+    return keep if keep >= MIN_TAIL_BYTES else 0
 
 
 class StaleSavedTensor(RuntimeError):
@@ -208,11 +220,7 @@ class ActivationStager:
             self.stats.shared_tensors += 1
             known.saves += 1
             return known
-        kept = self._tail.get(key)
-        if kept is not None and kept() is t:  # kept in the tail already: counted once
-            return t
-        if self._in_tail(nbytes):
-            self._tail[key] = weakref.ref(t)
+        if self._kept_in_tail(key, t, nbytes, view=False):
             return t
         staged = self._stage(t, nbytes, key)
         if staged is None:
@@ -250,11 +258,7 @@ class ActivationStager:
             self.stats.shared_tensors += 1
             known.saves += 1
             return _View(known, t)
-        kept = self._tail.get(key)
-        if kept is not None and kept() is not None:  # its storage is kept in the tail already
-            return t
-        if self._in_tail(sbytes):
-            self._tail[key] = weakref.ref(t)
+        if self._kept_in_tail(key, t, sbytes, view=True):
             return t
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (sbytes,), (1,))
         staged = self._stage(whole, sbytes, key, source=t)
@@ -263,6 +267,17 @@ class ActivationStager:
             return t
         self.stats.view_tensors += 1
         return _View(staged, t)
+
+    def _kept_in_tail(self, key: tuple[Any, ...], t: torch.Tensor, nbytes: int, *, view: bool) -> bool:
+        """True when the save ``t`` (``key``: the tensor, or with ``view`` its storage) stays on the GPU in forward's
+        tail: kept already (counted once: the same tensor, or any live view of the same storage) or now."""
+        kept = self._tail.get(key)
+        if kept is not None and (kept() is not None if view else kept() is t):
+            return True
+        if self._in_tail(nbytes):
+            self._tail[key] = weakref.ref(t)
+            return True
+        return False
 
     def _in_tail(self, nbytes: int) -> bool:
         """Count ``nbytes`` of eligible saves; True when they lie in forward's last ``keep_tail_bytes`` (as the

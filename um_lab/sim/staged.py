@@ -31,11 +31,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from um_lab.budget.control import MIN_TAIL_BYTES, TAIL_MARGIN_FRACTION
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
-from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES, window_for_budget
+from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.budget import (
     BudgetStep,
@@ -205,10 +204,9 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
 
     fixed, plan = plan_for(staged)
     if partial:  # the room the plan leaves, as the session's control measures it (less its margin)
-        room = plan.budget_bytes - plan.max_resident - int(TAIL_MARGIN_FRACTION * budget_bytes)
-        if room >= MIN_TAIL_BYTES:
-            kept = set(kept_tail(trace, staged, room).tolist())
-            staged = np.array([s for s in staged.tolist() if s not in kept], dtype=staged.dtype)
+        keep = tail_bytes(plan.budget_bytes - plan.max_resident, budget_bytes)
+        if keep:
+            staged = staged[~np.isin(staged, kept_tail(trace, staged, keep))]
             fixed, plan = plan_for(staged)
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
