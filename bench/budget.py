@@ -198,7 +198,9 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
         measured_GBps = (rates.get("to_gpu", {}).get("GBps"), rates.get("to_host", {}).get("GBps"))
         try:
             sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", False),
-                               measured_GBps=measured_GBps)
+                               measured_GBps=measured_GBps, stage=bool(row.get("stage_activations")),
+                               remote=row.get("remote_optimizer", True) is not False,
+                               partial=bool(row.get("partial_staging")))
         except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
             row["sim_error"] = f"{type(e).__name__}: {e}"
             continue
@@ -231,6 +233,19 @@ def move_rates(budgets: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def measured(records: list[Any], skip: int) -> list[Any]:
     """The records after the first ``skip`` (at least the last one)."""
     return records[skip:] or records[-1:]
+
+
+#: a budget row's step time is the median of the steps from the second after its last re-plan (the first on a
+#: new plan makes its one-time moves: optimizer state left remote goes to the host then), at least of the last 3
+SETTLE_STEPS, LEAST_MEASURED = 2, 3
+
+
+def settled_from(records: list[Any], skip: int = 2) -> int:
+    """Index of the first record a budget row measures: past ``skip`` and :data:`SETTLE_STEPS` past the last
+    step that ended in a re-plan, with at least :data:`LEAST_MEASURED` records left where there are that many."""
+    replans = [i for i, r in enumerate(records) if (r.extra.get("budget") or {}).get("replanned")]
+    start = max(skip, replans[-1] + SETTLE_STEPS if replans else 0)
+    return max(0, min(start, len(records) - LEAST_MEASURED))
 
 
 def cupti_max(records: list[Any]) -> int | None:
@@ -280,7 +295,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 row_done(rows)
             say(f"  ratio {ratio}: {row['error']}")
             continue
-        recs = measured(out["records"], 2)
+        first = settled_from(out["records"])
+        recs = out["records"][first:]
         budgets = [r.extra["budget"] for r in recs]
         step_ms = statistics.median(r.wall_ms for r in recs)
         stagings = [b.get("staging") or {} for b in budgets]
@@ -311,7 +327,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),
             "executor_ms": statistics.median(b.get("executor_ms", 0.0) for b in budgets),
             "over_budget_steps": sum(bool(b["over_budget"]) for b in budgets),
-            "step_ms_all": [r.wall_ms for r in out["records"]], "session_cap_bytes": out["cap_bytes"],
+            "step_ms_all": [r.wall_ms for r in out["records"]], "measured_from_step": first,
+            "session_cap_bytes": out["cap_bytes"],
             "replan_ms_all": [r.extra["budget"].get("replan_ms", 0.0) for r in out["records"]],
             "unforeseen_bytes_all": [r.extra["budget"].get("unforeseen_bytes", 0) for r in out["records"]],
             "replan_reasons_all": [r.extra["budget"].get("replan_reason", "") for r in out["records"]],
@@ -361,16 +378,20 @@ QUICK_IMPLIED_EVICT_GBPS = 6.8
 
 
 def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = False,
-                 measured_GBps: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
+                 measured_GBps: tuple[float | None, float | None] = (None, None), *, stage: bool = False,
+                 remote: bool = True, partial: bool = False) -> dict[str, Any]:
     """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
     simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
     later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
     ``sim_step_ms_quick_implied_rate`` at the rate fitted on the two session-8 quick rows (6.8 GB/s).
     ``measured_GBps`` (host->GPU, GPU->host: the side stream's rates a ``--time-moves`` run measured) adds
     ``sim_step_ms_measured_rates``, the plan replayed at those rates: a check of the model's structure (what
-    waits for what), not a prediction, since the rates come from the run it is compared with."""
+    waits for what), not a prediction, since the rates come from the run it is compared with. ``stage``,
+    ``remote`` and ``partial``: the row's staging, remote optimizer state and partial staging
+    (:func:`um_lab.sim.staged.simulate_staged`; staged copies count twice in the crossing, as in a measured row)."""
     from um_lab.sim.backend import SimBackend
     from um_lab.sim.budget import replay_plan, simulate_budget
+    from um_lab.sim.staged import simulate_staged
     from um_lab.types import RunSpec
 
     sim = _SIM.setdefault("sim", SimBackend())
@@ -378,16 +399,27 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     prepared = sim.prepare(case)
     budget = int(budget_bytes if budget_bytes is not None else prepared.footprint_bytes / ratio)
     fit = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), case, "um-default")][-1]
-    result = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, budget, discard=discard)
-    plan, step = result.plan, result.step
-    crossing = plan.prefetched_bytes + plan.evicted_bytes
-    slow = replay_plan(result.derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS)
-    quick_rate = replay_plan(result.derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS)
+    copies = None
+    staged_extra: dict[str, Any] = {}
+    if stage:
+        staged = simulate_staged(prepared.trace, prepared.placement.final, sim.profile, budget,
+                                 remote_optimizer=remote, partial=partial)
+        derived, plan, step, copies = staged.derived, staged.plan, staged.step, staged.copies
+        staged_extra = {"sim_staged_bytes": copies.staged_bytes, "sim_fixed_bytes": staged.fixed_bytes,
+                        "sim_remote_link_bytes": step.remote_link_bytes}
+        crossing = plan.prefetched_bytes + plan.evicted_bytes + 2 * copies.staged_bytes + 2 * plan.remote_bytes
+    else:
+        result = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, budget, discard=discard,
+                                 remote_optimizer=remote)
+        derived, plan, step = result.derived, result.plan, result.step
+        crossing = plan.prefetched_bytes + plan.evicted_bytes
+    slow = replay_plan(derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS, staging=copies)
+    quick_rate = replay_plan(derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS, staging=copies)
     sim_bound = max(fit, crossing / LINK_BYTES_PER_S * 1e3)
     at_measured = {}
     if all(r is not None and math.isfinite(r) and r > 0 for r in measured_GBps):
-        replayed = replay_plan(result.derived, plan, sim.profile, prefetch_GBps=measured_GBps[0],
-                               evict_GBps=measured_GBps[1])
+        replayed = replay_plan(derived, plan, sim.profile, prefetch_GBps=measured_GBps[0],
+                               evict_GBps=measured_GBps[1], staging=copies)
         at_measured = {"sim_step_ms_measured_rates": replayed.wall_us / 1e3,
                        "sim_measured_rates_GBps": list(measured_GBps)}
     return {"model": name, "ratio": ratio, "sim_footprint_bytes": prepared.footprint_bytes, "sim_budget_bytes": budget,
@@ -396,30 +428,33 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
             "sim_fit_step_ms": fit, "sim_crossing_bytes": crossing, "sim_bound_ms": sim_bound,
             "sim_over_bound": step.wall_us / 1e3 / sim_bound, "sim_compute_ms": step.compute_us / 1e3,
             "sim_side_busy_ms": step.side_busy_us / 1e3, "sim_positions": len(plan.keys),
-            "sim_prefetch_calls": step.calls, "sim_plan_steady": plan.steady, **at_measured}
+            "sim_prefetch_calls": step.calls, "sim_plan_steady": plan.steady, "sim_stage": stage,
+            "sim_remote_optimizer": remote, "sim_partial_staging": partial, **staged_extra, **at_measured}
 
 
 _SIM: dict[str, Any] = {}
 
 
-def predict(models: list[str], ratios: list[float], say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Predicted rows (no GPU): the simulator at each model's simulated footprint / ratio."""
+def predict(models: list[str], ratios: list[float], say: Callable[[str], None],
+            settings: tuple[tuple[bool, bool, bool], ...] = ((False, True, False),)) -> list[dict[str, Any]]:
+    """Predicted rows (no GPU): the simulator at each model's simulated footprint / ratio, once per setting
+    (staging, remote optimizer state, partial staging)."""
     rows = []
-    for name in models:
-        for ratio in ratios:
-            t0 = time.perf_counter()
-            try:
-                row = simulate_row(name, ratio)
-            except Exception as e:  # a model the simulator cannot build here: recorded, not hidden
-                rows.append({"model": name, "ratio": ratio, "error": f"{type(e).__name__}: {e}"})
-                say(f"{name} ratio {ratio}: {rows[-1]['error']}")
-                continue
-            row["sim_s"] = time.perf_counter() - t0
-            rows.append(row)
-            say(f"{name} ratio {ratio}: footprint {row['sim_footprint_bytes'] / GiB:.2f} GiB, B "
-                f"{row['sim_budget_bytes'] / GiB:.2f} GiB: {row['sim_step_ms']:.1f} ms "
-                f"({row['sim_step_ms_first_evictions']:.1f} at first-time evictions), "
-                f"fit {row['sim_fit_step_ms']:.1f}, bound {row['sim_bound_ms']:.1f} (x{row['sim_over_bound']:.2f})")
+    for name, ratio, (stage, remote, partial) in ((n, r, st) for n in models for r in ratios for st in settings):
+        t0 = time.perf_counter()
+        try:
+            row = simulate_row(name, ratio, stage=stage, remote=remote, partial=partial)
+            row.update(stage_activations=stage, remote_optimizer=remote, partial_staging=partial)
+        except Exception as e:  # a model the simulator cannot build here: recorded, not hidden
+            rows.append({"model": name, "ratio": ratio, "error": f"{type(e).__name__}: {e}"})
+            say(f"{name} ratio {ratio}: {rows[-1]['error']}")
+            continue
+        row["sim_s"] = time.perf_counter() - t0
+        rows.append(row)
+        say(f"{name} ratio {ratio}: footprint {row['sim_footprint_bytes'] / GiB:.2f} GiB, B "
+            f"{row['sim_budget_bytes'] / GiB:.2f} GiB: {row['sim_step_ms']:.1f} ms "
+            f"({row['sim_step_ms_first_evictions']:.1f} at first-time evictions), "
+            f"fit {row['sim_fit_step_ms']:.1f}, bound {row['sim_bound_ms']:.1f} (x{row['sim_over_bound']:.2f})")
     return rows
 
 
@@ -433,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt2-large", "resnet50"])
     ap.add_argument("--ratios", nargs="+", type=float, default=[1.5, 2.0, 3.0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--telemetry", action="store_true", help="CUPTI residency per step (max_resident_cupti)")
     ap.add_argument("--issue", nargs="+", choices=["thread", "inline"], default=["thread"],
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
@@ -481,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.predict:
         out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
         write_merged(out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},
-                     predict(args.models, args.ratios, print))
+                     predict(args.models, args.ratios, print, tuple(
+                         (st == "on", ro == "on", st == "on" and pa == "on") for st in args.stage
+                         for ro in args.remote_optim for pa in (args.partial_stage if st == "on" else ["off"]))))
         return 0
     if not torch.cuda.is_available():
         print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py; "

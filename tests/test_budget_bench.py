@@ -172,3 +172,17 @@ def test_the_committed_budget_results_follow_the_issue_schema():
         assert row["max_resident_ledger"] <= row["budget_bytes"] or row["over_budget_steps"] > 0, row
         assert abs(row["over_bound"] - row["step_ms"] / row["bound_ms"]) < 1e-6
         assert row["bound_ms"] >= row["fit_step_ms"]
+
+
+def test_a_budget_row_measures_from_the_second_step_after_its_last_replan_and_at_least_three_steps(bench):
+    from types import SimpleNamespace
+
+    def records(replanned_at, n):
+        return [SimpleNamespace(extra={"budget": {"replanned": i in replanned_at}}) for i in range(n)]
+
+    assert bench.settled_from(records({0}, 10)) == 2  # the first plan: past the usual two
+    assert bench.settled_from(records({0, 1, 2, 3}, 10)) == 5  # partial staging sized in rounds after steps 1-3
+    assert bench.settled_from(records({0, 6}, 10)) == 7  # a late re-plan: still three steps measured
+    assert bench.settled_from(records({0, 8}, 10)) == 7
+    assert bench.settled_from(records(set(), 2)) == 0
+    assert bench.settled_from([SimpleNamespace(extra={})] * 6) == 2  # no budget: the usual two skipped

@@ -354,6 +354,30 @@ def test_partial_staging_keeps_forwards_last_saves_on_the_gpu_from_the_second_st
     assert stager.end_step()["staged_tensors"] == 5  # off again: all staged
 
 
+def test_with_a_kept_tail_the_copies_back_start_at_backwards_first_unpack_not_at_the_first_staged_one():
+    model = mlp()
+    x = torch.randn(1024, 512)
+    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
+                              window_bytes=4 * MiB)
+    stager.keep_tail_bytes = 4 * MiB
+    grads_after(model, x, stager)
+    stager.end_step()
+    seen = []  # (kept on the GPU, bytes restored so far) at each unpack
+    unpack = stager.unpack
+
+    def watched(saved):
+        seen.append((isinstance(saved, torch.Tensor), stager.stats.restored_bytes))
+        return unpack(saved)
+
+    stager.unpack = watched
+    grads_after(model, x, stager)
+    assert stager.end_step()["tail_kept_bytes"] == 4 * MiB
+    first_staged = next(i for i, (kept, _) in enumerate(seen) if not kept)
+    assert first_staged > 0, "backward reads the kept tail first"
+    # by the time backward reaches its first staged tensor, a window's worth is already on its way back
+    assert seen[first_staged][1] >= 4 * MiB
+
+
 def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_without(env, monkeypatch):
     from um_lab.budget import stage
 
@@ -369,7 +393,7 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_wi
         stager, executor = lab.budget.stager, lab.budget.executor
         # decided once, from the room the plan leaves (the fake's addresses change every step: it varies by a block)
         assert stager.keep_tail_bytes >= 1 * MiB
-        plan_room = executor.plan.budget_bytes
+        plan_room, eligible, announced = executor.plan.budget_bytes, stager.eligible_bytes, executor.expected_growth
     with pytest.warns(RuntimeWarning, match="experimental"), \
             make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as full:
         staged_in_full = train(full, third, batches)
@@ -382,8 +406,11 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_wi
     assert after and all(s["tail_kept_bytes"] > 0 for s in after)
     whole = [r.extra["budget"]["staging"] for r in staged_in_full[decided + 2:]]
     assert all(a["staged_bytes"] < w["staged_bytes"] for a, w in zip(after, whole, strict=False))
-    # the plan made at the decision leaves the announced room: its budget is B less the tail
-    assert plan_room <= budget - stager.keep_tail_bytes
+    # sized in rounds while room was left, never past the saves a step makes; each round's plan left its room
+    rounds = [r for r in records if r.extra["budget"]["replan_reason"] == "partial staging"]
+    assert 1 <= len(rounds) <= stage.TAIL_ROUNDS
+    assert stager.keep_tail_bytes <= eligible
+    assert plan_room <= budget - announced
     for r in records:
         b = r.extra["budget"]
         assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b
@@ -403,3 +430,35 @@ def test_tail_bytes_is_the_room_less_the_margin_and_nothing_below_the_minimum():
     assert tail_bytes(margin + MIN_TAIL_BYTES, budget) == MIN_TAIL_BYTES
     assert tail_bytes(margin + MIN_TAIL_BYTES - 1, budget) == 0
     assert tail_bytes(0, budget) == 0 and tail_bytes(-(1 << 30), budget) == 0
+
+
+
+def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_up_to_every_save(env, monkeypatch):
+    from um_lab.budget import stage
+
+    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    model, batches = model_and_data()
+    budget = 320 * MiB
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+        train(lab, model, batches)  # partial staging off: the tail is sized by hand below, one round at a time
+        control, stager, executor = lab.budget, lab.budget.stager, lab.budget.executor
+        eligible = stager.eligible_bytes
+        margin = int(stage.TAIL_MARGIN_FRACTION * budget)
+        usable = budget - executor.fixed_reserve
+        # a step whose peak left a third of the saves' bytes free beyond the margin (kept saves reused cached blocks)
+        step = {"followed_plan": True, "max_resident_ledger": usable - margin - eligible // 3}
+        assert control._keep_tail(step) == (True, "partial staging")
+        assert stager.keep_tail_bytes == eligible // 3 and executor.expected_growth == eligible // 3
+        assert control._keep_tail(step) == (True, "partial staging")  # the same room again: as much again
+        assert stager.keep_tail_bytes == 2 * (eligible // 3)
+        assert executor.expected_growth == eligible // 3, "announced growth that never came is not held twice"
+        assert control._keep_tail(step) == (True, "partial staging")
+        assert stager.keep_tail_bytes == eligible, "never more than the saves a step makes"
+        assert control._keep_tail(step) == (False, "")  # every save kept (and three rounds at most)
+        assert executor.plan.budget_bytes <= budget - executor.fixed_reserve - executor.expected_growth
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+        train(lab, model, batches[:3])
+        full = {"followed_plan": True, "max_resident_ledger": budget}  # a step that left no room
+        assert lab.budget._keep_tail(full) == (False, "") and lab.budget.stager.keep_tail_bytes == 0

@@ -249,6 +249,13 @@ def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
     assert all(r.extra["device_memory_bytes"]["act"] > 0 for r in records[2:])
 
 
+def test_partial_staging_keeps_cupti_residency_under_b_at_each_step_end():
+    """Partial staging sizes its kept tail in rounds from the ledger's peaks: CUPTI-measured residency (the kept
+    saves are in the device-memory pool, added to CUPTI's managed bytes) stays under B at each step's end."""
+    records = _assert_cupti_residency_under_b(budget_stage_activations=True, budget_partial_staging=True)
+    assert any(r.extra["budget"]["staging"]["tail_kept_bytes"] > 0 for r in records[2:])
+
+
 def _assert_cupti_residency_under_b(**session_kw):
     """A budget run of 5 steps at half the footprint with CUPTI on: measured residency at each step's end
     (after the first two) is under B plus CUPTI's 2 MiB rounding, and the ledger's maximum under B plus what

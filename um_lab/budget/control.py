@@ -31,7 +31,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
-from um_lab.budget.stage import ActivationStager, tail_bytes
+from um_lab.budget.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
 from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
@@ -63,7 +63,7 @@ class BudgetControl:
         self.stager = stager
         #: keep forward's last saves on the GPU where the plan leaves room (:meth:`_keep_tail`)
         self.partial_staging = partial_staging and stager is not None
-        self._tail_decided = False
+        self._tail_rounds = 0  # times the kept tail was sized (at most TAIL_ROUNDS); -1: no more room
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
         self._pending_zero: set[int] = set()
@@ -277,27 +277,37 @@ class BudgetControl:
         return loss, extra
 
     def _keep_tail(self, step: Mapping[str, Any]) -> tuple[bool, str]:
-        """Partial staging: after the first step that followed its plan without a replan, the room the plan left
-        under B, less a margin (:func:`~um_lab.budget.stage.tail_bytes`), becomes forward's last saves kept on the GPU
+        """Partial staging: after a step that followed its plan without a replan, the room left under B, less a
+        margin (:func:`~um_lab.budget.stage.tail_bytes`), is added to forward's last saves kept on the GPU
         (:attr:`~um_lab.budget.stage.ActivationStager.keep_tail_bytes`), announced to the executor as growth of
-        the fixed pool and planned for at once. Decided once per session; returns (replanned, reason)."""
+        the fixed pool and planned for at once. The room is the smaller of what the plan leaves and what the
+        step's ledger peak left; kept saves mostly reuse the pool's cached blocks, so the peak rises by less than
+        they hold and the next step may leave room again: up to :data:`TAIL_ROUNDS` rounds, until the room is
+        under the minimum or the tail holds every save. Returns (replanned, reason)."""
         executor, stager = self.executor, self.stager
         plan = executor.plan
-        if stager is None or self._tail_decided or plan is None or executor.plan_order is None \
-                or not step.get("followed_plan", False):
+        if stager is None or not 0 <= self._tail_rounds < TAIL_ROUNDS or plan is None \
+                or executor.plan_order is None or not step.get("followed_plan", False):
             return False, ""
-        self._tail_decided = True
-        measured = self.budget_bytes - executor.fixed_reserve - int(step.get("max_resident_ledger", self.budget_bytes))
-        keep = tail_bytes(min(plan.budget_bytes - plan.max_resident, measured), self.budget_bytes)
-        if not keep:
+        self._tail_rounds += 1
+        ledger = executor.ledger
+        grown = max(0, ledger.fixed_bytes - plan.fixed_bytes)  # the pool's growth since the plan, seen in this step
+        usable = self.budget_bytes - executor.fixed_reserve
+        room = min(usable - plan.max_resident - grown,
+                   usable - int(step.get("max_resident_ledger", self.budget_bytes)))
+        more = min(tail_bytes(room, self.budget_bytes), stager.eligible_bytes - stager.keep_tail_bytes)
+        if more <= 0:
+            self._tail_rounds = -1
             return False, ""
-        stager.keep_tail_bytes = keep
-        executor.expect_fixed_growth(keep)
+        kept, expected = stager.keep_tail_bytes, executor.expected_growth
+        stager.keep_tail_bytes = kept + more
+        # what was announced and has not come by now will not (the step kept the tail): no longer held
+        executor.expected_growth = min(expected, grown) + more
         try:
             executor.set_order(executor.plan_order)
-        except BudgetTooSmall:  # cannot happen with the room measured on this plan; staged in full again if it does
-            stager.keep_tail_bytes = 0
-            executor.expected_growth = 0
+        except BudgetTooSmall:  # cannot happen with the room measured on this plan; back as before if it does
+            stager.keep_tail_bytes, executor.expected_growth = kept, expected
+            self._tail_rounds = -1
             return False, ""
         return True, "partial staging"
 

@@ -22,7 +22,9 @@ Host memory comes from :class:`~um_lab.budget.pinned.PinnedArena`, allocated onc
 **Partial staging** (``keep_tail_bytes``): the last saves of forward are the first that backward reads, so a copy
 of them would go out and come straight back. With ``keep_tail_bytes = K`` the saves of a step after the first
 that come within ``K`` bytes of the end of the previous step's eligible saves stay on the GPU (``tail_kept_bytes``):
-the link carries ``2 K`` bytes less per step, and the intermediate-results pool holds about ``K`` more.
+the link carries ``2 K`` bytes less per step, and the intermediate-results pool holds about ``K`` more. The
+copies back start at backward's first unpack, kept tensor or not, so they run under the tail's backward kernels
+(session 18 started them at the first staged one: ResNet-50 at ratio 2 ran slower kept than staged in full).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ MAX_VIEW_SPREAD = 4
 TAIL_MARGIN_FRACTION = 0.05
 #: less room than this under the plan: everything is staged
 MIN_TAIL_BYTES = 64 << 20
+#: the kept tail is sized again after each of this many steps while room is left (its saves reuse cached blocks)
+TAIL_ROUNDS = 3
 
 
 def tail_bytes(room_bytes: int, budget_bytes: int) -> int:
@@ -268,6 +272,11 @@ class ActivationStager:
         self.stats.view_tensors += 1
         return _View(staged, t)
 
+    @property
+    def eligible_bytes(self) -> int:
+        """Bytes of saves the last step could stage (each tensor or storage once): the most a tail can keep."""
+        return self._last_eligible
+
     def _kept_in_tail(self, key: tuple[Any, ...], t: torch.Tensor, nbytes: int, *, view: bool) -> bool:
         """True when the save ``t`` (``key``: the tensor, or with ``view`` its storage) stays on the GPU in forward's
         tail: kept already (counted once: the same tensor, or any live view of the same storage) or now."""
@@ -293,6 +302,8 @@ class ActivationStager:
     def unpack(self, saved: Any) -> torch.Tensor:
         """The saved-tensor unpack hook: the tensor back on the device (brought ahead, with the next ones)."""
         if isinstance(saved, torch.Tensor):
+            if self._staged:  # kept on the GPU (forward's tail, or small): the copies back start here all the same
+                self._bring_ahead(self._cursor + 1)
             return saved
         if isinstance(saved, _View):
             self._check_source(saved.source(), saved.version)

@@ -34,7 +34,7 @@ import numpy as np
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
-from um_lab.budget.stage import MIN_STAGE_BYTES, WINDOW_BYTES, tail_bytes, window_for_budget
+from um_lab.budget.stage import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.budget import (
     BudgetStep,
@@ -177,7 +177,8 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     (``Session(budget_remote_optimizer=True)``, :mod:`um_lab.sim.remote_optim`). Memoised as
     :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run simulate once). ``partial``: as
     ``Session(budget_partial_staging=True)``, the room the plan leaves under B (less 5% of B) is forward's last saves
-    kept on the GPU (:func:`kept_tail`), and the plan is made again with them in the fixed pool."""
+    kept on the GPU (:func:`kept_tail`), and the plan is made again with them in the fixed pool; again while the new
+    plan leaves room (up to :data:`~um_lab.budget.stage.TAIL_ROUNDS` rounds), as the session does."""
     from um_lab.sim.profile import profile_sha256
 
     key = ("staged", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead),
@@ -203,10 +204,15 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
         return fixed, make_plan(derived.order, usable, lookahead, remote_optimizer=remote_optimizer)
 
     fixed, plan = plan_for(staged)
-    if partial:  # the room the plan leaves, as the session's control measures it (less its margin)
-        keep = tail_bytes(plan.budget_bytes - plan.max_resident, budget_bytes)
-        if keep:
-            staged = staged[~np.isin(staged, kept_tail(trace, staged, keep))]
+    if partial:  # the room the plan leaves, as the session's control measures it (less its margin), in rounds
+        every, keep = staged, 0
+        eligible = int(trace.st_nbytes[every].sum())
+        for _ in range(TAIL_ROUNDS):
+            more = min(tail_bytes(plan.budget_bytes - plan.max_resident, budget_bytes), eligible - keep)
+            if more <= 0:
+                break
+            keep += more
+            staged = every[~np.isin(every, kept_tail(trace, every, keep))]
             fixed, plan = plan_for(staged)
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
