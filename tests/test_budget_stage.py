@@ -2,6 +2,7 @@
 Session(budget_stage_activations=True) against the fake driver: the same training result as without,
 only intermediate-results tensors staged, numbers in the record."""
 
+import contextlib
 import copy
 import weakref
 
@@ -433,32 +434,39 @@ def test_tail_bytes_is_the_room_less_the_margin_and_nothing_below_the_minimum():
 
 
 
-def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_up_to_every_save(env, monkeypatch):
+def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the_growth_announced(env, monkeypatch):
     from um_lab.budget import stage
 
     monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
     budget = 320 * MiB
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
-        train(lab, model, batches)  # partial staging off: the tail is sized by hand below, one round at a time
-        control, stager, executor = lab.budget, lab.budget.stager, lab.budget.executor
-        eligible = stager.eligible_bytes
-        margin = int(stage.TAIL_MARGIN_FRACTION * budget)
-        usable = budget - executor.fixed_reserve
-        # a step whose peak left a third of the saves' bytes free beyond the margin (kept saves reused cached blocks)
-        step = {"followed_plan": True, "max_resident_ledger": usable - margin - eligible // 3}
-        assert control._keep_tail(step) == (True, "partial staging")
-        assert stager.keep_tail_bytes == eligible // 3 and executor.expected_growth == eligible // 3
-        assert control._keep_tail(step) == (True, "partial staging")  # the same room again: as much again
-        assert stager.keep_tail_bytes == 2 * (eligible // 3)
-        assert executor.expected_growth == eligible // 3, "announced growth that never came is not held twice"
-        assert control._keep_tail(step) == (True, "partial staging")
-        assert stager.keep_tail_bytes == eligible, "never more than the saves a step makes"
-        assert control._keep_tail(step) == (False, "")  # every save kept (and three rounds at most)
+
+    @contextlib.contextmanager
+    def sized_by_hand():  # partial staging off: the tail is sized below, one round at a time, on made-up peaks
+        with pytest.warns(RuntimeWarning, match="experimental"), \
+                make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+            train(lab, model, batches[:3])
+            control, executor = lab.budget, lab.budget.executor
+            line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
+            yield control, control.stager, executor, line, control.stager.eligible_bytes
+
+    with sized_by_hand() as (control, stager, executor, line, eligible):
+        third = eligible // 3
+        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third}) == \
+            (True, "partial staging")
+        assert stager.keep_tail_bytes == third and executor.expected_growth == third
+        # the next step's peak is the same: the pool has not grown yet, so the room is the announced growth's
+        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third}) == (False, "")
+        assert stager.keep_tail_bytes == third and executor.expected_growth == third
+        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": 0}) == (False, ""), "sized: done"
+    with sized_by_hand() as (control, stager, executor, line, eligible):
+        for n in (1, 2, 3):  # each step's peak leaves room for what is announced and a third of the saves more
+            step = {"followed_plan": True, "max_resident_ledger": line - n * third}
+            assert control._keep_tail(step) == (True, "partial staging")
+            assert stager.keep_tail_bytes == n * third and executor.expected_growth == n * third
+        assert stager.keep_tail_bytes <= eligible
+        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": 0}) == (False, "")  # 3 rounds
         assert executor.plan.budget_bytes <= budget - executor.fixed_reserve - executor.expected_growth
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
-        train(lab, model, batches[:3])
-        full = {"followed_plan": True, "max_resident_ledger": budget}  # a step that left no room
-        assert lab.budget._keep_tail(full) == (False, "") and lab.budget.stager.keep_tail_bytes == 0
+        full = {"followed_plan": True, "max_resident_ledger": budget}
+    with sized_by_hand() as (control, stager, *_):
+        assert control._keep_tail(full) == (False, "") and stager.keep_tail_bytes == 0  # a step that left no room

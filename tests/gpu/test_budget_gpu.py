@@ -121,7 +121,7 @@ def test_with_host_advice_cupti_residency_stays_under_b_at_each_step_end():
     from um_lab.cuda.telemetry import Telemetry
 
     _, _, footprint = _train(None, steps=2)
-    budget = footprint // 2
+    budget = int(footprint * fraction)
     records, _, _ = _train(budget, steps=5, telemetry=Telemetry(flush="step"))
     if records[-1].telemetry.startswith("unavailable"):
         pytest.skip(f"CUPTI telemetry {records[-1].telemetry}")
@@ -252,18 +252,19 @@ def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
 def test_partial_staging_keeps_cupti_residency_under_b_at_each_step_end():
     """Partial staging sizes its kept tail in rounds from the ledger's peaks: CUPTI-measured residency (the kept
     saves are in the device-memory pool, added to CUPTI's managed bytes) stays under B at each step's end."""
-    records = _assert_cupti_residency_under_b(budget_stage_activations=True, budget_partial_staging=True)
-    assert any(r.extra["budget"]["staging"]["tail_kept_bytes"] > 0 for r in records[2:])
+    records = _assert_cupti_residency_under_b(0.9, budget_stage_activations=True, budget_partial_staging=True)
+    assert any(r.extra["budget"]["staging"]["tail_kept_bytes"] > 0 for r in records[2:]), \
+        [r.extra["budget"]["staging"] for r in records]
 
 
-def _assert_cupti_residency_under_b(**session_kw):
-    """A budget run of 5 steps at half the footprint with CUPTI on: measured residency at each step's end
+def _assert_cupti_residency_under_b(fraction: float = 0.5, **session_kw):
+    """A budget run of 5 steps at ``fraction`` of the footprint with CUPTI on: measured residency at each step's end
     (after the first two) is under B plus CUPTI's 2 MiB rounding, and the ledger's maximum under B plus what
     kernels touched unforeseen."""
     from um_lab.cuda.telemetry import Telemetry
 
     _, _, footprint = _train(None, steps=2)
-    budget = footprint // 2
+    budget = int(footprint * fraction)
     records, _, _ = _train(budget, steps=5, telemetry=Telemetry(flush="step"), **session_kw)
     if records[-1].telemetry.startswith("unavailable"):
         pytest.skip(f"CUPTI telemetry {records[-1].telemetry}")

@@ -114,10 +114,10 @@ class Session(Listenable):
     prefetch to the host ran at 8-14 GB/s on the H200, the remote update at about the link's rate; same
     process, GPT-2-large at ratio 3 took 1,304 ms a step against 2,124 moving the state (session 18). It takes
     effect only where the optimizer-state pool prefers the host (``budget_host_advice``).
-    ``budget_partial_staging=True`` (experimental, off; on ResNet-50, H200 session 18: 235 ms against 305 at ratio
-    1.5, but 297 against 255 at 2) keeps forward's last saved
-    activations on the GPU instead of staging them, as many bytes as the plan leaves free under B after the first
-    step that followed it (less 5% of B): the link then carries twice those bytes less per step
+    ``budget_partial_staging=True`` (experimental, off) keeps forward's last saved activations on the GPU instead
+    of staging them, as many bytes as the plan and the step's ledger peak leave free under B (less 5% of B), sized
+    after the first step that followed the plan and again after each of the next two while room is left (kept
+    saves mostly reuse the pool's cached blocks): the link then carries twice those bytes less per step
     (``extra["budget"]["staging"]["tail_kept_bytes"]``).
     Without a budget nothing changes: no hooks are installed.
 
