@@ -163,6 +163,7 @@ class ActivationStager:
         self._to_host: list[tuple[Any, int, torch.Tensor]] = []  # (event, bytes, source) of copies out not known done
         self._restoring: list[tuple[Any, torch.Tensor]] = []  # (event, device copy) of copies back not known done
         self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
+        self._restoring_started = False  # this step's copies back have begun
         self._step = 0  # counts end_step calls: a handle from an earlier step is refused at unpack
         #: forward's last this many bytes of eligible saves stay on the GPU (partial staging; module docstring)
         self.keep_tail_bytes = 0
@@ -193,6 +194,7 @@ class ActivationStager:
         self._to_host.clear()
         self._restoring.clear()
         self._cursor = -1
+        self._restoring_started = False
         self._step += 1
         self.arena.reset()
         self.stats = StagingStats()
@@ -302,7 +304,8 @@ class ActivationStager:
     def unpack(self, saved: Any) -> torch.Tensor:
         """The saved-tensor unpack hook: the tensor back on the device (brought ahead, with the next ones)."""
         if isinstance(saved, torch.Tensor):
-            if self._staged:  # kept on the GPU (forward's tail, or small): the copies back start here all the same
+            if self._staged and not self._restoring_started:  # backward's first unpack, of a kept tensor
+                self._restoring_started = True  # (forward's tail, or a small one): the copies back start here
                 self._bring_ahead(self._cursor + 1)
             return saved
         if isinstance(saved, _View):
@@ -378,6 +381,7 @@ class ActivationStager:
 
     def _bring_ahead(self, index: int) -> None:
         """Bring back the staged tensors below ``index`` (backward's next ones) while the window has room."""
+        self._restoring_started = True
         self._cursor = min(self._cursor, index - 1)
         ahead = 0
         i = self._cursor
