@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -221,6 +221,12 @@ if [[ $what == rounds4 ]]; then  # ~6 min, 5 files: session 19 call 3, the pinne
   timeout -s KILL 60 python3 bench/diagnostics/staging_probe.py --out "$OUT/staging_probe.json" 2>&1 | tail -20 | tee "$OUT/rows.log"
   timeout -s KILL 420 python3 bench/budget.py --models gpt2-xl --ratios 1.5 2 --steps 9 --stage on --partial-stage on off \
     --no-sim --out "$OUT/budget_rounds4_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == rounds5 ]]; then  # ~6.5 min, 4 files: session 19 call 4, ResNet-50 at 1.32 / 1.5 / 2 beside FSDP2 again, GPT-2-XL at 1.5
+  timeout -s KILL 170 python3 bench/budget.py --models resnet50 --ratios 1.32 1.5 2 --steps 14 --stage on --partial-stage on off \
+    --no-sim --fsdp2 --out "$OUT/budget_rounds5_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 230 python3 bench/budget.py --models gpt2-xl --ratios 1.5 --steps 8 --stage on --partial-stage on off \
+    --no-sim --out "$OUT/budget_rounds5_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
