@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -227,6 +227,16 @@ if [[ $what == rounds5 ]]; then  # ~6.5 min, 4 files: session 19 call 4, ResNet-
     --no-sim --fsdp2 --out "$OUT/budget_rounds5_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
   timeout -s KILL 230 python3 bench/budget.py --models gpt2-xl --ratios 1.5 --steps 8 --stage on --partial-stage on off \
     --no-sim --out "$OUT/budget_rounds5_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == free2 ]]; then  # <= 4 min, 3 files: session 19 call 5, budget_discard_free's first GPU run since session 14's fix
+  timeout -s KILL 100 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider -k free 2>&1 | tail -30 | tee "$OUT/free_tests.log"
+  timeout -s KILL 120 python3 -c "
+import faulthandler, sys, runpy
+faulthandler.dump_traceback_later(100, exit=True)
+sys.argv = ['bench/budget.py', '--models', 'resnet50', '--ratios', '2', '--steps', '5', '--discard-free', 'off', 'on',
+            '--no-sim', '--out', '$OUT/budget_free_resnet50.json']
+runpy.run_path('bench/budget.py', run_name='__main__')
+" 2>&1 | grep -v Warning | tail -60 | tee "$OUT/free.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
