@@ -85,14 +85,13 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
                    if p["model"] == row.get("model") and float(p["ratio"]) == float(row.get("ratio", 0))
                    and bool(p.get("telemetry")) == telemetry
                    and all(bool(row.get(k, d)) == bool(p[k]) for k, d in SETTINGS.items() if k in p)]
-        if not matches:
-            continue
-        p = max(reversed(matches), key=lambda p: sum(k in p for k in SETTINGS))  # the last of the most specific
-        if p.get("sim_step_ms") is not None:
-            row["predicted_step_ms"] = p["sim_step_ms"]
-        hand = p.get("predicted_step_ms")
-        if isinstance(hand, list) and len(hand) == 2:
-            row["predicted_range_ms"] = hand
+        sims = [p for p in matches if p.get("sim_step_ms") is not None]
+        hands = [p for p in matches if isinstance(p.get("predicted_step_ms"), list) and len(p["predicted_step_ms"]) == 2]
+        if sims:  # the last of the most specific, for the simulator's step and the hand range each
+            row["predicted_step_ms"] = max(reversed(sims), key=lambda p: sum(k in p for k in SETTINGS))["sim_step_ms"]
+        if hands:
+            row["predicted_range_ms"] = max(reversed(hands),
+                                            key=lambda p: sum(k in p for k in SETTINGS))["predicted_step_ms"]
 
 
 def staging_cell(row: dict[str, Any]) -> str:

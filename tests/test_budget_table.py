@@ -121,3 +121,18 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
         == "on, device pool; optimizer state remote 2.0 GiB"
     assert table.staging_cell({"stage_activations": True, "device_activations": True, "tail_kept_bytes": GiB}) \
         == "on, device pool, last 1.00 GiB kept"
+
+
+def test_a_rows_simulated_step_and_hand_range_each_come_from_their_most_specific_prediction():
+    table = table_module()
+    rows = [{**row("gpt2-large", 1.5, 840.0, stage=True), "remote_optimizer": True, "partial_staging": True}]
+    predicted = {"rows": [{"model": "gpt2-large", "ratio": 1.5, "partial_staging": True, "predicted_step_ms": [750, 1000]},
+                          {"model": "gpt2-large", "ratio": 1.5, "partial_staging": False,
+                           "predicted_step_ms": [950, 1150]}],
+                 "sim": {"rows": [{"model": "gpt2-large", "ratio": 1.5, "remote_optimizer": True,
+                                   "partial_staging": True, "sim_step_ms": 708.0},
+                                  {"model": "gpt2-large", "ratio": 1.5, "remote_optimizer": True,
+                                   "partial_staging": False, "sim_step_ms": 961.0}]}}
+    table.add_predictions(rows, predicted)
+    # the simulator's row names more settings than the hand range's: each still gives its own column
+    assert (rows[0]["predicted_step_ms"], rows[0]["predicted_range_ms"]) == (708.0, [750, 1000])
