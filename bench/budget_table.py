@@ -86,7 +86,8 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
                    and bool(p.get("telemetry")) == telemetry
                    and all(bool(row.get(k, d)) == bool(p[k]) for k, d in SETTINGS.items() if k in p)]
         sims = [p for p in matches if p.get("sim_step_ms") is not None]
-        hands = [p for p in matches if isinstance(p.get("predicted_step_ms"), list) and len(p["predicted_step_ms"]) == 2]
+        hands = [p for p in matches
+                 if isinstance(p.get("predicted_step_ms"), list) and len(p["predicted_step_ms"]) == 2]
         if sims:  # the last of the most specific, for the simulator's step and the hand range each
             row["predicted_step_ms"] = max(reversed(sims), key=lambda p: sum(k in p for k in SETTINGS))["sim_step_ms"]
         if hands:

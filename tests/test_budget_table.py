@@ -126,7 +126,8 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
 def test_a_rows_simulated_step_and_hand_range_each_come_from_their_most_specific_prediction():
     table = table_module()
     rows = [{**row("gpt2-large", 1.5, 840.0, stage=True), "remote_optimizer": True, "partial_staging": True}]
-    predicted = {"rows": [{"model": "gpt2-large", "ratio": 1.5, "partial_staging": True, "predicted_step_ms": [750, 1000]},
+    predicted = {"rows": [{"model": "gpt2-large", "ratio": 1.5, "partial_staging": True,
+                           "predicted_step_ms": [750, 1000]},
                           {"model": "gpt2-large", "ratio": 1.5, "partial_staging": False,
                            "predicted_step_ms": [950, 1150]}],
                  "sim": {"rows": [{"model": "gpt2-large", "ratio": 1.5, "remote_optimizer": True,
