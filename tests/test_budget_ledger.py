@@ -281,3 +281,19 @@ def test_a_gpu_write_to_a_discarded_host_written_block_makes_its_contents_live_a
     assert ledger.is_dead(next(iter(block)))
     assert ledger.touched(block, far) == [] and not ledger.is_dead(next(iter(block)))
     assert [m.kind for m in ledger.bring_in(block, far)] == ["prefetch"]
+
+
+def test_a_segments_host_written_flag_can_be_said_again_and_an_unknown_segment_is_refused():
+    ledger = Ledger(8 * BLOCK)
+    ledger.add_segment(0, 2 * BLOCK, host_written=True)
+    ledger.add_segment(2 * BLOCK, BLOCK // 2)
+    ledger.add_segment(2 * BLOCK + BLOCK // 2, BLOCK // 2, host_written=True)  # shares block 2 with the one above
+    assert ledger.written_on_host(0) and ledger.written_on_host(1) and not ledger.written_on_host(2)
+    ledger.set_host_written(0, False)
+    ledger.set_host_written(2 * BLOCK, True)
+    assert not ledger.written_on_host(0) and not ledger.written_on_host(1) and ledger.written_on_host(2)
+    ledger.set_host_written(2 * BLOCK, True)  # said twice: counted once
+    ledger.remove_segment(2 * BLOCK + BLOCK // 2)
+    assert ledger.written_on_host(2)
+    with pytest.raises(BudgetError, match="no segment"):
+        ledger.set_host_written(7 * BLOCK, True)

@@ -176,3 +176,39 @@ def test_the_simulator_moves_no_optimizer_state_with_remote_on_and_prices_its_up
     assert step_moving.remote_us == 0 and step_remote.remote_us > 0
     # AdamW's foreach step reads the state several times: more link bytes than one read and one write
     assert step_remote.remote_link_bytes > 2 * remote.remote_bytes * 0.9
+
+
+
+def test_new_host_written_types_reach_every_segments_ledger_flag_and_remote_state_and_replan():
+    order = layered_order(layers=6, param_blocks=3, act_blocks=2)
+    budget = int(sum(n for _, n in order.segments) * 0.5) // BLOCK * BLOCK
+    ex, _ = executor(order, budget, remote_optimizer=True, host_written_types=[DataType.OPTIM])
+    optim = optim_blocks(order)
+    assert ex.remote_optimizer and ex.plan.remote_blocks
+    assert all(ex.ledger.written_on_host(b) for b in optim)
+    assert ex.set_host_written_types([DataType.PARAM]) is True  # optimizer state now prefers the GPU
+    assert not ex.remote_optimizer and not ex.plan.remote_blocks
+    assert not any(ex.ledger.written_on_host(b) for b in optim)
+    stats = drive(ex, order)
+    assert stats["followed_plan"] and stats["remote_bytes"] == 0 and stats["max_resident_ledger"] <= budget
+    assert ex.set_host_written_types([DataType.PARAM]) is False  # the same again: nothing to do
+    ex.set_host_written_types([DataType.OPTIM])
+    assert ex.remote_optimizer and ex.plan.remote_blocks and all(ex.ledger.written_on_host(b) for b in optim)
+
+
+def test_set_policy_under_a_budget_follows_with_the_schedulers_host_written_pools(env):
+    model, batches = model_and_data()
+    twin = model_and_data()[0]
+    with make_session(env, gpu_budget_bytes=48 << 20) as lab:
+        first = train(lab, model, batches[:3])
+        executor = lab.budget.executor
+        assert DataType.OPTIM in executor.host_written_types and executor.remote_optimizer
+        lab.set_policy("gpu-first")  # every pool now prefers the GPU: a kernel's write faults pages in
+        assert executor.host_written_types == frozenset() and not executor.remote_optimizer
+        assert not executor.plan.remote_blocks
+        second = train(lab, model, batches[3:])
+        lab.set_policy("um-default")  # back to the budget's host advice for every pool
+        assert DataType.OPTIM in executor.host_written_types and executor.remote_optimizer
+    with make_session(env) as plain:  # train() attaches a new optimizer each time: so here too
+        expected = train(plain, twin, batches[:3]) + train(plain, twin, batches[3:])
+    assert [r.loss for r in first + second] == [r.loss for r in expected]

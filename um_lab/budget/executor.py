@@ -70,6 +70,7 @@ class BudgetExecutor:
         #: optimizer state the plan would move stays in host memory, updated there over the link
         #: (:func:`~um_lab.budget.plan.make_plan`); only where that pool's writes land on the host
         self.remote_optimizer = remote_optimizer and DataType.OPTIM in frozenset(host_written_types)
+        self._remote_asked = remote_optimizer
         #: data types whose segments stay resident, never moved by the scheduler
         self.fixed_types = frozenset(fixed_types)
         #: data types whose pools prefer the host: a kernel's write to a non-resident page lands in host memory
@@ -140,6 +141,23 @@ class BudgetExecutor:
                 self.ledger.add_segment(s.ptr, s.size, fixed=bool(fixed) and s.data_type in fixed,
                                         host_written=s.data_type in host)
         self._index = SegmentIndex(live)
+
+    def set_host_written_types(self, types: Iterable[DataType]) -> bool:
+        """The pools' advice changed (``Session.set_policy``): ``types`` now prefer the host. Every known segment's
+        flag in the ledger follows, and so does leaving optimizer state remote (only where that pool prefers the
+        host); the current order is planned again. Returns True when anything changed."""
+        types = frozenset(types)
+        if types == self.host_written_types:
+            return False
+        self.host_written_types = types
+        self.remote_optimizer = self._remote_asked and DataType.OPTIM in types
+        known = self.ledger.segments()
+        for s in self._segments():
+            if s.ptr in known:
+                self.ledger.set_host_written(s.ptr, s.data_type in types)
+        if self.plan_order is not None:
+            self.set_order(self.plan_order)
+        return True
 
     def span_live(self, ptr: int, nbytes: int) -> bool:
         """True when ``[ptr, ptr + nbytes)`` lies inside one live segment now (the mover asks this right

@@ -192,6 +192,21 @@ class Ledger:
                 self._dead.discard(b)
                 self._fixed.discard(b)
 
+    def set_host_written(self, ptr: int, host_written: bool) -> None:
+        """Say again whether the registered segment at ``ptr`` prefers the host (its pool's advice changed):
+        what :meth:`touched` does with a GPU write to its blocks follows from here on; residency is unchanged."""
+        if ptr not in self._segments:
+            raise BudgetError(f"no segment registered at {ptr:#x}")
+        if host_written == (ptr in self._host_written_segments):
+            return
+        step = 1 if host_written else -1
+        for b in blocks_of_span(ptr, self._segments[ptr]):
+            self._blocks[b].host_written += step
+        if host_written:
+            self._host_written_segments.add(ptr)
+        else:
+            self._host_written_segments.discard(ptr)
+
     def written_on_host(self, block: int) -> bool:
         """True when a GPU write leaves ``block`` on the host: every piece is in a host-written segment."""
         b = self._blocks[block]

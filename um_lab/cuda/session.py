@@ -41,7 +41,7 @@ from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.step_timer import StepTimer as _StepTimer
 from um_lab.cuda.step_timer import warm_up_outside_pools as _warm_up_outside_pools
 from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetry
-from um_lab.errors import BudgetError, InputError, SessionStateError, gib
+from um_lab.errors import BudgetError, BudgetTooSmall, InputError, SessionStateError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.policy import PREFETCH_BEFORE, Location, Policy, get_policy
 from um_lab.types import DataType, StepRecord
@@ -103,7 +103,8 @@ class Session(Listenable):
     (2.1-2.2x their time alone), a copy from device memory did not (1.01x; session 17,
     ``bench/diagnostics/copy_interference.py``), and the stager's copies read and write that pool.
     ``budget_discard_free=True`` (CUDA 13+; experimental, off: on ResNet-50 its first version hung in
-    ``cudaMemDiscardBatchAsync``, session 14) discards, instead of copying to the host, the
+    ``cudaMemDiscardBatchAsync``, session 14; the fix runs, but was 3x slower there, session 19) discards, instead
+    of copying to the host, the
     blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
     tensor in when the scheduler moves them, and populates instead of copying back the ones still free when
     they are brought in (:mod:`um_lab.budget.free`: ordered between the compute stream's kernels;
@@ -193,7 +194,7 @@ class Session(Listenable):
         if self.budget_discard_free:
             warnings.warn("budget_discard_free=True is experimental: on ResNet-50 (H200, session 14) a discard call "
                           "never returned; each one now waits for the side stream's earlier moves and the host for "
-                          "compute, a fix not yet run on a GPU", RuntimeWarning, stacklevel=2)
+                          "compute, which made ResNet-50's step 3x slower (session 19)", RuntimeWarning, stacklevel=2)
         if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
             raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
                              "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
@@ -656,14 +657,23 @@ class Session(Listenable):
     # ---- policy and inspection ----
 
     def set_policy(self, policy: Policy | str) -> int:
-        """Switch policy mid-session: new segments and all live ones get the new advice.
+        """Switch policy mid-session: new segments and all live ones get the new advice. Under a budget the
+        scheduler's ledger learns which pools now prefer the host, and the plan is made again.
 
         Returns the number of live segments re-advised.
         """
         pools = self._require_open()
-        new = get_policy(policy)
+        new, old = get_policy(policy), self.policy
         count = pools.set_policy(self._pool_policy(new))
         self.policy = new
+        if self._budget is not None:  # the ledger's host-written pools, and remote optimizer state, follow
+            try:
+                self._budget.executor.set_host_written_types(self._host_preferred_types())
+            except BudgetTooSmall:  # the new advice leaves a layer that cannot fit: the old one back
+                self.policy = old
+                pools.set_policy(self._pool_policy(old))
+                self._budget.executor.set_host_written_types(self._host_preferred_types())
+                raise
         return count
 
     def _pool_policy(self, policy: Policy) -> Policy:
