@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -237,6 +237,11 @@ sys.argv = ['bench/budget.py', '--models', 'resnet50', '--ratios', '2', '--steps
             '--no-sim', '--out', '$OUT/budget_free_resnet50.json']
 runpy.run_path('bench/budget.py', run_name='__main__')
 " 2>&1 | grep -v Warning | tail -60 | tee "$OUT/free.log"
+fi
+if [[ $what == predictresnet ]]; then  # ~2 min, 1-2 files (written in session 19, not run): the simulator's ResNet-50 rows,
+  # on the GPU machine's CPU (torchvision loads only there); commit the file before any call that measures them
+  timeout -s KILL 300 python3 bench/budget.py --predict --models resnet50 --ratios 1.32 1.5 2 3 --stage on \
+    --partial-stage on off --out "$OUT/budget_predicted_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/predict.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
