@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -507,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the peer: FSDP2 with CPUOffloadPolicy on the same model (bench/fsdp2_peer.py, a process "
                          "of its own) fills fsdp2_step_ms and fsdp2_peak_bytes")
     args = ap.parse_args(argv)
+    # the options a row names are on by its own choice (each row records them): their warnings only cluttered logs
+    warnings.filterwarnings("ignore", message=r"budget_\w+=True is experimental", category=RuntimeWarning)
     if not 0 < args.max_managed_fraction <= 0.9:
         ap.error("--max-managed-fraction must be in (0, 0.9]")
     if args.quick:

@@ -186,3 +186,18 @@ def test_a_budget_row_measures_from_the_second_step_after_its_last_replan_and_at
     assert bench.settled_from(records({0, 8}, 10)) == 7
     assert bench.settled_from(records(set(), 2)) == 0
     assert bench.settled_from([SimpleNamespace(extra={})] * 6) == 2  # no budget: the usual two skipped
+
+
+def test_predicted_rows_simulate_the_staging_settings_they_name(bench, monkeypatch):
+    monkeypatch.setattr(bench, "build_case", lambda name: bench.small_cnn())  # the quick run's CNN: saves to stage
+    settings = ((False, True, False), (True, True, False), (True, True, True))
+    rows = bench.predict(["cnn-small"], [2.0], lambda line: None, settings)
+    assert [(r["stage_activations"], r["partial_staging"]) for r in rows] == \
+        [(False, False), (True, False), (True, True)]
+    plain, staged, partial = rows
+    assert "sim_staged_bytes" not in plain and staged["sim_staged_bytes"] > 0
+    assert staged["sim_fixed_bytes"] > 0 and staged["sim_stage"] and not plain["sim_stage"]
+    # partial staging keeps some saves on the GPU: fewer copies, a larger fixed pool, no slower a step
+    assert partial["sim_staged_bytes"] < staged["sim_staged_bytes"] <= staged["sim_crossing_bytes"] // 2 + 1
+    assert partial["sim_fixed_bytes"] > staged["sim_fixed_bytes"] and partial["sim_step_ms"] <= staged["sim_step_ms"]
+    assert all(r["sim_budget_bytes"] == plain["sim_budget_bytes"] for r in rows)
