@@ -88,11 +88,15 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
         sims = [p for p in matches if p.get("sim_step_ms") is not None]
         hands = [p for p in matches
                  if isinstance(p.get("predicted_step_ms"), list) and len(p["predicted_step_ms"]) == 2]
-        if sims:  # the last of the most specific, for the simulator's step and the hand range each
-            row["predicted_step_ms"] = max(reversed(sims), key=lambda p: sum(k in p for k in SETTINGS))["sim_step_ms"]
+        if sims:  # the simulator's step and the hand range each from its own most specific prediction
+            row["predicted_step_ms"] = _most_specific(sims)["sim_step_ms"]
         if hands:
-            row["predicted_range_ms"] = max(reversed(hands),
-                                            key=lambda p: sum(k in p for k in SETTINGS))["predicted_step_ms"]
+            row["predicted_range_ms"] = _most_specific(hands)["predicted_step_ms"]
+
+
+def _most_specific(predictions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last of the predictions naming the most of :data:`SETTINGS`."""
+    return max(reversed(predictions), key=lambda p: sum(k in p for k in SETTINGS))
 
 
 def staging_cell(row: dict[str, Any]) -> str:

@@ -163,7 +163,6 @@ class ActivationStager:
         self._to_host: list[tuple[Any, int, torch.Tensor]] = []  # (event, bytes, source) of copies out not known done
         self._restoring: list[tuple[Any, torch.Tensor]] = []  # (event, device copy) of copies back not known done
         self._cursor = -1  # backward's next staged tensor: bringing ahead starts here and goes down
-        self._restoring_started = False  # this step's copies back have begun
         self._step = 0  # counts end_step calls: a handle from an earlier step is refused at unpack
         #: forward's last this many bytes of eligible saves stay on the GPU (partial staging; module docstring)
         self.keep_tail_bytes = 0
@@ -194,7 +193,6 @@ class ActivationStager:
         self._to_host.clear()
         self._restoring.clear()
         self._cursor = -1
-        self._restoring_started = False
         self._step += 1
         self.arena.reset()
         self.stats = StagingStats()
@@ -304,9 +302,8 @@ class ActivationStager:
     def unpack(self, saved: Any) -> torch.Tensor:
         """The saved-tensor unpack hook: the tensor back on the device (brought ahead, with the next ones)."""
         if isinstance(saved, torch.Tensor):
-            if self._staged and not self._restoring_started:  # backward's first unpack, of a kept tensor
-                self._restoring_started = True  # (forward's tail, or a small one): the copies back start here
-                self._bring_ahead(self._cursor + 1)
+            if self._staged and not self.stats.restored_bytes:  # backward's first unpack, of a kept tensor
+                self._bring_ahead(self._cursor + 1)  # (forward's tail, or a small one): the copies back start here
             return saved
         if isinstance(saved, _View):
             self._check_source(saved.source(), saved.version)
@@ -381,7 +378,6 @@ class ActivationStager:
 
     def _bring_ahead(self, index: int) -> None:
         """Bring back the staged tensors below ``index`` (backward's next ones) while the window has room."""
-        self._restoring_started = True
         self._cursor = min(self._cursor, index - 1)
         ahead = 0
         i = self._cursor
