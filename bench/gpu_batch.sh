@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -242,6 +242,17 @@ if [[ $what == predictresnet ]]; then  # ~2 min, 1-2 files (written in session 1
   # on the GPU machine's CPU (torchvision loads only there); commit the file before any call that measures them
   timeout -s KILL 300 python3 bench/budget.py --predict --models resnet50 --ratios 1.32 1.5 2 3 --stage on \
     --partial-stage on off --out "$OUT/budget_predicted_resnet50.json" 2>&1 | grep -v Warning | tee "$OUT/predict.log"
+fi
+if [[ $what == xlprofile ]]; then  # ~4 min, 7 files: session 20 call 1, where GPT-2-XL's step time goes at 1.5 and 2 (one
+  # profiled step each, the step before it stack-sampled), the simulator's ResNet-50 rows on the CPU meanwhile
+  (timeout -s KILL 280 python3 bench/budget.py --predict --models resnet50 --ratios 1.32 1.5 2 3 --stage on \
+    --partial-stage on off --out "$OUT/budget_predicted_resnet50.json" 2>&1 | grep -v Warning > "$OUT/predict.log") &
+  for r in 2 1.5; do
+    gib=$(python3 -c "print(53366226944 / $r / 2**30)")
+    timeout -s KILL 150 python3 bench/budget_profile.py --model gpt2-xl --budget-gib "$gib" --stage --steps 7 --sample \
+      --profile-too --out-dir "$OUT/xl$r" 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/profile.log"
+  done
+  wait
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
