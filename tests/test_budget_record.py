@@ -14,7 +14,7 @@ from um_lab.budget.executor import BudgetExecutor
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order
 from um_lab.budget.plan import make_plan
-from um_lab.budget.record import StepRecorder, optimizer_chunks, step_optimizer_in_chunks
+from um_lab.budget.record import StepRecorder, join_chunks, optimizer_chunks, step_optimizer_in_chunks
 from um_lab.budget.streams import RecordingStreams
 from um_lab.types import DataType
 
@@ -123,15 +123,16 @@ def test_a_budget_below_the_largest_layer_of_a_recorded_order_is_refused():
     assert info.value.needed == largest
 
 
-def train_chunked_and_full(make_optimizer, batch=256):
-    """Three steps of an MLP with the optimizer stepped in per-layer chunks, and of its twin in one step."""
+def train_chunked_and_full(make_optimizer, batch=256, max_bytes=None):
+    """Three steps of an MLP with the optimizer stepped in per-layer chunks (joined up to ``max_bytes``), and of
+    its twin in one step."""
     model, _ = mlp()
     twin = copy.deepcopy(model)
     x, y = torch.randn(batch, 1024), torch.randint(0, 10, (batch,))
     chunked, full = make_optimizer(model.parameters()), make_optimizer(twin.parameters())
     for _ in range(3):
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        step_optimizer_in_chunks(chunked, optimizer_chunks([model], chunked))
+        step_optimizer_in_chunks(chunked, optimizer_chunks([model], chunked, max_bytes=max_bytes))
         torch.nn.functional.cross_entropy(twin(x), y).backward()
         full.step()
         full.zero_grad(set_to_none=False)
@@ -144,6 +145,23 @@ def test_chunked_optimizer_step_equals_one_full_step():
     assert chunked.param_groups[0]["params"] == list(model.parameters())  # groups restored
     assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())  # zeroed in place
     assert len(optimizer_chunks([model], chunked)) == 5  # one per Linear
+
+
+LINEAR_BYTES = (1024 * 1024 + 1024) * 4  # one of the MLP's hidden Linears
+
+
+def test_joined_chunks_hold_at_most_max_bytes_in_module_order_and_step_like_one_full_step():
+    model, twin, chunked = train_chunked_and_full(lambda params: torch.optim.AdamW(params, lr=1e-2),
+                                                  max_bytes=2 * LINEAR_BYTES)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+    chunks = optimizer_chunks([model], chunked, max_bytes=2 * LINEAR_BYTES)
+    assert [name for name, _ in chunks] == ["0.0..1.0", "2.0..3.0", "4"]
+    assert [p for _, params in chunks for p in params] == list(model.parameters())
+    alone = optimizer_chunks([model], chunked, max_bytes=LINEAR_BYTES - 1)  # each Linear is larger: stays alone
+    assert [name for name, _ in alone] == ["0.0", "1.0", "2.0", "3.0", "4"]
+    assert len(optimizer_chunks([model], chunked, max_bytes=1 << 40)) == 1
+    with pytest.raises(ValueError, match="positive"):
+        join_chunks(chunks, 0)
 
 
 def drive(executor, order):

@@ -302,3 +302,14 @@ def test_a_session_without_a_budget_gives_no_host_advice(env):
     with make_session(env) as lab:
         train(lab, model, batches[:1])
         assert lab._pools.policy is lab.policy and all(lab._pools.policy[t].is_default for t in DataType)
+
+
+def test_the_optimizer_is_stepped_in_chunks_of_consecutive_layers_up_to_a_64th_of_b(env):
+    model, batches = model_and_data()
+    budget = 1 << 30  # chunks of at most 16 MiB of parameters: three of the 4 MiB layers (and their biases; the
+    # last, 40 KiB, joins the second)
+    with make_session(env, gpu_budget_bytes=budget) as lab:
+        records = train(lab, model, batches[:2])
+        order = lab.budget.last_order
+        assert [p.layer for p in order.positions if p.phase == "optimizer"] == ["0.0..2.0", "3.0..6"]
+    assert all(not r.extra["budget"]["over_budget"] for r in records)

@@ -324,7 +324,8 @@ class BudgetControl:
     def _chunks_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, list[nn.Parameter]]]:
         key = id(optimizer)
         if key not in self._chunks:
-            self._chunks[key] = optimizer_chunks(self._roots, optimizer)
+            self._chunks[key] = optimizer_chunks(self._roots, optimizer,
+                                                 max_bytes=max(1, self.budget_bytes // OPTIMIZER_CHUNK_DIVISOR))
         return self._chunks[key]
 
     def _replan(self, order: Order, step: dict[str, Any]) -> tuple[bool, str]:
@@ -369,6 +370,11 @@ class BudgetControl:
     def _state_spans(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[Span]:
         return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
                            if isinstance(v, torch.Tensor))
+
+
+#: the optimizer is stepped in chunks of consecutive modules whose parameters hold at most B / this (an
+#: AdamW chunk then touches about 4x that: parameters, gradients and two state tensors)
+OPTIMIZER_CHUNK_DIVISOR = 64
 
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B

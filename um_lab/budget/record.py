@@ -281,9 +281,11 @@ class StepRecorder:
 Chunks = list[tuple[str, list[nn.Parameter]]]
 
 
-def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> Chunks:
+def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+                     max_bytes: int | None = None) -> Chunks:
     """The optimizer's parameters grouped by the module that owns them, in module order (each once);
-    parameters no registered module owns form a last chunk."""
+    parameters no registered module owns form a last chunk. With ``max_bytes``, consecutive chunks are joined
+    while their parameters hold at most that many bytes together (:func:`join_chunks`)."""
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     seen: set[int] = set()
     chunks: Chunks = []
@@ -297,7 +299,31 @@ def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimize
     rest = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in seen]
     if rest:
         chunks.append(("(other parameters)", rest))
-    return chunks
+    return chunks if max_bytes is None else join_chunks(chunks, max_bytes)
+
+
+def join_chunks(chunks: Chunks, max_bytes: int) -> Chunks:
+    """Consecutive ``chunks`` joined while their parameters hold at most ``max_bytes`` together (a chunk larger
+    than that stays alone); a joined chunk is named ``"first..last"``. Each chunk costs a Python optimizer
+    step and the session's position hooks: on the H200, GPT-2-XL's 291 one-module chunks left the GPU idle
+    for ~170 ms of a ~1,000 ms budget step (session 20)."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    out: Chunks = []
+    names: list[tuple[str, str]] = []
+    held: list[int] = []
+    for name, params in chunks:
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        if out and held[-1] + nbytes <= max_bytes:
+            out[-1][1].extend(params)
+            names[-1] = (names[-1][0], name)
+            held[-1] += nbytes
+        else:
+            out.append((name, list(params)))
+            names.append((name, name))
+            held.append(nbytes)
+    return [(first if first == last else f"{first}..{last}", params)
+            for (first, last), (_, params) in zip(names, out, strict=True)]
 
 
 #: optimizers whose step is per parameter, so stepping them one layer at a time equals one full step
@@ -344,9 +370,9 @@ def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[
                 if after_chunk is not None:
                     after_chunk(name, params, token)
             if zero_grad:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.zero_()
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    torch._foreach_zero_(grads)
     finally:
         for g, full in zip(groups, originals, strict=True):
             g["params"] = full
