@@ -45,6 +45,22 @@ def test_the_derived_order_runs_forward_then_backward_then_one_optimizer_positio
     assert all(p.spans(DataType.OPTIM) and p.spans(DataType.GRAD) for p in optimizer[:-1])
 
 
+def test_joined_optimizer_chunks_keep_every_byte_and_the_gpu_time_and_dispatch_their_shared_ops_once(prepared):
+    sim, prep = prepared
+    per_layer = derive_order(prep.trace, prep.placement.final, sim.profile)
+    joined = derive_order(prep.trace, prep.placement.final, sim.profile, optimizer_chunk_bytes=1 << 40)
+    one = [p for p in per_layer.order.positions if p.phase == "optimizer"]
+    [whole] = [p for p in joined.order.positions if p.phase == "optimizer"]
+    assert joined.layers == 1 and per_layer.layers == len(one) >= 3
+    assert sorted(whole.spans()) == sorted(s for p in one for s in p.spans())
+    n = len(per_layer.order.positions) - len(one)  # forward and backward positions are the same
+    assert joined.compute_us[:n] == per_layer.compute_us[:n]
+    assert joined.compute_us[n] == pytest.approx(sum(per_layer.compute_us[n:]))
+    assert joined.host_us[n] < sum(per_layer.host_us[n:])  # one step's dispatch, not one per layer
+    assert joined.optim_scratch_bytes >= per_layer.optim_scratch_bytes
+    assert sum(len(c) for c in joined.remote_costs) == sum(len(c) for c in per_layer.remote_costs)
+
+
 def test_the_plan_stays_under_the_budget_and_moves_as_much_in_as_out_each_steady_step(prepared):
     sim, prep = prepared
     derived = derive_order(prep.trace, prep.placement.final, sim.profile)

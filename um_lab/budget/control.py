@@ -23,6 +23,7 @@ from um_lab.budget.ledger import Span
 from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
 from um_lab.budget.record import (
+    OPTIMIZER_CHUNK_DIVISOR,
     StepRecorder,
     check_chunkable,
     optimizer_chunks,
@@ -370,11 +371,6 @@ class BudgetControl:
     def _state_spans(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[Span]:
         return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
                            if isinstance(v, torch.Tensor))
-
-
-#: the optimizer is stepped in chunks of consecutive modules whose parameters hold at most B / this (an
-#: AdamW chunk then touches about 4x that: parameters, gradients and two state tensors)
-OPTIMIZER_CHUNK_DIVISOR = 64
 
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B

@@ -302,28 +302,36 @@ def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimize
     return chunks if max_bytes is None else join_chunks(chunks, max_bytes)
 
 
-def join_chunks(chunks: Chunks, max_bytes: int) -> Chunks:
-    """Consecutive ``chunks`` joined while their parameters hold at most ``max_bytes`` together (a chunk larger
-    than that stays alone); a joined chunk is named ``"first..last"``. Each chunk costs a Python optimizer
-    step and the session's position hooks: on the H200, GPT-2-XL's 291 one-module chunks left the GPU idle
-    for ~170 ms of a ~1,000 ms budget step (session 20)."""
+#: under a GPU budget the optimizer is stepped in chunks of consecutive modules whose parameters hold at most
+#: B / this (an AdamW chunk then touches about 4x that: parameters, gradients and two state tensors)
+OPTIMIZER_CHUNK_DIVISOR = 64
+
+
+def join_consecutive(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Indices of ``sizes`` in runs of consecutive items holding at most ``max_bytes`` together (an item larger
+    than that alone): how the optimizer's chunks are joined, in the session and in the simulator."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-    out: Chunks = []
-    names: list[tuple[str, str]] = []
-    held: list[int] = []
-    for name, params in chunks:
-        nbytes = sum(p.numel() * p.element_size() for p in params)
-        if out and held[-1] + nbytes <= max_bytes:
-            out[-1][1].extend(params)
-            names[-1] = (names[-1][0], name)
-            held[-1] += nbytes
+    runs: list[list[int]] = []
+    held = 0
+    for i, nbytes in enumerate(sizes):
+        if runs and held + nbytes <= max_bytes:
+            runs[-1].append(i)
+            held += nbytes
         else:
-            out.append((name, list(params)))
-            names.append((name, name))
-            held.append(nbytes)
-    return [(first if first == last else f"{first}..{last}", params)
-            for (first, last), (_, params) in zip(names, out, strict=True)]
+            runs.append([i])
+            held = nbytes
+    return runs
+
+
+def join_chunks(chunks: Chunks, max_bytes: int) -> Chunks:
+    """Consecutive ``chunks`` joined while their parameters hold at most ``max_bytes`` together
+    (:func:`join_consecutive`); a joined chunk is named ``"first..last"``. Each chunk costs a Python optimizer
+    step and the session's position hooks: on the H200, GPT-2-XL's 291 one-module chunks left the GPU idle
+    for ~170 ms of a ~1,000 ms budget step (session 20)."""
+    sizes = [sum(p.numel() * p.element_size() for p in params) for _, params in chunks]
+    return [(chunks[run[0]][0] if len(run) == 1 else f"{chunks[run[0]][0]}..{chunks[run[-1]][0]}",
+             [p for i in run for p in chunks[i][1]]) for run in join_consecutive(sizes, max_bytes)]
 
 
 #: optimizers whose step is per parameter, so stepping them one layer at a time equals one full step

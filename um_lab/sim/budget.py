@@ -5,9 +5,10 @@
 positions by the parameters they touch: parameters first read by one forward op form a *layer* (a
 Linear's weight and bias, a norm's scale and shift); a forward position opens at each op that reads
 another layer's parameters, a backward position at each op that touches another layer's parameters or
-gradients, and ops touching no parameter join the open position. The optimizer is stepped one layer at a
-time, as the budgeted session does (:func:`um_lab.budget.record.step_optimizer_in_chunks`): one position
-per layer with its parameters, gradients and optimizer state. This is coarser than the hooks (which also
+gradients, and ops touching no parameter join the open position. The optimizer is stepped in chunks of
+consecutive layers holding at most B/64 of parameters, as the budgeted session does
+(:func:`um_lab.budget.record.step_optimizer_in_chunks`): one position per chunk with its parameters,
+gradients and optimizer state. This is coarser than the hooks (which also
 open positions for parameter-free modules and containers), so ``lookahead`` positions reach a little
 further here than on a GPU. Byte ranges come from the placed layout (:mod:`um_lab.sim.placement`);
 the optimizer's temporaries (the foreach step's per-tensor results, one layer's worth when stepped per
@@ -39,6 +40,7 @@ import numpy as np
 from um_lab.budget.ledger import BLOCK, Span
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
+from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR, join_consecutive
 from um_lab.budget.stage import WINDOW_BYTES
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.placement import Layout
@@ -139,8 +141,11 @@ def _layer_of_params(trace: StepTrace) -> tuple[dict[int, int], int]:
     return layer, n_layers
 
 
-def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedOrder:
-    """Group ``trace``'s ops into the scheduler's positions on ``layout`` (see the module docstring)."""
+def derive_order(trace: StepTrace, layout: Layout, profile: Profile,
+                 optimizer_chunk_bytes: int | None = None) -> DerivedOrder:
+    """Group ``trace``'s ops into the scheduler's positions on ``layout`` (see the module docstring). With
+    ``optimizer_chunk_bytes``, consecutive layers whose parameters hold at most that together share one
+    optimizer position, as the session joins its chunks (:func:`~um_lab.budget.record.join_consecutive`)."""
     from um_lab.sim.roofline import op_host_us, op_times_us
 
     base = op_times_us(trace, profile)
@@ -239,17 +244,32 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile) -> DerivedO
     total_tensors = float(tensors.sum()) or 1.0
     remote = by_layer(remote_costs(trace, layout, profile, opt_ops), layer)
     costs: list[tuple[RemoteCost, ...]] = [()] * len(positions)
-    for lay in sorted(opt_layers):
-        costs.append(tuple(remote.get(lay, ())))
-        positions.append(opt_layers[lay])
+    stepped = sorted(opt_layers)
+    runs = ([[k] for k in range(len(stepped))] if optimizer_chunk_bytes is None
+            else join_consecutive([int(param_bytes[lay]) for lay in stepped], optimizer_chunk_bytes))
+    chunk_scratch = 0
+    for run in runs:  # one optimizer step per chunk: the shared ops dispatched once, their other host time shared
+        lays = [stepped[k] for k in run]
+        if len(lays) == 1:
+            position = opt_layers[lays[0]]
+        else:
+            position = Position("optimizer", f"layers {lays[0]}..{lays[-1]}")
+            for a in (a for lay in lays for a in opt_layers[lay].accesses):
+                position.add(a.data_type, a.spans)
+        costs.append(tuple(c for lay in lays for c in remote.get(lay, ())))
+        positions.append(position)
         starts.append(opt_ops[0] if opt_ops else trace.n_ops)
-        compute.append(shared_compute * float(param_bytes[lay]) / total_param + float(own_us["compute"][lay]))
-        host_us.append(dispatch + (shared_host - dispatch) * float(tensors[lay]) / total_tensors
-                       + float(own_us["host"][lay]))
+        compute.append(sum(shared_compute * float(param_bytes[lay]) / total_param + float(own_us["compute"][lay])
+                           for lay in lays))
+        host_us.append(dispatch + sum((shared_host - dispatch) * float(tensors[lay]) / total_tensors
+                                      + float(own_us["host"][lay]) for lay in lays))
+        chunk_scratch = max(chunk_scratch, int(sum(scratch[lay] for lay in lays)))
     segments = _type_runs(layout)
     grads = frozenset(p for p, _ in segments if DATA_TYPES[int(layout.block_type[p // BLOCK])] is DataType.GRAD)
-    return DerivedOrder(Order(positions, segments), compute, host_us, int(scratch.max()) if len(scratch) else 0,
-                        len(opt_layers), grads, tuple(starts), tuple(costs))
+    if not runs:
+        chunk_scratch = int(scratch.max()) if len(scratch) else 0
+    return DerivedOrder(Order(positions, segments), compute, host_us, chunk_scratch, len(runs), grads,
+                        tuple(starts), tuple(costs))
 
 
 def _type_runs(layout: Layout) -> list[Span]:
@@ -412,7 +432,7 @@ def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     from um_lab.sim.profile import profile_sha256
 
     def compute() -> BudgetSimulation:
-        derived = derive_order(trace, layout, profile)
+        derived = derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR)
         plan = plan_budget(derived, budget_bytes, lookahead, discard, remote_optimizer)
         return BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
 

@@ -37,6 +37,7 @@ import numpy as np
 from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
+from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR
 from um_lab.budget.stage import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.budget import (
@@ -196,7 +197,8 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
 
 def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
                      lookahead: int, remote_optimizer: bool, partial: bool) -> StagedSimulation:
-    derived = without_intermediates(derive_order(trace, layout, profile), layout)
+    derived = without_intermediates(derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR),
+                                    layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
     uses = _uses(trace, set(int(s) for s in staged))  # one pass over the trace's accesses serves both below
