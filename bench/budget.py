@@ -141,10 +141,13 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                 telemetry: bool = False, issue: str = "thread", discard: bool = False,
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
                 advice: str = "host", stage: bool = False, free: bool = False,
-                device_act: bool | None = None, remote: bool = True, partial: bool = False) -> dict[str, Any]:
-    """Train ``steps`` steps in one session; returns the records, the session's cap and the peak of live
-    managed bytes above the session's start (segments, read after every step: the caching allocator keeps
-    a step's segments, so this is the step's peak). The safety rules are in the module docstring."""
+                device_act: bool | None = None, remote: bool = True, partial: bool = False,
+                copies: bool = True) -> dict[str, Any]:
+    """Train ``steps`` steps in one session (``copies``: remote optimizer state copied to the device for its
+    chunk's step, the session's default, or updated in place over the link); returns the records, the
+    session's cap and the peak of live managed bytes above the session's start (segments, read after every
+    step: the caching allocator keeps a step's segments, so this is the step's peak). The safety rules are in
+    the module docstring."""
     cap = session_cap(limit)
     abort_at = int(SAFETY_FRACTION * cap)
     torch.manual_seed(0)
@@ -162,6 +165,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
             lab._budget.executor.time_moves()
+        if lab._budget is not None:  # an A/B switch the session does not expose
+            lab._budget.copy_remote_state = copies
         batch_used = lab._budget is not None and lab._budget.executor.batch_calls  # off where CUDA lacks it
         waits_used = lab._budget is not None and lab._budget.executor.gpu_waits  # off where the driver refuses
         base = lab.stats()["live_total"]
@@ -262,6 +267,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
+                copies_opts: tuple[bool, ...] = (True,), repeat: int = 0,
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -271,22 +277,24 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice, stage, free, device_act, remote, partial in (
-            (r, i, d, b, w, a, st, f, da, ro, pa) for r in ratios for i in issues for d in discards for b in batches
-            for w in gpu_waits for a in advices for st in stages for f in frees
-            for da in (device_acts if st else (None,)) for ro in remotes for pa in (partials if st else (False,))):
+    for ratio, issue, discard, batch, waits, advice, stage, free, device_act, remote, partial, copies in (
+            (r, i, d, b, w, a, st, f, da, ro, pa, co) for r in ratios for i in issues for d in discards
+            for b in batches for w in gpu_waits for a in advices for st in stages for f in frees
+            for da in (device_acts if st else (None,)) for ro in remotes for pa in (partials if st else (False,))
+            for co in (copies_opts if st and ro else (True,))):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
                                "stage_activations": stage, "discard_free": free,
                                "device_activations": stage if device_act is None else device_act,
-                               "remote_optimizer": remote, "partial_staging": partial, "fit_step_ms": fit_ms,
+                               "remote_optimizer": remote, "partial_staging": partial,
+                               "remote_copies": copies, "repeat": repeat, "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
             out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
                               time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage,
-                              free=free, device_act=device_act, remote=remote, partial=partial)
+                              free=free, device_act=device_act, remote=remote, partial=partial, copies=copies)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -319,6 +327,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "max_resident_cupti": cupti_max(recs),
             "prefetched_bytes": prefetched, "evicted_bytes": evicted,
             "staged_bytes": staged, "restored_bytes": restored, "staging_all": stagings, "remote_bytes": remote_bytes,
+            "remote_copied_bytes": int(statistics.median((b.get("remote_copies") or {}).get("bytes_in", 0)
+                                                         for b in budgets)),
             "discarded_bytes": int(statistics.median(b.get("discarded_bytes", 0) for b in budgets)),
             "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
@@ -360,6 +370,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"device activations {'on' if row['device_activations'] else 'off'}, "
             f"remote optimizer {'on' if remote else 'off'} ({remote_bytes / GiB:.2f} GiB), "
             f"partial staging {'on' if partial else 'off'} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
+            f"remote copies {'on' if copies else 'off'} ({row['remote_copied_bytes'] / GiB:.2f} GiB), "
             f"free discards {'on' if free else 'off'}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
@@ -486,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
                          "several: a row each")
     on_off(ap, "--remote-optim", "on", "Session(budget_remote_optimizer=...): optimizer state the plan would move "
            "stays in host memory, updated there (on, the default) or is prefetched in and out (off)")
+    on_off(ap, "--remote-copies", "on", "with --stage on and --remote-optim on: remote optimizer state copied to the "
+           "device for its chunk's step and back (on, the session's default) or updated in place over the link (off)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each model's rows (with its fit run, and the FSDP2 peer with --fsdp2) this many times "
+                         "in turn: repeats interleaved, each row records its 'repeat'")
     on_off(ap, "--partial-stage", "off", "Session(budget_partial_staging=...) with --stage on: forward's last saves "
            "kept on the GPU where the plan leaves room")
     on_off(ap, "--discard-free", "off", "discard and populate, not copy, blocks the caching allocator holds no tensor "
@@ -512,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r"budget_\w+=True is experimental", category=RuntimeWarning)
     if not 0 < args.max_managed_fraction <= 0.9:
         ap.error("--max-managed-fraction must be in (0, 0.9]")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.quick:
         args.models, args.ratios, args.steps = list(QUICK_MODELS), [2.0], 4
         if args.out == ap.get_default("out"):
@@ -537,23 +555,25 @@ def main(argv: list[str] | None = None) -> int:
     header = {"device": device, "steps": args.steps, "managed_limit_bytes": limit}
     for name in args.models:
         try:
-            model_rows = bench_model(name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
-                                     tuple(d == "on" for d in args.discard), args.time_moves,
-                                     tuple(b == "on" for b in args.batch_calls),
-                                     tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
-                                     tuple(st == "on" for st in args.stage),
-                                     tuple(f == "on" for f in args.discard_free),
-                                     tuple(None if d == "auto" else d == "on" for d in args.device_act),
-                                     remotes=tuple(r == "on" for r in args.remote_optim),
-                                     partials=tuple(p == "on" for p in args.partial_stage),
-                                     row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header,
-                                                                                     done + so_far))
-            if not args.no_sim:
-                fill_sim(model_rows, print)
-            rows += model_rows
-            write_merged(args.out, args.models, header, rows)  # with the simulator's columns
-            if args.fsdp2:
-                fill_fsdp2(model_rows, name, args.steps, print)
+            for repeat in range(args.repeats):
+                model_rows = bench_model(
+                    name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
+                    tuple(d == "on" for d in args.discard), args.time_moves, tuple(b == "on" for b in args.batch_calls),
+                    tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
+                    tuple(st == "on" for st in args.stage),
+                    tuple(f == "on" for f in args.discard_free),
+                    tuple(None if d == "auto" else d == "on" for d in args.device_act),
+                    remotes=tuple(r == "on" for r in args.remote_optim),
+                    partials=tuple(p == "on" for p in args.partial_stage),
+                    copies_opts=tuple(c == "on" for c in args.remote_copies), repeat=repeat,
+                    row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header, done + so_far))
+                if not args.no_sim:
+                    fill_sim(model_rows, print)
+                rows += model_rows
+                write_merged(args.out, args.models, header, rows)  # with the simulator's columns
+                if args.fsdp2:
+                    fill_fsdp2(model_rows, name, args.steps, print)
+                    write_merged(args.out, args.models, header, rows)
         except (ManagedLimitExceeded, ManagedBytesLeft) as e:
             print(f"ABORTED {name}: {e}")
             rows.append({"model": name, "error": f"aborted: {e}"})

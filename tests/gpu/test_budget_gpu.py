@@ -16,17 +16,17 @@ def _session(*args, **kw):
     return Session(*args, **kw)
 
 
-def _train(budget, steps=6, interrupt_at=None, **session_kw):
+def _train(budget, steps=6, interrupt_at=None, remote_copies=True, **session_kw):
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _train_deterministic(budget, steps, interrupt_at, session_kw)
+        return _train_deterministic(budget, steps, interrupt_at, session_kw, remote_copies)
     finally:  # restored: later tests in the process run as they would alone
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
-def _train_deterministic(budget, steps, interrupt_at, session_kw):
+def _train_deterministic(budget, steps, interrupt_at, session_kw, remote_copies=True):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
                                   for _ in range(8)], torch.nn.Linear(4096, 10))
@@ -34,6 +34,8 @@ def _train_deterministic(budget, steps, interrupt_at, session_kw):
     data = [(torch.randn(256, 4096, generator=g), torch.randint(0, 10, (256,), generator=g)) for _ in range(steps)]
     records = []
     with _session("um-default", gpu_budget_bytes=budget, **session_kw) as lab:
+        if lab.budget is not None:
+            lab.budget.copy_remote_state = remote_copies
         model = lab.place(model)
         opt = lab.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         for i, (xb, yb) in enumerate(data):
@@ -218,6 +220,34 @@ def test_optimizer_state_left_in_host_memory_keeps_cupti_residency_under_b():
     each step's end stays under B."""
     records = _assert_cupti_residency_under_b(budget_remote_optimizer=True)
     assert all(r.extra["budget"]["remote_bytes"] > 0 for r in records[2:])
+
+
+def test_remote_state_copied_for_its_chunks_step_trains_bit_for_bit_like_updating_it_in_place():
+    """With staged activations, remote optimizer state is copied to device temporaries for its chunk's step and
+    back (two side streams): the same AdamW kernels on the same values, so training matches the in-place run bit
+    for bit; every remote byte is copied in and out, and the ledger stays under B."""
+    _, _, footprint = _train(None, steps=2)
+    budget = footprint // 2
+    in_place, in_place_params, _ = _train(budget, steps=5, budget_stage_activations=True, remote_copies=False)
+    records, params, _ = _train(budget, steps=5, budget_stage_activations=True)
+    for r in records[2:]:
+        b = r.extra["budget"]
+        assert b["remote_bytes"] > 0 and b["followed_plan"], b
+        copies = b["remote_copies"]
+        assert copies["bytes_in"] == copies["bytes_out"] > 0, copies
+        assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+    assert all("remote_copies" not in r.extra["budget"] for r in in_place)
+    for a, p in zip(in_place_params, params, strict=True):
+        assert torch.equal(a, p)
+    assert [r.loss for r in records] == [r.loss for r in in_place]
+
+
+def test_remote_state_copies_keep_cupti_residency_under_b():
+    """The copies read and write the remote blocks where they are (host memory), never migrating them: CUPTI's
+    residency at each step's end stays under B with them on."""
+    records = _assert_cupti_residency_under_b(budget_stage_activations=True)
+    assert all(r.extra["budget"]["remote_copies"]["bytes_in"] > 0 for r in records[2:]), \
+        [r.extra["budget"].get("remote_copies") for r in records]
 
 
 def test_partial_staging_trains_bit_for_bit_like_full_staging_and_stays_under_b():

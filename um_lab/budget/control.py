@@ -22,6 +22,7 @@ from um_lab.budget.executor import BudgetExecutor
 from um_lab.budget.ledger import Span
 from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
+from um_lab.budget.pinned import another_like
 from um_lab.budget.record import (
     OPTIMIZER_CHUNK_DIVISOR,
     StepRecorder,
@@ -32,6 +33,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
+from um_lab.budget.remote_state import RemoteStateCopies
 from um_lab.budget.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
 from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
@@ -65,6 +67,11 @@ class BudgetControl:
         #: keep forward's last saves on the GPU where the plan leaves room (:meth:`_keep_tail`)
         self.partial_staging = partial_staging and stager is not None
         self._tail_rounds = 0  # times the kept tail was sized (at most TAIL_ROUNDS); -1: no more room
+        #: remote optimizer state is copied to the device for its chunk's step and back (:mod:`remote_state`)
+        #: where the intermediate-results pool is fixed device memory (staged activations); False: updated in place
+        #: over the link by the optimizer's kernels
+        self.copy_remote_state = True
+        self._ops_out = another_like(stager.ops) if stager is not None else None
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
         self._pending_zero: set[int] = set()
@@ -229,6 +236,7 @@ class BudgetControl:
         trainable = self._trainable() if discarding else []
         self._hook_for_zeroing(trainable)
         executor.begin_step()
+        copier: RemoteStateCopies | None = None
         try:
             with recorder.recording():
                 with pools.route(DataType.ACT):
@@ -246,14 +254,19 @@ class BudgetControl:
                                        [(DataType.GRAD, s) for s in self._spans(grads)])
                 with pools.route(DataType.ACT):
                     before_optimizer()
+            copier = self._remote_copier(optimizer)
             step_optimizer_in_chunks(
                 optimizer, self._chunks_of(optimizer),
                 before_chunk=lambda name, params: recorder.optimizer_position(name, params, optimizer),
                 after_chunk=lambda name, params, index: recorder.touched(
                     cast(int, index), DataType.OPTIM, self._state_spans(optimizer, params)),
                 zero_grad=zero_grad and not discarding,  # discarding: zeroed by the hooks next backward
-                around_chunk=lambda params: pools.route(self._optimizer_pool(optimizer, params)))
+                around_chunk=lambda params: pools.route(self._optimizer_pool(optimizer, params)),
+                around_step=copier.around_step if copier is not None else None)
+            copies = copier.finish() if copier is not None else None
         except BaseException:
+            if copier is not None:
+                copier.abort()
             executor.abort()
             if self.stager is not None:
                 self.stager.end_step()
@@ -268,6 +281,8 @@ class BudgetControl:
             staging = self.stager.end_step() if self.stager is not None else None
         if staging is not None:
             extra["staging"] = staging
+        if copies is not None:
+            extra["remote_copies"] = copies
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
         if not extra["replanned"] and self.partial_staging:
@@ -321,6 +336,18 @@ class BudgetControl:
         if self.stager is None or not all(optimizer.state.get(p) for p in params):
             return DataType.OPTIM
         return DataType.ACT
+
+    def _remote_copier(self, optimizer: torch.optim.Optimizer) -> RemoteStateCopies | None:
+        """This step's copies of remote optimizer state (None: nothing remote under the plan followed, no
+        fixed device pool for the temporaries, or :attr:`copy_remote_state` off)."""
+        executor, plan = self.executor, self.executor.plan
+        if not self.copy_remote_state or self.stager is None or self._ops_out is None or plan is None \
+                or not plan.remote_blocks or not executor.following_plan or DataType.ACT not in executor.fixed_types:
+            return None
+        remote, ledger = plan.remote_blocks, executor.ledger
+        return RemoteStateCopies(optimizer, [params for _, params in self._chunks_of(optimizer)],
+                                 lambda t: bool(ledger.blocks([tensor_span(t)]) & remote),
+                                 self.stager.ops, self._ops_out, max_held_bytes=self.budget_bytes // 8)
 
     def _chunks_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, list[nn.Parameter]]]:
         key = id(optimizer)

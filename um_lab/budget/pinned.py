@@ -99,6 +99,11 @@ class CpuCopyOps:
         pass
 
 
+def another_like(ops: CopyOps) -> CopyOps:
+    """Copy ops of the same kind on a stream of their own (CUDA), or another set of CPU copy ops."""
+    return CudaCopyOps(ops.device) if isinstance(ops, CudaCopyOps) else CpuCopyOps()
+
+
 class PinnedArena:
     """Pinned host memory handed out in order and taken back all at once each step (:meth:`reset`):
     allocated the first time a step needs it, then reused, so later steps pin nothing new."""

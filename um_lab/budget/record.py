@@ -355,12 +355,15 @@ def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[
                              after_chunk: Callable[[str, list[nn.Parameter], object], None] | None = None,
                              zero_grad: bool = True,
                              around_chunk: Callable[[list[nn.Parameter]], contextlib.AbstractContextManager[object]]
+                             | None = None,
+                             around_step: Callable[[int, list[nn.Parameter]], contextlib.AbstractContextManager[object]]
                              | None = None) -> None:
     """``optimizer.step()`` one chunk at a time: each call sees only the chunk's parameters in its
     groups (per-parameter state, so the result equals one full step for element-wise optimizers such as
     SGD, Adam, AdamW), then the chunk's gradients are zeroed in place. ``before_chunk(name, params)``
     runs before each chunk's step, ``after_chunk(name, params, what before_chunk returned)`` after it,
-    all three inside ``around_chunk(params)`` when given (the session's allocation routing).
+    all three inside ``around_chunk(params)`` when given (the session's allocation routing); the step alone
+    runs inside ``around_step(index, params)`` when given (remote state copied in and back).
     The groups are restored on any exit. Other optimizers raise
     :class:`~um_lab.errors.UnsupportedOptimizer` (:func:`check_chunkable`) before anything runs.
     """
@@ -368,13 +371,14 @@ def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[
     groups = optimizer.param_groups
     originals = [g["params"] for g in groups]
     try:
-        for name, params in chunks:
+        for index, (name, params) in enumerate(chunks):
             ids = {id(p) for p in params}
             for g, full in zip(groups, originals, strict=True):
                 g["params"] = [p for p in full if id(p) in ids]
             with around_chunk(params) if around_chunk is not None else contextlib.nullcontext():
                 token = before_chunk(name, params) if before_chunk is not None else None
-                optimizer.step()
+                with around_step(index, params) if around_step is not None else contextlib.nullcontext():
+                    optimizer.step()
                 if after_chunk is not None:
                     after_chunk(name, params, token)
             if zero_grad:
