@@ -176,6 +176,11 @@ def test_the_simulator_moves_no_optimizer_state_with_remote_on_and_prices_its_up
     assert step_moving.remote_us == 0 and step_remote.remote_us > 0
     # AdamW's foreach step reads the state several times: more link bytes than one read and one write
     assert step_remote.remote_link_bytes > 2 * remote.remote_bytes * 0.9
+    # copied for their steps instead (the session with staged activations): each remote block in once, out once,
+    # and no in-place GPU time; the copies' clocks still delay the step past the moving plan's compute
+    copied = replay_plan(derived, remote, sim.profile, remote_copies=True)
+    assert copied.remote_us == 0 and copied.remote_link_bytes == 2 * remote.remote_bytes
+    assert copied.wall_us > sum(derived.compute_us)
 
 
 

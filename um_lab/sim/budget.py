@@ -45,7 +45,7 @@ from um_lab.budget.stage import WINDOW_BYTES
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
-from um_lab.sim.remote_optim import RemoteCost, by_layer, remote_costs, remote_extra_us
+from um_lab.sim.remote_optim import RemoteCost, by_layer, remote_block_bytes, remote_costs, remote_extra_us
 from um_lab.sim.trace import ACC_WRITE_ONLY, KIND_H2D_COPY, PHASE_BWD, PHASE_FWD, PHASE_OPT, StepTrace
 from um_lab.types import DATA_TYPES, DataType, StepRecord
 
@@ -301,13 +301,16 @@ def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, di
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 evict_GBps: float | None = None, prefetch_GBps: float | None = None,
-                gpu_waits: bool = False, staging: StageCopies | None = None) -> BudgetStep:
+                gpu_waits: bool = False, staging: StageCopies | None = None,
+                remote_copies: bool = False) -> BudgetStep:
     """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
     GPU->host rate, default the profile's ``scheduler_d2h_GBps``, else ``prefetch_d2h_GBps``; ``prefetch_GBps``:
     the host->GPU rate, default ``scheduler_h2d_GBps``, else ``prefetch_h2d_GBps``; ``gpu_waits``: as
     ``Session(budget_gpu_waits=True)``, the host never waits for the mover to issue a batch, only compute waits
     for its transfers; ``staging``: saved activations copied through pinned memory on a fifth clock, the copy
-    stream, as :mod:`um_lab.sim.staged` describes)."""
+    stream, as :mod:`um_lab.sim.staged` describes; ``remote_copies``: remote optimizer state copied to the device
+    for its position's step, a position ahead, and back after it, on two more clocks at ``STAGE_COPY_GBPS``, as
+    :mod:`um_lab.budget.remote_state` does, instead of updated in place over the link)."""
     p = profile
     h2d = (prefetch_GBps or p.scheduler_h2d_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
     d2h = (evict_GBps or p.scheduler_d2h_GBps or p.prefetch_d2h_GBps) * 1e3
@@ -320,6 +323,10 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     copy = 0.0  # the staging copy stream's clock
     backward = [pos.phase == "backward" for pos in derived.order.positions]
     remote_us, remote_link = remote_extra_us(derived.remote_costs, plan.remote_blocks, n)  # state updated over the link
+    copied = remote_block_bytes(derived.remote_costs, plan.remote_blocks, n) if remote_copies else [0] * n
+    if remote_copies:
+        remote_us, remote_link = [0.0] * n, 2.0 * sum(copied)
+    copy_rate = STAGE_COPY_GBPS * 1e3
     for _ in range(STEADY_STEPS):
         cpu += p.cpu_step_us
         t0 = max(gpu, cpu)
@@ -329,9 +336,16 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
         in_flight: list[tuple[float, int]] = []  # copies to the host: (end, bytes)
         restored: dict[int, float] = {}  # backward position -> the end of its restores
         next_restore = 0
+        copy_in = copy_out = 0.0  # the remote state copies' two streams
+        copied_in: dict[int, float] = {}
         for i in range(n):
             cpu += HOOK_US_PER_POSITION
             ready = 0.0
+            for j in (i, i + 1):  # this position's copies in (if not issued yet), then the next one's
+                if j < n and copied[j] and j not in copied_in:
+                    copy_in = max(copy_in, cpu, gpu) + copied[j] / copy_rate
+                    copied_in[j] = copy_in
+            ready = max(ready, copied_in.get(i, 0.0))
             if staging is not None and backward[i]:  # restores a window ahead of backward, in its order
                 rate = staging.GBps * 1e3
                 next_restore = max(next_restore, i)
@@ -387,11 +401,14 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
             start = max(gpu, ready, cpu)
             cpu += derived.host_us[i]
             gpu = max(start + derived.compute_us[i] + remote_us[i], cpu + p.kernel_us)
+            if copied[i]:
+                copy_out = max(copy_out, gpu) + copied[i] / copy_rate
             if staging is not None and staging.out_bytes[i]:  # after the position's ops; the host throttles
                 copy = max(copy, gpu) + staging.out_bytes[i] / (staging.GBps * 1e3)
                 in_flight.append((copy, staging.out_bytes[i]))
                 while sum(b for _, b in in_flight) > staging.window and len(in_flight) > 1:
                     cpu = max(cpu, in_flight.pop(0)[0])
+        gpu = max(gpu, copy_out)  # the compute stream waits for the copies back at the optimizer's end
         wall = gpu - t0
         cpu = max(cpu, gpu)  # the step's end: the loss is read back
     return BudgetStep(wall, float(sum(derived.compute_us)), busy, waits, calls, float(sum(remote_us)), remote_link)

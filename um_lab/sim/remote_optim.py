@@ -73,6 +73,20 @@ def remote_extra_us(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int]
     return extra, link
 
 
+def remote_block_bytes(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int], n: int) -> list[int]:
+    """Bytes of each of ``n`` positions' optimizer state in the blocks ``remote`` (whole 2 MiB blocks): what
+    the session copies in for the position's step and back after it when it copies remote state."""
+    blocks = np.fromiter(remote, dtype=np.int64)
+    blocks.sort()
+    out = [0] * n
+    if not len(blocks):
+        return out
+    for i, entries in enumerate(costs[:n]):
+        for first, count, _, _ in entries:
+            out[i] += int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first)) * BLOCK
+    return out
+
+
 def by_layer(costs: Mapping[int, RemoteCost], layer: Mapping[int, int]) -> dict[int, list[RemoteCost]]:
     """The storages' costs grouped by the layer that owns them."""
     out: dict[int, list[RemoteCost]] = {}

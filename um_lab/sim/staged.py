@@ -224,7 +224,9 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
             staged = every[~np.isin(every, kept_tail(trace, every, keep))]
             fixed, plan = plan_for(staged)
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
-    return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies))
+    # the session copies remote optimizer state for its steps where the intermediate pool is fixed device memory
+    return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies,
+                                                                      remote_copies=remote_optimizer))
 
 
 def staged_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
