@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -252,6 +252,16 @@ if [[ $what == xlprofile ]]; then  # ~4 min, 7 files: session 20 call 1, where G
     timeout -s KILL 150 python3 bench/budget_profile.py --model gpt2-xl --budget-gib "$gib" --stage --steps 7 --sample \
       --profile-too --out-dir "$OUT/xl$r" 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/profile.log"
   done
+  wait
+fi
+if [[ $what == copies ]]; then  # ~8 min, 6 files: session 20 call 2, optimizer chunks joined (B/64) and remote state copied:
+  # GPU tests, then GPT-2-XL at 2 and 3 with the copies on and off (same process); the simulator's ResNet-50 rows meanwhile
+  (timeout -s KILL 280 python3 bench/budget.py --predict --models resnet50 --ratios 1.32 1.5 2 3 --stage on \
+    --partial-stage on off --out "$OUT/budget_predicted_resnet50.json" 2>&1 | grep -v Warning > "$OUT/predict.log") &
+  timeout -s KILL 170 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA -p no:cacheprovider \
+    -k "remote or stays_under_b_and_trains_like" 2>&1 | tail -30 | tee "$OUT/tests.log"
+  timeout -s KILL 330 python3 bench/budget.py --models gpt2-xl --ratios 2 3 --steps 9 --stage on --remote-copies on off \
+    --no-sim --out "$OUT/budget_copies_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
   wait
 fi
 if [[ $what == final ]]; then  # <= 9 min
