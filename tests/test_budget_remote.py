@@ -148,14 +148,15 @@ def test_an_order_without_optimizer_positions_has_nothing_remote():
 
 
 def test_a_storage_partly_remote_costs_its_share_of_the_time_and_link_bytes():
-    from um_lab.sim.remote_optim import remote_extra_us
+    from um_lab.sim.remote_optim import remote_extra_us, remote_state_bytes
 
-    costs = [(), ((100, 4, 80.0, 4e6), (200, 1, 10.0, 1e6))]
+    costs = [(), ((100, 4, 80.0, 4e6, 8 << 20), (200, 1, 10.0, 1e6, 1 << 20))]
     extra, link = remote_extra_us(costs, {101, 102, 7}, 2)
     assert extra == [0.0, 40.0] and link == 2e6
     assert remote_extra_us(costs, set(), 2) == ([0.0, 0.0], 0.0)
     extra, link = remote_extra_us(costs, {100, 101, 102, 103, 200}, 2)
     assert extra == [0.0, 90.0] and link == 5e6
+    assert remote_state_bytes(costs, {101, 102, 7}, 2) == [0, 4 << 20]  # copied for the step: its own bytes' share
 
 
 def test_the_simulator_moves_no_optimizer_state_with_remote_on_and_prices_its_updates_over_the_link():
@@ -179,7 +180,7 @@ def test_the_simulator_moves_no_optimizer_state_with_remote_on_and_prices_its_up
     # copied for their steps instead (the session with staged activations): each remote block in once, out once,
     # and no in-place GPU time; the copies' clocks still delay the step past the moving plan's compute
     copied = replay_plan(derived, remote, sim.profile, remote_copies=True)
-    assert copied.remote_us == 0 and copied.remote_link_bytes == 2 * remote.remote_bytes
+    assert copied.remote_us == 0 and 0 < copied.remote_link_bytes <= 2 * remote.remote_bytes
     assert copied.wall_us > sum(derived.compute_us)
 
 

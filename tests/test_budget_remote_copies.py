@@ -10,7 +10,7 @@ from test_budget_session import make_session, model_and_data, train
 
 from um_lab.budget.pinned import CpuCopyOps
 from um_lab.budget.record import optimizer_chunks, step_optimizer_in_chunks
-from um_lab.budget.remote_state import RemoteStateCopies
+from um_lab.budget.remote_state import SLOTS, CopySlots, RemoteStateCopies, chunk_state_bytes
 
 MiB = 1 << 20
 
@@ -35,8 +35,15 @@ def remote_of(opt, keys=("exp_avg_sq",), layers=(0, 2)):
     return lambda t: id(t) in chosen, chosen
 
 
-@pytest.mark.parametrize("max_held", [0, 64 * MiB])
-def test_copied_remote_state_steps_bit_for_bit_like_in_place_and_the_originals_stay_in_the_state(max_held):
+def copies_for(opt, model, is_remote, slot_bytes=None):
+    chunks = [p for _, p in optimizer_chunks([model], opt)]
+    size = chunk_state_bytes(opt, chunks) if slot_bytes is None else slot_bytes
+    slots = CopySlots(size, lambda n: torch.empty(n, dtype=torch.uint8))
+    return RemoteStateCopies(opt, chunks, is_remote, CpuCopyOps(), CpuCopyOps(), slots)
+
+
+@pytest.mark.parametrize("slot_bytes", [None, 1024])  # sized to the largest chunk; too small: in place
+def test_copied_remote_state_steps_bit_for_bit_like_in_place_and_the_originals_stay_in_the_state(slot_bytes):
     model, opt, x, y = trained_mlp()
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
@@ -46,10 +53,8 @@ def test_copied_remote_state_steps_bit_for_bit_like_in_place_and_the_originals_s
     for _ in range(2):
         for m, o, copier in ((model, opt, True), (twin, twin_opt, False)):
             torch.nn.functional.cross_entropy(m(x), y).backward()
-            chunks = optimizer_chunks([m], o)
-            copies = RemoteStateCopies(o, [p for _, p in chunks], is_remote, CpuCopyOps(), CpuCopyOps(),
-                                       max_held_bytes=max_held) if copier else None
-            step_optimizer_in_chunks(o, chunks, around_step=copies.around_step if copies else None)
+            copies = copies_for(o, m, is_remote, slot_bytes) if copier else None
+            step_optimizer_in_chunks(o, optimizer_chunks([m], o), around_step=copies.around_step if copies else None)
             if copies is not None:
                 stats = copies.finish()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
@@ -58,7 +63,19 @@ def test_copied_remote_state_steps_bit_for_bit_like_in_place_and_the_originals_s
     now = {id(v) for s in opt.state.values() for v in s.values()}
     assert set(originals) <= now  # the same tensors, updated in place
     remote_bytes = sum(v.numel() * v.element_size() for v in originals.values())
-    assert stats["tensors"] == len(originals) == 4 and stats["bytes_in"] == stats["bytes_out"] == remote_bytes
+    if slot_bytes is None:
+        assert stats["tensors"] == len(originals) == 4 and stats["bytes_in"] == stats["bytes_out"] == remote_bytes
+        assert stats["in_place_tensors"] == 0 and stats["slot_bytes"] == SLOTS * chunk_state_bytes(
+            opt, [p for _, p in optimizer_chunks([model], opt)])
+    else:
+        assert stats["tensors"] == stats["bytes_in"] == 0 and stats["in_place_tensors"] == 4
+
+
+def test_the_largest_chunks_state_sizes_a_slot():
+    model, opt, _, _ = trained_mlp()
+    chunks = [p for _, p in optimizer_chunks([model], opt)]
+    linear = (64 * 64 + 64) * 4  # one hidden Linear's parameters: AdamW keeps two such tensors of state
+    assert chunk_state_bytes(opt, chunks) == 2 * (-(-64 * 64 * 4 // 512) * 512 + 512) == 2 * linear + 2 * (512 - 256)
 
 
 def test_a_step_that_fails_leaves_the_original_state_unchanged_and_issues_no_copy_back():
@@ -67,7 +84,7 @@ def test_a_step_that_fails_leaves_the_original_state_unchanged_and_issues_no_cop
     before = {id(v): v.clone() for s in opt.state.values() for v in s.values() if id(v) in chosen}
     torch.nn.functional.cross_entropy(model(x), y).backward()
     chunks = optimizer_chunks([model], opt)
-    copies = RemoteStateCopies(opt, [p for _, p in chunks], is_remote, CpuCopyOps(), CpuCopyOps(), 1 << 30)
+    copies = copies_for(opt, model, is_remote)
     params = chunks[0][1]
     with pytest.raises(RuntimeError, match="boom"), copies.around_step(0, params):
         swapped = [opt.state[p]["exp_avg_sq"] for p in params]
@@ -83,9 +100,9 @@ def test_a_step_that_fails_leaves_the_original_state_unchanged_and_issues_no_cop
 
 def test_a_chunk_without_remote_state_is_stepped_in_place():
     model, opt, x, y = trained_mlp()
-    copies = RemoteStateCopies(opt, [list(model.parameters())], lambda t: False, CpuCopyOps(), CpuCopyOps(), 0)
+    copies = copies_for(opt, model, lambda t: False)
     state_ids = {id(v) for s in opt.state.values() for v in s.values()}
-    with copies.around_step(0, list(model.parameters())):
+    with copies.around_step(0, [p for _, p in optimizer_chunks([model], opt)][0]):
         assert {id(v) for s in opt.state.values() for v in s.values()} == state_ids
     assert copies.finish()["tensors"] == 0
 
@@ -93,10 +110,11 @@ def test_a_chunk_without_remote_state_is_stepped_in_place():
 def test_a_session_copies_remote_state_with_staged_activations_and_trains_exactly_as_without_a_budget(env):
     model, batches = model_and_data()
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
-    budget = 48 * MiB  # the model, gradients and AdamW state are ~120 MiB: some state stays remote
+    budget = 64 * MiB  # the model, gradients and AdamW state are ~120 MiB: some state stays remote
     with pytest.warns(RuntimeWarning, match="experimental"), \
             make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
         records = train(lab, model, batches)
+        slot = lab.budget._slot_bytes
     with pytest.warns(RuntimeWarning, match="experimental"), \
             make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
         lab.budget.copy_remote_state = False
@@ -105,9 +123,24 @@ def test_a_session_copies_remote_state_with_staged_activations_and_trains_exactl
         expected = train(plain, twin, batches)
     assert [r.loss for r in records] == [r.loss for r in expected] == [r.loss for r in in_place]
     assert all(torch.equal(p.cpu(), q.cpu()) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
-    copied = [r.extra["budget"].get("remote_copies") for r in records]
-    late = [c for c, r in zip(copied, records, strict=True) if r.extra["budget"]["remote_bytes"] > 0]
-    assert late and all(c is not None and c["bytes_in"] == c["bytes_out"] > 0 for c in late)
+    # the slots are announced to the plan (room left for them) at the end of the step that made state remote
+    assert "remote copies" in records[0].extra["budget"]["replan_reason"]
+    assert slot >= 8 * MiB and slot % (2 * MiB) == 0  # the largest chunk's AdamW state (a 4 MiB layer), in blocks
+    late = [r.extra["budget"] for r in records[1:]]
+    assert all(b["remote_bytes"] > 0 and b["remote_copies"]["bytes_in"] == b["remote_copies"]["bytes_out"] > 0
+               and b["remote_copies"]["slot_bytes"] == SLOTS * slot for b in late)
     assert all("remote_copies" not in r.extra["budget"] for r in in_place)
-    assert all(r.extra["budget"]["max_resident_ledger"] <= budget + r.extra["budget"]["touched_bytes"]
-               for r in records)
+
+
+def test_a_budget_too_small_for_the_slots_leaves_remote_state_updated_in_place(env):
+    model, batches = model_and_data()
+    twin = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
+        records = train(lab, model, batches)
+        assert lab.budget._slot_bytes == -1 and lab.budget.executor.expected_growth == 0
+    with make_session(env) as plain:
+        expected = train(plain, twin, batches)
+    assert [r.loss for r in records] == [r.loss for r in expected]
+    assert all(r.extra["budget"]["remote_bytes"] > 0 and "remote_copies" not in r.extra["budget"]
+               for r in records[1:])

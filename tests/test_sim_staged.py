@@ -154,3 +154,21 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_copies_less(prepared
     tight = int(prep.footprint_bytes * 0.45)  # no room: the same as full staging
     assert simulate_staged(trace, layout, sim.profile, tight, partial=True).copies.staged_bytes == \
         simulate_staged(trace, layout, sim.profile, tight).copies.staged_bytes
+
+
+def test_remote_state_takes_its_copy_slots_off_the_plan_as_the_session_announces_them(prepared):
+    from um_lab.budget.remote_state import SLOTS
+
+    sim = prepared[0]
+    prep = sim.prepare(get_model("mlp", width=1024, depth=8, batch_size=512))  # room for the slots at 0.6
+    layout = prep.placement.final
+    budget = int(prep.footprint_bytes * 0.6)
+    remote = simulate_staged(prep.trace, layout, sim.profile, budget)
+    moving = simulate_staged(prep.trace, layout, sim.profile, budget, remote_optimizer=False)
+    assert remote.plan.remote_blocks, "some optimizer state must stay remote"
+    state = max(sum(n for _, n in p.spans(DataType.OPTIM)) for p in remote.derived.order.positions
+                if p.phase == "optimizer")
+    slots = SLOTS * -(-state // (2 * MiB)) * (2 * MiB)
+    assert remote.fixed_bytes - moving.fixed_bytes == slots > 0
+    assert remote.plan.max_resident + remote.fixed_bytes <= budget
+    assert remote.step.remote_us == 0 and 0 < remote.step.remote_link_bytes <= 2 * remote.plan.remote_bytes

@@ -19,7 +19,7 @@ from torch import nn
 
 from um_lab.budget import ISSUE_MODES
 from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import Span
+from um_lab.budget.ledger import BLOCK, Span
 from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
 from um_lab.budget.pinned import another_like
@@ -33,7 +33,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
-from um_lab.budget.remote_state import RemoteStateCopies
+from um_lab.budget.remote_state import SLOTS, CopySlots, RemoteStateCopies, chunk_state_bytes
 from um_lab.budget.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
 from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
@@ -72,6 +72,8 @@ class BudgetControl:
         #: over the link by the optimizer's kernels
         self.copy_remote_state = True
         self._ops_out = another_like(stager.ops) if stager is not None else None
+        self._slot_bytes = 0  # each copy slot's size, announced to the plan (0: none yet); -1: refused
+        self._slots: CopySlots | None = None
         self._zero_hooks: dict[int, Any] = {}  # parameter id -> its zeroing hook's handle
         self._owed_zero: set[int] = set()  # ids of parameters whose gradient must read as zero next backward
         self._pending_zero: set[int] = set()
@@ -97,6 +99,7 @@ class BudgetControl:
             self.recorder.remove()
         self._roots = list(modules)
         self._chunks.clear()
+        self._slots, self._slot_bytes = None, 0  # sized again for the new chunks
         self.recorder = StepRecorder(self._roots, listener=self.executor, classify=self.executor.classify,
                                      keep=self.keep_tensor, saver=self.stager)
         self.recorder.install()
@@ -172,6 +175,7 @@ class BudgetControl:
         finally:
             self._roots = []
             self._chunks.clear()
+            self._slots = None
             try:
                 self.executor.close()
             finally:
@@ -254,7 +258,7 @@ class BudgetControl:
                                        [(DataType.GRAD, s) for s in self._spans(grads)])
                 with pools.route(DataType.ACT):
                     before_optimizer()
-            copier = self._remote_copier(optimizer)
+            copier = self._remote_copier(optimizer, pools)
             step_optimizer_in_chunks(
                 optimizer, self._chunks_of(optimizer),
                 before_chunk=lambda name, params: recorder.optimizer_position(name, params, optimizer),
@@ -287,6 +291,10 @@ class BudgetControl:
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
         if not extra["replanned"] and self.partial_staging:
             extra["replanned"], extra["replan_reason"] = self._keep_tail(extra)
+        reserved, why = self._reserve_copy_slots(optimizer)  # also right after a re-plan that made state remote
+        if reserved:
+            extra["replanned"] = True
+            extra["replan_reason"] = f"{extra['replan_reason']}, {why}" if extra["replan_reason"] else why
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
@@ -337,17 +345,49 @@ class BudgetControl:
             return DataType.OPTIM
         return DataType.ACT
 
-    def _remote_copier(self, optimizer: torch.optim.Optimizer) -> RemoteStateCopies | None:
-        """This step's copies of remote optimizer state (None: nothing remote under the plan followed, no
-        fixed device pool for the temporaries, or :attr:`copy_remote_state` off)."""
+    def _copying(self) -> bool:
+        """Whether remote optimizer state is to be copied for its steps under the plan being followed."""
         executor, plan = self.executor, self.executor.plan
-        if not self.copy_remote_state or self.stager is None or self._ops_out is None or plan is None \
-                or not plan.remote_blocks or not executor.following_plan or DataType.ACT not in executor.fixed_types:
+        return bool(self.copy_remote_state and self.stager is not None and self._ops_out is not None
+                    and plan is not None and plan.remote_blocks and DataType.ACT in executor.fixed_types)
+
+    def _reserve_copy_slots(self, optimizer: torch.optim.Optimizer) -> tuple[bool, str]:
+        """Once a plan leaves optimizer state remote: announce the copy slots (:mod:`remote_state`) as growth of
+        the fixed pool and plan again with room for them, before they exist. Returns (replanned, reason); a
+        budget too small for them leaves the state updated in place."""
+        executor = self.executor
+        if self._slot_bytes or not self._copying() or executor.plan_order is None:
+            return False, ""
+        slot = chunk_state_bytes(optimizer, [params for _, params in self._chunks_of(optimizer)])
+        slot = -(-slot // BLOCK) * BLOCK  # each slot a segment of whole blocks
+        if slot <= 0:
+            return False, ""
+        executor.expect_fixed_growth(SLOTS * slot)
+        try:
+            executor.set_order(executor.plan_order)
+        except BudgetTooSmall:
+            executor.expected_growth -= SLOTS * slot
+            self._slot_bytes = -1
+            return False, ""
+        self._slot_bytes = slot
+        return True, "remote copies"
+
+    def _remote_copier(self, optimizer: torch.optim.Optimizer, pools: ManagedPools) -> RemoteStateCopies | None:
+        """This step's copies of remote optimizer state (None: nothing remote under the plan followed, no slots
+        announced yet, or :attr:`copy_remote_state` off). The slots are allocated the first time, in the
+        intermediate-results pool the plan left room for."""
+        if self._slot_bytes <= 0 or not self._copying() or not self.executor.following_plan:
             return None
-        remote, ledger = plan.remote_blocks, executor.ledger
+        stager, ops_out, plan = self.stager, self._ops_out, self.executor.plan
+        assert stager is not None and ops_out is not None and plan is not None
+        if self._slots is None:
+            with pools.route(DataType.ACT):
+                self._slots = CopySlots(self._slot_bytes, lambda n: stager.ops.empty_like_on_device(
+                    torch.Size((n,)), (1,), torch.uint8))
+        remote, ledger = plan.remote_blocks, self.executor.ledger
         return RemoteStateCopies(optimizer, [params for _, params in self._chunks_of(optimizer)],
                                  lambda t: bool(ledger.blocks([tensor_span(t)]) & remote),
-                                 self.stager.ops, self._ops_out, max_held_bytes=self.budget_bytes // 8)
+                                 stager.ops, ops_out, self._slots)
 
     def _chunks_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, list[nn.Parameter]]]:
         key = id(optimizer)

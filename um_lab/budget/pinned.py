@@ -32,6 +32,9 @@ class CopyOps(Protocol):
     def compute_wait(self, event: Any) -> None:
         """The compute (current) stream waits for ``event``."""
 
+    def side_wait(self, event: Any) -> None:
+        """The side stream waits for ``event`` (of another stream) before its next copies."""
+
     def host_wait(self, event: Any) -> None:
         """The host waits for ``event``."""
 
@@ -66,6 +69,9 @@ class CudaCopyOps:
     def compute_wait(self, event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
+    def side_wait(self, event: Any) -> None:
+        self.stream.wait_event(event)
+
     def host_wait(self, event: Any) -> None:
         event.synchronize()
 
@@ -90,6 +96,9 @@ class CpuCopyOps:
         return True
 
     def compute_wait(self, event: Any) -> None:
+        pass
+
+    def side_wait(self, event: Any) -> None:
         pass
 
     def host_wait(self, event: Any) -> None:

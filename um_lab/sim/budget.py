@@ -45,7 +45,7 @@ from um_lab.budget.stage import WINDOW_BYTES
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
-from um_lab.sim.remote_optim import RemoteCost, by_layer, remote_block_bytes, remote_costs, remote_extra_us
+from um_lab.sim.remote_optim import RemoteCost, by_layer, remote_costs, remote_extra_us, remote_state_bytes
 from um_lab.sim.trace import ACC_WRITE_ONLY, KIND_H2D_COPY, PHASE_BWD, PHASE_FWD, PHASE_OPT, StepTrace
 from um_lab.types import DATA_TYPES, DataType, StepRecord
 
@@ -323,7 +323,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     copy = 0.0  # the staging copy stream's clock
     backward = [pos.phase == "backward" for pos in derived.order.positions]
     remote_us, remote_link = remote_extra_us(derived.remote_costs, plan.remote_blocks, n)  # state updated over the link
-    copied = remote_block_bytes(derived.remote_costs, plan.remote_blocks, n) if remote_copies else [0] * n
+    copied = remote_state_bytes(derived.remote_costs, plan.remote_blocks, n) if remote_copies else [0] * n
     if remote_copies:
         remote_us, remote_link = [0.0] * n, 2.0 * sum(copied)
     copy_rate = STAGE_COPY_GBPS * 1e3

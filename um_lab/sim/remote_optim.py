@@ -25,8 +25,8 @@ from um_lab.types import DATA_TYPES, DataType
 _OPTIM = DATA_TYPES.index(DataType.OPTIM)
 
 #: one remote storage of a position: (first block, blocks, microseconds its kernels spend on it when remote,
-#: bytes they then move over the link, both directions)
-RemoteCost = tuple[int, int, float, float]
+#: bytes they then move over the link, both directions, its own bytes)
+RemoteCost = tuple[int, int, float, float, int]
 
 
 def remote_costs(trace: StepTrace, layout: Layout, profile: Profile, ops: Iterable[int]) -> dict[int, RemoteCost]:
@@ -51,7 +51,7 @@ def remote_costs(trace: StepTrace, layout: Layout, profile: Profile, ops: Iterab
     for s, t in us.items():
         va, nbytes = int(layout.st_va[s]), int(trace.st_nbytes[s])
         first = va // BLOCK
-        out[s] = (first, (va + max(nbytes, 1) - 1) // BLOCK - first + 1, t, link[s])
+        out[s] = (first, (va + max(nbytes, 1) - 1) // BLOCK - first + 1, t, link[s], nbytes)
     return out
 
 
@@ -65,7 +65,7 @@ def remote_extra_us(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int]
     if not len(blocks):
         return extra, link
     for i, entries in enumerate(costs[:n]):
-        for first, count, us, nbytes in entries:
+        for first, count, us, nbytes, _ in entries:
             inside = int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first))
             if inside:
                 extra[i] += us * inside / count
@@ -73,17 +73,18 @@ def remote_extra_us(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int]
     return extra, link
 
 
-def remote_block_bytes(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int], n: int) -> list[int]:
-    """Bytes of each of ``n`` positions' optimizer state in the blocks ``remote`` (whole 2 MiB blocks): what
-    the session copies in for the position's step and back after it when it copies remote state."""
+def remote_state_bytes(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int], n: int) -> list[int]:
+    """Bytes of each of ``n`` positions' optimizer state in the blocks ``remote`` (a storage partly remote: its
+    share): what the session copies in for the position's step and back after it when it copies remote state."""
     blocks = np.fromiter(remote, dtype=np.int64)
     blocks.sort()
     out = [0] * n
     if not len(blocks):
         return out
     for i, entries in enumerate(costs[:n]):
-        for first, count, _, _ in entries:
-            out[i] += int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first)) * BLOCK
+        for first, count, _, _, nbytes in entries:
+            inside = int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first))
+            out[i] += nbytes * inside // count
     return out
 
 

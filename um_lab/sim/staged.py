@@ -38,6 +38,7 @@ from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
 from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR
+from um_lab.budget.remote_state import SLOTS
 from um_lab.budget.stage import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.budget import (
@@ -204,8 +205,10 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
     uses = _uses(trace, set(int(s) for s in staged))  # one pass over the trace's accesses serves both below
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
 
+    slots = 0  # the remote state copies' slots, in the fixed pool once a plan leaves state remote
+
     def plan_for(staged: np.ndarray) -> tuple[int, Plan]:
-        fixed = fixed_pool_bytes(trace, staged, window, uses=uses)
+        fixed = fixed_pool_bytes(trace, staged, window, uses=uses) + slots
         usable = budget_bytes - fixed - scratch
         if usable < BLOCK:
             raise BudgetTooSmall(budget_bytes, fixed + scratch + BLOCK,
@@ -213,6 +216,15 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
         return fixed, make_plan(derived.order, usable, lookahead, remote_optimizer=remote_optimizer)
 
     fixed, plan = plan_for(staged)
+    copying = remote_optimizer and bool(plan.remote_blocks)
+    if copying:  # as the session's control: announced, then planned again with room for them (or left in place)
+        slots = SLOTS * -(-max((sum(n for _, n in p.spans(DataType.OPTIM)) for p in derived.order.positions
+                                if p.phase == "optimizer"), default=0) // BLOCK) * BLOCK
+        try:
+            fixed, plan = plan_for(staged)
+        except BudgetTooSmall:
+            slots, copying = 0, False
+            fixed, plan = plan_for(staged)
     if partial:  # the room the plan leaves, as the session's control measures it (less its margin), in rounds
         every, keep = staged, 0
         eligible = int(trace.st_nbytes[every].sum())
@@ -226,7 +238,7 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
     copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
     # the session copies remote optimizer state for its steps where the intermediate pool is fixed device memory
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies,
-                                                                      remote_copies=remote_optimizer))
+                                                                      remote_copies=copying))
 
 
 def staged_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
