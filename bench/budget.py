@@ -329,6 +329,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "staged_bytes": staged, "restored_bytes": restored, "staging_all": stagings, "remote_bytes": remote_bytes,
             "remote_copied_bytes": int(statistics.median((b.get("remote_copies") or {}).get("bytes_in", 0)
                                                          for b in budgets)),
+            "remote_copied_bytes_all": [(r.extra["budget"].get("remote_copies") or {}).get("bytes_in", 0)
+                                        for r in out["records"]],
             "discarded_bytes": int(statistics.median(b.get("discarded_bytes", 0) for b in budgets)),
             "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_budget_bench import bench  # noqa: F401 - the fixture
 
-from um_lab.budget import stage
+from um_lab.budget import control, stage
 
 
 def test_the_advice_choices_map_to_the_sessions_flag(bench):  # noqa: F811
@@ -81,11 +81,13 @@ def test_each_row_is_handed_on_as_it_completes_so_a_stopped_run_keeps_it(bench, 
 
 def test_remote_copies_get_a_row_each_where_state_is_remote_and_only_the_copying_row_copies(bench, monkeypatch):  # noqa: F811
     monkeypatch.setattr(stage, "MIN_STAGE_BYTES", 64 << 10)
+    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying: True)  # the fake's plans always move
     torch.manual_seed(0)
-    rows = bench.bench_model("mlp-small", [1.6], 4, 1 << 40, False, lambda line: None, stages=(True,),
+    rows = bench.bench_model("mlp", [1.5], 4, 1 << 40, False, lambda line: None, stages=(True,),
                              copies_opts=(True, False), repeat=1)
     assert [(r["remote_copies"], r["repeat"]) for r in rows] == [(True, 1), (False, 1)]
     copying, in_place = rows
     assert "error" not in copying, copying["error"]
-    assert copying["remote_bytes"] > 0 and copying["remote_copied_bytes"] > 0
-    assert in_place["remote_bytes"] > 0 and in_place["remote_copied_bytes"] == 0
+    # which step announces the slots depends on the CPU heap's addresses: some step copies, not every one measured
+    assert copying["remote_bytes"] > 0 and any(copying["remote_copied_bytes_all"]), copying["replan_reasons_all"]
+    assert in_place["remote_bytes"] > 0 and not any(in_place["remote_copied_bytes_all"])

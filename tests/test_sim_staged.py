@@ -160,9 +160,9 @@ def test_remote_state_takes_its_copy_slots_off_the_plan_as_the_session_announces
     from um_lab.budget.remote_state import SLOTS
 
     sim = prepared[0]
-    prep = sim.prepare(get_model("mlp", width=1024, depth=8, batch_size=512))  # room for the slots at 0.6
+    prep = sim.prepare(get_model("mlp", width=1024, depth=24, batch_size=256))  # slots worth their room at 0.7
     layout = prep.placement.final
-    budget = int(prep.footprint_bytes * 0.6)
+    budget = int(prep.footprint_bytes * 0.7)
     remote = simulate_staged(prep.trace, layout, sim.profile, budget)
     moving = simulate_staged(prep.trace, layout, sim.profile, budget, remote_optimizer=False)
     assert remote.plan.remote_blocks, "some optimizer state must stay remote"

@@ -33,7 +33,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
-from um_lab.budget.remote_state import SLOTS, CopySlots, RemoteStateCopies, chunk_state_bytes
+from um_lab.budget.remote_state import SLOTS, CopySlots, RemoteStateCopies, chunk_state_bytes, worth_copying
 from um_lab.budget.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
 from um_lab.budget.streams import StreamOps
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
@@ -292,8 +292,8 @@ class BudgetControl:
         if not extra["replanned"] and self.partial_staging:
             extra["replanned"], extra["replan_reason"] = self._keep_tail(extra)
         reserved, why = self._reserve_copy_slots(optimizer)  # also right after a re-plan that made state remote
-        if reserved:
-            extra["replanned"] = True
+        extra["replanned"] = extra["replanned"] or reserved
+        if why:
             extra["replan_reason"] = f"{extra['replan_reason']}, {why}" if extra["replan_reason"] else why
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
         if executor.plan is not None:
@@ -362,13 +362,22 @@ class BudgetControl:
         slot = -(-slot // BLOCK) * BLOCK  # each slot a segment of whole blocks
         if slot <= 0:
             return False, ""
+        before = executor.plan
+        assert before is not None
         executor.expect_fixed_growth(SLOTS * slot)
         try:
-            executor.set_order(executor.plan_order)
+            plan = executor.set_order(executor.plan_order)
         except BudgetTooSmall:
+            plan = None
+        if plan is None or not worth_copying(before, plan):
+            # no room, or room only by moving data the plan kept resident (evicted at a third of the link's rate
+            # or less) or by leaving more state remote than the copies save: the state is updated in place
             executor.expected_growth -= SLOTS * slot
             self._slot_bytes = -1
-            return False, ""
+            if plan is None:
+                return False, "remote copies: no room"
+            executor.set_order(executor.plan_order)
+            return True, "remote copies refused"
         self._slot_bytes = slot
         return True, "remote copies"
 

@@ -29,6 +29,31 @@ import torch
 from torch import nn
 
 from um_lab.budget.pinned import CopyOps
+from um_lab.budget.plan import Plan
+
+#: the link time per GB of remote optimizer state that AdamW updates in place (H200, session 20 call 1: 380 ms
+#: of GPU time for 6.4 GB against 43 ms resident), and per GB copied in and back (both directions at once, at the
+#: staging copies' ~50 GB/s); per GB a plan prefetches to the GPU (47 GB/s) and evicts to the host (10-16 GB/s,
+#: ``bench/results/uvm_call_size.json``)
+IN_PLACE_MS_PER_GB = 53.0
+COPIED_MS_PER_GB = 20.0
+PREFETCH_MS_PER_GB = 1e3 / 47
+EVICT_MS_PER_GB = 1e3 / 13
+
+
+def link_cost_ms(plan: Plan, copying: bool) -> float:
+    """A steady step's link time under ``plan`` as the constants above price it: its moves, and its remote
+    optimizer state copied (``copying``) or updated in place."""
+    gb = 1e-9
+    remote = plan.remote_bytes * gb * (COPIED_MS_PER_GB if copying else IN_PLACE_MS_PER_GB)
+    return plan.prefetched_bytes * gb * PREFETCH_MS_PER_GB + plan.evicted_bytes * gb * EVICT_MS_PER_GB + remote
+
+
+def worth_copying(in_place: Plan, copying: Plan) -> bool:
+    """Whether the plan with room for the copy slots (``copying``: more state remote, perhaps more moves) costs
+    less link time than the plan without them, its remote state updated in place (:func:`link_cost_ms`)."""
+    return link_cost_ms(copying, True) < link_cost_ms(in_place, False)
+
 
 #: device slots the chunks' copies rotate through (a chunk's copies in, the step before it, the copies back of
 #: the one before that)

@@ -38,7 +38,7 @@ from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
 from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR
-from um_lab.budget.remote_state import SLOTS
+from um_lab.budget.remote_state import SLOTS, worth_copying
 from um_lab.budget.stage import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.budget import (
@@ -217,14 +217,18 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
 
     fixed, plan = plan_for(staged)
     copying = remote_optimizer and bool(plan.remote_blocks)
-    if copying:  # as the session's control: announced, then planned again with room for them (or left in place)
+    if copying:  # as the session's control: announced, then planned again with room for them; left in place
+        # where there is none, or where that plan costs more link time (remote_state.worth_copying)
+        before = fixed, plan
         slots = SLOTS * -(-max((sum(n for _, n in p.spans(DataType.OPTIM)) for p in derived.order.positions
                                 if p.phase == "optimizer"), default=0) // BLOCK) * BLOCK
         try:
             fixed, plan = plan_for(staged)
         except BudgetTooSmall:
+            copying = False
+        if not copying or not worth_copying(before[1], plan):
             slots, copying = 0, False
-            fixed, plan = plan_for(staged)
+            fixed, plan = before
     if partial:  # the room the plan leaves, as the session's control measures it (less its margin), in rounds
         every, keep = staged, 0
         eligible = int(trace.st_nbytes[every].sum())
