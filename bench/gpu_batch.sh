@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -273,6 +273,13 @@ if [[ $what == copies2 ]]; then  # ~9 min, 6 files: session 20 call 3, the copy 
     | grep -v Warning | tee "$OUT/rows.log"
   timeout -s KILL 200 python3 bench/budget.py --models gpt2-xl --ratios 2 --steps 9 --stage on --remote-copies on off \
     --no-sim --out "$OUT/budget_copies2_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == final20 ]]; then  # ~8 min, 4 files: session 20 call 4, the rows the final code had not run: GPT-2-large at 1.5 / 2
+  # / 3 and GPT-2-XL at 3 and 1.5 (staging, the copies weighed as the session does)
+  timeout -s KILL 230 python3 bench/budget.py --models gpt2-large --ratios 3 2 1.5 --steps 8 --stage on \
+    --no-sim --out "$OUT/budget_final20_gpt2l.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 230 python3 bench/budget.py --models gpt2-xl --ratios 3 1.5 --steps 8 --stage on \
+    --no-sim --out "$OUT/budget_final20_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
