@@ -80,6 +80,8 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
     for row in rows:
         if not str(row.get("source", "")).startswith(source_prefix):
             continue
+        if row.get("remote_copies") is False and row.get("remote_bytes"):
+            continue  # an A/B row with the session's copies turned off: no prediction simulated it
         telemetry = bool(row.get("telemetry") or row.get("max_resident_cupti") is not None)
         matches = [p for p in candidates
                    if p["model"] == row.get("model") and float(p["ratio"]) == float(row.get("ratio", 0))
@@ -102,7 +104,8 @@ def _most_specific(predictions: list[dict[str, Any]]) -> dict[str, Any]:
 def staging_cell(row: dict[str, Any]) -> str:
     """The staging column: off, on (intermediate pool managed) or on with that pool in device memory; and the
     optimizer state left in host memory (``Session(budget_remote_optimizer=True)``) where a row had some."""
-    remote = f"; optimizer state remote {row['remote_bytes'] / GiB:.1f} GiB" if row.get("remote_bytes") else ""
+    how = " copied" if row.get("remote_copied_bytes") else " in place"  # in place before session 20
+    remote = f"; optimizer state remote {row['remote_bytes'] / GiB:.1f} GiB{how}" if row.get("remote_bytes") else ""
     if row.get("remote_optimizer") is False and row.get("prefetched_bytes"):
         remote = "; optimizer state moved"
     if not row.get("stage_activations"):

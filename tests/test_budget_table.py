@@ -118,7 +118,14 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
     lines = table.markdown(rows).splitlines()
     assert "956 (sim) / 950–1,350" in lines[2] and "; optimizer state moved" in lines[3]
     assert table.staging_cell({"stage_activations": True, "device_activations": True, "remote_bytes": 2 * GiB}) \
-        == "on, device pool; optimizer state remote 2.0 GiB"
+        == "on, device pool; optimizer state remote 2.0 GiB in place"
+    assert table.staging_cell({"stage_activations": True, "device_activations": True, "remote_bytes": 2 * GiB,
+                               "remote_copied_bytes": 2 * GiB}) \
+        == "on, device pool; optimizer state remote 2.0 GiB copied"
+    ab = [{**row("gpt2-xl", 2.0, 2267.0, remote_optimizer=True, source="raw/s18_call1/x.json"), "remote_copies": False,
+           "remote_bytes": 8 * GiB}]
+    table.add_predictions(ab, first, "raw/s18_call1")
+    assert "predicted_step_ms" not in ab[0]  # copies turned off for an A/B row: no prediction simulated it
     assert table.staging_cell({"stage_activations": True, "device_activations": True, "tail_kept_bytes": GiB}) \
         == "on, device pool, last 1.00 GiB kept"
 
