@@ -142,9 +142,9 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
                 time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
                 advice: str = "host", stage: bool = False, free: bool = False,
                 device_act: bool | None = None, remote: bool = True, partial: bool = False,
-                copies: bool = True) -> dict[str, Any]:
+                copies: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps in one session (``copies``: remote optimizer state copied to the device for its
-    chunk's step, the session's default, or updated in place over the link); returns the records, the
+    chunk's step, experimental, or updated in place over the link, the session's default); returns the records, the
     session's cap and the peak of live managed bytes above the session's start (segments, read after every
     step: the caching allocator keeps a step's segments, so this is the step's peak). The safety rules are in
     the module docstring."""
@@ -206,7 +206,7 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
             sim = simulate_row(row["model"], row["ratio"], row["budget_bytes"], row.get("discard", False),
                                measured_GBps=measured_GBps, stage=bool(row.get("stage_activations")),
                                remote=row.get("remote_optimizer", True) is not False,
-                               partial=bool(row.get("partial_staging")))
+                               partial=bool(row.get("partial_staging")), copies=bool(row.get("remote_copies")))
         except Exception as e:  # e.g. a budget the simulated order cannot fit: recorded, the row stays
             row["sim_error"] = f"{type(e).__name__}: {e}"
             continue
@@ -267,7 +267,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
-                copies_opts: tuple[bool, ...] = (True,), repeat: int = 0,
+                copies_opts: tuple[bool, ...] = (False,), repeat: int = 0,
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -281,7 +281,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             (r, i, d, b, w, a, st, f, da, ro, pa, co) for r in ratios for i in issues for d in discards
             for b in batches for w in gpu_waits for a in advices for st in stages for f in frees
             for da in (device_acts if st else (None,)) for ro in remotes for pa in (partials if st else (False,))
-            for co in (copies_opts if st and ro else (True,))):
+            for co in (copies_opts if st and ro else (False,))):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
                                "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
@@ -393,7 +393,7 @@ QUICK_IMPLIED_EVICT_GBPS = 6.8
 
 def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, discard: bool = False,
                  measured_GBps: tuple[float | None, float | None] = (None, None), *, stage: bool = False,
-                 remote: bool = True, partial: bool = False) -> dict[str, Any]:
+                 remote: bool = True, partial: bool = False, copies: bool = False) -> dict[str, Any]:
     """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
     simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
     later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
@@ -401,7 +401,7 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     ``measured_GBps`` (host->GPU, GPU->host: the side stream's rates a ``--time-moves`` run measured) adds
     ``sim_step_ms_measured_rates``, the plan replayed at those rates: a check of the model's structure (what
     waits for what), not a prediction, since the rates come from the run it is compared with. ``stage``,
-    ``remote`` and ``partial``: the row's staging, remote optimizer state and partial staging
+    ``remote``, ``partial`` and ``copies``: the row's staging, remote optimizer state, partial staging and copies
     (:func:`um_lab.sim.staged.simulate_staged`; staged copies count twice in the crossing, as in a measured row)."""
     from um_lab.sim.backend import SimBackend
     from um_lab.sim.budget import replay_plan, simulate_budget
@@ -413,27 +413,31 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     prepared = sim.prepare(case)
     budget = int(budget_bytes if budget_bytes is not None else prepared.footprint_bytes / ratio)
     fit = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), case, "um-default")][-1]
-    copies = None
+    stage_copies = None
+    copied = False  # remote state copied for its steps (the simulator took the slots)
     staged_extra: dict[str, Any] = {}
     if stage:
         staged = simulate_staged(prepared.trace, prepared.placement.final, sim.profile, budget,
-                                 remote_optimizer=remote, partial=partial)
-        derived, plan, step, copies = staged.derived, staged.plan, staged.step, staged.copies
-        staged_extra = {"sim_staged_bytes": copies.staged_bytes, "sim_fixed_bytes": staged.fixed_bytes,
-                        "sim_remote_link_bytes": step.remote_link_bytes}
-        crossing = plan.prefetched_bytes + plan.evicted_bytes + 2 * copies.staged_bytes + 2 * plan.remote_bytes
+                                 remote_optimizer=remote, partial=partial, remote_copies=copies)
+        derived, plan, step, stage_copies = staged.derived, staged.plan, staged.step, staged.copies
+        copied = copies and plan.remote_bytes > 0 and step.remote_us == 0
+        staged_extra = {"sim_staged_bytes": stage_copies.staged_bytes, "sim_fixed_bytes": staged.fixed_bytes,
+                        "sim_remote_link_bytes": step.remote_link_bytes, "sim_remote_copied": copied}
+        crossing = plan.prefetched_bytes + plan.evicted_bytes + 2 * stage_copies.staged_bytes + 2 * plan.remote_bytes
     else:
         result = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, budget, discard=discard,
                                  remote_optimizer=remote)
         derived, plan, step = result.derived, result.plan, result.step
         crossing = plan.prefetched_bytes + plan.evicted_bytes
-    slow = replay_plan(derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS, staging=copies)
-    quick_rate = replay_plan(derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS, staging=copies)
+    slow = replay_plan(derived, plan, sim.profile, evict_GBps=FIRST_EVICT_GBPS, staging=stage_copies,
+                       remote_copies=copied)
+    quick_rate = replay_plan(derived, plan, sim.profile, evict_GBps=QUICK_IMPLIED_EVICT_GBPS, staging=stage_copies,
+                             remote_copies=copied)
     sim_bound = max(fit, crossing / LINK_BYTES_PER_S * 1e3)
     at_measured = {}
     if all(r is not None and math.isfinite(r) and r > 0 for r in measured_GBps):
         replayed = replay_plan(derived, plan, sim.profile, prefetch_GBps=measured_GBps[0],
-                               evict_GBps=measured_GBps[1], staging=copies)
+                               evict_GBps=measured_GBps[1], staging=stage_copies, remote_copies=copied)
         at_measured = {"sim_step_ms_measured_rates": replayed.wall_us / 1e3,
                        "sim_measured_rates_GBps": list(measured_GBps)}
     return {"model": name, "ratio": ratio, "sim_footprint_bytes": prepared.footprint_bytes, "sim_budget_bytes": budget,
@@ -450,15 +454,17 @@ _SIM: dict[str, Any] = {}
 
 
 def predict(models: list[str], ratios: list[float], say: Callable[[str], None],
-            settings: tuple[tuple[bool, bool, bool], ...] = ((False, True, False),)) -> list[dict[str, Any]]:
+            settings: tuple[tuple[bool, bool, bool], ...] = ((False, True, False),),
+            copies: bool = False) -> list[dict[str, Any]]:
     """Predicted rows (no GPU): the simulator at each model's simulated footprint / ratio, once per setting
-    (staging, remote optimizer state, partial staging)."""
+    (staging, remote optimizer state, partial staging); ``copies``: remote state copied (experimental)."""
     rows = []
     for name, ratio, (stage, remote, partial) in ((n, r, st) for n in models for r in ratios for st in settings):
         t0 = time.perf_counter()
         try:
-            row = simulate_row(name, ratio, stage=stage, remote=remote, partial=partial)
-            row.update(stage_activations=stage, remote_optimizer=remote, partial_staging=partial)
+            row = simulate_row(name, ratio, stage=stage, remote=remote, partial=partial, copies=copies)
+            row.update(stage_activations=stage, remote_optimizer=remote, partial_staging=partial,
+                       remote_copies=copies and stage and remote)
         except Exception as e:  # a model the simulator cannot build here: recorded, not hidden
             rows.append({"model": name, "ratio": ratio, "error": f"{type(e).__name__}: {e}"})
             say(f"{name} ratio {ratio}: {rows[-1]['error']}")
@@ -499,8 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                          "several: a row each")
     on_off(ap, "--remote-optim", "on", "Session(budget_remote_optimizer=...): optimizer state the plan would move "
            "stays in host memory, updated there (on, the default) or is prefetched in and out (off)")
-    on_off(ap, "--remote-copies", "on", "with --stage on and --remote-optim on: remote optimizer state copied to the "
-           "device for its chunk's step and back (on, the session's default) or updated in place over the link (off)")
+    on_off(ap, "--remote-copies", "off", "with --stage on and --remote-optim on: remote optimizer state copied to "
+           "device slots for its chunk's step and back (BudgetControl.copy_remote_state, experimental) or updated in "
+           "place over the link (off, the session's default); --predict takes the first")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each model's rows (with its fit run, and the FSDP2 peer with --fsdp2) this many times "
                          "in turn: repeats interleaved, each row records its 'repeat'")
@@ -541,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         write_merged(out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},
                      predict(args.models, args.ratios, print, tuple(
                          (st == "on", ro == "on", st == "on" and pa == "on") for st in args.stage
-                         for ro in args.remote_optim for pa in (args.partial_stage if st == "on" else ["off"]))))
+                         for ro in args.remote_optim for pa in (args.partial_stage if st == "on" else ["off"])),
+                             copies=args.remote_copies[0] == "on"))
         return 0
     if not torch.cuda.is_available():
         print("bench/budget.py needs a CUDA GPU (the scheduler's CPU tests are tests/test_budget_*.py; "

@@ -1,5 +1,7 @@
 """bench/budget.py --advice: host-preferred pools under a budget (the default) against no advice."""
 
+import inspect
+
 import pytest
 import torch
 from test_budget_bench import bench  # noqa: F401 - the fixture
@@ -86,6 +88,7 @@ def test_remote_copies_get_a_row_each_where_state_is_remote_and_only_the_copying
     rows = bench.bench_model("mlp", [1.5], 4, 1 << 40, False, lambda line: None, stages=(True,),
                              copies_opts=(True, False), repeat=1)
     assert [(r["remote_copies"], r["repeat"]) for r in rows] == [(True, 1), (False, 1)]
+    assert inspect.signature(bench.bench_model).parameters["copies_opts"].default == (False,)  # in place: default
     copying, in_place = rows
     assert "error" not in copying, copying["error"]
     # which step announces the slots depends on the CPU heap's addresses: some step copies, not every one measured

@@ -163,8 +163,10 @@ def test_remote_state_takes_its_copy_slots_off_the_plan_as_the_session_announces
     prep = sim.prepare(get_model("mlp", width=1024, depth=24, batch_size=256))  # slots worth their room at 0.7
     layout = prep.placement.final
     budget = int(prep.footprint_bytes * 0.7)
-    remote = simulate_staged(prep.trace, layout, sim.profile, budget)
+    remote = simulate_staged(prep.trace, layout, sim.profile, budget, remote_copies=True)
     moving = simulate_staged(prep.trace, layout, sim.profile, budget, remote_optimizer=False)
+    in_place = simulate_staged(prep.trace, layout, sim.profile, budget)  # the session's default
+    assert in_place.fixed_bytes == moving.fixed_bytes and in_place.step.remote_us > 0
     assert remote.plan.remote_blocks, "some optimizer state must stay remote"
     state = max(sum(n for _, n in p.spans(DataType.OPTIM)) for p in remote.derived.order.positions
                 if p.phase == "optimizer")

@@ -67,10 +67,12 @@ class BudgetControl:
         #: keep forward's last saves on the GPU where the plan leaves room (:meth:`_keep_tail`)
         self.partial_staging = partial_staging and stager is not None
         self._tail_rounds = 0  # times the kept tail was sized (at most TAIL_ROUNDS); -1: no more room
-        #: remote optimizer state is copied to the device for its chunk's step and back (:mod:`remote_state`)
-        #: where the intermediate-results pool is fixed device memory (staged activations); False: updated in place
-        #: over the link by the optimizer's kernels
-        self.copy_remote_state = True
+        #: experimental, off: remote optimizer state copied to device slots for its chunk's step and back
+        #: (:mod:`remote_state`) where the intermediate-results pool is fixed device memory (staged activations) and
+        #: the slots' room is worth it; off, the optimizer's kernels update it in place over the link. On the H200 it
+        #: made GPT-2-XL at 2 faster (1,271 against 1,440 ms) but GPT-2-XL at 3 slower (2,412 against 1,865): the
+        #: pool grew after the slots were weighed and the plan then moved 7.2 GB a step (session 20)
+        self.copy_remote_state = False
         self._ops_out = another_like(stager.ops) if stager is not None else None
         self._slot_bytes = 0  # each copy slot's size, announced to the plan (0: none yet); -1: refused
         self._slots: CopySlots | None = None

@@ -179,7 +179,8 @@ def kept_tail(trace: StepTrace, staged: np.ndarray, keep_bytes: int) -> np.ndarr
 
 
 def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                    lookahead: int = 2, remote_optimizer: bool = True, partial: bool = False) -> StagedSimulation:
+                    lookahead: int = 2, remote_optimizer: bool = True, partial: bool = False,
+                    remote_copies: bool = False) -> StagedSimulation:
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
     Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
     other data do not fit. ``remote_optimizer``: optimizer state the plan would move stays in host memory
@@ -187,17 +188,20 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run simulate once). ``partial``: as
     ``Session(budget_partial_staging=True)``, the room the plan leaves under B (less 5% of B) is forward's last saves
     kept on the GPU (:func:`kept_tail`), and the plan is made again with them in the fixed pool; again while the new
-    plan leaves room (up to :data:`~um_lab.budget.stage.TAIL_ROUNDS` rounds), as the session does."""
+    plan leaves room (up to :data:`~um_lab.budget.stage.TAIL_ROUNDS` rounds), as the session does. ``remote_copies``:
+    remote state copied to device slots for its steps where their room is worth it, as the session's
+    ``copy_remote_state`` (experimental, off)."""
     from um_lab.sim.profile import profile_sha256
 
     key = ("staged", trace.key, profile_sha256(profile), int(budget_bytes), int(lookahead),
-           window_for_budget(budget_bytes), bool(remote_optimizer), bool(partial))
+           window_for_budget(budget_bytes), bool(remote_optimizer), bool(partial), bool(remote_copies))
     return memoised(key, lambda: _simulate_staged(trace, layout, profile, budget_bytes, lookahead, remote_optimizer,
-                                                  partial))
+                                                  partial, remote_copies))
 
 
 def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
-                     lookahead: int, remote_optimizer: bool, partial: bool) -> StagedSimulation:
+                     lookahead: int, remote_optimizer: bool, partial: bool,
+                     remote_copies: bool = False) -> StagedSimulation:
     derived = without_intermediates(derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR),
                                     layout)
     staged = staged_storages(trace)
@@ -216,7 +220,7 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
         return fixed, make_plan(derived.order, usable, lookahead, remote_optimizer=remote_optimizer)
 
     fixed, plan = plan_for(staged)
-    copying = remote_optimizer and bool(plan.remote_blocks)
+    copying = remote_copies and remote_optimizer and bool(plan.remote_blocks)
     if copying:  # as the session's control: announced, then planned again with room for them; left in place
         # where there is none, or where that plan costs more link time (remote_state.worth_copying)
         before = fixed, plan
