@@ -374,7 +374,7 @@ class BudgetControl:
         if plan is None or not worth_copying(before, plan):
             # no room, or room only by moving data the plan kept resident (evicted at a third of the link's rate
             # or less) or by leaving more state remote than the copies save: the state is updated in place
-            executor.expected_growth -= SLOTS * slot
+            executor.expected_growth = max(0, executor.expected_growth - SLOTS * slot)  # (a re-plan may use some)
             self._slot_bytes = -1
             if plan is None:
                 return False, "remote copies: no room"
