@@ -350,8 +350,8 @@ class BudgetControl:
     def _copying(self) -> bool:
         """Whether remote optimizer state is to be copied for its steps under the plan being followed."""
         executor, plan = self.executor, self.executor.plan
-        return bool(self.copy_remote_state and self.stager is not None and self._ops_out is not None
-                    and plan is not None and plan.remote_blocks and DataType.ACT in executor.fixed_types)
+        return bool(self.copy_remote_state and self.stager is not None and plan is not None and plan.remote_blocks
+                    and DataType.ACT in executor.fixed_types)
 
     def _reserve_copy_slots(self, optimizer: torch.optim.Optimizer) -> tuple[bool, str]:
         """Once a plan leaves optimizer state remote: announce the copy slots (:mod:`remote_state`) as growth of

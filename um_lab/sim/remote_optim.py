@@ -12,7 +12,7 @@ blocks into extra GPU time per position (a storage partly remote costs its share
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -55,36 +55,39 @@ def remote_costs(trace: StepTrace, layout: Layout, profile: Profile, ops: Iterab
     return out
 
 
+def _remote_blocks_in(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int],
+                      n: int) -> Iterator[tuple[int, RemoteCost, int]]:
+    """(position, storage cost, how many of its blocks are in ``remote``) for each of the first ``n`` positions'
+    storages with any block there."""
+    blocks = np.fromiter(remote, dtype=np.int64)
+    if not len(blocks):
+        return
+    blocks.sort()
+    for i, entries in enumerate(costs[:n]):
+        for cost in entries:
+            first, count = cost[0], cost[1]
+            inside = int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first))
+            if inside:
+                yield i, cost, inside
+
+
 def remote_extra_us(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int], n: int) -> tuple[list[float], float]:
     """Extra GPU time of each of ``n`` positions when the blocks ``remote`` stay in host memory
     (``costs[i]``: position ``i``'s storages), and the bytes the step then moves over the link for them."""
-    blocks = np.fromiter(remote, dtype=np.int64)
-    blocks.sort()
     extra = [0.0] * n
     link = 0.0
-    if not len(blocks):
-        return extra, link
-    for i, entries in enumerate(costs[:n]):
-        for first, count, us, nbytes, _ in entries:
-            inside = int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first))
-            if inside:
-                extra[i] += us * inside / count
-                link += nbytes * inside / count
+    for i, (_, count, us, nbytes, _), inside in _remote_blocks_in(costs, remote, n):
+        extra[i] += us * inside / count
+        link += nbytes * inside / count
     return extra, link
 
 
 def remote_state_bytes(costs: Sequence[Sequence[RemoteCost]], remote: Iterable[int], n: int) -> list[int]:
     """Bytes of each of ``n`` positions' optimizer state in the blocks ``remote`` (a storage partly remote: its
     share): what the session copies in for the position's step and back after it when it copies remote state."""
-    blocks = np.fromiter(remote, dtype=np.int64)
-    blocks.sort()
     out = [0] * n
-    if not len(blocks):
-        return out
-    for i, entries in enumerate(costs[:n]):
-        for first, count, _, _, nbytes in entries:
-            inside = int(np.searchsorted(blocks, first + count) - np.searchsorted(blocks, first))
-            out[i] += nbytes * inside // count
+    for i, (_, count, _, _, nbytes), inside in _remote_blocks_in(costs, remote, n):
+        out[i] += nbytes * inside // count
     return out
 
 
