@@ -61,6 +61,7 @@ from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.cuda.telemetry import Telemetry  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
+from um_lab.types import DataType  # noqa: E402
 
 LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)
 GiB = 1 << 30
@@ -185,6 +186,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
             batch = batch if isinstance(batch, tuple) else (batch,)
             records.append(lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt))
             peak = max(peak, lab.stats()["live_total"] - base)
+            if budget is not None and lab._pools is not None and torch.cuda.is_available():  # a diagnostic
+                records[-1].extra["act_pool"] = pool_usage(lab._pools.pool_id(DataType.ACT))
         del opt, model, batch  # nothing of the run outlives the session: close frees every segment
     finally:
         left = lab.close()
@@ -192,6 +195,16 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
         raise ManagedBytesLeft(f"{case.name}: {left} managed bytes still held after the session closed")
     return {"records": records, "peak_bytes": peak, "cap_bytes": cap,
             "batch_calls": batch_used, "gpu_waits": waits_used}
+
+
+def pool_usage(pool_id: tuple[int, int]) -> dict[str, int]:
+    """One torch pool's caching-allocator state now: bytes reserved and allocated, its segments, and its largest
+    free block (a diagnostic of why a fixed pool grows: fragmentation, or more live tensors)."""
+    segments = torch.cuda.memory.memory_snapshot(mempool_id=pool_id, include_traces=False)
+    free_blocks = [b["size"] for seg in segments for b in seg.get("blocks", []) if b.get("state") == "inactive"]
+    return {"reserved": sum(seg["total_size"] for seg in segments),
+            "allocated": sum(seg["allocated_size"] for seg in segments), "segments": len(segments),
+            "largest_free": max(free_blocks, default=0)}
 
 
 def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
@@ -335,6 +348,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "populated_bytes": int(statistics.median(b.get("populated_bytes", 0) for b in budgets)),
             "touched_bytes": max(b["touched_bytes"] for b in budgets),
             "fixed_bytes_all": [r.extra["budget"].get("fixed_bytes", 0) for r in out["records"]],
+            "act_pool_all": [r.extra.get("act_pool") for r in out["records"]],
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),

@@ -165,6 +165,7 @@ def main() -> int:
     ap.add_argument("--profile-too", action="store_true",
                     help="with --sample: sample the step before the last and profile the last")
     ap.add_argument("--stage", action="store_true", help="Session(budget_stage_activations=True)")
+    ap.add_argument("--partial", action="store_true", help="with --stage: Session(budget_partial_staging=True)")
     ap.add_argument("--window-mib", type=int, help="with --stage: the stager's window (default: window_for_budget)")
     ap.add_argument("--bins", type=int, default=40, help="time bins of the profiled step's timeline")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results" / "budget_profile")
@@ -183,9 +184,10 @@ def main() -> int:
     torch.manual_seed(0)
     model = case.build_model()
     lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=int(args.budget_gib * GiB), telemetry=args.telemetry,
-                  evacuate_on_close=False, budget_stage_activations=args.stage)
+                  evacuate_on_close=False, budget_stage_activations=args.stage,
+                  budget_partial_staging=args.partial and args.stage)
     summary: dict[str, Any] = {"model": args.model, "budget_gib": args.budget_gib, "cap_bytes": cap,
-                               "stage_activations": args.stage, "window_mib": args.window_mib,
+                               "stage_activations": args.stage, "partial_staging": args.partial, "window_mib": args.window_mib,
                                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "device": torch.cuda.get_device_name(0), "steps": []}
     out = args.out_dir / "summary.json"

@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -280,6 +280,14 @@ if [[ $what == final20 ]]; then  # ~8 min, 4 files: session 20 call 4, the rows 
     --no-sim --out "$OUT/budget_final20_gpt2l.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
   timeout -s KILL 230 python3 bench/budget.py --models gpt2-xl --ratios 3 1.5 --steps 8 --stage on \
     --no-sim --out "$OUT/budget_final20_gpt2xl.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == diag21 ]]; then  # ~8 min, 5 files: session 21 call 1, where ResNet-50's partial-staging step goes at 1.32 (one
+  # step stack-sampled, the next profiled), then GPT-2-XL at 2 and 3 in place with the intermediate pool's state per step
+  timeout -s KILL 150 python3 bench/budget_profile.py --model resnet50 --budget-gib 5.2513 --stage --partial --steps 10 \
+    --sample --profile-too --out-dir "$OUT/resnet" 2>&1 | grep -v Warning | tail -60 | tee "$OUT/profile.log"
+  rm -f "$OUT/resnet/trace.json.gz"
+  timeout -s KILL 330 python3 bench/budget.py --models gpt2-xl --ratios 2 3 --steps 9 --stage on \
+    --no-sim --out "$OUT/budget_diag21_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

@@ -35,6 +35,7 @@ GPU = "gpu"
 HOST = "host"
 
 Span = tuple[int, int]  #: a byte range: (address, bytes)
+SPAN_CACHE_SIZE = 1 << 16  #: byte ranges whose blocks the ledger remembers before it forgets them all
 
 
 def blocks_of_span(ptr: int, nbytes: int) -> range:
@@ -99,6 +100,8 @@ class Ledger:
         self._host_written_segments: set[int] = set()
         self._layout = 0  # counts segment registrations and removals (the fixed bytes' cache key)
         self._fixed_cache = (-1, 0)
+        self._span_cache: dict[Span, tuple[frozenset[int], bool]] = {}  # see _span_blocks
+        self._span_layout = 0
         self.resident_bytes = 0
         self.max_resident = 0
         self.prefetched_bytes = 0
@@ -231,20 +234,35 @@ class Ledger:
     def blocks(self, spans: Iterable[Span]) -> set[int]:
         """The managed blocks the byte ranges touch (ranges outside every segment are ignored)."""
         out: set[int] = set()
-        for ptr, n in spans:
-            out.update(b for b in blocks_of_span(ptr, n) if b in self._blocks
-                       and any(p < ptr + n and ptr < p + m for p, m, _ in self._blocks[b].pieces))
+        for span in spans:
+            out.update(self._span_blocks(span)[0])
         return out
 
     def unknown(self, spans: Iterable[Span]) -> list[Span]:
         """The byte ranges that lie in no registered segment (wholly or partly)."""
-        out = []
-        for ptr, n in spans:
-            covered = sum(min(p + m, ptr + n) - max(p, ptr) for b in blocks_of_span(ptr, n)
-                          if b in self._blocks for p, m, _ in self._blocks[b].pieces if p < ptr + n and ptr < p + m)
-            if covered < n:
-                out.append((ptr, n))
-        return out
+        return [span for span in spans if not self._span_blocks(span)[1]]
+
+    def _span_blocks(self, span: Span) -> tuple[frozenset[int], bool]:
+        """(the managed blocks ``span`` touches, whether registered segments cover all of it), remembered until
+        the segments change: the hooks ask for the same ranges at every position of every step."""
+        if self._span_layout != self._layout or len(self._span_cache) > SPAN_CACHE_SIZE:
+            self._span_cache.clear()
+            self._span_layout = self._layout
+        found = self._span_cache.get(span)
+        if found is None:
+            ptr, n = span
+            hit: set[int] = set()
+            covered = 0
+            for b in blocks_of_span(ptr, n):
+                block = self._blocks.get(b)
+                if block is None:
+                    continue
+                for p, m, _ in block.pieces:
+                    if p < ptr + n and ptr < p + m:
+                        hit.add(b)
+                        covered += min(p + m, ptr + n) - max(p, ptr)
+            found = self._span_cache[span] = (frozenset(hit), covered >= n)
+        return found
 
     # ---- state ----
 
@@ -448,7 +466,9 @@ class Ledger:
     def _victims(self, excess: int, keep: set[int], rank: Callable[[int], float]) -> list[int]:
         """Resident blocks to push out, highest ``rank`` first and never ``keep``, until ``excess`` bytes
         are freed (fewer when nothing else may go)."""
-        victims = []
+        victims: list[int] = []
+        if excess <= 0:  # ranking every resident block costs host time at each position
+            return victims
         for b in self._by_rank(keep, rank):
             if excess <= 0:
                 break

@@ -48,6 +48,8 @@ def tensor_span(t: torch.Tensor) -> Span:
     """The bytes a (possibly strided) tensor's elements occupy: (address, extent)."""
     if t.numel() == 0:
         return (int(t.data_ptr()), 0)
+    if t.is_contiguous():
+        return (int(t.data_ptr()), t.numel() * t.element_size())
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
     return (int(t.data_ptr()), int(extent * t.element_size()))
 
@@ -182,8 +184,11 @@ class StepRecorder:
     def open_position(self, phase: str, layer: str, touches: Iterable[Touch]) -> int:
         """Append a position touching ``touches`` and tell the listener; returns its index."""
         position = Position(phase, layer)
+        by_type: dict[DataType, list[Span]] = {}
         for data_type, span in touches:
-            position.add(self._type(span, data_type), [span])
+            by_type.setdefault(self._type(span, data_type), []).append(span)
+        for data_type, spans in by_type.items():
+            position.add(data_type, spans)
         with self._lock:
             self.order.positions.append(position)
             index = len(self.order.positions) - 1
