@@ -85,9 +85,20 @@ class _Call:
 STEP_CALL = -1  #: the call id of ops outside every module (a loss computed in the step closure)
 
 
+def own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """A module's own parameters, each once (``parameters(recurse=False)`` without its generator machinery: the
+    hooks ask at every position of every step)."""
+    out: list[nn.Parameter] = []
+    for p in module._parameters.values():
+        if p is not None and not any(p is q for q in out):
+            out.append(p)
+    return out
+
+
 def own_tensors(module: nn.Module) -> list[torch.Tensor]:
     """A module's own parameters and buffers (not its children's)."""
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    buffers = [b for b in module._buffers.values() if b is not None]
+    return [*own_parameters(module), *buffers]
 
 
 class SavedTensorSaver(Protocol):
@@ -224,7 +235,7 @@ class StepRecorder:
                 return
             touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
             touches += [(DataType.GRAD, s) for s in self._spans(  # a frozen parameter's gradient is not written
-                p.grad for p in module.parameters(recurse=False) if p.grad is not None and p.requires_grad)]
+                p.grad for p in own_parameters(module) if p.grad is not None and p.requires_grad)]
             touches += [(DataType.ACT, s) for s in self._saved.get(forward_index, [])]
             touches += [(DataType.ACT, s) for s in self._spans([grad])]
             self.open_position("backward", name, touches)
