@@ -187,7 +187,8 @@ def main() -> int:
                   evacuate_on_close=False, budget_stage_activations=args.stage,
                   budget_partial_staging=args.partial and args.stage)
     summary: dict[str, Any] = {"model": args.model, "budget_gib": args.budget_gib, "cap_bytes": cap,
-                               "stage_activations": args.stage, "partial_staging": args.partial, "window_mib": args.window_mib,
+                               "stage_activations": args.stage, "partial_staging": args.partial,
+                               "window_mib": args.window_mib,
                                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "device": torch.cuda.get_device_name(0), "steps": []}
     out = args.out_dir / "summary.json"

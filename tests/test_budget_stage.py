@@ -355,7 +355,7 @@ def test_partial_staging_keeps_forwards_last_saves_on_the_gpu_from_the_second_st
     assert stager.end_step()["staged_tensors"] == 5  # off again: all staged
 
 
-def test_with_a_kept_tail_the_copies_back_start_at_backwards_first_unpack_not_at_the_first_staged_one():
+def test_with_a_kept_tail_the_copies_back_start_at_forwards_first_kept_save_before_backward():
     model = mlp()
     x = torch.randn(1024, 512)
     stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
@@ -375,8 +375,30 @@ def test_with_a_kept_tail_the_copies_back_start_at_backwards_first_unpack_not_at
     assert stager.end_step()["tail_kept_bytes"] == 4 * MiB
     first_staged = next(i for i, (kept, _) in enumerate(seen) if not kept)
     assert first_staged > 0, "backward reads the kept tail first"
-    # by the time backward reaches its first staged tensor, a window's worth is already on its way back
-    assert seen[first_staged][1] >= 4 * MiB
+    # forward's first kept save started the copies back: a window's worth is on its way before backward begins
+    assert seen[0][0] and seen[0][1] >= 4 * MiB
+
+
+def test_forward_done_starts_the_copies_back_so_backward_finds_every_staged_tensor_brought_ahead():
+    model = mlp()
+    x = torch.randn(1024, 512)
+    plain = grads_after(model, x)
+    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
+                              window_bytes=4 * MiB)
+    model.zero_grad()
+    with stager.saving():
+        out = model(x)
+    assert stager.stats.restored_bytes == 0
+    stager.forward_done()
+    assert stager.stats.restored_bytes >= 4 * MiB  # a window, the last staged first
+    stager.forward_done()  # once a step: no second round of copies
+    ahead = stager.stats.restored_bytes
+    out.square().sum().backward()
+    stats = stager.end_step()
+    assert ahead <= stats["restored_bytes"] == stats["staged_bytes"]
+    assert stats["late_restores"] == 0
+    for a, p in zip(plain, model.parameters(), strict=True):
+        assert torch.equal(a, p.grad)
 
 
 def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_without(env, monkeypatch):

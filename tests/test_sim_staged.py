@@ -174,3 +174,32 @@ def test_remote_state_takes_its_copy_slots_off_the_plan_as_the_session_announces
     assert remote.fixed_bytes - moving.fixed_bytes == slots > 0
     assert remote.plan.max_resident + remote.fixed_bytes <= budget
     assert remote.step.remote_us == 0 and 0 < remote.step.remote_link_bytes <= 2 * remote.plan.remote_bytes
+
+
+def test_copies_back_start_after_forwards_last_copy_out_as_the_session_starts_them():
+    from um_lab.sim.budget import restore_start
+
+    backward = [False] * 5 + [True] * 5
+    assert restore_start(backward, [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]) == 3  # a kept tail: at its first position
+    assert restore_start(backward, [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]) == 5  # all staged: backward's first position
+    assert restore_start(backward, [0] * 10) == 5  # nothing staged
+    assert restore_start([False] * 3, [1, 0, 0]) == 1
+
+
+def test_the_copies_back_run_under_forwards_last_positions(prepared):
+    sim, prep = prepared
+    trace, layout = prep.trace, prep.placement.final
+    staged = simulate_staged(trace, layout, sim.profile, int(prep.footprint_bytes * 0.6), partial=True)
+    derived, copies = staged.derived, staged.copies
+    start = next(i for i, p in enumerate(derived.order.positions) if p.phase == "backward")
+    last_out = max(i for i in range(start) if copies.out_bytes[i])
+    tail = list(range(last_out + 1, start))
+    assert tail and copies.staged_bytes > 0, "forward's last position saves nothing staged"
+    # slow the host over forward's last positions by as much as the copies back take: they run under it
+    back_us = copies.staged_bytes / (copies.GBps * 1e3)
+    slow_host = list(derived.host_us)
+    for i in tail:
+        slow_host[i] += back_us / len(tail)
+    slowed = replay_plan(dataclasses.replace(derived, host_us=slow_host), staged.plan, sim.profile, staging=copies)
+    # (copies out still in flight hide some of it either way: started at backward, the step took 0.81 of it longer)
+    assert slowed.wall_us < staged.step.wall_us + 0.7 * back_us

@@ -247,6 +247,8 @@ class BudgetControl:
             with recorder.recording():
                 with pools.route(DataType.ACT):
                     loss = closure()
+                    if self.stager is not None:
+                        self.stager.forward_done()  # copies back start (their blocks from this pool)
             check_loss(loss)
             self._pending_zero |= self._owed_zero
             self._owed_zero.clear()

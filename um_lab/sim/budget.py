@@ -32,7 +32,7 @@ waits for). The step time is the compute stream's, as the session's CUDA-event t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -299,6 +299,14 @@ def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, di
                      remote_optimizer=remote_optimizer)
 
 
+def restore_start(backward: Sequence[bool], out_bytes: Sequence[int]) -> int:
+    """The position at which staged activations start coming back: the one after forward's last copy out
+    (:meth:`~um_lab.budget.stage.ActivationStager.forward_done`), backward's first at the latest."""
+    first_back = next((i for i, b in enumerate(backward) if b), len(backward))
+    last_out = max((i for i, nbytes in enumerate(out_bytes) if nbytes and not backward[i]), default=None)
+    return first_back if last_out is None else min(last_out + 1, first_back)
+
+
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 evict_GBps: float | None = None, prefetch_GBps: float | None = None,
                 gpu_waits: bool = False, staging: StageCopies | None = None,
@@ -327,6 +335,8 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     if remote_copies:
         remote_us, remote_link = [0.0] * n, 2.0 * sum(copied)
     copy_rate = STAGE_COPY_GBPS * 1e3
+    first_back = next((i for i in range(n) if backward[i]), n)
+    restores_from = restore_start(backward, staging.out_bytes if staging is not None else [0] * n)
     for _ in range(STEADY_STEPS):
         cpu += p.cpu_step_us
         t0 = max(gpu, cpu)
@@ -346,18 +356,20 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                     copy_in = max(copy_in, cpu, gpu) + copied[j] / copy_rate
                     copied_in[j] = copy_in
             ready = max(ready, copied_in.get(i, 0.0))
-            if staging is not None and backward[i]:  # restores a window ahead of backward, in its order
+            if staging is not None and (backward[i] or i == restores_from):  # a window ahead of backward, in its order
                 rate = staging.GBps * 1e3
-                next_restore = max(next_restore, i)
-                ahead = sum(staging.in_bytes[i:next_restore])
-                while next_restore < n and backward[next_restore] and (next_restore == i or ahead < staging.window):
+                first = i if backward[i] else first_back
+                next_restore = max(next_restore, first)
+                ahead = sum(staging.in_bytes[first:next_restore])
+                while next_restore < n and backward[next_restore] and (next_restore == first
+                                                                        or ahead < staging.window):
                     nbytes = staging.in_bytes[next_restore]
                     if nbytes:  # its device block comes from the compute stream's pool: it waits for compute so far
                         copy = max(copy, cpu, gpu) + nbytes / rate
                         restored[next_restore] = copy
                         ahead += nbytes
                     next_restore += 1
-                ready = restored.get(i, 0.0)
+                ready = max(ready, restored.get(i, 0.0))
             for target in sorted(t for t in pending if t <= i):
                 side_done, issued = pending.pop(target)
                 if issued > cpu and not gpu_waits:

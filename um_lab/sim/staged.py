@@ -19,7 +19,8 @@ ranges, under B less that pool and the optimizer's temporaries.
 
 **Time.** :func:`um_lab.sim.budget.replay_plan` with the copy stream (its ``staging`` argument): a position's
 copies out start once its ops are done; the host waits for the oldest while more than a window is in
-flight; restores are issued a window ahead of backward and a position's ops wait for its own. A restore also
+flight; restores start once forward stages no more (its last copy out issued: the session's
+``forward_done``) and are issued a window ahead of backward; a position's ops wait for its own. A restore also
 waits for the compute issued before it (its device block comes from the compute stream's pool; since session
 16, after the H200 showed copies and kernels alternating in backward). The copy
 stream and the scheduler's side stream are modelled apart (they share the host link on a GPU: an
