@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -266,7 +266,7 @@ if [[ $what == copies ]]; then  # ~8 min, 6 files: session 20 call 2, optimizer 
 fi
 if [[ $what == copies2 ]]; then  # ~9 min, 6 files: session 20 call 3, the copy slots (announced, weighed): GPU tests, ResNet-50
   # beside FSDP2 twice in turn (partial staging at 1.32 and 1.5, full at 1.32), then GPT-2-XL at 2 with the copies on and off
-  timeout -s KILL 150 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA --tb=short -p no:cacheprovider \
+  timeout -s KILL 120 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA --tb=short -p no:cacheprovider \
     -k "remote or left_in_host" 2>&1 | tail -60 | tee "$OUT/tests.log"
   timeout -s KILL 200 python3 bench/budget.py --models resnet50 --ratios 1.32 1.5 --steps 12 --stage on \
     --partial-stage on off --repeats 2 --fsdp2 --no-sim --out "$OUT/budget_copies2_resnet50.json" 2>&1 \
@@ -288,6 +288,19 @@ if [[ $what == diag21 ]]; then  # ~8 min, 5 files: session 21 call 1, where ResN
   rm -f "$OUT/resnet/trace.json.gz"
   timeout -s KILL 330 python3 bench/budget.py --models gpt2-xl --ratios 2 3 --steps 9 --stage on \
     --no-sim --out "$OUT/budget_diag21_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+fi
+if [[ $what == rows21 ]]; then  # ~8 min, 6 files: session 21 call 2, the copies back started at forward's end: the staging
+  # GPU tests, GPT-2-XL at 2 and 3 twice in turn and GPT-2-large at 1.5 / 2 / 3 (staging, in place); ResNet-50's
+  # predictions on the CPU meanwhile (measured in the next call, after they are committed)
+  (timeout -s KILL 400 python3 bench/budget.py --predict --models resnet50 --ratios 1.32 1.5 --stage on \
+    --partial-stage on off --out "$OUT/budget_predicted_resnet50.json" 2>&1 | grep -v Warning > "$OUT/predict.log") &
+  timeout -s KILL 120 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA --tb=short -p no:cacheprovider \
+    -k "staged or partial" 2>&1 | tail -40 | tee "$OUT/tests.log"
+  timeout -s KILL 290 python3 bench/budget.py --models gpt2-xl --ratios 2 3 --steps 9 --stage on --repeats 2 \
+    --no-sim --out "$OUT/budget_rows21_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 170 python3 bench/budget.py --models gpt2-large --ratios 1.5 2 3 --steps 8 --stage on \
+    --no-sim --out "$OUT/budget_rows21_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+  wait
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
