@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | resnet21 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -301,6 +301,17 @@ if [[ $what == rows21 ]]; then  # ~8 min, 6 files: session 21 call 2, the copies
   timeout -s KILL 170 python3 bench/budget.py --models gpt2-large --ratios 1.5 2 3 --steps 8 --stage on \
     --no-sim --out "$OUT/budget_rows21_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
   wait
+fi
+if [[ $what == resnet21 ]]; then  # ~8 min, 5 files: session 21 call 3, ResNet-50 beside FSDP2 twice in turn (partial staging and
+  # full at 1.32 and 1.5; copies back from forward's end), then ResNet-50 and GPT-2-large with CUPTI on (the budget
+  # at each step's end)
+  timeout -s KILL 330 python3 bench/budget.py --models resnet50 --ratios 1.32 1.5 --steps 12 --stage on \
+    --partial-stage on off --repeats 2 --fsdp2 --no-sim --out "$OUT/budget_resnet21.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 80 python3 bench/budget.py --models resnet50 --ratios 1.32 --steps 8 --stage on \
+    --partial-stage on --telemetry --no-sim --out "$OUT/budget_cupti21_resnet50.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+  timeout -s KILL 130 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 6 --stage on \
+    --telemetry --no-sim --out "$OUT/budget_cupti21_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
