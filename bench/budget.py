@@ -39,6 +39,7 @@ A budget only moves data between the GPU and the host; it never raises the manag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -138,16 +139,60 @@ def host_advice(advice: str) -> bool:
     return advice == "host"
 
 
+@dataclasses.dataclass(frozen=True)
+class RowOptions:
+    """One budget row's session options (each a ``--flag on off`` of the script, the session's keyword beside it):
+    how moves are issued (``issue``), discarding dead gradients (``discard``), batched calls (``batch_calls``),
+    compute waiting on the GPU (``gpu_waits``), the pools' advice (``advice``), staged activations (``stage``),
+    discarding free blocks (``free``), the intermediate pool in device memory (``device_act``; None: the session's
+    default), optimizer state left remote (``remote``), partial staging (``partial``) and remote state copied for
+    its chunk's step (``copies``, experimental: off in place, the session's default)."""
+
+    issue: str = "thread"
+    discard: bool = False
+    batch_calls: bool = False
+    gpu_waits: bool = False
+    advice: str = "host"
+    stage: bool = False
+    free: bool = False
+    device_act: bool | None = None
+    remote: bool = True
+    partial: bool = False
+    copies: bool = False
+
+    def row_fields(self) -> dict[str, Any]:
+        """The row's columns for these options (as the results files name them)."""
+        return {"issue": self.issue, "discard": self.discard, "batch_calls": self.batch_calls, "advice": self.advice,
+                "stage_activations": self.stage, "discard_free": self.free,
+                "device_activations": self.stage if self.device_act is None else self.device_act,
+                "remote_optimizer": self.remote, "partial_staging": self.partial, "remote_copies": self.copies}
+
+
+def on_word(flag: bool) -> str:
+    """``on`` or ``off``."""
+    return "on" if flag else "off"
+
+
+def option_grid(issues: tuple[str, ...] = ("thread",), discards: tuple[bool, ...] = (False,),
+                batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
+                advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
+                frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
+                remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
+                copies_opts: tuple[bool, ...] = (False,)) -> list[RowOptions]:
+    """Every combination of the choices, in the script's order; the staging choices (device pool, partial staging)
+    only with staging on, and the copies only with staging and remote state on."""
+    return [RowOptions(i, d, b, w, a, st, f, da, ro, pa, co)
+            for i in issues for d in discards for b in batches for w in gpu_waits for a in advices for st in stages
+            for f in frees for da in (device_acts if st else (None,)) for ro in remotes
+            for pa in (partials if st else (False,)) for co in (copies_opts if st and ro else (False,))]
+
+
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
-                telemetry: bool = False, issue: str = "thread", discard: bool = False,
-                time_moves: bool = False, batch_calls: bool = False, gpu_waits: bool = False,
-                advice: str = "host", stage: bool = False, free: bool = False,
-                device_act: bool | None = None, remote: bool = True, partial: bool = False,
-                copies: bool = False) -> dict[str, Any]:
-    """Train ``steps`` steps in one session (``copies``: remote optimizer state copied to the device for its
-    chunk's step, experimental, or updated in place over the link, the session's default); returns the records, the
-    session's cap and the peak of live managed bytes above the session's start (segments, read after every
-    step: the caching allocator keeps a step's segments, so this is the step's peak). The safety rules are in
+                telemetry: bool = False, time_moves: bool = False,
+                options: RowOptions = RowOptions()) -> dict[str, Any]:
+    """Train ``steps`` steps in one session (``options``: the budget's, unused without ``budget``); returns the
+    records, the session's cap and the peak of live managed bytes above the session's start (segments, read after
+    every step: the caching allocator keeps a step's segments, so this is the step's peak). The safety rules are in
     the module docstring."""
     cap = session_cap(limit)
     abort_at = int(SAFETY_FRACTION * cap)
@@ -156,18 +201,19 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     records = []
     peak = 0
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
-    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, budget_host_advice=host_advice(advice),
+    o = options
+    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, budget_host_advice=host_advice(o.advice),
                   telemetry=Telemetry(flush="step") if telemetry else False,
-                  evacuate_on_close=False, budget_issue=issue, budget_discard=discard,
-                  budget_batch_calls=batch_calls, budget_gpu_waits=gpu_waits, budget_stage_activations=stage,
-                  budget_discard_free=free, budget_device_activations=device_act if stage else None,
-                  budget_remote_optimizer=remote, budget_partial_staging=partial and stage, **SESSION_KWARGS)
+                  evacuate_on_close=False, budget_issue=o.issue, budget_discard=o.discard,
+                  budget_batch_calls=o.batch_calls, budget_gpu_waits=o.gpu_waits, budget_stage_activations=o.stage,
+                  budget_discard_free=o.free, budget_device_activations=o.device_act if o.stage else None,
+                  budget_remote_optimizer=o.remote, budget_partial_staging=o.partial and o.stage, **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
             lab._budget.executor.time_moves()
         if lab._budget is not None:  # an A/B switch the session does not expose
-            lab._budget.copy_remote_state = copies
+            lab._budget.copy_remote_state = o.copies
         batch_used = lab._budget is not None and lab._budget.executor.batch_calls  # off where CUDA lacks it
         waits_used = lab._budget is not None and lab._budget.executor.gpu_waits  # off where the driver refuses
         base = lab.stats()["live_total"]
@@ -290,24 +336,17 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    for ratio, issue, discard, batch, waits, advice, stage, free, device_act, remote, partial, copies in (
-            (r, i, d, b, w, a, st, f, da, ro, pa, co) for r in ratios for i in issues for d in discards
-            for b in batches for w in gpu_waits for a in advices for st in stages for f in frees
-            for da in (device_acts if st else (None,)) for ro in remotes for pa in (partials if st else (False,))
-            for co in (copies_opts if st and ro else (False,))):
+    grid = option_grid(issues, discards, batches, gpu_waits, advices, stages, frees, device_acts, remotes, partials,
+                       copies_opts)
+    for ratio, options in ((r, o) for r in ratios for o in grid):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
-                               "issue": issue, "discard": discard, "batch_calls": batch, "advice": advice,
-                               "stage_activations": stage, "discard_free": free,
-                               "device_activations": stage if device_act is None else device_act,
-                               "remote_optimizer": remote, "partial_staging": partial,
-                               "remote_copies": copies, "repeat": repeat, "fit_step_ms": fit_ms,
+                               **options.row_fields(), "repeat": repeat, "fit_step_ms": fit_ms,
                                "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
         t0 = time.perf_counter()
         try:
-            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, issue=issue, discard=discard,
-                              time_moves=time_moves, batch_calls=batch, gpu_waits=waits, advice=advice, stage=stage,
-                              free=free, device_act=device_act, remote=remote, partial=partial, copies=copies)
+            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, time_moves=time_moves,
+                              options=options)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
         except Exception as e:  # a budget too small for one layer, or a refusal: recorded, not hidden
@@ -363,7 +402,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                                    for r in out["records"]],
             "gpu_page_faults_all": [r.gpu_page_faults for r in out["records"]],
             "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
-            **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_STAT_KEYS} if free else {}),
+            **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_STAT_KEYS} if options.free else {}),
             "run_s": time.perf_counter() - t0,
         })
         if time_moves:
@@ -372,7 +411,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 f"{k} {v['GB']:.1f} GB in {v['ms']:.0f} ms ({v['GBps']:.1f} GB/s, {v['calls']} calls, "
                 f"host {v['host_ms']:.0f} ms)"
                 for k, v in row["move_timing"].items()))
-        if stage:
+        if options.stage:
             row["tail_kept_bytes"] = int(statistics.median(st.get("tail_kept_bytes", 0) for st in stagings))
             say(f"    staging: {staged / GiB:.2f} GiB to the host, {restored / GiB:.2f} GiB back per step; late "
                 f"restores {max(st.get('late_restores', 0) for st in stagings)}, host waits for copies "
@@ -381,13 +420,14 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
         rows.append(row)
         if row_done is not None:
             row_done(rows)
-        say(f"  ratio {ratio} ({issue}, discard {'on' if discard else 'off'}, batch calls {'on' if batch else 'off'}, "
-            f"GPU waits {'on' if waits else 'off'}, advice {advice}, staging {'on' if stage else 'off'}, "
+        o = options
+        say(f"  ratio {ratio} ({o.issue}, discard {on_word(o.discard)}, batch calls {on_word(o.batch_calls)}, "
+            f"GPU waits {on_word(o.gpu_waits)}, advice {o.advice}, staging {on_word(o.stage)}, "
             f"device activations {'on' if row['device_activations'] else 'off'}, "
-            f"remote optimizer {'on' if remote else 'off'} ({remote_bytes / GiB:.2f} GiB), "
-            f"partial staging {'on' if partial else 'off'} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
-            f"remote copies {'on' if copies else 'off'} ({row['remote_copied_bytes'] / GiB:.2f} GiB), "
-            f"free discards {'on' if free else 'off'}): "
+            f"remote optimizer {on_word(o.remote)} ({remote_bytes / GiB:.2f} GiB), "
+            f"partial staging {on_word(o.partial)} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
+            f"remote copies {on_word(o.copies)} ({row['remote_copied_bytes'] / GiB:.2f} GiB), "
+            f"free discards {on_word(o.free)}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "

@@ -49,6 +49,7 @@ def _budget_bench() -> Any:
     spec = importlib.util.spec_from_file_location("bench_budget", ROOT / "bench" / "budget.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_budget", module)  # its dataclasses resolve their annotations through it
     spec.loader.exec_module(module)
     return module
 
