@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | resnet21 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | resnet21 | final21 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -312,6 +312,16 @@ if [[ $what == resnet21 ]]; then  # ~8 min, 5 files: session 21 call 3, ResNet-5
     --partial-stage on --telemetry --no-sim --out "$OUT/budget_cupti21_resnet50.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
   timeout -s KILL 130 python3 bench/budget.py --models gpt2-large --ratios 2 --steps 6 --stage on \
     --telemetry --no-sim --out "$OUT/budget_cupti21_gpt2l.json" 2>&1 | grep -v Warning | tee -a "$OUT/rows.log"
+fi
+if [[ $what == final21 ]]; then  # ~7 min, 6 files: session 21 call 4, the budget GPU tests on the final code, then the rows it had
+  # not run: GPT-2-XL at 1.5 and 3, ResNet-50 at 2 and 3 (partial and full staging) beside FSDP2
+  timeout -s KILL 200 python3 -m pytest tests/gpu/test_budget_gpu.py -q -rA --tb=short -p no:cacheprovider 2>&1 \
+    | tail -45 | tee "$OUT/tests.log"
+  timeout -s KILL 210 python3 bench/budget.py --models gpt2-xl --ratios 1.5 3 --steps 9 --stage on \
+    --no-sim --out "$OUT/budget_final21_gpt2xl.json" 2>&1 | grep -v Warning | tee "$OUT/rows.log"
+  timeout -s KILL 170 python3 bench/budget.py --models resnet50 --ratios 2 3 --steps 10 --stage on \
+    --partial-stage on off --fsdp2 --no-sim --out "$OUT/budget_final21_resnet50.json" 2>&1 | grep -v Warning \
+    | tee -a "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \
