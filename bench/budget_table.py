@@ -80,13 +80,14 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
     for row in rows:
         if not str(row.get("source", "")).startswith(source_prefix):
             continue
-        if row.get("remote_copies") is False and row.get("remote_bytes"):
-            continue  # an A/B row with the session's copies turned off: no prediction simulated it
+        # remote state updated in place: only a prediction that says it simulated that (session 20's weighed copies)
+        in_place = row.get("remote_copies") is False and bool(row.get("remote_bytes"))
         telemetry = bool(row.get("telemetry") or row.get("max_resident_cupti") is not None)
         matches = [p for p in candidates
                    if p["model"] == row.get("model") and float(p["ratio"]) == float(row.get("ratio", 0))
                    and bool(p.get("telemetry")) == telemetry
-                   and all(bool(row.get(k, d)) == bool(p[k]) for k, d in SETTINGS.items() if k in p)]
+                   and all(bool(row.get(k, d)) == bool(p[k]) for k, d in SETTINGS.items() if k in p)
+                   and (not in_place or p.get("remote_copies") is False)]
         sims = [p for p in matches if p.get("sim_step_ms") is not None]
         hands = [p for p in matches
                  if isinstance(p.get("predicted_step_ms"), list) and len(p["predicted_step_ms"]) == 2]

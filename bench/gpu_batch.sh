@@ -2,7 +2,7 @@
 # One device call: build the shim in place, sanity-check the runtime, GPU tests, then benchmarks.
 # Usage on the GPU machine (repo root): bash bench/gpu_batch.sh WHAT; results under $OUT. WHAT is
 # tests | bench | all | alternate | populate | moves | waits | sample | predicted | staging | free | gaps | native |
-# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | resnet21 | final21 | final.
+# staged | stagedprof | hostwritten | optimtemp | nextstaged | devact | devact2 | remote | remote2 | cupti | partial | partial2 | rounds | rounds2 | rounds3 | rounds4 | rounds5 | free2 | predictresnet | xlprofile | copies | copies2 | final20 | diag21 | rows21 | resnet21 | final21 | fsdp21 | final.
 # alternate: issue 12's allocator table with native and um_lab in turn inside each process;
 # populate: the same pairs against um_lab+populate (Session(populate_segments=True)), MLP first;
 # moves: issue 13's GPT-2-large budget rows, one call per range and batched, every move timed (side stream, host);
@@ -322,6 +322,12 @@ if [[ $what == final21 ]]; then  # ~7 min, 6 files: session 21 call 4, the budge
   timeout -s KILL 170 python3 bench/budget.py --models resnet50 --ratios 2 3 --steps 10 --stage on \
     --partial-stage on off --fsdp2 --no-sim --out "$OUT/budget_final21_resnet50.json" 2>&1 | grep -v Warning \
     | tee -a "$OUT/rows.log"
+fi
+if [[ $what == fsdp21 ]]; then  # ~4 min, 3 files: session 21 call 5, ResNet-50 at 1.32 with partial staging beside FSDP2, two more
+  # repeats in turn (the call's remaining device time)
+  timeout -s KILL 250 python3 bench/budget.py --models resnet50 --ratios 1.32 --steps 12 --stage on \
+    --partial-stage on --repeats 2 --fsdp2 --no-sim --out "$OUT/budget_fsdp21_resnet50.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/rows.log"
 fi
 if [[ $what == final ]]; then  # <= 9 min
   timeout -s KILL 180 python3 -m pytest tests/gpu/test_cuda_session.py tests/gpu/test_runner_gpu.py tests/gpu/test_telemetry_gpu.py \

@@ -126,6 +126,9 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
            "remote_bytes": 8 * GiB}]
     table.add_predictions(ab, first, "raw/s18_call1")
     assert "predicted_step_ms" not in ab[0]  # copies turned off for an A/B row: no prediction simulated it
+    in_place = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1202.5, "remote_copies": False}]}
+    table.add_predictions(ab, in_place, "raw/s18_call1")
+    assert ab[0]["predicted_step_ms"] == 1202.5  # one that says it simulated the state in place (session 21's)
     assert table.staging_cell({"stage_activations": True, "device_activations": True, "tail_kept_bytes": GiB}) \
         == "on, device pool, last 1.00 GiB kept"
 
