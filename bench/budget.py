@@ -146,7 +146,8 @@ class RowOptions:
     compute waiting on the GPU (``gpu_waits``), the pools' advice (``advice``), staged activations (``stage``),
     discarding free blocks (``free``), the intermediate pool in device memory (``device_act``; None: the session's
     default), optimizer state left remote (``remote``), partial staging (``partial``) and remote state copied for
-    its chunk's step (``copies``, experimental: off in place, the session's default)."""
+    its chunk's step (``copies``, experimental: off in place, the session's default), and growth announced for
+    partial staging's kept tail given back when it does not come (``settle``, experimental, off)."""
 
     issue: str = "thread"
     discard: bool = False
@@ -159,13 +160,15 @@ class RowOptions:
     remote: bool = True
     partial: bool = False
     copies: bool = False
+    settle: bool = False
 
     def row_fields(self) -> dict[str, Any]:
         """The row's columns for these options (as the results files name them)."""
         return {"issue": self.issue, "discard": self.discard, "batch_calls": self.batch_calls, "advice": self.advice,
                 "stage_activations": self.stage, "discard_free": self.free,
                 "device_activations": self.stage if self.device_act is None else self.device_act,
-                "remote_optimizer": self.remote, "partial_staging": self.partial, "remote_copies": self.copies}
+                "remote_optimizer": self.remote, "partial_staging": self.partial, "remote_copies": self.copies,
+                "settle_tail_growth": self.settle}
 
 
 def on_word(flag: bool) -> str:
@@ -178,13 +181,14 @@ def option_grid(issues: tuple[str, ...] = ("thread",), discards: tuple[bool, ...
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
-                copies_opts: tuple[bool, ...] = (False,)) -> list[RowOptions]:
+                copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,)) -> list[RowOptions]:
     """Every combination of the choices, in the script's order; the staging choices (device pool, partial staging)
-    only with staging on, and the copies only with staging and remote state on."""
-    return [RowOptions(i, d, b, w, a, st, f, da, ro, pa, co)
+    only with staging on, the copies only with staging and remote state on, settling only with partial staging."""
+    return [RowOptions(i, d, b, w, a, st, f, da, ro, pa, co, se)
             for i in issues for d in discards for b in batches for w in gpu_waits for a in advices for st in stages
             for f in frees for da in (device_acts if st else (None,)) for ro in remotes
-            for pa in (partials if st else (False,)) for co in (copies_opts if st and ro else (False,))]
+            for pa in (partials if st else (False,)) for co in (copies_opts if st and ro else (False,))
+            for se in (settles if st and pa else (False,))]
 
 
 def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None = None,
@@ -214,6 +218,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
             lab._budget.executor.time_moves()
         if lab._budget is not None:  # an A/B switch the session does not expose
             lab._budget.copy_remote_state = o.copies
+            lab._budget.settle_tail_growth = o.settle
         batch_used = lab._budget is not None and lab._budget.executor.batch_calls  # off where CUDA lacks it
         waits_used = lab._budget is not None and lab._budget.executor.gpu_waits  # off where the driver refuses
         base = lab.stats()["live_total"]
@@ -326,7 +331,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
-                copies_opts: tuple[bool, ...] = (False,), repeat: int = 0,
+                copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,), repeat: int = 0,
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
@@ -337,7 +342,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
     grid = option_grid(issues, discards, batches, gpu_waits, advices, stages, frees, device_acts, remotes, partials,
-                       copies_opts)
+                       copies_opts, settles)
     for ratio, options in ((r, o) for r in ratios for o in grid):
         budget = int(footprint / ratio)
         row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
@@ -427,6 +432,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"remote optimizer {on_word(o.remote)} ({remote_bytes / GiB:.2f} GiB), "
             f"partial staging {on_word(o.partial)} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
             f"remote copies {on_word(o.copies)} ({row['remote_copied_bytes'] / GiB:.2f} GiB), "
+            f"settle tail growth {on_word(o.settle)}, "
             f"free discards {on_word(o.free)}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
@@ -565,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each model's rows (with its fit run, and the FSDP2 peer with --fsdp2) this many times "
                          "in turn: repeats interleaved, each row records its 'repeat'")
+    on_off(ap, "--settle-tail", "off", "with --partial-stage on: growth announced for the kept tail that does not "
+           "come is given back to the plan (BudgetControl.settle_tail_growth, experimental)")
     on_off(ap, "--partial-stage", "off", "Session(budget_partial_staging=...) with --stage on: forward's last saves "
            "kept on the GPU where the plan leaves room")
     on_off(ap, "--discard-free", "off", "discard and populate, not copy, blocks the caching allocator holds no tensor "
@@ -629,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                     tuple(None if d == "auto" else d == "on" for d in args.device_act),
                     remotes=tuple(r == "on" for r in args.remote_optim),
                     partials=tuple(p == "on" for p in args.partial_stage),
-                    copies_opts=tuple(c == "on" for c in args.remote_copies), repeat=repeat,
+                    copies_opts=tuple(c == "on" for c in args.remote_copies),
+                    settles=tuple(c == "on" for c in args.settle_tail), repeat=repeat,
                     row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header, done + so_far))
                 if not args.no_sim:
                     fill_sim(model_rows, print)

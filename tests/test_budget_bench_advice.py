@@ -94,3 +94,10 @@ def test_remote_copies_get_a_row_each_where_state_is_remote_and_only_the_copying
     # which step announces the slots depends on the CPU heap's addresses: some step copies, not every one measured
     assert copying["remote_bytes"] > 0 and any(copying["remote_copied_bytes_all"]), copying["replan_reasons_all"]
     assert in_place["remote_bytes"] > 0 and not any(in_place["remote_copied_bytes_all"])
+
+
+def test_settling_the_tails_growth_gets_a_row_each_only_with_partial_staging(bench):  # noqa: F811
+    grid = bench.option_grid(stages=(False, True), partials=(False, True), settles=(True, False))
+    assert [(o.stage, o.partial, o.settle) for o in grid] == [
+        (False, False, False), (True, False, False), (True, True, True), (True, True, False)]
+    assert grid[2].row_fields()["settle_tail_growth"] is True

@@ -492,3 +492,68 @@ def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the
         full = {"followed_plan": True, "max_resident_ledger": budget}
     with sized_by_hand() as (control, stager, *_):
         assert control._keep_tail(full) == (False, "") and stager.keep_tail_bytes == 0  # a step that left no room
+
+
+def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_steps_when_asked(env, monkeypatch):
+    from um_lab.budget import control as control_module
+    from um_lab.budget import stage
+
+    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    model, batches = model_and_data()
+    budget = 320 * MiB
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+        train(lab, model, batches[:3])
+        control, executor = lab.budget, lab.budget.executor
+        stager = control.stager
+        line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
+        third = stager.eligible_bytes // 3
+        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third})[0]
+        assert executor.expected_growth == third
+        quiet = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
+        # off (the default): the growth stays announced however long it does not come
+        for _ in range(2 * control_module.SETTLE_STEPS):
+            assert control._settle_tail_growth(quiet) == (False, "")
+        assert executor.expected_growth == third
+        control.settle_tail_growth = True
+        for _ in range(control_module.SETTLE_STEPS - 1):
+            assert control._settle_tail_growth(quiet) == (False, "")
+        assert control._settle_tail_growth({**quiet, "followed_plan": False}) == (False, "")  # the count restarts
+        for _ in range(control_module.SETTLE_STEPS - 1):
+            assert control._settle_tail_growth(quiet) == (False, "")
+        assert control._settle_tail_growth(quiet) == (True, "partial staging: announced growth not needed")
+        assert executor.expected_growth == 0 and stager.keep_tail_bytes == third
+        assert executor.plan.budget_bytes == budget - executor.fixed_reserve  # the room is back in the plan
+        assert control._settle_tail_growth(quiet) == (False, ""), "nothing outstanding: nothing to give back"
+        # the room given back: the next round keeps more, and announces it in full
+        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third}) == \
+            (True, "partial staging")
+        assert stager.keep_tail_bytes == 2 * third and executor.expected_growth == third
+        # a step that did not keep the tail it was sized for counts for nothing
+        short = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}  # ran before
+        for _ in range(2 * control_module.SETTLE_STEPS):
+            assert control._settle_tail_growth(short) == (False, "")
+        assert executor.expected_growth == third
+
+
+def test_giving_back_the_tails_growth_trains_exactly_as_without_and_keeps_the_ledger_under_b(env, monkeypatch):
+    from um_lab.budget import stage
+
+    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    model, batches = model_and_data()
+    batches = batches * 3
+    twin = copy.deepcopy(model)
+    budget = 320 * MiB
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True,
+                         budget_partial_staging=True) as lab:
+        lab.budget.settle_tail_growth = True
+        records = train(lab, model, batches)
+    with make_session(env) as plain:
+        expected = train(plain, twin, batches)
+    assert [r.loss for r in records] == [r.loss for r in expected]
+    reasons = [r.extra["budget"]["replan_reason"] for r in records]
+    assert "partial staging: announced growth not needed" in reasons, reasons
+    for r in records:
+        b = r.extra["budget"]
+        assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b

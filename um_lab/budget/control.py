@@ -67,6 +67,14 @@ class BudgetControl:
         #: keep forward's last saves on the GPU where the plan leaves room (:meth:`_keep_tail`)
         self.partial_staging = partial_staging and stager is not None
         self._tail_rounds = 0  # times the kept tail was sized (at most TAIL_ROUNDS); -1: no more room
+        #: experimental, off: growth announced for the kept tail that has not come after SETTLE_STEPS steps that ran
+        #: the whole tail without the pool growing is given back to the plan (:meth:`_settle_tail_growth`). On the
+        #: H200 (session 21) ResNet-50 at 1.32 kept 2.05-2.21 GiB and its pool grew 0.6-1.6 GiB less than announced;
+        #: the rest stayed reserved, and the step's ledger peak was 3.7-4.5 of 5.25 GiB
+        self.settle_tail_growth = False
+        self._tail_announced = 0  # growth announced for the kept tail (part of the executor's expected growth)
+        self._quiet_steps = 0  # steps in a row that ran the whole tail with its growth outstanding and none coming
+        self._settled = 0  # times announced growth was given back (at most SETTLE_LIMIT)
         #: experimental, off: remote optimizer state copied to device slots for its chunk's step and back
         #: (:mod:`remote_state`) where the intermediate-results pool is fixed device memory (staged activations) and
         #: the slots' room is worth it; off, the optimizer's kernels update it in place over the link. On the H200 it
@@ -294,6 +302,8 @@ class BudgetControl:
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
         if not extra["replanned"] and self.partial_staging:
+            extra["replanned"], extra["replan_reason"] = self._settle_tail_growth(extra)
+        if not extra["replanned"] and self.partial_staging:
             extra["replanned"], extra["replan_reason"] = self._keep_tail(extra)
         reserved, why = self._reserve_copy_slots(optimizer)  # also right after a re-plan that made state remote
         extra["replanned"] = extra["replanned"] or reserved
@@ -337,7 +347,40 @@ class BudgetControl:
             executor.expected_growth = announced
             self._tail_rounds = -1
             return False, ""
+        self._tail_announced += more
         return True, "partial staging"
+
+    def _settle_tail_growth(self, step: Mapping[str, Any]) -> tuple[bool, str]:
+        """Experimental (:attr:`settle_tail_growth`, off): the growth announced for the kept tail that is still
+        outstanding after :data:`SETTLE_STEPS` steps in a row that followed the plan, kept the whole tail and did not
+        grow the fixed pool is not coming (the pool's cached blocks held the kept saves): it is given back to the plan
+        (planned again at once) and the tail may be sized one round more. At most :data:`SETTLE_LIMIT` times.
+        Returns (replanned, reason)."""
+        executor, stager, plan = self.executor, self.stager, self.executor.plan
+        if not self.settle_tail_growth or stager is None or plan is None or executor.plan_order is None \
+                or self._settled >= SETTLE_LIMIT:
+            return False, ""
+        outstanding = min(self._tail_announced, executor.expected_growth)
+        staging = step.get("staging") or {}
+        quiet = (outstanding > 0 and bool(step.get("followed_plan", False))
+                 and executor.ledger.fixed_bytes <= plan.fixed_bytes
+                 and staging.get("keep_tail_bytes") == stager.keep_tail_bytes > 0
+                 and staging.get("tail_kept_bytes", 0) > 0)
+        self._quiet_steps = self._quiet_steps + 1 if quiet else 0
+        if self._quiet_steps < SETTLE_STEPS:
+            return False, ""
+        executor.expected_growth -= outstanding
+        self._tail_announced = 0
+        self._quiet_steps = 0
+        self._settled += 1
+        try:
+            executor.set_order(executor.plan_order)
+        except BudgetTooSmall:  # pragma: no cover - less reserved room only adds room
+            executor.expected_growth += outstanding
+            return False, ""
+        if not 0 <= self._tail_rounds < TAIL_ROUNDS:
+            self._tail_rounds = TAIL_ROUNDS - 1  # one more round may use the room given back
+        return True, "partial staging: announced growth not needed"
 
     def _optimizer_pool(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> DataType:
         """Where a chunk's optimizer step allocates: the optimizer-state pool while some parameter of the chunk
@@ -452,6 +495,12 @@ class BudgetControl:
         return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
                            if isinstance(v, torch.Tensor))
 
+
+#: steps in a row that must run the whole kept tail with its announced growth outstanding and the fixed pool not
+#: growing before :meth:`BudgetControl._settle_tail_growth` gives that growth back (experimental)
+SETTLE_STEPS = 3
+#: the most times announced growth is given back in one session (each may be followed by one more tail round)
+SETTLE_LIMIT = 3
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02
