@@ -12,6 +12,7 @@ from test_budget_session import make_session, model_and_data, train
 
 from um_lab.budget.pinned import CpuCopyOps, PinnedArena, available_host_bytes
 from um_lab.budget.stage import ActivationStager, StaleSavedTensor
+from um_lab.budget.tail import TailSizer
 from um_lab.errors import InputError
 from um_lab.types import DataType
 
@@ -470,33 +471,33 @@ def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the
             train(lab, model, batches[:3])
             control, executor = lab.budget, lab.budget.executor
             line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
-            yield control, control.stager, executor, line, control.stager.eligible_bytes
+            yield TailSizer(executor, control.stager), control.stager, executor, line, control.stager.eligible_bytes
 
-    with sized_by_hand() as (control, stager, executor, line, eligible):
+    with sized_by_hand() as (tail, stager, executor, line, eligible):
         third = eligible // 3
-        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third}) == \
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == \
             (True, "partial staging")
         assert stager.keep_tail_bytes == third and executor.expected_growth == third
         # the next step's peak is the same: the pool has not grown yet, so the room is the announced growth's
-        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third}) == (False, "")
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == (False, "")
         assert stager.keep_tail_bytes == third and executor.expected_growth == third
-        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": 0}) == (False, ""), "sized: done"
-    with sized_by_hand() as (control, stager, executor, line, eligible):
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": 0}) == (False, ""), "sized: done"
+    with sized_by_hand() as (tail, stager, executor, line, eligible):
         for n in (1, 2, 3):  # each step's peak leaves room for what is announced and a third of the saves more
             step = {"followed_plan": True, "max_resident_ledger": line - n * third}
-            assert control._keep_tail(step) == (True, "partial staging")
+            assert tail.keep_more(step) == (True, "partial staging")
             assert stager.keep_tail_bytes == n * third and executor.expected_growth == n * third
         assert stager.keep_tail_bytes <= eligible
-        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": 0}) == (False, "")  # 3 rounds
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": 0}) == (False, "")  # 3 rounds
         assert executor.plan.budget_bytes <= budget - executor.fixed_reserve - executor.expected_growth
         full = {"followed_plan": True, "max_resident_ledger": budget}
-    with sized_by_hand() as (control, stager, *_):
-        assert control._keep_tail(full) == (False, "") and stager.keep_tail_bytes == 0  # a step that left no room
+    with sized_by_hand() as (tail, stager, *_):
+        assert tail.keep_more(full) == (False, "") and stager.keep_tail_bytes == 0  # a step that left no room
 
 
 def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_steps_when_asked(env, monkeypatch):
-    from um_lab.budget import control as control_module
     from um_lab.budget import stage
+    from um_lab.budget import tail as tail_module
 
     monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
@@ -504,35 +505,35 @@ def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_st
     with pytest.warns(RuntimeWarning, match="experimental"), \
             make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
         train(lab, model, batches[:3])
-        control, executor = lab.budget, lab.budget.executor
-        stager = control.stager
+        executor, stager = lab.budget.executor, lab.budget.stager
+        tail = TailSizer(executor, stager)
         line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
         third = stager.eligible_bytes // 3
-        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third})[0]
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third})[0]
         assert executor.expected_growth == third
         quiet = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
         # off (the default): the growth stays announced however long it does not come
-        for _ in range(2 * control_module.SETTLE_STEPS):
-            assert control._settle_tail_growth(quiet) == (False, "")
+        for _ in range(2 * tail_module.SETTLE_STEPS):
+            assert tail.settle_growth(quiet) == (False, "")
         assert executor.expected_growth == third
-        control.settle_tail_growth = True
-        for _ in range(control_module.SETTLE_STEPS - 1):
-            assert control._settle_tail_growth(quiet) == (False, "")
-        assert control._settle_tail_growth({**quiet, "followed_plan": False}) == (False, "")  # the count restarts
-        for _ in range(control_module.SETTLE_STEPS - 1):
-            assert control._settle_tail_growth(quiet) == (False, "")
-        assert control._settle_tail_growth(quiet) == (True, "partial staging: announced growth not needed")
+        tail.settle = True
+        for _ in range(tail_module.SETTLE_STEPS - 1):
+            assert tail.settle_growth(quiet) == (False, "")
+        assert tail.settle_growth({**quiet, "followed_plan": False}) == (False, "")  # the count restarts
+        for _ in range(tail_module.SETTLE_STEPS - 1):
+            assert tail.settle_growth(quiet) == (False, "")
+        assert tail.settle_growth(quiet) == (True, "partial staging: announced growth not needed")
         assert executor.expected_growth == 0 and stager.keep_tail_bytes == third
         assert executor.plan.budget_bytes == budget - executor.fixed_reserve  # the room is back in the plan
-        assert control._settle_tail_growth(quiet) == (False, ""), "nothing outstanding: nothing to give back"
+        assert tail.settle_growth(quiet) == (False, ""), "nothing outstanding: nothing to give back"
         # the room given back: the next round keeps more, and announces it in full
-        assert control._keep_tail({"followed_plan": True, "max_resident_ledger": line - third}) == \
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == \
             (True, "partial staging")
         assert stager.keep_tail_bytes == 2 * third and executor.expected_growth == third
         # a step that did not keep the tail it was sized for counts for nothing
         short = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}  # ran before
-        for _ in range(2 * control_module.SETTLE_STEPS):
-            assert control._settle_tail_growth(short) == (False, "")
+        for _ in range(2 * tail_module.SETTLE_STEPS):
+            assert tail.settle_growth(short) == (False, "")
         assert executor.expected_growth == third
 
 

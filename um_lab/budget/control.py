@@ -34,8 +34,9 @@ from um_lab.budget.record import (
     tensors_in,
 )
 from um_lab.budget.remote_state import SLOTS, CopySlots, RemoteStateCopies, chunk_state_bytes, worth_copying
-from um_lab.budget.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
+from um_lab.budget.stage import ActivationStager
 from um_lab.budget.streams import StreamOps
+from um_lab.budget.tail import TailSizer
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
 from um_lab.types import DataType
@@ -64,17 +65,8 @@ class BudgetControl:
                                        host_written_types=host_written_types, remote_optimizer=remote_optimizer)
         self.keep_tensor = keep_tensor
         self.stager = stager
-        #: keep forward's last saves on the GPU where the plan leaves room (:meth:`_keep_tail`)
-        self.partial_staging = partial_staging and stager is not None
-        self._tail_rounds = 0  # times the kept tail was sized (at most TAIL_ROUNDS); -1: no more room
-        #: experimental, off: growth announced for the kept tail that has not come after SETTLE_STEPS steps that ran
-        #: the whole tail without the pool growing is given back to the plan (:meth:`_settle_tail_growth`). On the
-        #: H200 (session 21) ResNet-50 at 1.32 kept 2.05-2.21 GiB and its pool grew 0.6-1.6 GiB less than announced;
-        #: the rest stayed reserved, and the step's ledger peak was 3.7-4.5 of 5.25 GiB
-        self.settle_tail_growth = False
-        self._tail_announced = 0  # growth announced for the kept tail (part of the executor's expected growth)
-        self._quiet_steps = 0  # steps in a row that ran the whole tail with its growth outstanding and none coming
-        self._settled = 0  # times announced growth was given back (at most SETTLE_LIMIT)
+        #: partial staging: forward's last saves kept on the GPU where the plan leaves room (:mod:`tail`)
+        self.tail = TailSizer(self.executor, stager) if partial_staging and stager is not None else None
         #: experimental, off: remote optimizer state copied to device slots for its chunk's step and back
         #: (:mod:`remote_state`) where the intermediate-results pool is fixed device memory (staged activations) and
         #: the slots' room is worth it; off, the optimizer's kernels update it in place over the link. On the H200 it
@@ -95,6 +87,22 @@ class BudgetControl:
         self._steps_under_plan = 0
         self._replanned_for_unforeseen: int | None = None  # what the last re-plan for unforeseen ranges saw
         self._tolerated_unforeseen = 0  # unforeseen bytes a new plan did not reduce: no reason to re-plan
+
+    @property
+    def partial_staging(self) -> bool:
+        """Whether forward's last saves are kept on the GPU where the plan leaves room (:mod:`~um_lab.budget.tail`)."""
+        return self.tail is not None
+
+    @property
+    def settle_tail_growth(self) -> bool:
+        """Experimental, off: growth announced for the kept tail that does not come is given back to the plan
+        (:attr:`~um_lab.budget.tail.TailSizer.settle`; only with partial staging)."""
+        return self.tail is not None and self.tail.settle
+
+    @settle_tail_growth.setter
+    def settle_tail_growth(self, on: bool) -> None:
+        if self.tail is not None:
+            self.tail.settle = bool(on)
 
     @property
     def budget_bytes(self) -> int:
@@ -301,10 +309,8 @@ class BudgetControl:
             extra["remote_copies"] = copies
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
-        if not extra["replanned"] and self.partial_staging:
-            extra["replanned"], extra["replan_reason"] = self._settle_tail_growth(extra)
-        if not extra["replanned"] and self.partial_staging:
-            extra["replanned"], extra["replan_reason"] = self._keep_tail(extra)
+        if not extra["replanned"] and self.tail is not None:
+            extra["replanned"], extra["replan_reason"] = self.tail.after_step(extra)
         reserved, why = self._reserve_copy_slots(optimizer)  # also right after a re-plan that made state remote
         extra["replanned"] = extra["replanned"] or reserved
         if why:
@@ -313,74 +319,6 @@ class BudgetControl:
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
         return loss, extra
-
-    def _keep_tail(self, step: Mapping[str, Any]) -> tuple[bool, str]:
-        """Partial staging: after a step that followed its plan without a replan, the room left under B, less a
-        margin (:func:`~um_lab.budget.stage.tail_bytes`), is added to forward's last saves kept on the GPU
-        (:attr:`~um_lab.budget.stage.ActivationStager.keep_tail_bytes`), announced to the executor as growth of
-        the fixed pool and planned for at once. The room is the smaller of what the plan leaves and what the
-        step's ledger peak left, less the announced growth that has not come yet: kept saves may first reuse the
-        pool's cached blocks and grow it steps later (H200, session 19: ResNet-50's pool grew 1.95 GiB in one
-        step, a round after the saves it holds were kept). Up to :data:`TAIL_ROUNDS` rounds, until the room is
-        under the minimum or the tail holds every save. Returns (replanned, reason)."""
-        executor, stager = self.executor, self.stager
-        plan = executor.plan
-        if stager is None or not 0 <= self._tail_rounds < TAIL_ROUNDS or plan is None \
-                or executor.plan_order is None or not step.get("followed_plan", False):
-            return False, ""
-        self._tail_rounds += 1
-        grown = max(0, executor.ledger.fixed_bytes - plan.fixed_bytes)  # the pool's growth since the plan
-        announced = executor.expected_growth  # the plan left room for it; what has come of it is in ``grown``
-        room = min(plan.budget_bytes - plan.max_resident - max(0, grown - announced),
-                   self.budget_bytes - executor.fixed_reserve - max(0, announced - grown)
-                   - int(step.get("max_resident_ledger", self.budget_bytes)))
-        more = min(tail_bytes(room, self.budget_bytes), stager.eligible_bytes - stager.keep_tail_bytes)
-        if more <= 0:
-            self._tail_rounds = -1
-            return False, ""
-        stager.keep_tail_bytes += more
-        executor.expect_fixed_growth(more)
-        try:
-            executor.set_order(executor.plan_order)
-        except BudgetTooSmall:  # cannot happen with the room measured on this plan; back as before if it does
-            stager.keep_tail_bytes -= more
-            executor.expected_growth = announced
-            self._tail_rounds = -1
-            return False, ""
-        self._tail_announced += more
-        return True, "partial staging"
-
-    def _settle_tail_growth(self, step: Mapping[str, Any]) -> tuple[bool, str]:
-        """Experimental (:attr:`settle_tail_growth`, off): the growth announced for the kept tail that is still
-        outstanding after :data:`SETTLE_STEPS` steps in a row that followed the plan, kept the whole tail and did not
-        grow the fixed pool is not coming (the pool's cached blocks held the kept saves): it is given back to the plan
-        (planned again at once) and the tail may be sized one round more. At most :data:`SETTLE_LIMIT` times.
-        Returns (replanned, reason)."""
-        executor, stager, plan = self.executor, self.stager, self.executor.plan
-        if not self.settle_tail_growth or stager is None or plan is None or executor.plan_order is None \
-                or self._settled >= SETTLE_LIMIT:
-            return False, ""
-        outstanding = min(self._tail_announced, executor.expected_growth)
-        staging = step.get("staging") or {}
-        quiet = (outstanding > 0 and bool(step.get("followed_plan", False))
-                 and executor.ledger.fixed_bytes <= plan.fixed_bytes
-                 and staging.get("keep_tail_bytes") == stager.keep_tail_bytes > 0
-                 and staging.get("tail_kept_bytes", 0) > 0)
-        self._quiet_steps = self._quiet_steps + 1 if quiet else 0
-        if self._quiet_steps < SETTLE_STEPS:
-            return False, ""
-        executor.expected_growth -= outstanding
-        self._tail_announced = 0
-        self._quiet_steps = 0
-        self._settled += 1
-        try:
-            executor.set_order(executor.plan_order)
-        except BudgetTooSmall:  # pragma: no cover - less reserved room only adds room
-            executor.expected_growth += outstanding
-            return False, ""
-        if not 0 <= self._tail_rounds < TAIL_ROUNDS:
-            self._tail_rounds = TAIL_ROUNDS - 1  # one more round may use the room given back
-        return True, "partial staging: announced growth not needed"
 
     def _optimizer_pool(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> DataType:
         """Where a chunk's optimizer step allocates: the optimizer-state pool while some parameter of the chunk
@@ -495,12 +433,6 @@ class BudgetControl:
         return self._spans(v for p in params for v in optimizer.state.get(p, {}).values()
                            if isinstance(v, torch.Tensor))
 
-
-#: steps in a row that must run the whole kept tail with its announced growth outstanding and the fixed pool not
-#: growing before :meth:`BudgetControl._settle_tail_growth` gives that growth back (experimental)
-SETTLE_STEPS = 3
-#: the most times announced growth is given back in one session (each may be followed by one more tail round)
-SETTLE_LIMIT = 3
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02
