@@ -97,6 +97,15 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
             row["predicted_range_ms"] = _most_specific(hands)["predicted_step_ms"]
 
 
+def fill_sim_from_predictions(rows: list[dict[str, Any]]) -> None:
+    """Issue 13's ``sim_step_ms`` of a row its run did not simulate (``--no-sim``): its pre-registered prediction,
+    marked ``sim_step_source: "prediction"`` (a run's own simulation, at its measured footprint, is kept)."""
+    for row in rows:
+        if row.get("sim_step_ms") is None and row.get("predicted_step_ms") is not None:
+            row["sim_step_ms"] = row["predicted_step_ms"]
+            row["sim_step_source"] = "prediction"
+
+
 def _most_specific(predictions: list[dict[str, Any]]) -> dict[str, Any]:
     """The last of the predictions naming the most of :data:`SETTINGS`."""
     return max(reversed(predictions), key=lambda p: sum(k in p for k in SETTINGS))
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         add_fsdp2(rows, lines, relative(args.fsdp2, root))
     for path, prefix in predictions:
         add_predictions(rows, json.loads(path.read_text()), prefix)
+    fill_sim_from_predictions(rows)
     result = {"date": datetime.date.today().isoformat(), "device": device, "link_bytes_per_s": 47e9,
               "note": args.note, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")

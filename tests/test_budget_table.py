@@ -47,6 +47,9 @@ def test_runs_merge_with_peer_and_predictions_and_print_a_line_each(tmp_path, ca
     assert rows[0]["fsdp2_step_ms"] == 1910.0 and rows[0]["fsdp2_source"] == str(peer)
     assert rows[3]["fsdp2_step_ms"] == 1.0 and "fsdp2_source" not in rows[3]  # measured in the run: kept
     assert rows[2]["predicted_step_ms"] == 4300.0 and rows[1]["predicted_step_ms"] == 4139.0
+    # issue 13's sim_step_ms: the prediction where the run did not simulate the row itself
+    assert rows[1]["sim_step_ms"] == 4139.0 and rows[1]["sim_step_source"] == "prediction"
+    assert rows[3].get("sim_step_ms") is None  # no prediction for it
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 + 4
     assert "| gpt2-large | 2 | host | on, managed pool | off | 1,500 |" in printed[3] and "1,910 (25.0)" in printed[3]
