@@ -36,6 +36,12 @@ def mlp(seed=0, width=512, depth=4):
                                  for _ in range(depth)])
 
 
+def cpu_stager():
+    """A stager of every tensor of 2 MiB or more, copied on the CPU, a 4 MiB window."""
+    return ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
+                            window_bytes=4 * MiB)
+
+
 def grads_after(model, x, stager=None):
     model.zero_grad()
     if stager is None:
@@ -338,8 +344,7 @@ def test_partial_staging_keeps_forwards_last_saves_on_the_gpu_from_the_second_st
     model = mlp()
     x = torch.randn(1024, 512)
     plain = grads_after(model, x)
-    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
-                              window_bytes=4 * MiB)
+    stager = cpu_stager()
     stager.keep_tail_bytes = 4 * MiB
     first = grads_after(model, x, stager)
     full = stager.end_step()  # no step before it to tell where forward's tail starts: all staged
@@ -359,8 +364,7 @@ def test_partial_staging_keeps_forwards_last_saves_on_the_gpu_from_the_second_st
 def test_with_a_kept_tail_the_copies_back_start_at_forwards_first_kept_save_before_backward():
     model = mlp()
     x = torch.randn(1024, 512)
-    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
-                              window_bytes=4 * MiB)
+    stager = cpu_stager()
     stager.keep_tail_bytes = 4 * MiB
     grads_after(model, x, stager)
     stager.end_step()
@@ -384,8 +388,7 @@ def test_forward_done_starts_the_copies_back_so_backward_finds_every_staged_tens
     model = mlp()
     x = torch.randn(1024, 512)
     plain = grads_after(model, x)
-    stager = ActivationStager(CpuCopyOps(), lambda t: True, host_limit_bytes=1 << 30, min_bytes=2 * MiB,
-                              window_bytes=4 * MiB)
+    stager = cpu_stager()
     model.zero_grad()
     with stager.saving():
         out = model(x)
