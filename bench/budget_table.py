@@ -80,14 +80,17 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
     for row in rows:
         if not str(row.get("source", "")).startswith(source_prefix):
             continue
-        # remote state updated in place: only a prediction that says it simulated that (session 20's weighed copies)
-        in_place = row.get("remote_copies") is False and bool(row.get("remote_bytes"))
+        # remote state updated in place takes only a prediction that says it simulated that (session 20's weighed the
+        # copies), and state copied only one that does not say it was updated in place
+        remote = bool(row.get("remote_bytes"))
+        in_place, copying = remote and row.get("remote_copies") is False, remote and bool(row.get("remote_copies"))
         telemetry = bool(row.get("telemetry") or row.get("max_resident_cupti") is not None)
         matches = [p for p in candidates
                    if p["model"] == row.get("model") and float(p["ratio"]) == float(row.get("ratio", 0))
                    and bool(p.get("telemetry")) == telemetry
                    and all(bool(row.get(k, d)) == bool(p[k]) for k, d in SETTINGS.items() if k in p)
-                   and (not in_place or p.get("remote_copies") is False)]
+                   and (not in_place or p.get("remote_copies") is False)
+                   and (not copying or p.get("remote_copies") is not False)]
         sims = [p for p in matches if p.get("sim_step_ms") is not None]
         hands = [p for p in matches
                  if isinstance(p.get("predicted_step_ms"), list) and len(p["predicted_step_ms"]) == 2]
@@ -101,6 +104,8 @@ def fill_sim_from_predictions(rows: list[dict[str, Any]]) -> None:
     """Issue 13's ``sim_step_ms`` of a row its run did not simulate (``--no-sim``): its pre-registered prediction,
     marked ``sim_step_source: "prediction"`` (a run's own simulation, at its measured footprint, is kept)."""
     for row in rows:
+        if row.get("sim_error") or row.get("error"):
+            continue  # the run's own simulation failed, or the row did not run: not hidden behind a prediction
         if row.get("sim_step_ms") is None and row.get("predicted_step_ms") is not None:
             row["sim_step_ms"] = row["predicted_step_ms"]
             row["sim_step_source"] = "prediction"

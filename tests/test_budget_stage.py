@@ -561,3 +561,42 @@ def test_giving_back_the_tails_growth_trains_exactly_as_without_and_keeps_the_le
     for r in records:
         b = r.extra["budget"]
         assert b["max_resident_ledger"] <= budget + b["touched_bytes"], b
+
+
+def test_settling_counts_the_pools_growth_first_and_restarts_after_a_replan_or_a_short_tail(env, monkeypatch):
+    from um_lab.budget import stage
+    from um_lab.budget import tail as tail_module
+    from um_lab.budget.ledger import Ledger
+
+    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    model, batches = model_and_data()
+    budget = 320 * MiB
+    with pytest.warns(RuntimeWarning, match="experimental"), \
+            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+        train(lab, model, batches[:3])
+        executor, stager = lab.budget.executor, lab.budget.stager
+        tail = TailSizer(executor, stager)
+        tail.settle = True
+        line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
+        third = stager.eligible_bytes // 3
+        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third})[0]
+        quiet = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
+        steps = tail_module.SETTLE_STEPS
+        for _ in range(steps - 1):
+            assert tail.after_step(quiet) == (False, "")
+        assert tail.after_step(quiet, replanned=True) == (False, "")  # a re-planned step: the count restarts
+        short = {**quiet, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third // 2}}
+        for _ in range(steps - 1):
+            assert tail.after_step(quiet) == (False, "")
+        assert tail.after_step(short) == (False, "")  # half the tail kept: not a quiet step either
+        # the pool grows by half the announcement between two steps: only the other half may be given back
+        fixed = [executor.ledger.fixed_bytes]
+        monkeypatch.setattr(Ledger, "fixed_bytes", property(lambda self: fixed[0]))
+        fixed[0] += third // 2
+        tail.after_step(quiet, replanned=True)  # (the session re-plans when its fixed pool grows)
+        executor.set_order(executor.plan_order)  # the plan now holds the grown pool (and used that much growth)
+        announced_before = executor.expected_growth
+        for _ in range(steps):
+            replanned, reason = tail.after_step(quiet)
+        assert (replanned, reason) == (True, "partial staging: announced growth not needed")
+        assert announced_before == third - third // 2 and executor.expected_growth == 0

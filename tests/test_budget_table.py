@@ -132,6 +132,15 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
     in_place = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1202.5, "remote_copies": False}]}
     table.add_predictions(ab, in_place, "raw/s18_call1")
     assert ab[0]["predicted_step_ms"] == 1202.5  # one that says it simulated the state in place (session 21's)
+    copying = [{**ab[0], "remote_copies": True, "remote_copied_bytes": 8 * GiB}]
+    copying[0].pop("predicted_step_ms")
+    both = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1000.0},
+                     {"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1202.5, "remote_copies": False}]}
+    table.add_predictions(copying, both, "raw/s18_call1")
+    assert copying[0]["predicted_step_ms"] == 1000.0  # never the prediction of the state in place
+    failed = [{"model": "m", "sim_step_ms": None, "sim_error": "BudgetTooSmall: x", "predicted_step_ms": 9.0}]
+    table.fill_sim_from_predictions(failed)
+    assert failed[0]["sim_step_ms"] is None and "sim_step_source" not in failed[0]  # its failure stays visible
     assert table.staging_cell({"stage_activations": True, "device_activations": True, "tail_kept_bytes": GiB}) \
         == "on, device pool, last 1.00 GiB kept"
 

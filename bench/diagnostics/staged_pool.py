@@ -33,7 +33,7 @@ def probe(name: str, steps: int, limit: int) -> dict[str, Any]:
     plain = bench.run_session(case, steps, limit)
     footprint = max(sum(r.live_bytes.values()) for r in plain["records"])
     staged = bench.run_session(case, steps, limit, budget=min(2 * footprint, bench.session_cap(limit) // 2),
-                               stage=True)
+                               options=bench.RowOptions(stage=True))
     row = {"model": name, "footprint_bytes": footprint,
            "act_pool_bytes_plain": [r.live_bytes["act"] for r in plain["records"]],
            "act_pool_bytes_staged": [r.live_bytes["act"] for r in staged["records"]],

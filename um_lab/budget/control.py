@@ -309,8 +309,10 @@ class BudgetControl:
             extra["remote_copies"] = copies
         t0 = time.perf_counter()
         extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
-        if not extra["replanned"] and self.tail is not None:
-            extra["replanned"], extra["replan_reason"] = self.tail.after_step(extra)
+        if self.tail is not None:
+            sized = self.tail.after_step(extra, replanned=extra["replanned"])
+            if sized[0]:
+                extra["replanned"], extra["replan_reason"] = sized
         reserved, why = self._reserve_copy_slots(optimizer)  # also right after a re-plan that made state remote
         extra["replanned"] = extra["replanned"] or reserved
         if why:

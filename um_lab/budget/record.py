@@ -97,7 +97,10 @@ def own_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 def own_tensors(module: nn.Module) -> list[torch.Tensor]:
     """A module's own parameters and buffers (not its children's)."""
-    buffers = [b for b in module._buffers.values() if b is not None]
+    buffers: list[torch.Tensor] = []
+    for b in module._buffers.values():
+        if b is not None and not any(b is c for c in buffers):
+            buffers.append(b)
     return [*own_parameters(module), *buffers]
 
 

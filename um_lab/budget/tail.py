@@ -28,6 +28,9 @@ from um_lab.errors import BudgetTooSmall
 SETTLE_STEPS = 3
 #: the most times announced growth is given back in one session (each may be followed by one more round)
 SETTLE_LIMIT = 3
+#: a step "kept the whole tail" when it kept at least this share of the bytes it was sized for (a save at the
+#: tail's start is kept whole or not at all)
+KEPT_FRACTION = 0.9
 
 
 class TailSizer:
@@ -42,12 +45,20 @@ class TailSizer:
         self._announced = 0  # growth announced for the tail (part of the executor's expected growth)
         self._quiet_steps = 0  # steps in a row that ran the whole tail with its growth outstanding and none coming
         self._settled = 0  # times announced growth was given back (at most SETTLE_LIMIT)
+        self._fixed_seen = 0  # the fixed pool's bytes at the last step's end
 
-    def after_step(self, step: Mapping[str, Any]) -> tuple[bool, str]:
-        """After a step that did not re-plan (its ``extra["budget"]``): give back growth that is not coming, else
-        size the tail one round more. Returns (replanned, reason)."""
-        replanned = self.settle_growth(step)
-        return replanned if replanned[0] else self.keep_more(step)
+    def after_step(self, step: Mapping[str, Any], replanned: bool = False) -> tuple[bool, str]:
+        """After each step (its ``extra["budget"]``; ``replanned``: the step's plan was already made again): the
+        pool's growth counts against the tail's announced growth first; then, when nothing re-planned, give back
+        growth that is not coming, else size the tail one round more. Returns (replanned, reason)."""
+        fixed = self.executor.ledger.fixed_bytes
+        self._announced = max(0, self._announced - max(0, fixed - self._fixed_seen))
+        self._fixed_seen = fixed
+        if replanned:
+            self._quiet_steps = 0
+            return False, ""
+        settled = self.settle_growth(step)
+        return settled if settled[0] else self.keep_more(step)
 
     def keep_more(self, step: Mapping[str, Any]) -> tuple[bool, str]:
         """One round: the room is the smaller of what the plan leaves and what the step's ledger peak left, less the
@@ -94,7 +105,7 @@ class TailSizer:
         quiet = (outstanding > 0 and bool(step.get("followed_plan", False))
                  and executor.ledger.fixed_bytes <= plan.fixed_bytes
                  and staging.get("keep_tail_bytes") == stager.keep_tail_bytes > 0
-                 and staging.get("tail_kept_bytes", 0) > 0)
+                 and staging.get("tail_kept_bytes", 0) >= KEPT_FRACTION * stager.keep_tail_bytes)
         self._quiet_steps = self._quiet_steps + 1 if quiet else 0
         if self._quiet_steps < SETTLE_STEPS:
             return False, ""
@@ -106,6 +117,7 @@ class TailSizer:
             executor.set_order(executor.plan_order)
         except BudgetTooSmall:  # pragma: no cover - less reserved room only adds room
             executor.expected_growth += outstanding
+            self._announced, self._settled = outstanding, self._settled - 1
             return False, ""
         if not 0 <= self._rounds < TAIL_ROUNDS:
             self._rounds = TAIL_ROUNDS - 1  # one more round may use the room given back
