@@ -498,19 +498,26 @@ def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the
         assert tail.keep_more(full) == (False, "") and stager.keep_tail_bytes == 0  # a step that left no room
 
 
-def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_steps_when_asked(env, monkeypatch):
+@contextlib.contextmanager
+def tail_sized_by_hand(env, monkeypatch, budget=320 * MiB):
+    """A staging session after three steps with a TailSizer of its own (partial staging off: the tests size the tail
+    by hand); yields (sizer, stager, executor, the ledger peak that leaves no room)."""
     from um_lab.budget import stage
-    from um_lab.budget import tail as tail_module
 
     monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
-    budget = 320 * MiB
     with pytest.warns(RuntimeWarning, match="experimental"), \
             make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
         train(lab, model, batches[:3])
         executor, stager = lab.budget.executor, lab.budget.stager
-        tail = TailSizer(executor, stager)
-        line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
+        yield (TailSizer(executor, stager), stager, executor,
+               budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget))
+
+
+def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_steps_when_asked(env, monkeypatch):
+    from um_lab.budget import tail as tail_module
+
+    with tail_sized_by_hand(env, monkeypatch) as (tail, stager, executor, line):
         third = stager.eligible_bytes // 3
         assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third})[0]
         assert executor.expected_growth == third
@@ -526,8 +533,8 @@ def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_st
         for _ in range(tail_module.SETTLE_STEPS - 1):
             assert tail.settle_growth(quiet) == (False, "")
         assert tail.settle_growth(quiet) == (True, "partial staging: announced growth not needed")
-        assert executor.expected_growth == 0 and stager.keep_tail_bytes == third
-        assert executor.plan.budget_bytes == budget - executor.fixed_reserve  # the room is back in the plan
+        assert executor.expected_growth == 0 and stager.keep_tail_bytes == third  # the room is back in the plan:
+        assert executor.plan.budget_bytes == executor.ledger.budget_bytes - executor.fixed_reserve
         assert tail.settle_growth(quiet) == (False, ""), "nothing outstanding: nothing to give back"
         # the room given back: the next round keeps more, and announces it in full
         assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == \
@@ -564,20 +571,11 @@ def test_giving_back_the_tails_growth_trains_exactly_as_without_and_keeps_the_le
 
 
 def test_settling_counts_the_pools_growth_first_and_restarts_after_a_replan_or_a_short_tail(env, monkeypatch):
-    from um_lab.budget import stage
     from um_lab.budget import tail as tail_module
     from um_lab.budget.ledger import Ledger
 
-    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
-    model, batches = model_and_data()
-    budget = 320 * MiB
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
-        train(lab, model, batches[:3])
-        executor, stager = lab.budget.executor, lab.budget.stager
-        tail = TailSizer(executor, stager)
+    with tail_sized_by_hand(env, monkeypatch) as (tail, stager, executor, line):
         tail.settle = True
-        line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
         third = stager.eligible_bytes // 3
         assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third})[0]
         quiet = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
