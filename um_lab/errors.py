@@ -40,6 +40,18 @@ class SpecError(InputError):
     """A run specification or sizing argument is invalid (a RunSpec field, a ratio, a capacity)."""
 
 
+class FileReadError(InputError):
+    """A file given to um_lab (a policy, a profile, a run's records) cannot be read as what it should be:
+    missing, not a regular file, too large for its format, not UTF-8 or not valid JSON. ``path`` names it."""
+
+    def __init__(self, path: object, what: str, reason: str) -> None:
+        self.path, self.what, self.reason = path, what, reason
+        super().__init__(f"{what} file {str(path)!r} {reason}", what)
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.what, self.reason))
+
+
 class HostMemoryRefused(UmLabError, MemoryError):
     """The simulator's own arrays for this size would not fit in host memory; nothing was built."""
 

@@ -1,0 +1,134 @@
+"""Reading user files safely: regular files only, with a size limit per format, JSON of bounded depth.
+
+Every reader here raises :class:`~um_lab.errors.FileReadError` naming the file and what it was meant to
+be (a policy, a profile, a run's records) before reading more than the limit: a directory, ``/dev/zero``,
+a FIFO or a file far larger than its format allows is refused, never read until memory runs out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from um_lab.errors import FileReadError
+
+KIB = 1024
+MIB = 1024 * KIB
+
+#: Size limits per format: a policy is a few KB, a profile tens of KB (it carries its raw measurements).
+POLICY_LIMIT = 256 * KIB
+PROFILE_LIMIT = 8 * MIB
+RUN_FILE_LIMIT = 16 * MIB
+#: The longest line a ``records.jsonl`` may hold (a step record is a few KB).
+RECORD_LINE_LIMIT = 1 * MIB
+#: Deepest nesting accepted in JSON read from a file (um_lab's own formats nest fewer than 10 levels).
+JSON_DEPTH_LIMIT = 64
+
+
+def _describe(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def check_regular(path: str | os.PathLike[str], what: str, limit: int | None = None) -> Path:
+    """``path`` as a :class:`Path` if it is an existing regular file (links followed) of at most ``limit``
+    bytes; otherwise :class:`FileReadError` naming it and ``what`` it was meant to be."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise FileReadError(p, what, "not found") from None
+    except OSError as e:
+        raise FileReadError(p, what, f"cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FileReadError(p, what, f"is {_describe(st.st_mode)}, not a regular file")
+    if limit is not None and st.st_size > limit:
+        raise FileReadError(p, what, f"is {st.st_size:,} bytes, more than the {limit:,} a {what} may be")
+    return p
+
+
+def read_text(path: str | os.PathLike[str], what: str, limit: int) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes (:class:`FileReadError` otherwise)."""
+    p = check_regular(path, what, limit)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise FileReadError(p, what, f"cannot be read ({e.strerror or e})") from None
+    if len(raw) > limit:  # it grew after the check
+        raise FileReadError(p, what, f"is more than the {limit:,} bytes a {what} may be")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileReadError(p, what, f"is not UTF-8 text (byte {e.start})") from None
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, stopping once past ``limit`` (iterative: no recursion)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_json(text: str | bytes, what: str, source: str | os.PathLike[str] | None = None) -> Any:
+    """Parse JSON text of a ``what`` (from ``source`` when given) with bounded nesting; errors are
+    :class:`FileReadError` (with a source) or :class:`~um_lab.errors.InputError` naming ``what``."""
+    from um_lab.errors import InputError
+
+    def fail(reason: str) -> Exception:
+        return FileReadError(Path(source), what, reason) if source is not None else InputError(f"{what}: {reason}", what)
+
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise fail(f"is JSON nested deeper than the {JSON_DEPTH_LIMIT} levels a {what} may have") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise fail(f"is not valid JSON ({e})") from None
+    if _depth(data, JSON_DEPTH_LIMIT) > JSON_DEPTH_LIMIT:
+        raise fail(f"is JSON nested deeper than the {JSON_DEPTH_LIMIT} levels a {what} may have")
+    return data
+
+
+def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
+    """Parse a regular JSON file of at most ``limit`` bytes (:class:`FileReadError` naming it otherwise)."""
+    return parse_json(read_text(path, what, limit), what, source=path)
+
+
+def iter_lines(path: str | os.PathLike[str], what: str, line_limit: int = RECORD_LINE_LIMIT
+               ) -> Iterator[bytes]:
+    """The lines of a regular file (any length in all), each at most ``line_limit`` bytes; a longer line
+    raises :class:`FileReadError` naming the file and line. An absent file yields nothing."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        return
+    p = check_regular(p, what)
+    f: BinaryIO
+    with open(p, "rb") as f:
+        number = 0
+        while True:
+            raw = f.readline(line_limit + 1)
+            if not raw:
+                return
+            number += 1
+            if len(raw) > line_limit:
+                raise FileReadError(p, what, f"line {number} is longer than {line_limit:,} bytes")
+            yield raw
