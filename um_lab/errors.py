@@ -137,3 +137,15 @@ class BudgetTooSmall(BudgetError):
 class UnsupportedOptimizer(BudgetError):
     """A budget steps the optimizer one layer at a time; only optimizers whose step is per parameter (and
     known to be) are allowed: ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (not subclasses)."""
+
+
+class OutputExistsError(UmLabError, FileExistsError):
+    """A file um_lab was asked to write (a comparison's ``--csv``) already exists and was not to be replaced;
+    ``path`` names it."""
+
+    def __init__(self, path: object, message: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.args[0]))
