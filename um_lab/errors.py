@@ -149,3 +149,32 @@ class OutputExistsError(UmLabError, FileExistsError):
 
     def __reduce__(self):
         return (type(self), (self.path, self.args[0]))
+
+
+class ProfileError(InputError):
+    """A simulator profile is invalid: not a JSON object, an unknown or missing field, a value that is not
+    a finite positive number, an unsupported format version. ``path`` names its file (None: a dict)."""
+
+    def __init__(self, message: str, field: str | None = None, path: object = None) -> None:
+        self.message, self.path = message, path
+        where = f"profile file {str(path)!r}: " if path is not None else "profile: "
+        super().__init__(where + message, field)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.field, self.path))
+
+
+class OptimizerNeedsClosure(ModelConfigError):
+    """A model case's optimizer needs a closure in ``step()`` (``torch.optim.LBFGS``): a run steps the
+    optimizer once per training step, without one. ``optimizer`` names its class."""
+
+    def __init__(self, optimizer: str, model: str) -> None:
+        self.optimizer, self.model = optimizer, model
+        super().__init__(
+            f"model {model!r}: optimizer {optimizer} needs a closure in step() (it re-evaluates the loss "
+            "several times per step), which a run does not give: each training step is one forward, one "
+            "backward and one optimizer.step(). Use an optimizer whose step() takes no closure (SGD, Adam, "
+            "AdamW, Adagrad, ...).", "make_optimizer")
+
+    def __reduce__(self):
+        return (type(self), (self.optimizer, self.model))
