@@ -96,7 +96,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
                           "still managed", "-0.4 / -0.8 ms if the persistent tensors' managed placement is the cost "
                           "(session 6: the MLP's gap is GPU time and survives no_routing)"),
     "populate": ("(added, not left out) each new managed segment prefetched whole to the GPU after the step that "
-                 "allocated it (Session(populate_segments=True))",
+                 "allocated it (experimental.options(populate_segments=True))",
                  "MLP -0.1 ms: session 10's phase spans put um_lab 0.056 ms above native and, with every segment "
                  "prefetched whole, 0.043 ms below it"),
     "no_staging": ("the batch copied pageable -> input pool directly (synchronous), not through the pinned buffer",
@@ -316,13 +316,15 @@ def worker(mode: str, model_name: str, steps: int, warmup: int, fixed_batch: boo
     case, model, batch_cpu = build_bench_case(model_name)
     tails: list[float] = []
     if mode.startswith("um_lab"):
+        from um_lab import experimental
         from um_lab.cuda.session import Session
 
         base, *variants = mode.split("+")
         backward_thread = backward_thread_of(variants)
         policy = base.split("@", 1)[1] if "@" in base else "um-default"  # e.g. um_lab@gpu-first
         expose_step_end()
-        with Session(policy, evacuate_on_close=False, backward_thread=backward_thread) as lab:
+        with experimental.options(backward_thread=backward_thread), \
+                Session(policy, evacuate_on_close=False) as lab:
             apply_variants(lab, [v for v in variants if v in BEFORE_PLACE])
             model = lab.place(model)
             opt = lab.attach(model, case.make_optimizer(list(model.parameters())))
@@ -351,6 +353,7 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
     process-to-process spread. ``um_lab_mode`` ``um_lab+VARIANT[+...]`` applies variants (not those that
     act before placing) to each um_lab block. Returns each block's median wall and GPU ms, and each pair's
     ratios."""
+    from um_lab import experimental
     from um_lab.cuda.session import Session
 
     case, model, batch_cpu = build_bench_case(model_name)
@@ -365,7 +368,8 @@ def alternating_worker(model_name: str, blocks: int, steps: int, warmup: int, fi
                 with warnings.catch_warnings():  # a model left in managed memory at close must stop the run
                     warnings.simplefilter("error", RuntimeWarning)
                     thread = backward_thread_of(um_lab_mode.split("+")[1:])
-                    with Session("um-default", backward_thread=thread) as lab:  # evacuate_on_close: model back
+                    with experimental.options(backward_thread=thread), \
+                            Session("um-default") as lab:  # evacuate_on_close: model back
                         lab.place(model)
                         lab.attach(model, opt)
                         apply_variants(lab, um_lab_mode.split("+")[1:])

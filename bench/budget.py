@@ -57,6 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from um_lab import experimental  # noqa: E402
+from um_lab.budget.config import Budget  # noqa: E402
 from um_lab.budget.free import STAT_KEYS as FREE_STAT_KEYS  # noqa: E402
 from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
@@ -206,21 +208,20 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     peak = 0
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
     o = options
-    lab = Session("um-default", cap_bytes=cap, gpu_budget_bytes=budget, budget_host_advice=host_advice(o.advice),
-                  telemetry=Telemetry(flush="step") if telemetry else False,
-                  evacuate_on_close=False, budget_issue=o.issue, budget_discard=o.discard,
-                  budget_batch_calls=o.batch_calls, budget_gpu_waits=o.gpu_waits, budget_stage_activations=o.stage,
-                  budget_discard_free=o.free, budget_device_activations=o.device_act if o.stage else None,
-                  budget_remote_optimizer=o.remote, budget_partial_staging=o.partial and o.stage, **SESSION_KWARGS)
+    with experimental.options(host_advice=host_advice(o.advice), budget_issue=o.issue, discard_gradients=o.discard,
+                              batch_calls=o.batch_calls, gpu_waits=o.gpu_waits, discard_free=o.free,
+                              device_activations=o.device_act if o.stage else None, remote_optimizer=o.remote,
+                              partial_staging=o.partial and o.stage, copy_remote_state=o.copies,
+                              settle_tail_growth=o.settle):
+        lab = Session("um-default", cap_bytes=cap, telemetry=Telemetry(flush="step") if telemetry else False,
+                      evacuate_on_close=False, budget=None if budget is None else Budget(budget, stage_activations=o.stage),
+                      **SESSION_KWARGS)
     lab.open()
     try:
-        if time_moves and lab._budget is not None:  # a diagnostic the session does not expose
-            lab._budget.executor.time_moves()
-        if lab._budget is not None:  # an A/B switch the session does not expose
-            lab._budget.copy_remote_state = o.copies
-            lab._budget.settle_tail_growth = o.settle
-        batch_used = lab._budget is not None and lab._budget.executor.batch_calls  # off where CUDA lacks it
-        waits_used = lab._budget is not None and lab._budget.executor.gpu_waits  # off where the driver refuses
+        if time_moves and lab.budget is not None:  # a diagnostic the session does not expose
+            lab.budget.executor.time_moves()
+        batch_used = lab.budget is not None and lab.budget.executor.batch_calls  # off where CUDA lacks it
+        waits_used = lab.budget is not None and lab.budget.executor.gpu_waits  # off where the driver refuses
         base = lab.stats()["live_total"]
 
         def guard(record: Any) -> None:  # the bench's own counter, beside the shim's cap: after every step

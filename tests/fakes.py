@@ -166,3 +166,18 @@ class FakeRuntime:
 
     def current_stream(self) -> int:
         return 0
+
+
+#: The public keywords of ``Session``; any other keyword a test gives is an experimental option.
+SESSION_KEYWORDS = {"device", "cap_bytes", "allow_oversubscription", "telemetry", "budget", "evacuate_on_close",
+                    "_pool_api", "_runtime", "_source", "_device_memory"}
+
+
+def new_session(policy: Any = "um-default", **kw: Any) -> Any:
+    """``Session(policy, **session_keywords)`` created inside ``um_lab.experimental.options(**the_rest)``."""
+    from um_lab import experimental
+    from um_lab.cuda.session import Session
+
+    options = {k: kw.pop(k) for k in list(kw) if k not in SESSION_KEYWORDS}
+    with experimental.options(**options):
+        return Session(policy, **kw)

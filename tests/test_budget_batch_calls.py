@@ -71,7 +71,7 @@ def test_a_session_with_batch_calls_moves_the_same_ranges_and_trains_the_same(en
     results = {}
     for batched, m in ((False, model), (True, twin)):
         runtime = BatchRuntime()
-        with make_session((source, driver, api, runtime), gpu_budget_bytes=48 * MiB, budget_batch_calls=batched,
+        with make_session((source, driver, api, runtime), budget=48 * MiB, batch_calls=batched,
                           budget_issue="inline") as lab:
             assert lab.budget.executor.batch_calls is batched
             records = train(lab, m, batches)
@@ -87,5 +87,5 @@ def test_a_session_with_batch_calls_moves_the_same_ranges_and_trains_the_same(en
 
 
 def test_batch_calls_stay_off_where_the_runtime_lacks_them(env):
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_batch_calls=True) as lab:
+    with make_session(env, budget=48 * MiB, batch_calls=True) as lab:
         assert lab.budget.executor.batch_calls is False

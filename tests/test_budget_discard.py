@@ -149,7 +149,7 @@ def test_a_session_that_discards_trains_exactly_as_one_without_a_budget(env, poi
     env = (source, driver, api, runtime)
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+    with make_session(env, budget=48 * MiB, budget_issue="inline", discard_gradients=True) as lab:
         assert lab.budget.executor.discard_gradients
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         losses = []
@@ -170,7 +170,7 @@ def test_a_step_that_accumulates_gradients_turns_discards_off(env):
     env = (source, driver, api, DiscardingRuntime())
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+    with make_session(env, budget=48 * MiB, budget_issue="inline", discard_gradients=True) as lab:
         assert lab.budget.executor.discard_gradients
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         for k, (xb, yb) in enumerate(batches):
@@ -189,7 +189,7 @@ def test_discards_are_off_by_default_and_gradients_stay_zeroed_after_each_step(e
     source, driver, api, _ = env
     env = (source, driver, api, DiscardingRuntime())
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+    with make_session(env, budget=48 * MiB) as lab:
         assert not lab.budget.executor.discard_gradients
         train(lab, model, batches[:2])
         assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
@@ -249,7 +249,7 @@ def test_discarding_trains_exactly_as_without_a_budget_when_the_model_changes_be
     env = _discarding_env(env)
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+    with make_session(env, budget=48 * MiB, budget_issue="inline", discard_gradients=True) as lab:
         _run(lab, model, batches, plan, poison=True)
     with make_session(env) as plain:
         _run(plain, twin, batches, plan, poison=False)
@@ -259,7 +259,7 @@ def test_discarding_trains_exactly_as_without_a_budget_when_the_model_changes_be
 def test_an_optimizer_interrupted_mid_step_leaves_every_gradient_owed_a_zero(env):
     env = _discarding_env(env)
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_issue="inline", budget_discard=True) as lab:
+    with make_session(env, budget=48 * MiB, budget_issue="inline", discard_gradients=True) as lab:
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         original, calls = opt.step, []
 

@@ -1,5 +1,5 @@
 """Blocks the caching allocator holds no tensor in are discarded and populated, never copied
-(``Session(budget_discard_free=True)``, um_lab/budget/free.py): which blocks count as free, the ledger's
+(``Session(discard_free=True)``, um_lab/budget/free.py): which blocks count as free, the ledger's
 accounting, that those calls are ordered with compute (never on the side stream), that a block written
 again since its discard is prefetched like live data, and that the budget holds."""
 
@@ -157,14 +157,13 @@ def test_free_discards_are_off_by_default_and_refused_without_a_budget(env):
 
     from um_lab.errors import InputError
 
-    with make_session(env, gpu_budget_bytes=48 * BLOCK) as lab:
+    with make_session(env, budget=48 * BLOCK) as lab:
         assert lab.budget.executor.free_ranges is None
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=48 * BLOCK, budget_discard_free=True) as lab:
-        assert lab.budget_discard_free  # the fake driver has no allocator snapshot: nothing to ask
+    with make_session(env, budget=48 * BLOCK, discard_free=True) as lab:
+        assert lab.options.discard_free  # the fake driver has no allocator snapshot: nothing to ask
         assert lab.budget.executor.free_ranges is None
-    with pytest.raises(InputError, match="needs gpu_budget_bytes"):
-        make_session(env, budget_discard_free=True)
+    with pytest.raises(InputError, match="needs a budget"):
+        make_session(env, discard_free=True)
 
 
 def test_moves_issued_between_steps_are_turned_too():

@@ -106,7 +106,7 @@ def test_a_session_with_gpu_waits_trains_exactly_as_one_without_a_budget(env):
     source, driver, api, runtime = env
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_gpu_waits=True) as lab:
+    with make_session(env, budget=48 * MiB, gpu_waits=True) as lab:
         assert lab.budget.executor.gpu_waits
         records = train(lab, model, batches)
         streams = lab.budget.executor.streams
@@ -120,7 +120,7 @@ def test_a_session_with_gpu_waits_trains_exactly_as_one_without_a_budget(env):
 
 
 def test_without_gpu_waits_nothing_changes(env):
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+    with make_session(env, budget=48 * MiB) as lab:
         assert not lab.budget.executor.gpu_waits
         model, batches = model_and_data()
         train(lab, model, batches[:2])

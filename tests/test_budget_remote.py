@@ -1,4 +1,4 @@
-"""Remote optimizer state (``Session(budget_remote_optimizer=True)``): optimizer state that a plan would bring
+"""Remote optimizer state (``Session(remote_optimizer=True)``): optimizer state that a plan would bring
 in for the optimizer and push out again stays in host memory, where the optimizer's kernels update it. The
 plan then moves no optimizer state, never makes those blocks resident, stays under B, and the executor never
 prefetches them; a session trains exactly as without a budget."""
@@ -119,10 +119,10 @@ def test_a_session_with_remote_optimizer_state_trains_exactly_as_without_a_budge
     model, batches = model_and_data()
     twin, third = model_and_data()[0], model_and_data()[0]
     budget = 48 << 20  # the model, gradients and AdamW state are ~120 MiB
-    with make_session(env, gpu_budget_bytes=budget) as lab:
+    with make_session(env, budget=budget) as lab:
         records = train(lab, model, batches)
         assert lab.budget is not None and lab.budget.executor.remote_optimizer
-    with make_session(env, gpu_budget_bytes=budget, budget_remote_optimizer=False) as lab:
+    with make_session(env, budget=budget, remote_optimizer=False) as lab:
         moving = train(lab, third, batches)
     with make_session(env) as plain:
         expected = train(plain, twin, batches)
@@ -205,7 +205,7 @@ def test_new_host_written_types_reach_every_segments_ledger_flag_and_remote_stat
 def test_set_policy_under_a_budget_follows_with_the_schedulers_host_written_pools(env):
     model, batches = model_and_data()
     twin = model_and_data()[0]
-    with make_session(env, gpu_budget_bytes=48 << 20) as lab:
+    with make_session(env, budget=48 << 20) as lab:
         first = train(lab, model, batches[:3])
         executor = lab.budget.executor
         assert DataType.OPTIM in executor.host_written_types and executor.remote_optimizer

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
+from um_lab.budget.config import Budget
 from um_lab.budget import control
 from um_lab.budget.pinned import CpuCopyOps
 from um_lab.budget.record import optimizer_chunks, step_optimizer_in_chunks
@@ -125,13 +126,11 @@ def test_a_session_copies_remote_state_with_staged_activations_and_trains_exactl
     model, batches = model_and_data()
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
     budget = 96 * MiB  # the model, gradients and AdamW state are ~120 MiB: some state stays remote, slots fit
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(budget, stage_activations=True)) as lab:
         lab.budget.copy_remote_state = True  # experimental, off by default
         records = train(lab, model, batches)
         slot = lab.budget._slot_bytes
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(budget, stage_activations=True)) as lab:
         assert lab.budget.copy_remote_state is False  # the default
         in_place = train(lab, third, batches)
     with make_session(env) as plain:
@@ -156,8 +155,7 @@ def test_slots_without_room_or_not_worth_their_room_leave_remote_state_updated_i
     monkeypatch.setattr(control, "worth_copying", lambda in_place, copying: worth)
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget_mib * MiB, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(budget_mib * MiB, stage_activations=True)) as lab:
         lab.budget.copy_remote_state = True
         records = train(lab, model, batches)
         assert lab.budget._slot_bytes == -1 and lab.budget.executor.expected_growth == 0

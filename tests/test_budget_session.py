@@ -1,4 +1,4 @@
-"""Session(gpu_budget_bytes=...) against the fake driver: validation, hooks only with a budget, the
+"""Session(budget=...) against the fake driver: validation, hooks only with a budget, the
 ledger per step, the same training result as without a budget, a failing step leaves it usable."""
 
 import copy
@@ -9,10 +9,11 @@ import weakref
 
 import pytest
 import torch
-from fakes import FakeRuntime
+from fakes import FakeRuntime, new_session
 
 import um_lab
-from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
+from um_lab import BudgetError, BudgetTooSmall, InputError, UnsupportedOptimizer
+from um_lab.budget.config import Budget
 from um_lab.budget.mover import MoveBatch, ThreadMover
 from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import ManagedPools
@@ -24,8 +25,9 @@ WIDTH = 1024  # a 4 MiB weight per layer
 
 
 def make_session(env, **kw):
+    """A session on the fake driver; keywords other than Session's are experimental options."""
     source, driver, api, runtime = env
-    return Session("um-default", _pool_api=api, _runtime=runtime, _source=source, **kw)
+    return new_session("um-default", _pool_api=api, _runtime=runtime, _source=source, **kw)
 
 
 def model_and_data(seed=0):
@@ -48,22 +50,22 @@ def train(lab, model, batches):
     return records
 
 
-@pytest.mark.parametrize("bad", [0, -5, True, 2.5, "8G"])
+@pytest.mark.parametrize("bad", [0, -5, True, 2.5, "8 apples", "0.5x"])
 def test_a_bad_budget_is_refused_when_the_session_is_built(env, bad):
     with pytest.raises(BudgetError):
-        make_session(env, gpu_budget_bytes=bad)
+        make_session(env, budget=bad)
     with pytest.raises(BudgetError):
-        make_session(env, gpu_budget_bytes=64 * MiB, budget_lookahead=-1)
-    with pytest.raises(BudgetError):
-        make_session(env, gpu_budget_bytes=64 * MiB, budget_issue="sometimes")
+        make_session(env, budget=Budget(64 * MiB, lookahead=-1))
+    with pytest.raises(InputError, match="budget_issue"):
+        make_session(env, budget=64 * MiB, budget_issue="sometimes")
 
 
 def test_a_budget_above_the_cap_is_refused_at_open_and_nothing_stays_open(env):
-    lab = make_session(env, gpu_budget_bytes=2 << 30, cap_bytes=1 << 30)
+    lab = make_session(env, budget=2 << 30, cap_bytes=1 << 30)
     with pytest.raises(BudgetError, match="above the safety cap"):
         lab.open()
     assert not lab.is_open
-    with make_session(env, gpu_budget_bytes=1 << 30, cap_bytes=1 << 30) as ok:  # another may open
+    with make_session(env, budget=1 << 30, cap_bytes=1 << 30) as ok:  # another may open
         assert ok.budget is not None and ok.budget.budget_bytes == 1 << 30
 
 
@@ -82,7 +84,7 @@ def test_budget_steps_keep_the_ledger_under_b_plus_unforeseen_writes_and_train_e
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
     budget = 48 * MiB  # the model, gradients and AdamW state alone are ~120 MiB
-    with make_session(env, gpu_budget_bytes=budget, budget_issue=issue) as lab:
+    with make_session(env, budget=budget, budget_issue=issue) as lab:
         records = train(lab, model, batches)
         assert all(m._forward_pre_hooks for m in model.modules() if not list(m.children()))
         ledger = lab.budget.executor.ledger
@@ -113,7 +115,7 @@ def test_budget_steps_keep_the_ledger_under_b_plus_unforeseen_writes_and_train_e
 def test_a_layer_that_cannot_fit_is_refused_at_attach_before_any_step(env):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048))  # 16 MiB of weights + 16 MiB of gradients
-    with make_session(env, gpu_budget_bytes=24 * MiB) as lab:
+    with make_session(env, budget=24 * MiB) as lab:
         lab.place(model)
         with pytest.raises(BudgetTooSmall) as info:
             lab.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -127,7 +129,7 @@ def test_an_optimizer_state_too_big_for_b_is_refused_before_the_second_step_runs
     # other, wherever the allocator puts the tensors (with 4 MiB weights the two ranges overlapped)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
     x = torch.randn(8, 2048)
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+    with make_session(env, budget=48 * MiB) as lab:
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         lab.step(lambda: model(x).sum(), opt)  # learns: a layer's AdamW step needs ~64 MiB at once
         before = [p.detach().clone() for p in model.parameters()]
@@ -139,7 +141,7 @@ def test_an_optimizer_state_too_big_for_b_is_refused_before_the_second_step_runs
 def test_an_interrupted_budget_step_leaves_the_session_usable(env):
     source, driver, api, runtime = env
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+    with make_session(env, budget=48 * MiB) as lab:
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         x, y = lab.inputs(*batches[0])
         lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
@@ -191,7 +193,7 @@ def test_close_issues_every_queued_prefetch_before_the_pools_free_their_segments
     monkeypatch.setattr(ManagedPools, "close", close)
     model, batches = model_and_data()
     lab = Session("um-default", _pool_api=api, _runtime=SlowRuntime(events, delay=0.0), _source=source,
-                  gpu_budget_bytes=48 * MiB, budget_issue="thread")
+                  budget=48 * MiB)
     with lab:
         train(lab, model, batches[:2])
         executor = lab.budget.executor
@@ -206,7 +208,7 @@ def test_close_issues_every_queued_prefetch_before_the_pools_free_their_segments
 def test_a_failing_budget_close_still_closes_the_session_and_another_may_open(env, monkeypatch):
     source, driver, api, runtime = env
     model, batches = model_and_data()
-    lab = make_session(env, gpu_budget_bytes=48 * MiB)
+    lab = make_session(env, budget=48 * MiB)
     lab.open()
     train(lab, model, batches[:1])
     executor = lab.budget.executor
@@ -219,7 +221,7 @@ def test_a_failing_budget_close_still_closes_the_session_and_another_may_open(en
         lab.close()
     assert not lab.is_open and Session._open_session is None and api.balanced()
     assert all(not m._forward_pre_hooks for m in model.modules())
-    with make_session(env, gpu_budget_bytes=48 * MiB) as again:
+    with make_session(env, budget=48 * MiB) as again:
         assert again.is_open
 
 
@@ -241,7 +243,7 @@ def test_a_mover_that_does_not_stop_in_time_is_reported():
 
 def test_closing_drops_the_models_and_parameters_the_budget_held(env):
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB, evacuate_on_close=False) as lab:
+    with make_session(env, budget=48 * MiB, evacuate_on_close=False) as lab:
         train(lab, model, batches[:1])
         control = lab.budget
     assert control._roots == [] and control._chunks == {} and control.recorder is None
@@ -253,7 +255,7 @@ def test_closing_drops_the_models_and_parameters_the_budget_held(env):
 
 def test_a_budget_session_refuses_an_unsupported_optimizer_at_attach(env):
     model, _ = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+    with make_session(env, budget=48 * MiB) as lab:
         with pytest.raises(UnsupportedOptimizer, match="Adagrad"):
             lab.attach(model, torch.optim.Adagrad(model.parameters()))
         assert model not in lab._modules  # refused before anything was placed
@@ -266,7 +268,7 @@ def test_a_closed_session_still_referenced_holds_no_parameter(env, budget):
     """bench/budget.py keeps its session object after close() and checks the managed bytes left: the
     session's cached parameter list once kept every parameter and gradient segment alive there."""
     model, batches = model_and_data()
-    lab = make_session(env, gpu_budget_bytes=budget, evacuate_on_close=False)
+    lab = make_session(env, budget=budget, evacuate_on_close=False)
     with lab:
         train(lab, model, batches[:2])
     ref = weakref.ref(model[0][0].weight)
@@ -281,7 +283,7 @@ def test_a_budget_session_advises_its_pools_to_prefer_the_host_unless_told_not_t
     is mapped for the GPU, so only the scheduler's prefetches make data resident (a new policy too); off, and
     without a budget, um-default advises nothing. The session's own policy stays the user's."""
     model, batches = model_and_data()
-    with make_session(env, gpu_budget_bytes=48 * MiB, budget_host_advice=host_advice) as lab:
+    with make_session(env, budget=48 * MiB, host_advice=host_advice) as lab:
         records = train(lab, model, batches[:2])
         assert all(r.extra["budget"]["host_advice"] is host_advice for r in records)  # what the pools got
         for policy in (lab._pools.policy, None):
@@ -308,7 +310,7 @@ def test_the_optimizer_is_stepped_in_chunks_of_consecutive_layers_up_to_a_64th_o
     model, batches = model_and_data()
     budget = 1 << 30  # chunks of at most 16 MiB of parameters: three of the 4 MiB layers (and their biases; the
     # last, 40 KiB, joins the second)
-    with make_session(env, gpu_budget_bytes=budget) as lab:
+    with make_session(env, budget=budget) as lab:
         records = train(lab, model, batches[:2])
         order = lab.budget.last_order
         assert [p.layer for p in order.positions if p.phase == "optimizer"] == ["0.0..2.0", "3.0..6"]

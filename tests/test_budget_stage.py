@@ -1,5 +1,5 @@
 """Saved activations staged through (pinned) host memory: the stager alone on plain tensors, then
-Session(budget_stage_activations=True) against the fake driver: the same training result as without,
+Session(budget=Budget(B, stage_activations=True)) against the fake driver: the same training result as without,
 only intermediate-results tensors staged, numbers in the record."""
 
 import contextlib
@@ -10,6 +10,8 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
+from um_lab.budget.config import Budget
+from um_lab.errors import BudgetError
 from um_lab.budget.pinned import CpuCopyOps, PinnedArena, available_host_bytes
 from um_lab.budget.stage import ActivationStager, StaleSavedTensor
 from um_lab.budget.tail import TailSizer
@@ -161,8 +163,7 @@ def test_a_budget_session_staging_activations_trains_exactly_as_without_and_stag
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
     budget = 48 * MiB
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_issue=issue, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(budget, stage_activations=True), budget_issue=issue) as lab:
         stager = lab.budget.stager
         seen = []
         eligible = stager.eligible
@@ -185,11 +186,11 @@ def test_a_budget_session_staging_activations_trains_exactly_as_without_and_stag
     assert any(is_param for is_param, _ in seen) and not any(ok for is_param, ok in seen if is_param)
 
 
-def test_staging_is_off_by_default_and_refused_without_a_budget(env):
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+def test_staging_is_off_by_default_and_a_session_budget_must_be_bytes(env):
+    with make_session(env, budget=48 * MiB) as lab:
         assert lab.budget.stager is None
-    with pytest.raises(InputError, match="needs gpu_budget_bytes"):
-        make_session(env, budget_stage_activations=True)
+    with pytest.raises(BudgetError, match="fraction of a run's footprint"):
+        make_session(env, budget=Budget("0.5x", stage_activations=True))
 
 
 class _Event:
@@ -269,8 +270,7 @@ def test_a_graph_kept_past_its_step_and_an_in_place_write_after_the_pack_are_ref
 
 def test_a_failing_step_end_still_ends_the_stagers_step(env, monkeypatch):
     model, batches = model_and_data()
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(48 * MiB, stage_activations=True)) as lab:
         opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
         x, y = lab.inputs(*batches[0])
         stager = lab.budget.stager
@@ -299,8 +299,7 @@ def test_a_budget_sessions_window_is_a_tenth_of_the_budget_between_64_mib_and_2_
 
 def test_staging_makes_the_intermediate_pool_device_memory_by_default_and_the_pools_managed_again_at_close(env):
     source, driver, api, runtime = env
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(48 * MiB, stage_activations=True)) as lab:
         assert lab.budget_device_activations is True
         pools = lab._pools
         assert pools.device_types == {DataType.ACT}
@@ -327,16 +326,15 @@ def test_staging_makes_the_intermediate_pool_device_memory_by_default_and_the_po
 
 def test_device_activations_can_be_turned_off_and_need_staging(env):
     source, driver, api, runtime = env
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=48 * MiB, budget_stage_activations=True,
-                         budget_device_activations=False) as lab:
+    with make_session(env, budget=Budget(48 * MiB, stage_activations=True),
+                         device_activations=False) as lab:
         assert lab.budget_device_activations is False
         act = source.allocate(DataType.ACT, 4 * MiB)
         assert {s.ptr: s.managed for s in source.segments()}[act] is True
         source.free(act)
-    with pytest.raises(InputError, match="needs budget_stage_activations"):
-        make_session(env, gpu_budget_bytes=48 * MiB, budget_device_activations=True)
-    with make_session(env, gpu_budget_bytes=48 * MiB) as lab:
+    with pytest.raises(InputError, match="needs Budget"):
+        make_session(env, budget=48 * MiB, device_activations=True)
+    with make_session(env, budget=48 * MiB) as lab:
         assert lab.budget_device_activations is False
 
 
@@ -413,16 +411,14 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_wi
     batches = batches * 2  # the decision waits for a step that followed its plan with no re-plan: chances for it
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
     budget = 320 * MiB  # well above the model, gradients and AdamW state (~120 MiB): room left under the plan
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True,
-                         budget_partial_staging=True) as lab:
+    with make_session(env, budget=Budget(budget, stage_activations=True),
+                         partial_staging=True) as lab:
         records = train(lab, model, batches)
         stager, executor = lab.budget.stager, lab.budget.executor
         # decided once, from the room the plan leaves (the fake's addresses change every step: it varies by a block)
         assert stager.keep_tail_bytes >= 1 * MiB
         plan_room, eligible, announced = executor.plan.budget_bytes, stager.eligible_bytes, executor.expected_growth
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as full:
+    with make_session(env, budget=Budget(budget, stage_activations=True)) as full:
         staged_in_full = train(full, third, batches)
     with make_session(env) as plain:
         expected = train(plain, twin, batches)
@@ -444,8 +440,8 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_wi
 
 
 def test_partial_staging_needs_staging(env):
-    with pytest.raises(InputError, match="needs budget_stage_activations"):
-        make_session(env, gpu_budget_bytes=48 * MiB, budget_partial_staging=True)
+    with pytest.raises(InputError, match="needs Budget"):
+        make_session(env, budget=48 * MiB, partial_staging=True)
 
 
 def test_tail_bytes_is_the_room_less_the_margin_and_nothing_below_the_minimum():
@@ -469,8 +465,7 @@ def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the
 
     @contextlib.contextmanager
     def sized_by_hand():  # partial staging off: the tail is sized below, one round at a time, on made-up peaks
-        with pytest.warns(RuntimeWarning, match="experimental"), \
-                make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+        with make_session(env, budget=Budget(budget, stage_activations=True)) as lab:
             train(lab, model, batches[:3])
             control, executor = lab.budget, lab.budget.executor
             line = budget - executor.fixed_reserve - int(stage.TAIL_MARGIN_FRACTION * budget)
@@ -506,8 +501,7 @@ def tail_sized_by_hand(env, monkeypatch, budget=320 * MiB):
 
     monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True) as lab:
+    with make_session(env, budget=Budget(budget, stage_activations=True)) as lab:
         train(lab, model, batches[:3])
         executor, stager = lab.budget.executor, lab.budget.stager
         yield (TailSizer(executor, stager), stager, executor,
@@ -555,9 +549,8 @@ def test_giving_back_the_tails_growth_trains_exactly_as_without_and_keeps_the_le
     batches = batches * 3
     twin = copy.deepcopy(model)
     budget = 320 * MiB
-    with pytest.warns(RuntimeWarning, match="experimental"), \
-            make_session(env, gpu_budget_bytes=budget, budget_stage_activations=True,
-                         budget_partial_staging=True) as lab:
+    with make_session(env, budget=Budget(budget, stage_activations=True),
+                         partial_staging=True) as lab:
         lab.budget.settle_tail_growth = True
         records = train(lab, model, batches)
     with make_session(env) as plain:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from fakes import CODES
+from fakes import CODES, new_session
 
 import um_lab
 from um_lab import DataType, OversubscriptionRefused, SessionStateError
@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 def make_session(env, policy="um-default", **kw):
     source, driver, api, runtime = env
-    return Session(policy, _pool_api=api, _runtime=runtime, _source=source, **kw)
+    return new_session(policy, _pool_api=api, _runtime=runtime, _source=source, **kw)
 
 
 def tiny():

@@ -95,7 +95,7 @@ def test_slower_evictions_make_a_slower_step(prepared):
 
 
 def test_gpu_side_waits_never_hold_the_host_and_never_slow_the_step(prepared):
-    """replay_plan(gpu_waits=True), as Session(budget_gpu_waits=True): no host waits for the mover, the
+    """replay_plan(gpu_waits=True), as Session(gpu_waits=True): no host waits for the mover, the
     same transfers, and a step no slower; with slow evictions the host would have waited, so it is faster."""
     sim, prep = prepared
     derived = derive_order(prep.trace, prep.placement.final, sim.profile)

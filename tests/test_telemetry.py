@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
+from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver, new_session
 
 from um_lab import DataType
 from um_lab.cuda import cupti_source as tm
@@ -450,7 +450,7 @@ def env():
 
 def _session(env, **kw):
     source, api, runtime = env
-    return Session("um-default", _pool_api=api, _runtime=runtime, _source=source, **kw)
+    return new_session("um-default", _pool_api=api, _runtime=runtime, _source=source, **kw)
 
 
 def _tiny():
@@ -747,7 +747,7 @@ def test_a_budget_session_reads_residency_only_after_the_steps_moves_completed(e
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with _session(env, telemetry=tel, gpu_budget_bytes=24 * MiB) as lab:
+    with _session(env, telemetry=tel, budget=24 * MiB) as lab:
         state["lab"] = lab
         lab.attach(lab.place(model), opt)
         x = torch.randn(64, 1024)

@@ -1,9 +1,11 @@
-"""Session(gpu_budget_bytes=B) on the GPU: the ledger stays under B once the plan is followed, training
+"""Session(budget=B) on the GPU: the ledger stays under B once the plan is followed, training
 matches a run without a budget, an interrupted step leaves the session usable. Live managed bytes stay
 far below the card (an MLP of ~2 GiB with its AdamW state); the safety cap stays on."""
 
 import pytest
 import torch
+
+from um_lab.budget.config import Budget
 
 pytestmark = pytest.mark.gpu
 
@@ -11,16 +13,18 @@ MiB = 1 << 20
 
 
 def _session(*args, **kw):
-    from um_lab.cuda.session import Session
+    from fakes import new_session
 
-    return Session(*args, **kw)
+    return new_session(*args, **kw)
 
 
-def _train(budget, steps=6, interrupt_at=None, remote_copies=False, **session_kw):
+def _train(budget, steps=6, interrupt_at=None, remote_copies=False, stage_activations=False, **session_kw):
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
+        if budget is not None:
+            budget = Budget(budget, stage_activations=stage_activations)
         return _train_deterministic(budget, steps, interrupt_at, session_kw, remote_copies)
     finally:  # restored: later tests in the process run as they would alone
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
@@ -33,7 +37,7 @@ def _train_deterministic(budget, steps, interrupt_at, session_kw, remote_copies=
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(256, 4096, generator=g), torch.randint(0, 10, (256,), generator=g)) for _ in range(steps)]
     records = []
-    with _session("um-default", gpu_budget_bytes=budget, **session_kw) as lab:
+    with _session("um-default", budget=budget, **session_kw) as lab:
         if lab.budget is not None:
             lab.budget.copy_remote_state = remote_copies
         model = lab.place(model)
@@ -61,7 +65,7 @@ def test_budget_run_stays_under_b_and_trains_like_a_run_without_one(discard):
     plain, plain_params, footprint = _train(None)
     budget = footprint // 2
     # optimizer state moving (not left in host memory): the moves under test
-    records, params, _ = _train(budget, budget_discard=discard, budget_remote_optimizer=False)
+    records, params, _ = _train(budget, discard_gradients=discard, remote_optimizer=False)
     for r in records[2:]:  # dead gradients are discarded (CUDA 13+), not copied to the host
         assert (r.extra["budget"]["discarded_bytes"] > 0) == (discard and can_discard()), r.extra["budget"]
     for r in records:
@@ -88,7 +92,7 @@ def test_each_mover_option_keeps_the_ledger_under_b_and_trains_like_a_run_withou
         pytest.skip("cudaMemPrefetchBatchAsync needs CUDA 13+")
     plain, plain_params, footprint = _train(None)
     budget = footprint // 2
-    records, params, _ = _train(budget, budget_remote_optimizer=False, **{option: True})
+    records, params, _ = _train(budget, remote_optimizer=False, **{option: True})
     for r in records[2:]:
         b = r.extra["budget"]
         assert b["followed_plan"] and b["max_resident_ledger"] <= budget and not b["over_budget"], b
@@ -138,8 +142,8 @@ def test_staged_activations_train_bit_for_bit_like_a_budget_run_without_staging(
     so training matches the same budget run without staging bit for bit, and the ledger stays under B."""
     _, _, footprint = _train(None, steps=2)
     budget = footprint // 2
-    plain, plain_params, _ = _train(budget, steps=5, budget_remote_optimizer=False)
-    records, params, _ = _train(budget, steps=5, budget_stage_activations=True, budget_remote_optimizer=False)
+    plain, plain_params, _ = _train(budget, steps=5, remote_optimizer=False)
+    records, params, _ = _train(budget, steps=5, stage_activations=True, remote_optimizer=False)
     for r in records:
         st = r.extra["budget"]["staging"]
         # every Linear's 4 MiB input and GELU's input are saved: 8 layers' worth at least
@@ -163,7 +167,7 @@ def test_staged_activations_in_device_memory_train_bit_for_bit_like_managed_ones
     from um_lab.types import DataType
 
     cudart = _cudart()
-    with _session("um-default", gpu_budget_bytes=1 << 30, budget_stage_activations=True) as lab:
+    with _session("um-default", budget=Budget(1 << 30, stage_activations=True)) as lab:
         with lab.allocating("act"):
             act = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
         with lab.allocating("grad"):
@@ -179,9 +183,9 @@ def test_staged_activations_in_device_memory_train_bit_for_bit_like_managed_ones
         del act, grad
     _, _, footprint = _train(None, steps=2)
     budget = footprint // 2
-    managed, managed_params, _ = _train(budget, steps=5, budget_stage_activations=True,
-                                        budget_device_activations=False)
-    records, params, _ = _train(budget, steps=5, budget_stage_activations=True)
+    managed, managed_params, _ = _train(budget, steps=5, stage_activations=True,
+                                        device_activations=False)
+    records, params, _ = _train(budget, steps=5, stage_activations=True)
     for r in records[2:]:
         b = r.extra["budget"]
         assert b["device_activations"] and b["followed_plan"], b
@@ -200,9 +204,9 @@ def test_optimizer_state_left_in_host_memory_trains_bit_for_bit_like_moving_it()
     _, _, footprint = _train(None, steps=2)
     budget = footprint // 2
     for stage in (False, True):
-        moving, moving_params, _ = _train(budget, steps=5, budget_remote_optimizer=False,
-                                          budget_stage_activations=stage)
-        records, params, _ = _train(budget, steps=5, budget_stage_activations=stage)
+        moving, moving_params, _ = _train(budget, steps=5, remote_optimizer=False,
+                                          stage_activations=stage)
+        records, params, _ = _train(budget, steps=5, stage_activations=stage)
         for r in records[2:]:
             b = r.extra["budget"]
             assert b["remote_optimizer"] and b["remote_bytes"] > 0 and b["followed_plan"], b
@@ -218,7 +222,7 @@ def test_optimizer_state_left_in_host_memory_trains_bit_for_bit_like_moving_it()
 def test_optimizer_state_left_in_host_memory_keeps_cupti_residency_under_b():
     """Remote optimizer state is read and written in place over the link, never migrated: CUPTI's residency at
     each step's end stays under B."""
-    records = _assert_cupti_residency_under_b(budget_remote_optimizer=True)
+    records = _assert_cupti_residency_under_b(remote_optimizer=True)
     assert all(r.extra["budget"]["remote_bytes"] > 0 for r in records[2:])
 
 
@@ -237,8 +241,8 @@ def test_remote_state_copied_for_its_chunks_step_trains_bit_for_bit_like_updatin
     _copies_taken(monkeypatch)
     _, _, footprint = _train(None, steps=2)
     budget = footprint // 2
-    in_place, in_place_params, _ = _train(budget, steps=5, budget_stage_activations=True)
-    records, params, _ = _train(budget, steps=5, budget_stage_activations=True, remote_copies=True)
+    in_place, in_place_params, _ = _train(budget, steps=5, stage_activations=True)
+    records, params, _ = _train(budget, steps=5, stage_activations=True, remote_copies=True)
     for r in records[2:]:
         b = r.extra["budget"]
         assert b["remote_bytes"] > 0 and b["followed_plan"], b
@@ -255,7 +259,7 @@ def test_remote_state_copies_keep_cupti_residency_under_b(monkeypatch):
     """The copies read and write the remote blocks where they are (host memory), never migrating them: CUPTI's
     residency at each step's end stays under B with them on."""
     _copies_taken(monkeypatch)
-    records = _assert_cupti_residency_under_b(budget_stage_activations=True, remote_copies=True)
+    records = _assert_cupti_residency_under_b(stage_activations=True, remote_copies=True)
     assert all(r.extra["budget"]["remote_copies"]["bytes_in"] > 0 for r in records[2:]), \
         [r.extra["budget"].get("remote_copies") for r in records]
 
@@ -266,8 +270,8 @@ def test_partial_staging_trains_bit_for_bit_like_full_staging_and_stays_under_b(
     ledger stays under B while the intermediate pool grows into the announced room."""
     _, _, footprint = _train(None, steps=2)
     budget = int(footprint * 0.9)
-    full, full_params, _ = _train(budget, steps=6, budget_stage_activations=True)
-    records, params, _ = _train(budget, steps=6, budget_stage_activations=True, budget_partial_staging=True)
+    full, full_params, _ = _train(budget, steps=6, stage_activations=True)
+    records, params, _ = _train(budget, steps=6, stage_activations=True, partial_staging=True)
     reasons = [r.extra["budget"]["replan_reason"] for r in records]
     assert "partial staging" in reasons, reasons
     decided = reasons.index("partial staging")
@@ -285,14 +289,14 @@ def test_staged_activations_keep_cupti_residency_under_b_at_each_step_end():
     3.7-4.0 GB/s) and stays resident, fixed in the ledger from its segments' registration: CUPTI-measured
     residency at each step's end still stays under B (plus the 2 MiB-block rounding of CUPTI's records). That
     pool is device memory by default, resident by construction: its bytes are added to CUPTI's managed ones."""
-    records = _assert_cupti_residency_under_b(budget_stage_activations=True)
+    records = _assert_cupti_residency_under_b(stage_activations=True)
     assert all(r.extra["device_memory_bytes"]["act"] > 0 for r in records[2:])
 
 
 def test_partial_staging_keeps_cupti_residency_under_b_at_each_step_end():
     """Partial staging sizes its kept tail in rounds from the ledger's peaks: CUPTI-measured residency (the kept
     saves are in the device-memory pool, added to CUPTI's managed bytes) stays under B at each step's end."""
-    records = _assert_cupti_residency_under_b(0.9, budget_stage_activations=True, budget_partial_staging=True)
+    records = _assert_cupti_residency_under_b(0.9, stage_activations=True, partial_staging=True)
     assert any(r.extra["budget"]["staging"]["tail_kept_bytes"] > 0 for r in records[2:]), \
         [r.extra["budget"]["staging"] for r in records]
 
@@ -326,7 +330,7 @@ def test_free_block_discards_train_bit_for_bit_like_a_budget_run_without_them():
     _, _, footprint = _train(None, steps=2)
     budget = footprint // 2
     plain, plain_params, _ = _train(budget, steps=6)
-    records, params, _ = _train(budget, steps=6, budget_discard_free=True)
+    records, params, _ = _train(budget, steps=6, discard_free=True)
     for r in records[2:]:
         b = r.extra["budget"]
         assert b["followed_plan"] and b["max_resident_ledger"] <= budget + b["touched_bytes"], b
@@ -346,7 +350,7 @@ def test_free_block_discards_keep_cupti_residency_under_b_at_each_step_end():
 
     if not can_discard():
         pytest.skip("cudaMemDiscardBatchAsync needs CUDA 13+")
-    _assert_cupti_residency_under_b(budget_discard_free=True)
+    _assert_cupti_residency_under_b(discard_free=True)
 
 
 def test_what_the_ledger_counts_resident_reads_at_device_speed():
@@ -360,7 +364,7 @@ def test_what_the_ledger_counts_resident_reads_at_device_speed():
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
                                   for _ in range(8)], torch.nn.Linear(4096, 10))
-    with _session("um-default", gpu_budget_bytes=budget) as lab:
+    with _session("um-default", budget=budget) as lab:
         model = lab.place(model)
         opt = lab.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         for _ in range(5):
@@ -396,8 +400,7 @@ def test_the_runner_stages_activations_under_the_policy_layer_ahead_staged(tmp_p
 
     spec = RunSpec(model="mlp", model_kwargs={"width": 2048, "depth": 4, "batch_size": 512}, backend="cuda",
                    policy="layer-ahead-staged", steps=4, warmup_steps=1, gpu_budget_fraction=0.5)
-    with pytest.warns(RuntimeWarning, match="experimental"):
-        result = run(spec, out_dir=tmp_path)
+    result = run(spec, out_dir=tmp_path)
     records = list(result.records())
     b = records[-1].extra["budget"]
     assert b["staging"]["staged_bytes"] > 0 and b["fixed_bytes"] > 0, b

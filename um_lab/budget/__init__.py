@@ -8,5 +8,3 @@
 - :mod:`~um_lab.budget.executor`: the scheduler driven by those hooks in a live session, its moves
   issued as ``cudaMemPrefetchAsync`` on a side stream.
 """
-
-ISSUE_MODES = ("thread", "inline")  #: who makes the prefetch calls (um_lab.budget.mover)

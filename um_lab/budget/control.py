@@ -17,8 +17,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from um_lab.budget import ISSUE_MODES
 from um_lab.budget.executor import BudgetExecutor
+from um_lab.experimental import ISSUE_MODES
 from um_lab.budget.ledger import BLOCK, Span
 from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order

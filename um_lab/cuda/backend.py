@@ -10,6 +10,7 @@ import torch
 
 import um_lab.backend
 from um_lab.backend_base import BackendBase
+from um_lab.budget.config import Budget
 from um_lab.budget.request import resolve_budget, uses_budget
 from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
@@ -114,9 +115,9 @@ class CudaBackend(BackendBase):
         model = case.build_model()
         batch = case.batch(spec.seed)
         lab = Session(policy, cap_bytes=self.cap_bytes, allow_oversubscription=self.allow_oversubscription,
-                      evacuate_on_close=False, telemetry=self.telemetry, gpu_budget_bytes=budget,
-                      budget_lookahead=self.budget_lookahead,
-                      budget_stage_activations=budget is not None and stages_activations(policy))
+                      evacuate_on_close=False, telemetry=self.telemetry,
+                      budget=None if budget is None else Budget(budget, lookahead=self.budget_lookahead,
+                                                                stage_activations=stages_activations(policy)))
         lab.open()
         try:
             model = lab.place(model)

@@ -9,13 +9,10 @@
             x, y = lab.inputs(x, y)                 # -> input pool
             record = lab.step(lambda: loss_fn(model(x), y), opt)   # forward + backward -> act pool
 
-Backward runs on the calling thread (``backward_thread="caller"``, the default since session 14:
-``torch.autograd.set_multithreading_enabled(False)``), routed like forward. ``backward_thread="worker"``
-runs it on autograd's own device thread instead: a hook on the loss begins routing that thread into the act
-pool and an engine callback ends it; if backward fails first, the routing is ended from the calling thread,
-so begin/end/release always pair. On the H200 that hand-off made a launch-bound step 190-820 us slower
-and the MLP 2% (1.016 against 0.996 of native, alternating; ``bench/diagnostics/step_host_costs.py``,
-``kernel_gaps.py``; session 14). Either way an exception or Ctrl-C anywhere in a step ends the routing.
+Backward runs on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), routed like
+forward; the experimental ``backward_thread="worker"`` runs it on autograd's own device thread instead (a
+hook on the loss begins routing that thread into the act pool and an engine callback ends it; measured
+slower on a launch-bound step). An exception or Ctrl-C anywhere in a step ends the routing.
 Gradients are pre-allocated in the grad pool and accumulated in place (``zero_grad(set_to_none=False)``).
 """
 
@@ -31,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from um_lab.budget import ISSUE_MODES
+from um_lab import experimental
+from um_lab.budget.config import Budget, as_budget
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, Segment, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.evacuate import evacuate
 from um_lab.cuda.evacuate import is_tensor as _is_tensor
@@ -53,80 +51,33 @@ if TYPE_CHECKING:
 class Session(Listenable):
     """A managed-memory training session on one GPU (see the module docstring).
 
-    ``remove = lab.add_listener(callback)`` calls ``callback(record)`` with each step's record at the
-    end of :meth:`step` (rules in :mod:`um_lab.listeners`); ``last_record`` is the current state.
-    ``stage_inputs=False`` makes :meth:`inputs` copy pageable tensors straight into the input pool
-    (synchronous, as ``tensor.to("cuda")`` is) instead of through a pinned buffer.
+    ``policy``: the advice per data type (a :class:`~um_lab.policy.Policy` or a preset's name).
+    ``device``: the GPU index (default: the current one). ``cap_bytes``: the safety cap on live managed
+    bytes (default: free GPU memory at open minus a reserve); a managed segment that would cross it is
+    refused with :class:`~um_lab.errors.OversubscriptionRefused`, nothing allocated.
+    ``allow_oversubscription=True`` lifts that refusal (for your own machine: on a shared GPU it can hang
+    the card). ``telemetry``: measured residency per data type (CUPTI; ``"auto"`` where it can be).
+    ``evacuate_on_close``: move registered models and optimizers to ordinary CUDA memory on close.
 
-    ``gpu_budget_bytes=B`` keeps GPU-resident managed bytes at most ``B`` (total managed bytes stay under
-    the safety cap as always): the layer-ahead scheduler of :mod:`um_lab.budget` learns the order of use
-    in the first step and then prefetches the next layers' data on a side stream and pushes data that is
-    done with to the host; the optimizer is stepped one layer at a time, and the policy's phase
-    prefetches are left to the scheduler. Each record's ``extra["budget"]`` holds the ledger's numbers.
-    The ledger sees data at layer boundaries only (each layer's parameters, gradients, optimizer state,
-    inputs, outputs and saved tensors, as the hooks report them): temporaries a layer allocates and frees
+    ``budget`` (a :class:`~um_lab.budget.config.Budget` in bytes, or bytes) keeps GPU-resident managed bytes
+    at most ``B`` while total managed bytes stay under the cap: the layer-ahead scheduler
+    (:mod:`um_lab.budget`) learns the order of use in the first step, then prefetches the next layers' data
+    on a side stream and pushes data that is done with to the host; the optimizer is stepped one layer at a
+    time, and the policy's phase prefetches are left to the scheduler. Each record's ``extra["budget"]``
+    holds the scheduler's numbers. The ledger sees data at layer boundaries (each layer's parameters,
+    gradients, optimizer state, inputs, outputs and saved tensors): temporaries a layer makes and frees
     inside itself are not tracked, and a kernel's first write to a block the plan did not foresee is
     recorded after the fact (``touched_bytes``; ``over_budget`` when it took the ledger above ``B``).
-    CUPTI-measured residency (``telemetry=True``) is the cross-check.
-    ``budget_lookahead`` is how many positions ahead it prefetches; ``budget_issue`` who makes the
-    prefetch calls (``"thread"``: a mover thread, since a call blocks until its stream's earlier work is
-    done; ``"inline"``: the training thread). ``budget_discard=True`` (where the runtime has
-    ``cudaMemDiscardBatchAsync``, CUDA 13+; off by default: on GPT-2-large at ratio 2 it was not faster,
-    session 9): gradients are zeroed at their first accumulation in the next backward instead of after the
-    optimizer step, and the plan discards dead gradient blocks instead of copying them to the host; between
-    steps their contents are undefined. A step with ``zero_grad=False`` turns discards off for the session.
-    ``budget_batch_calls=True`` (CUDA 13+; off until measured) issues each run of consecutive prefetches to
-    one location as one ``cudaMemPrefetchBatchAsync`` instead of a call per range. ``budget_gpu_waits=True``
-    (off until measured) makes compute wait for the side stream's prefetches on the GPU (a counter the side
-    stream writes: ``cuStreamWaitValue32``), so the training thread never waits for the mover to issue them and
-    keeps launching ahead (a profiled GPT-2-large step left the GPU idle 5.3 s for want of launches; on the H200
-    it was not faster: 4.85 s against 4.39 s, session 12). ``budget_host_advice=True`` (the default) gives every
-    data type the policy leaves unadvised ``preferred_location=cpu`` and ``accessed_by=gpu``: only the
-    scheduler's prefetches make data GPU-resident, and what it did not foresee (temporaries inside a layer) is
-    read over the link instead of faulting in unseen by the ledger; without it CUPTI measured ResNet-50 at
-    1.7 times B at ratio 2 (session 12). The policy's own advice is kept where it gives some.
-    ``budget_stage_activations=True`` (experimental, off, warned) copies the large tensors forward saves for
-    backward (those in the
-    intermediate-results pool) to pinned host memory on a stream of their own and back ahead of backward
-    (:mod:`um_lab.budget.stage`), instead of leaving them to managed prefetch, whose GPU→host rate is 10-16 GB/s
-    on the H200; ``extra["budget"]["staging"]`` holds its numbers. The intermediate-results pool then gets no
-    host advice and the scheduler never moves it: what staging leaves there is one layer's working set, counted
-    resident from its segments' registration as a fixed part of B (``extra["budget"]["fixed_bytes"]``), and
-    the plan moves parameters, gradients and optimizer state around it (session 15); the optimizer's
-    temporaries go there too once a chunk's state exists. The stager holds the device tensors its copies read or
-    write until the copies end (``record_stream`` would defer their blocks' release while a pool routing is
-    active: session 15's pool leak). On the H200 (session 16) it trains bit for bit like the same budget run
-    without it; ResNet-50 at ratio 2 took 310 ms a step against 1,013 ms without it in the same run.
-    ``budget_device_activations`` (default: as ``budget_stage_activations``) makes that pool plain device memory
-    (cudaMalloc through the same shim, cap and registry; never advised or moved): on the H200 a copy between
-    managed memory and pinned memory, even of GPU-resident pages, ran serialised with the GEMMs beside it
-    (2.1-2.2x their time alone), a copy from device memory did not (1.01x; session 17,
-    ``bench/diagnostics/copy_interference.py``), and the stager's copies read and write that pool.
-    ``budget_discard_free=True`` (CUDA 13+; experimental, off: on ResNet-50 its first version hung in
-    ``cudaMemDiscardBatchAsync``, session 14; the fix runs, but was 3x slower there, session 19) discards, instead
-    of copying to the host, the
-    blocks of the intermediate-results, input and gradient pools that PyTorch's caching allocator holds no
-    tensor in when the scheduler moves them, and populates instead of copying back the ones still free when
-    they are brought in (:mod:`um_lab.budget.free`: ordered between the compute stream's kernels;
-    ``extra["budget"]["free_discard_bytes"]``, ``free_populate_bytes``).
-    ``budget_remote_optimizer=True`` (the default) leaves the optimizer state that the plan would otherwise
-    bring in for the optimizer and push out again after it in host memory, where the optimizer's kernels read
-    and write it over the link (:func:`um_lab.budget.plan.make_plan`; ``extra["budget"]["remote_bytes"]``): a
-    prefetch to the host ran at 8-14 GB/s on the H200, the remote update at about the link's rate; same
-    process, GPT-2-large at ratio 3 took 1,304 ms a step against 2,124 moving the state (session 18). It takes
-    effect only where the optimizer-state pool prefers the host (``budget_host_advice``).
-    ``budget_partial_staging=True`` (experimental, off) keeps forward's last saved activations on the GPU instead
-    of staging them, as many bytes as the plan and the step's ledger peak leave free under B (less 5% of B), sized
-    after the first step that followed the plan and again after each of the next two while room is left (kept
-    saves mostly reuse the pool's cached blocks): the link then carries twice those bytes less per step
-    (``extra["budget"]["staging"]["tail_kept_bytes"]``).
-    Without a budget nothing changes: no hooks are installed.
+    Unadvised pools prefer the host under a budget, so only the scheduler's prefetches make data
+    resident. ``Budget(..., stage_activations=True)`` copies the activations forward saves for backward to
+    pinned host memory on a stream of their own and back ahead of backward (:mod:`um_lab.budget.stage`);
+    the intermediate-results pool is then plain device memory, a fixed part of ``B``. Without a budget
+    nothing changes: no hooks are installed.
 
-    ``populate_segments=True`` (off: on the H200 it left the MLP at 1.017-1.029x native, session 12) prefetches each new
-    managed segment whole to the GPU once, after the step that allocated it (:mod:`um_lab.cuda.populate`:
-    pools whose advice lets data live on the GPU only; the record's ``extra["populated_bytes"]``), so the
-    driver populates whole 2 MiB blocks instead of the pages kernels touch first. It cannot be combined with
-    a GPU budget (the scheduler places data itself) or with oversubscription (populating would evict).
+    Switches that may change or vanish are set with :func:`um_lab.experimental.options` around the
+    constructor; the session keeps the ones in force (``options``).
+    ``remove = lab.add_listener(callback)`` calls ``callback(record)`` with each step's record at the end of
+    :meth:`step` (rules in :mod:`um_lab.listeners`); ``last_record`` is the current state.
     """
 
     _open_lock = threading.Lock()
@@ -139,77 +90,47 @@ class Session(Listenable):
         device: int | None = None,
         cap_bytes: int | None = None,
         allow_oversubscription: bool = False,
-        evacuate_on_close: bool = True,
-        backward_thread: str = "caller",
         telemetry: bool | str | Telemetry = False,
-        stage_inputs: bool = True,
-        gpu_budget_bytes: int | None = None,
-        budget_lookahead: int = 2,
-        budget_issue: str = "thread",
-        budget_discard: bool = False,
-        budget_batch_calls: bool = False,
-        budget_gpu_waits: bool = False,
-        budget_host_advice: bool = True,
-        budget_stage_activations: bool = False,
-        budget_device_activations: bool | None = None,
-        budget_discard_free: bool = False,
-        budget_remote_optimizer: bool = True,
-        budget_partial_staging: bool = False,
-        populate_segments: bool = False,
+        budget: Budget | int | str | None = None,
+        evacuate_on_close: bool = True,
         _pool_api: PoolAPI | None = None,
         _runtime: Runtime | None = None,
         _source: SegmentSource | None = None,
         _device_memory: tuple[int, int] | None = None,
     ) -> None:
         self.policy = get_policy(policy)
-        self.gpu_budget_bytes = _check_budget(gpu_budget_bytes, budget_lookahead, budget_issue)
-        self.budget_lookahead = budget_lookahead
-        self.budget_issue = budget_issue
-        self.budget_discard = bool(budget_discard)
-        self.budget_batch_calls = bool(budget_batch_calls)
-        self.budget_gpu_waits = bool(budget_gpu_waits)
-        self.budget_host_advice = bool(budget_host_advice)
-        self.budget_stage_activations = bool(budget_stage_activations)
-        self.budget_device_activations = (self.budget_stage_activations if budget_device_activations is None
-                                          else bool(budget_device_activations))
-        self.budget_discard_free = bool(budget_discard_free)
-        self.budget_remote_optimizer = bool(budget_remote_optimizer)
-        self.budget_partial_staging = bool(budget_partial_staging)
-        if self.budget_partial_staging and not self.budget_stage_activations:
-            raise InputError("budget_partial_staging=True keeps part of the staged activations on the GPU: it needs "
-                             "budget_stage_activations=True")
-        self.populate_segments = bool(populate_segments)
-        if self.budget_stage_activations and gpu_budget_bytes is None:
-            raise InputError("budget_stage_activations=True stages activations for the budget scheduler: it needs "
-                             "gpu_budget_bytes")
-        if self.budget_device_activations and not self.budget_stage_activations:
-            raise InputError("budget_device_activations=True keeps the intermediate-results pool in device memory, "
-                             "which the scheduler cannot move: it needs budget_stage_activations=True")
-        if self.budget_discard_free and gpu_budget_bytes is None:
-            raise InputError("budget_discard_free=True changes the budget scheduler's moves: it needs gpu_budget_bytes")
-        if self.budget_stage_activations and gpu_budget_bytes is not None:
-            warnings.warn("budget_stage_activations=True is experimental: on the H200 it trained bit for bit like the "
-                          "same budget run without it and kept CUPTI residency under B (sessions 16-17), but no real "
-                          "oversubscribed run has been made with it", RuntimeWarning, stacklevel=2)
-        if self.budget_discard_free:
-            warnings.warn("budget_discard_free=True is experimental: on ResNet-50 (H200, session 14) a discard call "
-                          "never returned; each one now waits for the side stream's earlier moves and the host for "
-                          "compute, which made ResNet-50's step 3x slower (session 19)", RuntimeWarning, stacklevel=2)
-        if self.populate_segments and (gpu_budget_bytes is not None or allow_oversubscription):
-            raise InputError("populate_segments=True places every new segment on the GPU: it cannot be combined "
-                             "with gpu_budget_bytes (the scheduler places data) or allow_oversubscription")
+        self.options = options = experimental.current()
+        self.budget_config = as_budget(budget)
+        self.gpu_budget_bytes = self.budget_config.resolve(None) if self.budget_config is not None else None
+        self.budget_lookahead = self.budget_config.lookahead if self.budget_config is not None else 2
+        staged = self.budget_config is not None and self.budget_config.stage_activations
+        self.budget_stage_activations = staged
+        self.budget_device_activations = staged if options.device_activations is None else options.device_activations
+        if options.partial_staging and not staged:
+            raise InputError("the experimental partial_staging option keeps part of the staged activations on the "
+                             "GPU: it needs Budget(..., stage_activations=True)", "partial_staging")
+        if self.budget_device_activations and not staged:
+            raise InputError("the experimental device_activations option keeps the intermediate-results pool in "
+                             "device memory, which the scheduler cannot move: it needs "
+                             "Budget(..., stage_activations=True)", "device_activations")
+        if options.discard_free and self.gpu_budget_bytes is None:
+            raise InputError("the experimental discard_free option changes the budget scheduler's moves: it needs "
+                             "a budget", "discard_free")
+        if options.populate_segments and (self.gpu_budget_bytes is not None or allow_oversubscription):
+            raise InputError("the experimental populate_segments option places every new segment on the GPU: it "
+                             "cannot be combined with a budget (the scheduler places data) or "
+                             "allow_oversubscription", "populate_segments")
+        self.populate_segments = options.populate_segments
         self._populator: SegmentPopulator | None = None
         self._budget: BudgetControl | None = None
-        if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
-            raise ValueError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}")
-        if device is not None and (not isinstance(device, int) or device < 0):
-            raise ValueError(f"device must be a non-negative GPU index, got {device!r}")
+        if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0):
+            raise InputError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}", "cap_bytes")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise InputError(f"device must be a non-negative GPU index, got {device!r}", "device")
         self.allow_oversubscription = bool(allow_oversubscription)
         self.evacuate_on_close = evacuate_on_close
-        if backward_thread not in ("worker", "caller"):
-            raise ValueError(f"backward_thread must be 'worker' or 'caller', got {backward_thread!r}")
-        self.backward_thread = backward_thread
-        self.stage_inputs = bool(stage_inputs)
+        self.backward_thread = options.backward_thread
+        self.stage_inputs = options.stage_inputs
         self._staging: InputStaging | None = None
         self._telemetry_mode = check_telemetry_mode(telemetry)
         self.telemetry: Telemetry | None = None  # measured residency (CUPTI), see um_lab.cuda.telemetry
@@ -541,9 +462,9 @@ class Session(Listenable):
             telemetry="unavailable: telemetry not enabled",
         )
         if budget_extra is not None:
-            budget_extra["host_advice"] = self.budget_host_advice  # the pools' advice, beside the policy's name
+            budget_extra["host_advice"] = self.options.host_advice  # the pools' advice, beside the policy's name
             budget_extra["device_activations"] = self.budget_device_activations
-            budget_extra["remote_optimizer"] = self.budget_remote_optimizer
+            budget_extra["remote_optimizer"] = self.options.remote_optimizer
             record.extra["budget"] = budget_extra
         if self.populate_segments:  # after the end event: the next step runs on the populated segments
             self._populate(pools, record)
@@ -592,7 +513,8 @@ class Session(Listenable):
 
         source = pools.source
         device = self.device
-        gpu_waits = self.budget_gpu_waits
+        options = self.options
+        gpu_waits = options.gpu_waits
         streams: StreamOps = (CudaStreams(device, value_waits=gpu_waits) if self._real and device is not None
                               else RecordingStreams(value_waits=gpu_waits))
 
@@ -600,27 +522,30 @@ class Session(Listenable):
             torch.cuda.set_device(index)
 
         can_discard = getattr(runtime, "can_discard", None)
-        discard = self.budget_discard and callable(can_discard) and bool(can_discard())
+        discard = options.discard_gradients and callable(can_discard) and bool(can_discard())
         free_ranges = None
-        if self.budget_discard_free and self._real and device is not None:
+        if options.discard_free and self._real and device is not None:
             if callable(can_discard) and bool(can_discard()):
                 free_ranges = _free_ranges_of(pools, device)
             else:
-                warnings.warn("budget_discard_free=True needs cudaMemDiscardBatchAsync (CUDA 13+): it stays off",
+                warnings.warn("the experimental discard_free option needs cudaMemDiscardBatchAsync (CUDA 13+): it stays off",
                               RuntimeWarning, stacklevel=3)
         can_batch = getattr(runtime, "can_prefetch_batch", None)
-        batch_calls = self.budget_batch_calls and callable(can_batch) and bool(can_batch())
-        return BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
+        batch_calls = options.batch_calls and callable(can_batch) and bool(can_batch())
+        control = BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
                              cover_unknown=not self._real, generation=source.generation if self._real else None,
-                             keep_tensor=self._is_device if self._real else None, issue=self.budget_issue,
+                             keep_tensor=self._is_device if self._real else None, issue=options.budget_issue,
                              thread_init=select_device if self._real else None, discard_gradients=discard,
                              batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
                              stager=new_stager(source, self.device if self._real else None, window_for_budget(budget))
                              if self.budget_stage_activations else None,
                              fixed_types=self._budget_resident_types(),
                              host_written_types=self._host_preferred_types(),
-                             remote_optimizer=self.budget_remote_optimizer,
-                             partial_staging=self.budget_partial_staging)
+                             remote_optimizer=options.remote_optimizer,
+                             partial_staging=options.partial_staging)
+        control.settle_tail_growth = options.settle_tail_growth
+        control.copy_remote_state = options.copy_remote_state
+        return control
 
     @property
     def budget(self) -> BudgetControl | None:
@@ -677,9 +602,9 @@ class Session(Listenable):
         return count
 
     def _pool_policy(self, policy: Policy) -> Policy:
-        """The advice the pools get: ``policy``, under a budget with ``budget_host_advice`` its unadvised types
+        """The advice the pools get: ``policy``, under a budget with host advice (the default) its unadvised types
         preferring the host (:func:`um_lab.budget.request.with_host_advice`)."""
-        if self.gpu_budget_bytes is None or not self.budget_host_advice:
+        if self.gpu_budget_bytes is None or not self.options.host_advice:
             return policy
         from um_lab.budget.request import with_host_advice
 
@@ -717,20 +642,6 @@ def _check_loss(loss: Any) -> None:
             "the step closure must return a scalar loss tensor that requires grad, got "
             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
         )
-
-
-def _check_budget(budget: int | None, lookahead: int, issue: str) -> int | None:
-    """Validate ``gpu_budget_bytes``, ``budget_lookahead`` and ``budget_issue`` (typed errors, before
-    anything opens)."""
-    if issue not in ISSUE_MODES:
-        raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-        raise BudgetError(f"budget_lookahead must be an int >= 0, got {lookahead!r}")
-    if budget is None:
-        return None
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise BudgetError(f"gpu_budget_bytes must be a positive number of bytes or None, got {budget!r}")
-    return budget
 
 
 def _free_ranges_of(pools: ManagedPools, device: torch.device) -> Callable[[], list[tuple[int, int]]]:
