@@ -155,7 +155,7 @@ def test_the_fsdp2_peer_shards_every_layer_deepest_first_and_trains_on_the_cpu()
 
 
 def test_the_committed_budget_results_follow_the_issue_schema():
-    """bench/results/budget.json: issue 13's row schema, measured values consistent with each other."""
+    """bench/results/budget.json: the row schema, measured values consistent with each other."""
     import json
     from pathlib import Path
 
@@ -168,7 +168,7 @@ def test_the_committed_budget_results_follow_the_issue_schema():
     for row in report["rows"]:
         assert keys <= set(row), keys - set(row)
         assert row["budget_bytes"] < row["footprint_bytes"]
-        # a row whose ledger passed B must say so (session 16: the fixed pool grew under a plan at ratio 3)
+        # a row whose ledger passed B must say so (the fixed pool grew under a plan at ratio 3)
         assert row["max_resident_ledger"] <= row["budget_bytes"] or row["over_budget_steps"] > 0, row
         assert abs(row["over_bound"] - row["step_ms"] / row["bound_ms"]) < 1e-6
         assert row["bound_ms"] >= row["fit_step_ms"]

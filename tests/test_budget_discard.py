@@ -1,4 +1,4 @@
-"""Dead gradients are discarded, not copied (issue 13): the ledger's accounting of discards and of
+"""Dead gradients are discarded, not copied: the ledger's accounting of discards and of
 populating dead blocks, which blocks a plan may discard, that discards only cut link traffic, the
 executor's discard calls, and a session whose gradients are garbage between steps trains exactly as
 one without a budget (the hooks zero each gradient before its first accumulation)."""
@@ -244,7 +244,7 @@ def _second_model(k, model, lab):
 
 @pytest.mark.parametrize("plan", [_unfreeze_later, _skip_a_layer, _second_model])
 def test_discarding_trains_exactly_as_without_a_budget_when_the_model_changes_between_steps(env, plan):
-    """Review findings of session 9: a parameter unfrozen later, a layer skipped in one step, a second model
+    """Review findings of a parameter unfrozen later, a layer skipped in one step, a second model
     placed mid-run: every gradient still reads zero before its step's first accumulation."""
     env = _discarding_env(env)
     model, batches = model_and_data()

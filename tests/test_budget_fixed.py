@@ -285,7 +285,7 @@ def test_with_staging_a_chunk_whose_state_exists_steps_in_the_resident_intermedi
 def test_after_the_fixed_pool_grew_the_plan_leaves_room_for_it_to_grow_again_and_the_ledger_stays_under_b():
     """A new fixed segment is resident at once, before evictions can make room. After the pool grew once, a
     re-plan keeps that much room free, so a second growth of the same size leaves the ledger under B (H200,
-    session 16: GPT-2-large at ratio 3 passed B by one segment when its pool grew under a plan)."""
+    GPT-2-large at ratio 3 passed B by one segment when its pool grew under a plan)."""
     order, world, budget, ex = _fixed_executor(room_blocks=28)
     _drive(ex, order)
     plan = ex.set_order(order)

@@ -167,7 +167,7 @@ def test_free_discards_are_off_by_default_and_refused_without_a_budget(env):
 
 
 def test_moves_issued_between_steps_are_turned_too():
-    """Placing a model and staging inputs issue moves before any step began (the GPU run of session 14
+    """Placing a model and staging inputs issue moves before any step began (a GPU run once
     failed there: the step's counters did not exist yet)."""
     order = layered_order(layers=3, param_blocks=1, act_blocks=1)
     world = FreeWorld(order)

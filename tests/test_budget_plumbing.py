@@ -1,4 +1,4 @@
-"""A GPU budget from the user's side (issue 13): --budget, RunSpec fields, the layer-ahead policy name,
+"""A GPU budget from the user's side: --budget, RunSpec fields, the layer-ahead policy name,
 typed errors for bad input before anything is allocated, and what the run folder records."""
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_runs_merge_with_peer_and_predictions_and_print_a_line_each(tmp_path, ca
     assert rows[0]["fsdp2_step_ms"] == 1910.0 and rows[0]["fsdp2_source"] == str(peer)
     assert rows[3]["fsdp2_step_ms"] == 1.0 and "fsdp2_source" not in rows[3]  # measured in the run: kept
     assert rows[2]["predicted_step_ms"] == 4300.0 and rows[1]["predicted_step_ms"] == 4139.0
-    # issue 13's sim_step_ms: the prediction where the run did not simulate the row itself
+    # the sim_step_ms: the prediction where the run did not simulate the row itself
     assert rows[1]["sim_step_ms"] == 4139.0 and rows[1]["sim_step_source"] == "prediction"
     assert rows[3].get("sim_step_ms") is None  # no prediction for it
     printed = capsys.readouterr().out.splitlines()
@@ -131,7 +131,7 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
     assert "predicted_step_ms" not in ab[0]  # copies turned off for an A/B row: no prediction simulated it
     in_place = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1202.5, "remote_copies": False}]}
     table.add_predictions(ab, in_place, "raw/s18_call1")
-    assert ab[0]["predicted_step_ms"] == 1202.5  # one that says it simulated the state in place (session 21's)
+    assert ab[0]["predicted_step_ms"] == 1202.5  # one that says it simulated the state in place 
     copying = [{**ab[0], "remote_copies": True, "remote_copied_bytes": 8 * GiB}]
     copying[0].pop("predicted_step_ms")
     both = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1000.0},

@@ -123,7 +123,7 @@ def test_training_leaves_the_deterministic_setting_as_it_found_it():
 def test_with_host_advice_cupti_residency_stays_under_b_at_each_step_end():
     """budget_host_advice (the default): only the scheduler's prefetches make data resident, so CUPTI-measured
     residency at each step's end (after the step's moves completed) stays under B (plus the 2 MiB-block
-    rounding of what the CUPTI records cover); session 12 measured ResNet-50 at 1.7 x B without it."""
+    rounding of what the CUPTI records cover) measured ResNet-50 at 1.7 x B without it."""
     from um_lab.cuda.telemetry import Telemetry
 
     _, _, footprint = _train(None, steps=2)
@@ -355,7 +355,7 @@ def test_free_block_discards_keep_cupti_residency_under_b_at_each_step_end():
 
 def test_what_the_ledger_counts_resident_reads_at_device_speed():
     """With host advice, a kernel's first write to a pool page lands in host memory (the preferred location) and is
-    mapped remotely: the ledger must not count it resident until a prefetch moved it. Session 16 found optimizer
+    mapped remotely: the ledger must not count it resident until a prefetch moved it. A GPU run once found optimizer
     state and gradients, created by GPU writes, counted resident while the GPU read them over the host link.
     After planned steps at 0.9 of the footprint, the optimizer state and gradients the ledger holds resident
     read at device-memory speed (a remote read runs at ~50 GB/s on the H200's link; HBM at ~3,000)."""

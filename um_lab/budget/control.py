@@ -71,7 +71,7 @@ class BudgetControl:
         #: (:mod:`remote_state`) where the intermediate-results pool is fixed device memory (staged activations) and
         #: the slots' room is worth it; off, the optimizer's kernels update it in place over the link. On the H200 it
         #: made GPT-2-XL at 2 faster (1,271 against 1,440 ms) but GPT-2-XL at 3 slower (2,412 against 1,865): the
-        #: pool grew after the slots were weighed and the plan then moved 7.2 GB a step (session 20)
+        #: pool grew after the slots were weighed and the plan then moved 7.2 GB a step 
         self.copy_remote_state = False
         self._ops_out = another_like(stager.ops) if stager is not None else None
         self._slot_bytes = 0  # each copy slot's size, announced to the plan (0: none yet); -1: refused
@@ -327,7 +327,7 @@ class BudgetControl:
         has no state yet (the step creates it); once all have, with staged activations, the resident
         intermediate-results pool, where its temporaries (AdamW's ``sqrt(v) + eps`` per chunk) are resident. In
         the optimizer-state pool, which prefers the host under a budget, they are written and read over the
-        host link every step (session 16, GPT-2-large: ~290 ms of a 1,750 ms step)."""
+        host link every step (GPT-2-large: ~290 ms of a 1,750 ms step)."""
         if self.stager is None or not all(optimizer.state.get(p) for p in params):
             return DataType.OPTIM
         return DataType.ACT

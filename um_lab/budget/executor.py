@@ -116,7 +116,7 @@ class BudgetExecutor:
         self._skipped: dict[int, set[int]] = {}  # position -> blocks of its look-ahead skipped this step
         #: room the plan leaves for the fixed pool to grow: the most it grew between two plans. A new fixed segment
         #: is resident at once (its first touch), before evictions can make room; without this room the ledger
-        #: passed B by one segment when the pool grew under a plan (H200, session 16: GPT-2-large at ratio 3)
+        #: passed B by one segment when the pool grew under a plan (H200: GPT-2-large at ratio 3)
         self.fixed_reserve = 0
         #: growth of the fixed pool announced in advance (:meth:`expect_fixed_growth`): plans leave room for it
         #: until it has happened, and it does not count toward ``fixed_reserve``

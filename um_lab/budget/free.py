@@ -15,7 +15,7 @@ before them (which may still use a tensor freed on the host) and those queued af
 tensor the allocator puts there next). On the side stream a discard could run after such a write and lose it.
 They also wait for every move issued before them on the side stream: CUDA leaves a discard undefined while a
 prefetch of the same range runs. (The first version lacked that wait and its discard call never returned on
-ResNet-50, H200, session 14; an earlier eviction of the same block still in flight is the suspect.)
+ResNet-50, H200; an earlier eviction of the same block still in flight is the suspect.)
 
 A block discarded this way and written again (the allocator handed it out) before the ledger brings it
 back is not free when that happens: it is then prefetched like any other block.

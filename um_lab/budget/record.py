@@ -347,7 +347,7 @@ def join_chunks(chunks: Chunks, max_bytes: int) -> Chunks:
     """Consecutive ``chunks`` joined while their parameters hold at most ``max_bytes`` together
     (:func:`join_consecutive`); a joined chunk is named ``"first..last"``. Each chunk costs a Python optimizer
     step and the session's position hooks: on the H200, GPT-2-XL's 291 one-module chunks left the GPU idle
-    for ~170 ms of a ~1,000 ms budget step (session 20)."""
+    for ~170 ms of a ~1,000 ms budget step."""
     sizes = [sum(p.numel() * p.element_size() for p in params) for _, params in chunks]
     return [(chunks[run[0]][0] if len(run) == 1 else f"{chunks[run[0]][0]}..{chunks[run[-1]][0]}",
              [p for i in run for p in chunks[i][1]]) for run in join_consecutive(sizes, max_bytes)]

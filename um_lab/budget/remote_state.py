@@ -3,7 +3,7 @@
 A plan with remote optimizer state (``Session(budget_remote_optimizer=True)``) leaves the state it would
 otherwise move in host memory, where the optimizer's kernels read and write it over the link. Those kernels
 reach the link's rate in neither direction: on the H200, GPT-2-XL at footprint/B = 2 spent 380 ms of GPU time
-in AdamW for 6.4 GB of remote state (43 ms when all of it was resident; session 20 call 1). Here each chunk's
+in AdamW for 6.4 GB of remote state (43 ms when all of it was resident). Here each chunk's
 remote state tensors are copied instead into a device slot on one side stream, a chunk ahead, and back after
 the chunk's step on another, so the two directions run at once and overlap the steps.
 
@@ -11,7 +11,7 @@ The slots (:class:`CopySlots`, :data:`SLOTS` of them, each as large as the large
 once in the resident intermediate-results pool, which the ledger counts as fixed: the plan leaves room for them
 before they exist (announced growth), so the ledger never passes B when they come. A first version took its
 temporaries from the pool's cache instead; the pool grew under a plan and the ledger passed B on the GPU test's
-MLP (session 20 call 2). Chunk ``i`` uses slot ``i % SLOTS``: its copies in wait (on the GPU) for the copies
+MLP. Chunk ``i`` uses slot ``i % SLOTS``: its copies in wait (on the GPU) for the copies
 back out of chunk ``i - SLOTS``, so a chunk's copies in, the step before it and the copies back of the one
 before that run at once. The remote blocks are only copied, never made resident. The state dict holds the
 slot views only while the optimizer steps the chunk; the originals are back in it on any exit (an exception
@@ -31,7 +31,7 @@ from torch import nn
 from um_lab.budget.pinned import CopyOps
 from um_lab.budget.plan import Plan
 
-#: the link time per GB of remote optimizer state that AdamW updates in place (H200, session 20 call 1: 380 ms
+#: the link time per GB of remote optimizer state that AdamW updates in place (H200: 380 ms
 #: of GPU time for 6.4 GB against 43 ms resident), and per GB copied in and back (both directions at once, at the
 #: staging copies' ~50 GB/s); per GB a plan prefetches to the GPU (47 GB/s) and evicts to the host (10-16 GB/s,
 #: ``bench/results/uvm_call_size.json``)

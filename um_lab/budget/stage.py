@@ -24,9 +24,9 @@ of them would go out and come straight back. With ``keep_tail_bytes = K`` the sa
 that come within ``K`` bytes of the end of the previous step's eligible saves stay on the GPU (``tail_kept_bytes``):
 the link carries ``2 K`` bytes less per step, and the intermediate-results pool holds about ``K`` more. The
 copies back start when forward stops staging (its first kept save, or its end: :meth:`ActivationStager.forward_done`),
-so they run under the tail's forward and backward kernels (session 18 started them at the first staged one:
-ResNet-50 at ratio 2 ran slower kept than staged in full; session 20 at backward's first unpack, after the link
-had idled through forward's tail).
+so they run under the tail's forward and backward kernels (on the H200, started at the first staged one,
+ResNet-50 at ratio 2 ran slower kept than staged in full; started at backward's first unpack, the link
+idled through forward's tail).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class ActivationStager:
     with recorded streams that is freed while any pool routing is active (``beginAllocateToPool``: every
     routed phase of a session) has its release deferred until no routing is active, and is released only by
     an allocation made outside every pool, which a session's step never makes: the intermediate-results pool
-    then took new segments every step (H200, session 15: it filled any budget, twice the footprint too).
+    then took new segments every step (H200: it filled any budget, twice the footprint too).
 
     ``eligible(t)`` says whether a saved tensor may be staged (the session passes: it lives in the
     intermediate-results pool); tensors under ``min_bytes`` (default :data:`MIN_STAGE_BYTES`) stay. Use
@@ -295,7 +295,7 @@ class ActivationStager:
     def forward_done(self) -> None:
         """Forward staged all it will: start the copies back now, the last staged first, a window ahead (they queue
         behind the copies out on the side stream). Called at forward's first kept save and when forward returns;
-        the link is otherwise idle while the host runs forward's tail and backward's start (H200, session 21:
+        the link is otherwise idle while the host runs forward's tail and backward's start (H200:
         ResNet-50 at ratio 1.32, ~45 ms of a ~200 ms step with no copy either way)."""
         if self._staged and not self.stats.restored_bytes:
             self._bring_ahead(len(self._staged))
@@ -410,7 +410,7 @@ def window_for_budget(budget_bytes: int) -> int:
 
     A restore's device block comes from the caching allocator on the compute stream, so its copy waits for the
     compute issued before it; backward then needs ``window > (copy + compute) / copy`` layers of look-ahead or
-    copies and kernels alternate: per layer at least (copy + compute) / window. Session 16 (GPT-2-large, 1 GiB,
+    copies and kernels alternate: per layer at least (copy + compute) / window. On the H200 (GPT-2-large, 1 GiB,
     about 1.5 of its layers): copy engine and kernels each ~60% busy in backward."""
     return int(min(BUDGET_WINDOW_MAX_BYTES, max(64 << 20, budget_bytes // 10)))
 

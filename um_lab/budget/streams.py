@@ -151,7 +151,7 @@ class CudaStreams:
             self._ordered = torch.cuda.Stream(self.device)
         compute = torch.cuda.current_stream(self.device)
         # the host first waits for compute to get here: issued while its stream still waited for compute, a
-        # discard call never returned (ResNet-50 on the H200, session 14); with compute caught up none waits
+        # discard call never returned (ResNet-50 on the H200); with compute caught up none waits
         compute.record_event().synchronize()
         self._ordered.wait_stream(compute)
         self._ordered.wait_stream(self.stream)

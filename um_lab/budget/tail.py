@@ -8,9 +8,9 @@ adds the room left under B, less a margin (:func:`~um_lab.budget.stage.tail_byte
 fixed pool (:meth:`~um_lab.budget.executor.BudgetExecutor.expect_fixed_growth`) and plans again at once.
 
 The kept saves may reuse the pool's cached blocks, so the pool can grow by less than they hold, or grow steps
-later (H200, session 19: ResNet-50's pool grew 1.95 GiB in one step, a round after the saves it holds were kept):
+later (H200: ResNet-50's pool grew 1.95 GiB in one step, a round after the saves it holds were kept):
 announced growth stays reserved until it comes. :meth:`TailSizer.settle_growth` (experimental, off) gives back what
-has not come after :data:`SETTLE_STEPS` quiet steps (session 21: ResNet-50 at 1.32 kept 2.05-2.21 GiB, its pool
+has not come after :data:`SETTLE_STEPS` quiet steps (ResNet-50 at 1.32 kept 2.05-2.21 GiB, its pool
 grew 0.6-1.6 GiB less than announced, and the step's ledger peak was 3.7-4.5 of 5.25 GiB).
 """
 

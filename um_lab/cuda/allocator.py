@@ -422,7 +422,7 @@ class ManagedPools:
 
         Returns the loss detached: the autograd graph is freed here, while the GPU still runs the
         backward kernels (dropped after the step's synchronisation it cost ~0.4 ms of host time on
-        ResNet-50, H200, session 8)."""
+        ResNet-50, H200)."""
         if backward_thread == "caller":
             with self.route(data_type), torch.autograd.set_multithreading_enabled(False):
                 loss.backward()

@@ -1,7 +1,7 @@
 """Populate each new managed segment on the GPU whole (``Session(populate_segments=True)``).
 
 Pages that kernels first touch piecemeal may be mapped with small GPU pages; a segment prefetched whole
-to the GPU is populated in whole 2 MiB blocks. Session 10 measured the effect on the MLP (phase spans,
+to the GPU is populated in whole 2 MiB blocks. On the MLP (phase spans,
 5 processes per mode on the H200): um_lab's step span went from +0.056 ms above native to 0.043 ms below
 it once every segment had been prefetched whole (``bench/diagnostics/phase_spans.py``, variant
 ``um_lab_prefetched``). Only pools whose advice lets their data live on the GPU are populated
