@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.config import Budget
 from um_lab.budget import control
+from um_lab.budget.config import Budget
 from um_lab.budget.pinned import CpuCopyOps
 from um_lab.budget.record import optimizer_chunks, step_optimizer_in_chunks
 from um_lab.budget.remote_state import (

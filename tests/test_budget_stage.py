@@ -11,11 +11,10 @@ import torch
 from test_budget_session import make_session, model_and_data, train
 
 from um_lab.budget.config import Budget
-from um_lab.errors import BudgetError
 from um_lab.budget.pinned import CpuCopyOps, PinnedArena, available_host_bytes
 from um_lab.budget.stage import ActivationStager, StaleSavedTensor
 from um_lab.budget.tail import TailSizer
-from um_lab.errors import InputError
+from um_lab.errors import BudgetError, InputError
 from um_lab.types import DataType
 
 MiB = 1 << 20

@@ -131,7 +131,7 @@ def test_predictions_follow_the_remote_and_telemetry_settings_and_the_runs_they_
     assert "predicted_step_ms" not in ab[0]  # copies turned off for an A/B row: no prediction simulated it
     in_place = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1202.5, "remote_copies": False}]}
     table.add_predictions(ab, in_place, "raw/s18_call1")
-    assert ab[0]["predicted_step_ms"] == 1202.5  # one that says it simulated the state in place 
+    assert ab[0]["predicted_step_ms"] == 1202.5  # one that says it simulated the state in place
     copying = [{**ab[0], "remote_copies": True, "remote_copied_bytes": 8 * GiB}]
     copying[0].pop("predicted_step_ms")
     both = {"rows": [{"model": "gpt2-xl", "ratio": 2.0, "sim_step_ms": 1000.0},

@@ -80,12 +80,13 @@ class Options:
                 if getattr(self, f.name) != getattr(default, f.name)}
 
 
-_CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar("um_lab_experimental", default=Options())
+_DEFAULT = Options()
+_CURRENT: contextvars.ContextVar[Options | None] = contextvars.ContextVar("um_lab_experimental", default=None)
 
 
 def current() -> Options:
     """The options in force here (the defaults outside any :func:`options` block)."""
-    return _CURRENT.get()
+    return _CURRENT.get() or _DEFAULT
 
 
 @contextlib.contextmanager
@@ -95,8 +96,8 @@ def options(**changes: Any) -> Iterator[Options]:
     unknown = sorted(set(changes) - known)
     if unknown:
         raise InputError(f"unknown experimental option(s) {unknown}; known: {sorted(known)}", unknown[0])
-    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **changes))
+    token = _CURRENT.set(dataclasses.replace(current(), **changes))
     try:
-        yield _CURRENT.get()
+        yield current()
     finally:
         _CURRENT.reset(token)

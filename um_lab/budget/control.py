@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from um_lab.budget.executor import BudgetExecutor
-from um_lab.experimental import ISSUE_MODES
 from um_lab.budget.ledger import BLOCK, Span
 from um_lab.budget.mover import InlineMover, ThreadMover
 from um_lab.budget.order import Order
@@ -39,6 +38,7 @@ from um_lab.budget.streams import StreamOps
 from um_lab.budget.tail import TailSizer
 from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
 from um_lab.errors import BudgetError, BudgetTooSmall
+from um_lab.experimental import ISSUE_MODES
 from um_lab.types import DataType
 
 
@@ -71,7 +71,7 @@ class BudgetControl:
         #: (:mod:`remote_state`) where the intermediate-results pool is fixed device memory (staged activations) and
         #: the slots' room is worth it; off, the optimizer's kernels update it in place over the link. On the H200 it
         #: made GPT-2-XL at 2 faster (1,271 against 1,440 ms) but GPT-2-XL at 3 slower (2,412 against 1,865): the
-        #: pool grew after the slots were weighed and the plan then moved 7.2 GB a step 
+        #: pool grew after the slots were weighed and the plan then moved 7.2 GB a step
         self.copy_remote_state = False
         self._ops_out = another_like(stager.ops) if stager is not None else None
         self._slot_bytes = 0  # each copy slot's size, announced to the plan (0: none yet); -1: refused

@@ -528,8 +528,8 @@ class Session(Listenable):
             if callable(can_discard) and bool(can_discard()):
                 free_ranges = _free_ranges_of(pools, device)
             else:
-                warnings.warn("the experimental discard_free option needs cudaMemDiscardBatchAsync (CUDA 13+): it stays off",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn("the experimental discard_free option needs cudaMemDiscardBatchAsync (CUDA 13+): it "
+                              "stays off", RuntimeWarning, stacklevel=3)
         can_batch = getattr(runtime, "can_prefetch_batch", None)
         batch_calls = options.batch_calls and callable(can_batch) and bool(can_batch())
         control = BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
