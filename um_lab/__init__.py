@@ -9,6 +9,7 @@ from um_lab.errors import (
     BudgetError,
     BudgetTooSmall,
     CudaUnavailableError,
+    FileReadError,
     HostMemoryRefused,
     InputError,
     ModelConfigError,
@@ -20,8 +21,8 @@ from um_lab.errors import (
     UnsupportedDeviceError,
     UnsupportedOptimizer,
 )
-from um_lab.policy import Advice, Location, Policy, Prefetch, Processor, get_policy, presets
-from um_lab.types import DATA_TYPES, PAPER_GROUPS, DataType, RunSpec, StepRecord
+from um_lab.policy import Advice, Policy, get_policy, presets
+from um_lab.types import DataType, RunSpec, StepRecord
 
 __version__ = "0.1.0"
 
@@ -58,20 +59,24 @@ _LAZY = {
     "SimBackend": "um_lab.sim.backend",
     "Session": "um_lab.cuda.session",
     "SizeRefused": "um_lab.sizing",
+    "Budget": "um_lab.budget.config",
 }
 
+#: The public surface: what a notebook or script needs (details live in the submodules), then the errors.
 __all__ = [
-    "DATA_TYPES", "PAPER_GROUPS", "Advice", "BudgetError", "BudgetTooSmall", "CudaUnavailableError", "DataType",
-    "HostMemoryRefused", "InputError",
-    "LoadedRun", "Location", "ModelCase", "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused",
-    "Policy", "PolicyError", "Prefetch", "Processor", "Run", "RunDirError", "RunLogError", "RunNameError",
-    "RunSpec", "RunStateError", "Session", "SessionStateError", "SimBackend", "SizeRefused", "SpecError",
-    "StepRecord", "UmLabError", "UnsupportedDeviceError", "UnsupportedOptimizer", "compare", "custom", "get_model",
-    "get_policy", "list_runs", "load", "presets", "run",
+    "Advice", "Budget", "DataType", "Policy", "Run", "RunSpec", "Session", "StepRecord", "__version__", "compare",
+    "custom", "experimental", "get_model", "get_policy", "list_runs", "load", "presets", "run",
+    # errors: every one a UmLabError
+    "BudgetError", "BudgetTooSmall", "CudaUnavailableError", "FileReadError", "HostMemoryRefused", "InputError",
+    "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused", "PolicyError", "RunDirError", "RunLogError",
+    "RunNameError", "RunStateError", "SessionStateError", "SizeRefused", "SpecError", "UmLabError",
+    "UnsupportedDeviceError", "UnsupportedOptimizer",
 ]
 
 
 if TYPE_CHECKING:  # the lazy names, typed for users' type checkers
+    from um_lab import experimental
+    from um_lab.budget.config import Budget
     from um_lab.cuda.session import Session
     from um_lab.models import ModelCase, custom, get_model
     from um_lab.runlog import RunDirError, RunNameError, list_runs
@@ -83,6 +88,10 @@ if TYPE_CHECKING:  # the lazy names, typed for users' type checkers
 
 
 def __getattr__(name: str) -> Any:
+    if name == "experimental":
+        import importlib
+
+        return importlib.import_module("um_lab.experimental")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'um_lab' has no attribute {name!r}")
