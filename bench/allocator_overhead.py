@@ -11,8 +11,7 @@ around each step, and reports the median over the timed steps.
 With ``--alternate BLOCKS`` each process instead runs native and um_lab blocks in turn on one model and
 optimizer (a session opened, the model placed, the block run, the session closed, which moves the model
 back), so each adjacent pair is compared inside one process: the MLP's spread between processes (9-11 ms)
-is ten times the 1% the bar allows. ``--modes native um_lab+VARIANT`` alternates native with a variant
-(e.g. ``um_lab+populate``, which adds a piece instead of leaving one out).
+is ten times the 1% the bar allows. ``--modes native um_lab+VARIANT`` alternates native with a variant.
 
 Prints a table and writes bench/results/allocator_overhead.json. Bar: um_lab / native <= 1.01.
 The um_lab safety cap is on; the naive mode has no cap, so the models stay far below the card.
@@ -95,10 +94,6 @@ VARIANTS: dict[str, tuple[str, str]] = {
                           "own allocator: their routes are no-ops from before place(); activations and input "
                           "still managed", "-0.4 / -0.8 ms if the persistent tensors' managed placement is the cost "
                           "(session 6: the MLP's gap is GPU time and survives no_routing)"),
-    "populate": ("(added, not left out) each new managed segment prefetched whole to the GPU after the step that "
-                 "allocated it (experimental.options(populate_segments=True))",
-                 "MLP -0.1 ms: session 10's phase spans put um_lab 0.056 ms above native and, with every segment "
-                 "prefetched whole, 0.043 ms below it"),
     "no_staging": ("the batch copied pageable -> input pool directly (synchronous), not through the pinned buffer",
                    "+0.6 / +5 ms: session 7 measured staging variants on the MLP (3 repeats): pinned buffer "
                    "9.75/9.40/9.95 ms vs direct 10.43/9.76/10.51 ms; a device buffer then a copy, 10.70/10.26/10.99"),
@@ -217,8 +212,6 @@ def apply_variants(lab: object, variants: list[str]) -> None:
                 contextlib.nullcontext() if data_type in persistent else route(data_type))
         elif v == "no_staging":
             lab.stage_inputs = False  # type: ignore[attr-defined]
-        elif v == "populate":
-            lab.populate_segments = True  # type: ignore[attr-defined]
         elif v not in ("caller", "worker"):
             raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
 

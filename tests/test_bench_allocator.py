@@ -32,7 +32,7 @@ def test_the_alternating_row_pairs_blocks_inside_each_process() -> None:
     assert 1.0 < row["um_lab_gpu_over_native"] < 1.02
 
 
-@pytest.mark.parametrize("modes", [["um_lab", "native"], ["native", "naive"], ["native", "um_lab", "um_lab+populate"],
+@pytest.mark.parametrize("modes", [["um_lab", "native"], ["native", "naive"], ["native", "um_lab", "um_lab+no_staging"],
                                    ["native", "um_lab+native_persistent"],
                                    ["native", "um_lab+no_gradcheck"]])
 def test_alternating_takes_native_and_one_um_lab_mode_that_can_act_after_placing(modes, monkeypatch, capsys) -> None:
@@ -40,17 +40,6 @@ def test_alternating_takes_native_and_one_um_lab_mode_that_can_act_after_placing
     with pytest.raises(SystemExit) as info:
         allocator_overhead.main()
     assert info.value.code == 2 and "--alternate" in capsys.readouterr().err
-
-
-def test_the_populate_variant_turns_on_the_sessions_option() -> None:
-    class Lab:
-        populate_segments = False
-        _pools = None
-
-    lab = Lab()
-    allocator_overhead.apply_variants(lab, ["populate"])
-    assert lab.populate_segments is True
-    assert "populate" in allocator_overhead.VARIANTS
 
 
 def test_backward_runs_on_the_caller_unless_a_variant_asks_for_autograds_thread() -> None:

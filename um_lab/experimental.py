@@ -29,8 +29,7 @@ class Options:
     """Experimental switches (defaults are what the product uses).
 
     Session: ``backward_thread`` (``"caller"``, or ``"worker"``: backward on autograd's device thread);
-    ``stage_inputs`` (pageable inputs through a pinned buffer); ``populate_segments`` (prefetch each new
-    segment whole to the GPU after the step that made it; not with a budget or oversubscription).
+    ``stage_inputs`` (pageable inputs through a pinned buffer).
 
     Budget scheduler: ``budget_issue`` (``"thread"``: a mover thread makes the prefetch calls, or
     ``"inline"``); ``discard_gradients`` (zero gradients at their first accumulation and discard dead
@@ -48,7 +47,6 @@ class Options:
 
     backward_thread: str = "caller"
     stage_inputs: bool = True
-    populate_segments: bool = False
     budget_issue: str = "thread"
     discard_gradients: bool = False
     batch_calls: bool = False

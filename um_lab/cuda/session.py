@@ -34,7 +34,6 @@ from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, Segment, Segme
 from um_lab.cuda.evacuate import evacuate
 from um_lab.cuda.evacuate import is_tensor as _is_tensor
 from um_lab.cuda.evacuate import module_tensors as _module_tensors
-from um_lab.cuda.populate import SegmentPopulator
 from um_lab.cuda.staging import InputStaging
 from um_lab.cuda.step_timer import StepTimer as _StepTimer
 from um_lab.cuda.step_timer import warm_up_outside_pools as _warm_up_outside_pools
@@ -116,12 +115,6 @@ class Session(Listenable):
         if options.discard_free and self.gpu_budget_bytes is None:
             raise InputError("the experimental discard_free option changes the budget scheduler's moves: it needs "
                              "a budget", "discard_free")
-        if options.populate_segments and (self.gpu_budget_bytes is not None or allow_oversubscription):
-            raise InputError("the experimental populate_segments option places every new segment on the GPU: it "
-                             "cannot be combined with a budget (the scheduler places data) or "
-                             "allow_oversubscription", "populate_segments")
-        self.populate_segments = options.populate_segments
-        self._populator: SegmentPopulator | None = None
         self._budget: BudgetControl | None = None
         if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0):
             raise InputError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}", "cap_bytes")
@@ -271,7 +264,6 @@ class Session(Listenable):
                 self.telemetry.close()
         finally:
             self._pools = None
-            self._populator = None
             self._staging = None  # its pinned buffer goes back to torch's host cache
             with Session._open_lock:
                 if Session._open_session is self:
@@ -466,8 +458,6 @@ class Session(Listenable):
             budget_extra["device_activations"] = self.budget_device_activations
             budget_extra["remote_optimizer"] = self.options.remote_optimizer
             record.extra["budget"] = budget_extra
-        if self.populate_segments:  # after the end event: the next step runs on the populated segments
-            self._populate(pools, record)
         if self.telemetry is not None:  # after the end event's synchronize: not in wall_ms
             if self._budget is not None and budget_extra is not None:  # residency once the step's moves are done
                 budget_extra["finish_moves_ms"] = self._budget.finish_moves()
@@ -490,20 +480,6 @@ class Session(Listenable):
             record.extra["device_memory_bytes"] = device
             if record.resident_bytes is not None:
                 record.resident_bytes = {t: n + device.get(t, 0) for t, n in record.resident_bytes.items()}
-
-    def _populate(self, pools: ManagedPools, record: StepRecord) -> None:
-        """Populate the segments new since the last step (``populate_segments``); a failed prefetch is a
-        warning and ``extra["populate_error"]``, never a lost step (it is tried again after the next one)."""
-        if self._populator is None:
-            self._populator = SegmentPopulator(pools)
-        try:
-            populated = self._populator.populate(self.policy)
-        except Exception as e:  # e.g. a driver error: the step itself is done and counts
-            record.extra["populate_error"] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"populate_segments: {e}", RuntimeWarning, stacklevel=3)
-            return
-        if populated:
-            record.extra["populated_bytes"] = populated
 
     def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
         """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
