@@ -1,8 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Deterministic cuBLAS for the GPU tests that compare training bit for bit: it must be set before the first
+# cuBLAS handle exists, so here, before any test runs (a no-op without a GPU).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/fakes.py
 
