@@ -178,3 +178,7 @@ class OptimizerNeedsClosure(ModelConfigError):
 
     def __reduce__(self):
         return (type(self), (self.optimizer, self.model))
+
+
+class ModelTypeError(ModelConfigError, TypeError):
+    """A model argument of the wrong type (``custom(name, 42, ...)``); also a ``TypeError``."""
