@@ -114,7 +114,7 @@ def test_rebuilding_the_h200_profile_gives_the_packaged_file() -> None:
                                  step_detail_path=results / "step_detail.json",
                                  gemm_tiles_path=results / "gemm_tiles.json",
                                  gemm_shapes_paths=sorted((results / "gemm_shapes").glob("*.json")),
-                                 scheduler_paths=sorted((results / "raw").glob("session1[12]_budget*.json")))
+                                 scheduler_paths=[results / "scheduler_moves.json"])
     assert rebuilt.name == "h200"
     packaged = dataclasses.asdict(packaged_h200())
     for key, value in dataclasses.asdict(rebuilt).items():
