@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import signal
 import sys
@@ -35,11 +36,14 @@ from typing import Any
 from um_lab import labserver
 from um_lab.cli_args import (
     CliError,
+    check_batch_size,
+    check_capacity_and_ratios,
     check_out_dir,
     format_table,
+    join_signed_values,
     load_policy_arg,
     parse_budget,
-    parse_bytes,
+    parse_capacity,
     parse_model_kwargs,
     parse_ratio,
     ratio_text,
@@ -47,6 +51,7 @@ from um_lab.cli_args import (
 from um_lab.errors import UmLabError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  #: the reader of our output went away (``um-lab show ... | head``)
 
 
 LAB_EPILOG = """\
@@ -71,9 +76,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the model's)")
     p.add_argument("--model-kw", action="append", metavar="KEY=VALUE",
                    help="a model size knob, repeatable (e.g. width=1024, seq_len=256, n_layer=2)")
-    p.add_argument("--capacity", type=parse_bytes, default=None,
+    p.add_argument("--capacity", type=parse_capacity, default=None,
                    help="simulated GPU capacity, e.g. 16GiB or 1e9 (backends that simulate capacity, such "
-                        "as sim; default: the profile's card)")
+                        "as sim; default: the profile's card); not with a ratio")
     p.add_argument("--profile", default=None,
                    help="calibration profile, for backends that take one (sim's: a packaged name such as "
                         "h200, or a profile JSON)")
@@ -109,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", nargs="+", type=parse_ratio, default=[None],
                    help="simulated oversubscription ratios (backends that simulate capacity, such as sim); "
                         "'none' = the profile's card")
-    p.add_argument("--csv", type=Path, help="write the table as CSV")
-    p.add_argument("--parquet", type=Path, help="write the table as Parquet (needs pyarrow)")
+    p.add_argument("--csv", type=Path, help="write the table as CSV (a new file, unless --force)")
+    p.add_argument("--parquet", type=Path, help="write the table as Parquet (needs pyarrow; a new file, unless "
+                                                  "--force)")
+    p.add_argument("--force", action="store_true", help="let --csv / --parquet replace a file that exists")
     p.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
     _add_run_options(p)
 
@@ -133,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path)
 
     sub.add_parser("models", help="list the model zoo and its size knobs")
-    sub.add_parser("policies", help="list the policy presets")
+    sub.add_parser("policies", help="list the policy presets and the scheduled policies")
     return parser
 
 
@@ -194,13 +201,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from um_lab.runner import Run
     from um_lab.types import RunSpec
 
+    model_kwargs = _model_kwargs(args)
+    check_capacity_and_ratios(args.capacity, [args.ratio], "--ratio")
     policy = load_policy_arg(args.policy)
     check_out_dir(args.out)
     resolved = _announce_backend(args.backend)
     backend = _backend_instance(resolved, args.profile)
     spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
                    warmup_steps=args.warmup, batch_size=args.batch_size,
-                   model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
+                   model_kwargs=model_kwargs, capacity_bytes=args.capacity,
                    oversubscription_ratio=args.ratio, seed=args.seed, gpu_budget_bytes=args.budget[0],
                    gpu_budget_fraction=args.budget[1])
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
@@ -225,42 +234,77 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--model-kw`` as a dict, refused when its ``batch_size`` disagrees with ``--batch-size``."""
+    kwargs = parse_model_kwargs(args.model_kw)
+    check_batch_size(args.batch_size, kwargs)
+    return kwargs
+
+
 def _check_exports(args: argparse.Namespace) -> None:
     from um_lab.sweep import check_export_path
 
     if args.parquet is not None and importlib.util.find_spec("pyarrow") is None:
         raise CliError("--parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
                        "or export with --csv instead")
+    if args.csv is not None and args.parquet is not None and args.csv.resolve() == args.parquet.resolve():
+        raise CliError(f"--csv and --parquet name one file, {args.csv}; give each its own")
     for path in (args.csv, args.parquet):
         if path is not None:
-            check_export_path(path)
+            check_export_path(path, force=args.force)
+
+
+def _export(table: Any, args: argparse.Namespace) -> bool:
+    """Write the table to ``--csv`` / ``--parquet``; False when one of them could not be written (said why:
+    the table is still in the comparison folder's summary.csv)."""
+    from um_lab.sweep import write_export
+
+    written = True
+    for path, fmt in ((args.csv, "csv"), (args.parquet, "parquet")):
+        if path is None:
+            continue
+        try:
+            write_export(table, path, force=args.force, fmt=fmt)
+            _say(f"{fmt}: {path}")
+        except (UmLabError, OSError) as e:
+            sweep = table.attrs.get("sweep_dir")
+            print(f"um-lab: error: {e}" + (f"; the table is in {sweep}/summary.csv" if sweep else ""),
+                  file=sys.stderr, flush=True)
+            written = False
+    return written
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """``um-lab compare``."""
+    """``um-lab compare``. A comparison that stops early (a run failed, without --keep-going, or Ctrl-C) still
+    shows and exports the table of the runs made, then reports why it stopped."""
     from um_lab.sweep import compare
 
+    model_kwargs = _model_kwargs(args)
+    check_capacity_and_ratios(args.capacity, args.ratios, "--ratios")
     _check_exports(args)  # before the sweep, not after it
     policies = [load_policy_arg(p) for p in args.policies]
     check_out_dir(args.out)
     backend = _announce_backend(args.backend)
     instance = _backend_instance(backend, args.profile)
-    table = compare(args.models, policies, args.ratios, backend=backend, backend_instance=instance,
-                    steps=args.steps,
-                    warmup_steps=args.warmup, batch_size=args.batch_size,
-                    model_kwargs=parse_model_kwargs(args.model_kw), capacity_bytes=args.capacity,
-                    seed=args.seed, out_dir=args.out, progress=not args.no_progress,
-                    keep_going=args.keep_going, gpu_budget_bytes=args.budget[0],
-                    gpu_budget_fraction=args.budget[1])
+    try:
+        table = compare(args.models, policies, args.ratios, backend=backend, backend_instance=instance,
+                        steps=args.steps,
+                        warmup_steps=args.warmup, batch_size=args.batch_size,
+                        model_kwargs=model_kwargs, capacity_bytes=args.capacity,
+                        seed=args.seed, out_dir=args.out, progress=not args.no_progress,
+                        keep_going=args.keep_going, gpu_budget_bytes=args.budget[0],
+                        gpu_budget_fraction=args.budget[1])
+    except BaseException as e:
+        partial = getattr(e, "compare_table", None)
+        if partial is not None:  # the runs made before it stopped: shown and exported, then the error
+            _say(format_table(partial))
+            _say(f"runs: {partial.attrs['sweep_dir']} (stopped early)")
+            _export(partial, args)
+        raise
     _say(format_table(table))
     _say(f"runs: {table.attrs['sweep_dir']}")
-    if args.csv is not None:
-        table.to_csv(args.csv, index=False)
-        _say(f"csv: {args.csv}")
-    if args.parquet is not None:
-        table.to_parquet(args.parquet, index=False)
-        _say(f"parquet: {args.parquet}")
-    return EXIT_OK if (table["status"] == "complete").all() else EXIT_FAILED
+    exported = _export(table, args)
+    return EXIT_OK if exported and (table["status"] == "complete").all() else EXIT_FAILED
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -299,9 +343,16 @@ def cmd_lab(args: argparse.Namespace) -> int:
     notebooks = (args.notebooks or labserver.default_notebooks_dir()).resolve()
     if not notebooks.is_dir():
         raise CliError(f"notebook folder {notebooks} not found (pass --notebooks DIR)")
-    cmd = labserver.lab_command(notebooks, args.port, args.no_browser, getattr(args, "jupyter_args", ()))
+    extra = list(getattr(args, "jupyter_args", ()))
+    port = labserver.named_port(args.port, extra)
+    if port is not None:  # named: Jupyter would stop on a busy one (not move on); say so before starting it
+        labserver.check_port_free(port, labserver.user_ip(extra))
+    cmd = labserver.lab_command(notebooks, args.port, args.no_browser, extra)
     env, runs = labserver.lab_environment()
-    _say(f"starting JupyterLab on {notebooks} (127.0.0.1 only; open the URL with the token it prints)")
+    for line in labserver.lab_banner(notebooks, port, extra):
+        _say(line)
+    for warning in labserver.lab_warnings(extra):
+        print(f"um-lab: WARNING: {warning}", file=sys.stderr, flush=True)
     _say(f"runs from the notebooks go to {runs} (UM_LAB_RUNS_DIR)")
     status = labserver.serve_lab(cmd, env)
     if status > 128:
@@ -364,10 +415,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    """``um-lab policies``."""
-    from um_lab.policy import presets
+    """``um-lab policies``: every name ``--policy`` takes (the presets and the scheduled policies)."""
+    from um_lab.policy import named_policies
 
-    for name, policy in presets.items():
+    for name, policy in named_policies().items():
         _say(f"{name:18s} {policy.description}")
     return EXIT_OK
 
@@ -382,26 +433,50 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] != "lab":
-        return parser.parse_args(argv)
+        return parser.parse_args(join_signed_values(argv))  # --budget -1GiB: a value, refused as one
     cut = argv.index("--") if "--" in argv else len(argv)
     args, unknown = parser.parse_known_args(argv[:cut])
     args.jupyter_args = [*unknown, *argv[cut + 1:]]
     return args
 
 
+def _say_error(e: BaseException) -> None:
+    """``um-lab: error: <message>``, then the notes added to it (e.g. where a stopped comparison's table is)."""
+    print(f"um-lab: error: {e}", file=sys.stderr)
+    for note in getattr(e, "__notes__", ()):
+        print(f"um-lab: {note}", file=sys.stderr)
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``| head``): nothing more can be shown; no error, no second one when
+    Python flushes stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (captured)
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``um-lab``; returns the exit status (errors print ``um-lab: error: ...``)."""
+    """Entry point of ``um-lab``; returns the exit status (errors print ``um-lab: error: ...``, never a traceback
+    for um_lab's own errors: bad input 2, other refusals and failures 1)."""
     args = parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        for note in getattr(e, "__notes__", ()):
+            print(f"um-lab: {note}", file=sys.stderr)
         print("um-lab: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except (CliError, ValueError, FileNotFoundError, ImportError, OSError) as e:
-        print(f"um-lab: error: {e}", file=sys.stderr)
+        _say_error(e)
         return EXIT_USAGE
     except (UmLabError, RuntimeError) as e:  # e.g. no GPU, a size refused under the safety cap
-        print(f"um-lab: error: {e}", file=sys.stderr)
+        _say_error(e)
         return EXIT_FAILED
 
 

@@ -26,13 +26,58 @@ class CliError(UmLabError):
     """A problem the user can fix; printed as ``um-lab: error: ...`` with exit status 2."""
 
 
+#: the smallest ratio the CLI takes: below it the simulated GPU is over 1000 times the footprint (no
+#: oversubscription to study; ``none`` runs on the profile's whole card), and a tiny ratio overflows the capacity
+MIN_RATIO = 1e-3
+#: the smallest simulated GPU capacity: one 2 MiB chunk (the simulator's UVM block)
+MIN_CAPACITY_BYTES = 2 << 20
+#: options that take one value which may start with ``-`` (``--budget -1GiB``): joined as ``--budget=-1GiB``
+#: before argparse reads them, so that the value is refused by what it is, not taken for an option
+SIGNED_VALUE_OPTIONS = ("--budget", "--capacity", "--ratio")
+
+
+def _refuse_negative(text: str, what: str) -> None:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{what} must be > 0, got {text!r}")
+
+
 def parse_bytes(text: str) -> int:
     """``"8GiB"`` -> 8589934592; ``"1.5GB"`` and ``"1.5e9"`` -> 1500000000; plain numbers are bytes
     (:func:`um_lab.types.size_bytes` as an argparse type)."""
+    _refuse_negative(text, "a size")
     try:
         return size_bytes(text)
     except SpecError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_capacity(text: str) -> int:
+    """A simulated GPU capacity (:func:`parse_bytes`), at least one 2 MiB chunk."""
+    _refuse_negative(text, "a simulated GPU capacity")
+    value = parse_bytes(text)
+    if value < MIN_CAPACITY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"a simulated GPU capacity is at least one 2 MiB chunk ({MIN_CAPACITY_BYTES} B), got {text!r} "
+            f"({value} B); e.g. --capacity 8GiB")
+    return value
+
+
+def join_signed_values(argv: Sequence[str]) -> list[str]:
+    """``["--budget", "-1GiB"]`` -> ``["--budget=-1GiB"]`` for :data:`SIGNED_VALUE_OPTIONS` (argparse takes a
+    value starting with ``-`` for an option unless it is a plain negative number); the rest as given."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return [*out, *argv[i:]]
+        if argv[i] in SIGNED_VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1][:1] == "-" \
+                and argv[i + 1] != "--" and not argv[i + 1].startswith("--"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def parse_ratio(text: str) -> float | None:
@@ -47,6 +92,10 @@ def parse_ratio(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"ratio must be a finite number > 0 (or none): {text!r}")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"ratio must be > 0: {text!r}")
+    if value < MIN_RATIO:
+        raise argparse.ArgumentTypeError(
+            f"ratio {text!r} is below {MIN_RATIO:g}: the simulated GPU would be over {1 / MIN_RATIO:g} times the "
+            "model's footprint (no oversubscription); give a ratio >= 0.001, or none for the profile's card")
     return value
 
 
@@ -54,6 +103,7 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
     """A GPU budget: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of the run's
     footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)`` (:func:`um_lab.types.budget_from_text` as an argparse
     type)."""
+    _refuse_negative(text, "a GPU budget")
     try:
         return budget_from_text(text)
     except SpecError as e:
@@ -72,6 +122,24 @@ def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             kwargs[key.strip()] = raw
     return kwargs
+
+
+def check_batch_size(batch_size: int | None, model_kwargs: dict[str, Any]) -> None:
+    """Refuse ``--batch-size`` and ``--model-kw batch_size=...`` that disagree (one would be silently dropped)."""
+    if batch_size is None or "batch_size" not in model_kwargs or model_kwargs["batch_size"] == batch_size:
+        return
+    given = model_kwargs["batch_size"]
+    raise SpecError(f"--batch-size {batch_size} and --model-kw batch_size={given} disagree: give the batch size "
+                    f"once (--batch-size {batch_size}, or --model-kw batch_size={given})", "batch_size")
+
+
+def check_capacity_and_ratios(capacity: int | None, ratios: Sequence[float | None], flag: str) -> None:
+    """Refuse ``--capacity`` with a ratio: each sets the simulated GPU's size (a ratio: footprint / ratio)."""
+    given = [r for r in ratios if r is not None]
+    if capacity is not None and given:
+        raise SpecError(f"--capacity {capacity} B ({capacity / 2**30:.3g} GiB) and {flag} {' '.join(f'{r:g}' for r in given)} both set the "
+                        f"simulated GPU's size (a ratio: the model's footprint / ratio): give one of them",
+                        "capacity_bytes")
 
 
 def _looks_like_path(value: str) -> bool:

@@ -3,13 +3,18 @@ and running it so that stopping ``um-lab lab`` stops the server and its kernels.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from um_lab.cli_args import CliError
 
 LAB_STOP_GRACE_S = 10.0  #: seconds Jupyter gets to shut down (kernels included) before it is killed
 
@@ -22,17 +27,148 @@ def default_notebooks_dir() -> Path:
     return beside if beside.is_dir() else Path.cwd() / "notebooks"
 
 
+LOCAL_IP = "127.0.0.1"
+JUPYTER_DEFAULT_PORT = 8888
+
+# Jupyter's names for a setting on its command line (a ServerApp trait, its alias), as --name=value or --name value
+IP_NAMES = ("ServerApp.ip", "ip", "NotebookApp.ip")
+PORT_NAMES = ("ServerApp.port", "port", "NotebookApp.port")
+PORT_RETRY_NAMES = ("ServerApp.port_retries", "port-retries", "NotebookApp.port_retries")
+ROOT_DIR_NAMES = ("ServerApp.root_dir", "notebook-dir", "ServerApp.notebook_dir", "NotebookApp.notebook_dir")
+TOKEN_NAMES = ("IdentityProvider.token", "ServerApp.token", "NotebookApp.token")
+PASSWORD_NAMES = ("ServerApp.password", "NotebookApp.password", "PasswordIdentityProvider.hashed_password")
+
+
+def jupyter_setting(extra: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value ``extra`` (arguments for Jupyter) gives a setting named any of ``names`` (the last one wins),
+    written ``--name=value`` or ``--name value``; None when it gives none."""
+    value = None
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg.startswith("-"):
+            key, sep, given = arg.lstrip("-").partition("=")
+            if key in names:
+                if sep:
+                    value = given
+                elif i + 1 < len(extra):
+                    value = extra[i + 1]
+                    i += 1
+        i += 1
+    return value
+
+
+def user_ip(extra: Sequence[str]) -> str | None:
+    """The address the user's Jupyter arguments bind the server to (None: ours, 127.0.0.1)."""
+    return jupyter_setting(extra, IP_NAMES)
+
+
+def named_port(port: int | None, extra: Sequence[str]) -> int | None:
+    """The port asked for: the user's Jupyter argument (it comes last), else ``--port``; None for Jupyter's."""
+    given = jupyter_setting(extra, PORT_NAMES)
+    if given is not None:
+        try:
+            return int(given.strip().strip("'\""))
+        except ValueError:
+            return None  # Jupyter says what is wrong with it
+    return port
+
+
+def is_local(ip: str | None) -> bool:
+    """True when ``ip`` (None: ours) is reachable from this machine only (a loopback address)."""
+    if ip is None:
+        return True
+    host = ip.strip().strip("'\"[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or '' / '*' (every interface): may be reached from the network
+
+
+def auth_off(extra: Sequence[str]) -> bool:
+    """True when the user's Jupyter arguments set an empty token and no password: anyone who reaches the
+    server can run code."""
+    token = jupyter_setting(extra, TOKEN_NAMES)
+    password = jupyter_setting(extra, PASSWORD_NAMES)
+    empty = ("", "''", '""')
+    return token is not None and token.strip() in empty and (password is None or password.strip() in empty)
+
+
+def port_in_use(port: int, ip: str | None = None) -> bool:
+    """True when ``port`` on ``ip`` (None: 127.0.0.1) cannot be bound because something listens there; False
+    when it can, or when this cannot tell (a privileged port, an address that is not ours: Jupyter says)."""
+    host = (ip or LOCAL_IP).strip().strip("'\"[]")
+    if host in ("", "*"):
+        host = "0.0.0.0"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Jupyter binds: TIME_WAIT is free
+            probe.bind(address)
+    except OSError as e:
+        return e.errno == errno.EADDRINUSE
+    return False
+
+
+def check_port_free(port: int, ip: str | None = None) -> None:
+    """Refuse a port asked for that is in use (Jupyter would move to another one, or stop)."""
+    if port_in_use(port, ip):
+        raise CliError(f"port {port} is in use on {ip or LOCAL_IP}: choose another one with --port, or leave "
+                       f"--port out to take Jupyter's first free port from {JUPYTER_DEFAULT_PORT}")
+
+
 def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = False,
                 extra: Sequence[str] = ()) -> list[str]:
     """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on;
-    ``extra`` arguments come last, as given (so they can override ours)."""
-    cmd = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1",
-           f"--ServerApp.root_dir={notebooks}"]
+    ``extra`` arguments come last, as given. A setting they give (the address, the root folder) is not
+    given by us too (Jupyter refuses two values of one setting); a port that is named (``port``, or in
+    ``extra``) is kept: Jupyter stops rather than moving to another one (``port_retries=0``)."""
+    cmd = [sys.executable, "-m", "jupyterlab"]
+    if user_ip(extra) is None:
+        cmd.append(f"--ServerApp.ip={LOCAL_IP}")
+    if jupyter_setting(extra, ROOT_DIR_NAMES) is None:
+        cmd.append(f"--ServerApp.root_dir={notebooks}")
     if port is not None:
         cmd.append(f"--ServerApp.port={port}")
+    if named_port(port, extra) is not None and jupyter_setting(extra, PORT_RETRY_NAMES) is None:
+        cmd.append("--ServerApp.port_retries=0")
     if no_browser:
         cmd.append("--no-browser")
     return [*cmd, *extra]
+
+
+def lab_banner(notebooks: Path, port: int | None, extra: Sequence[str] = ()) -> list[str]:
+    """What ``um-lab lab`` says before starting Jupyter: the folder, the address and port, and how to log in."""
+    ip = user_ip(extra)
+    where = f"{LOCAL_IP} only" if ip is None else (f"{ip} only" if is_local(ip) else f"{ip or 'every address'}, "
+                                                                                    "reachable from the network")
+    if port is not None:
+        port_text = f"port {port} (a busy port stops it; it does not move to another)"
+    elif port_in_use(JUPYTER_DEFAULT_PORT, ip):
+        port_text = (f"port {JUPYTER_DEFAULT_PORT} is busy: Jupyter takes the next free one; the URL it prints "
+                     "says which")
+    else:
+        port_text = f"port {JUPYTER_DEFAULT_PORT} (or the next free one if it is taken meanwhile: see the URL)"
+    login = ("AUTHENTICATION OFF: no token, no password" if auth_off(extra)
+             else "open the URL with the token it prints")
+    return [f"starting JupyterLab on {notebooks} ({where}; {port_text}; {login})"]
+
+
+def lab_warnings(extra: Sequence[str]) -> list[str]:
+    """Loud warnings about what the user's Jupyter arguments open up: authentication off, an address that
+    is reachable from the network."""
+    ip = user_ip(extra)
+    warnings = []
+    if auth_off(extra):
+        warnings.append("TOKEN AUTHENTICATION IS OFF (an empty token was passed to Jupyter): anyone who can reach "
+                        "the server can run code as you" + ("" if is_local(ip) else ", FROM THE NETWORK")
+                        + ". Remove the empty token to turn it back on.")
+    if not is_local(ip):
+        warnings.append(f"JupyterLab listens on {ip!r}, not on {LOCAL_IP} only: it is reachable from the network "
+                        "(a notebook runs code as you). Use this on a trusted network only.")
+    return warnings
 
 
 def lab_environment(start_dir: Path | None = None) -> tuple[dict[str, str], Path]:

@@ -86,11 +86,20 @@ def records_frame(records: Iterable[StepRecord]) -> pd.DataFrame:
 
 
 def speedup_over(table: pd.DataFrame, baseline: str, column: str = "median_ms") -> np.ndarray:
-    """The baseline policy's ``column`` / each row's, within each (model, ratio); NaN without a baseline row."""
+    """The baseline policy's ``column`` / each row's, within each (model, ratio); NaN without a baseline row.
+    A (model, ratio) with several baseline rows (a table put together from several comparisons) takes the
+    mean of their measured values."""
     key = table["ratio"].astype(object).where(table["ratio"].notna(), "none")
-    base = table[table["policy"] == baseline].assign(_key=key).set_index(["model", "_key"])[column]
+    is_base = (table["policy"] == baseline).to_numpy()
+    values = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=float)
+    measured: dict[tuple[Any, Any], list[float]] = {}
+    for model, k, value in zip(table["model"][is_base], key[is_base], values[is_base], strict=True):
+        measured.setdefault((model, k), [])
+        if not math.isnan(value):
+            measured[(model, k)].append(value)
+    base = {cell: float(np.mean(found)) if found else math.nan for cell, found in measured.items()}
     base_for_row = [base.get((m, k), math.nan) for m, k in zip(table["model"], key, strict=True)]
-    return np.asarray(base_for_row, dtype=float) / table[column].to_numpy(dtype=float)
+    return np.asarray(base_for_row, dtype=float) / values
 
 
 def with_speedup(table: pd.DataFrame, baseline: str) -> pd.DataFrame:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from um_lab.backend import backend_class, backend_names, get_backend
 from um_lab.backend_base import Backend
-from um_lab.errors import ModelConfigError, PolicyError
+from um_lab.errors import ModelConfigError, OutputExistsError, PolicyError, SpecError
 from um_lab.models import ModelCase, case_for_spec
 from um_lab.policy import Policy, get_policy, is_scheduled, named_policies
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
@@ -49,7 +49,35 @@ def _normalise_models(models: ModelsArg, model_kwargs: Mapping[str, Any] | None)
             items.append((model, kwargs))
     if not items:
         raise ModelConfigError("compare() needs at least one model")
+    labels = [label for label, _ in items]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:  # each (model, ratio) is one cell of the table: a second one would run again and collide
+        raise ModelConfigError(f"model {', '.join(map(repr, twice))} is given more than once; give each model once "
+                               "(to compare sizes of one model, give each a ModelCase of its own name, e.g. "
+                               "um_lab.models.custom)", "models")
     return items
+
+
+def _checked_ratios(ratios: Sequence[float | None]) -> list[float | None]:
+    """The ratios (``[None]`` when empty), each once: a ratio given twice is refused, naming it."""
+    ratio_list = list(ratios) or [None]
+    seen: list[float | None] = []
+    for ratio in ratio_list:
+        if ratio in seen:
+            shown = "None (the profile's card)" if ratio is None else repr(ratio)
+            raise SpecError(f"ratio {shown} is given more than once; give each ratio once", "ratios")
+        seen.append(ratio)
+    return ratio_list
+
+
+def _checked_batch_size(batch_size: int | None, model_items: list[tuple[str, Any]]) -> None:
+    """Refuse ``batch_size`` when a model's knobs set another ``batch_size`` (one of them would be dropped)."""
+    if batch_size is None:
+        return
+    for label, kwargs in model_items:
+        if isinstance(kwargs, dict) and "batch_size" in kwargs and kwargs["batch_size"] != batch_size:
+            raise SpecError(f"batch_size={batch_size} and {label}'s knob batch_size={kwargs['batch_size']!r} "
+                            "disagree: give the batch size once", "batch_size")
 
 
 def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[Policy]:
@@ -73,12 +101,16 @@ def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[P
     return objs
 
 
-def check_export_path(path: str | os.PathLike[str]) -> Path:
+def check_export_path(path: str | os.PathLike[str], force: bool = False) -> Path:
     """Raise :class:`~um_lab.runlog.RunDirError` unless a table can be written to ``path`` (a file, its
-    folder created if needed; an existing file is left as it is): checked before the first run."""
+    folder created if needed), and :class:`~um_lab.errors.OutputExistsError` when it exists, unless ``force``
+    (then it is left as it is until the table replaces it): checked before the first run."""
     path = Path(path)
     if path.is_dir():
         raise RunDirError(f"cannot write the table to {path}: it is a folder; give a file name")
+    if path.exists() and not force:
+        raise OutputExistsError(path, f"{path} already exists: give another file name, or replace it with --force "
+                                      "(API: force=True). Nothing was run.")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
@@ -90,6 +122,33 @@ def check_export_path(path: str | os.PathLike[str]) -> Path:
             path.unlink()
     except OSError as e:
         raise RunDirError(f"cannot write the table to {path} ({e.strerror or e}). Nothing was run.") from None
+    return path
+
+
+def write_export(table: pd.DataFrame, path: str | os.PathLike[str], force: bool = False,
+                 fmt: str = "csv") -> Path:
+    """Write ``table`` to ``path`` as ``csv`` or ``parquet``. Without ``force`` the file is created, never
+    replaced: one made meanwhile (by another comparison) raises :class:`~um_lab.errors.OutputExistsError`
+    and is kept. With ``force`` a whole new file replaces the old one (written beside it, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}.tmp") if force else path
+    try:
+        f = open(target, "xb")
+    except FileExistsError:
+        raise OutputExistsError(path, f"{path} was created by something else while this comparison ran; it was "
+                                      "not replaced") from None
+    try:
+        with f:
+            if fmt == "parquet":
+                table.to_parquet(f, index=False)
+            else:
+                f.write(table.to_csv(index=False).encode())
+        if force:
+            os.replace(target, path)
+    except BaseException:
+        target.unlink(missing_ok=True)  # the file this call created, never one that was there
+        raise
     return path
 
 
@@ -142,8 +201,13 @@ def compare(
     from um_lab.runner import Run  # runner imports sizing and the backends: only when comparing
 
     model_items = _normalise_models(models, model_kwargs)
+    _checked_batch_size(batch_size, model_items)
     policy_objs = _checked_policies(policies, baseline)
-    ratio_list = list(ratios) or [None]
+    ratio_list = _checked_ratios(ratios)
+    if capacity_bytes is not None and any(r is not None for r in ratio_list):
+        raise SpecError("capacity_bytes and ratios both set the simulated GPU's size (a ratio: the model's "
+                        "footprint / ratio): give capacity_bytes with ratios=[None], or ratios alone",
+                        "capacity_bytes")
     # the backend's class answers every question asked before the first run; it is built only after them
     kind = type(backend_instance) if backend_instance is not None else backend_class(backend)
     backend_name = backend_instance.name if backend_instance is not None else kind.name
@@ -162,56 +226,83 @@ def compare(
                                      capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
              for label, model in model_items for ratio in ratio_list}
     budget_spec = RunSpec(gpu_budget_bytes=gpu_budget_bytes, gpu_budget_fraction=gpu_budget_fraction)  # checked now
-    _check_cases(model_items, specs, kind, keep_going)
+    cases = _check_cases(model_items, specs, kind, keep_going)
+    cells = []  # (label, model, ratio, policy, spec), in the order they run
+    for label, model in model_items:
+        for ratio in ratio_list:
+            for policy in policy_objs:
+                spec = dataclasses.replace(specs[(label, ratio)], policy=policy.name)
+                if is_scheduled(policy):
+                    spec = dataclasses.replace(spec, gpu_budget_bytes=budget_spec.gpu_budget_bytes,
+                                               gpu_budget_fraction=budget_spec.gpu_budget_fraction)
+                cells.append((label, model, ratio, policy, spec))
     out = resolve_out_dir(out_dir)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"cannot write runs under {out}: it already exists and is a file, not a folder; "
                           "choose a folder for the runs (CLI: --out DIR). Nothing was run.")
-    sweep_dir = prepare_run_dir(check_writable(out), f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
+    check_writable(out)
     shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
+    if not keep_going:  # with keep_going a cell that cannot run is recorded as refused by its run
+        _check_cells(cells, cases, shared_backend, kind)
+    sweep_dir = prepare_run_dir(out, f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
 
-    total = len(model_items) * len(policy_objs) * len(ratio_list)
-    bar = _progress_bar(progress, total)
-    rows = []
+    bar = _progress_bar(progress, len(cells))
+    rows: list[dict[str, Any]] = []
+    stopped: BaseException | None = None  # what ended the comparison early (without keep_going)
     try:
-        for label, model in model_items:
-            for ratio in ratio_list:
-                for policy in policy_objs:
-                    if bar is not None:
-                        bar.set_postfix_str(f"{label} {policy.name} ratio={ratio}")
-                    spec = dataclasses.replace(specs[(label, ratio)], policy=policy.name)
-                    if is_scheduled(policy):
-                        spec = dataclasses.replace(spec, gpu_budget_bytes=budget_spec.gpu_budget_bytes,
-                                                   gpu_budget_fraction=budget_spec.gpu_budget_fraction)
-                    case = model if isinstance(model, ModelCase) else None
-                    row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
-                                           "backend": backend_name}
-                    try:
-                        active = Run(spec, case, policy, sweep_dir, backend=shared_backend)
-                    except Exception as e:  # refused before any step (bad size, over the safety cap)
-                        if not keep_going:
-                            raise
-                        rows.append({**row, **summarize(()), "status": "refused",
-                                     "error": f"{type(e).__name__}: {e}", "run_dir": None})
-                        if bar is not None:
-                            bar.update(1)
-                        continue
-                    try:
-                        for _ in active:
-                            pass
-                    except Exception as e:
-                        if not keep_going:
-                            raise
-                        row["error"] = f"{type(e).__name__}: {e}"
-                    if band and active.status == "complete":
-                        row["band_fast_ms"], row["band_slow_ms"] = _band_ms(spec, active.case, policy, shared_backend)
-                    rows.append({**row, **active.summary(), "status": active.status,
-                                 "run_dir": str(active.path)})
-                    if bar is not None:
-                        bar.update(1)
+        for label, model, ratio, policy, spec in cells:
+            if bar is not None:
+                bar.set_postfix_str(f"{label} {policy.name} ratio={ratio}")
+            case = model if isinstance(model, ModelCase) else None
+            row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
+                                   "backend": backend_name}
+            try:
+                active = Run(spec, case, policy, sweep_dir, backend=shared_backend)
+            except Exception as e:  # refused before any step (bad size, over the safety cap)
+                rows.append({**row, **summarize(()), "status": "refused", "error": _error_text(e),
+                             "run_dir": None})
+                if not keep_going:
+                    stopped = e
+                    break
+                if bar is not None:
+                    bar.update(1)
+                continue
+            try:
+                for _ in active:
+                    pass
+            except BaseException as e:  # the row is kept, then it is raised again
+                row["error"] = _error_text(e)
+                if not keep_going or not isinstance(e, Exception):
+                    stopped = e
+            if band and active.status == "complete":
+                row["band_fast_ms"], row["band_slow_ms"] = _band_ms(spec, active.case, policy, shared_backend)
+            rows.append({**row, **active.summary(), "status": active.status, "run_dir": str(active.path)})
+            if bar is not None:
+                bar.update(1)
+            if stopped is not None:
+                break
+    except BaseException as e:  # e.g. Ctrl-C between runs: the finished runs' table is written
+        stopped = e
     finally:
         if bar is not None and progress is True:
             bar.close()
+    if stopped is None:
+        return _write_table(rows, baseline, band, sweep_dir)
+    if rows:
+        table = _write_table(rows, baseline, band, sweep_dir)
+        stopped.compare_table = table  # type: ignore[attr-defined]  # for the CLI: shown and exported
+        complete = sum(1 for row in rows if row["status"] == "complete")
+        stopped.add_note(f"the comparison stopped after {len(rows)} of {len(cells)} runs ({complete} complete); "
+                         f"their table is in {sweep_dir / 'summary.csv'}")
+    raise stopped
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _write_table(rows: list[dict[str, Any]], baseline: str, band: bool, sweep_dir: Path) -> pd.DataFrame:
+    """The comparison's table (speed-ups, the band's columns), written to ``sweep_dir/summary.csv``."""
     table = with_speedup(pd.DataFrame(rows), baseline)
     if band and "band_fast_ms" in table:
         from um_lab.sim.band import with_band
@@ -223,18 +314,62 @@ def compare(
 
 
 def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, Any], RunSpec],
-                 kind: type[Backend], keep_going: bool) -> None:
+                 kind: type[Backend], keep_going: bool) -> dict[str, ModelCase | None]:
     """Every model's knobs and the backend's check of it (:meth:`~um_lab.backend_base.Backend.check_case`; on the
     simulator its input batch against host memory) before any run; with ``keep_going`` a bad model is left
-    to its runs, which record why they could not run."""
+    to its runs, which record why they could not run (its case is None)."""
+    cases: dict[str, ModelCase | None] = {}
     for label, model in model_items:
         spec = next(s for (name, _), s in specs.items() if name == label)
         try:
             case = model if isinstance(model, ModelCase) else case_for_spec(spec)
             kind.check_case(case)
+            cases[label] = case
         except Exception:
             if not keep_going:
                 raise
+            cases[label] = None
+    return cases
+
+
+def _check_cells(cells: Sequence[tuple[str, Any, float | None, Policy, RunSpec]],
+                 cases: Mapping[str, ModelCase | None], backend: Backend, kind: type[Backend]) -> None:
+    """Every run of the comparison before the first one: the backend's pre-flight of each (on the simulator a
+    GPU budget that cannot hold one layer; on a GPU a size over the safety cap) and, on a backend that
+    simulates capacity, the capacity each ratio gives the model (a ratio so small or large that no GPU
+    size follows). The simulator's traces and budget plans made here are the runs' own (cached)."""
+    footprints: dict[str, int] = {}
+    for label, _, ratio, policy, spec in cells:
+        case = cases[label]
+        if case is None:
+            continue
+        try:
+            backend.preflight(spec, case, policy)
+            if kind.simulates_capacity and (spec.oversubscription_ratio is not None or spec.capacity_bytes is not None):
+                if label not in footprints:
+                    footprints[label] = _footprint(backend, case)
+                try:
+                    backend.capacity_for(spec, footprints[label])
+                except OverflowError:
+                    raise SpecError(f"oversubscription ratio {ratio!r} gives {label} a simulated GPU too large to "
+                                    "represent; give a ratio >= 0.001", "oversubscription_ratio") from None
+        except Exception as e:
+            shown = "none" if ratio is None else f"{ratio:g}"
+            e.add_note(f"refused before the first run of the comparison: {label} under {policy.name} at ratio "
+                       f"{shown}. Nothing was run.")
+            raise
+
+
+def _footprint(backend: Backend, case: ModelCase) -> int:
+    """The model's live bytes as a backend that simulates capacity divides by a ratio: the simulator's
+    prepared case (the run's own, cached), else the memory estimate (:func:`um_lab.sizing.estimate_memory`)."""
+    from um_lab.sim.backend import SimBackend
+
+    if isinstance(backend, SimBackend):
+        return backend.prepare(case).footprint_bytes
+    from um_lab.sizing import estimate_memory
+
+    return estimate_memory(case).total_bytes
 
 
 def _band_ms(spec: RunSpec, case: ModelCase, policy: Policy, backend: Backend) -> tuple[float, float]:
