@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from um_lab.errors import PolicyError
+from um_lab.errors import FileReadError, InputError, PolicyError
+from um_lab.files import POLICY_LIMIT, parse_json, read_text
 from um_lab.types import DATA_TYPES, DataType
 
 
@@ -55,6 +56,24 @@ PREFETCH_BEFORE: dict[str, tuple[DataType, ...]] = {
 FORMAT_VERSION = 1
 
 _ADVICE_FIELDS = ("preferred_location", "accessed_by", "read_mostly", "prefetch")
+#: The longest policy name and description taken (a policy is a few KB; its name names folders and rows).
+NAME_LIMIT = 200
+DESCRIPTION_LIMIT = 16 * 1024
+
+
+class PolicyFileError(FileReadError, PolicyError):  # type: ignore[misc]  # field: str in both
+    """A policy file cannot be read as one: missing, not a regular file (a directory, ``/dev/null``, a FIFO),
+    larger than a policy may be, not UTF-8, not JSON, or nested too deep. Both a
+    :class:`~um_lab.errors.FileReadError` (``path``, ``reason``) and a :class:`PolicyError` (``field`` is
+    ``policy``)."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path, self.what, self.reason = path, "policy", reason
+        self.field, self.message = "policy", f"policy file {str(path)!r} {reason}"
+        Exception.__init__(self, self.message)
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +137,14 @@ class Advice:
         return cls(**values)
 
 
+def _check_lengths(name: str, description: Any) -> None:
+    if len(name) > NAME_LIMIT:
+        raise PolicyError("name", f"is {len(name):,} characters, more than the {NAME_LIMIT} a policy name may have")
+    if isinstance(description, str) and len(description) > DESCRIPTION_LIMIT:
+        raise PolicyError("description", f"is {len(description):,} characters, more than the {DESCRIPTION_LIMIT:,} a "
+                                         "policy description may have")
+
+
 def _check_values(values: Mapping[str, Any], where: str) -> None:
     location = values["preferred_location"]
     if not isinstance(location, str) or location not in PREFERRED_LOCATIONS:
@@ -145,6 +172,7 @@ class Policy:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise PolicyError("name", "must be a non-empty string")
+        _check_lengths(self.name, self.description)
         full: dict[DataType, Advice] = {t: Advice() for t in DATA_TYPES}
         for key, adv in dict(self.advice).items():
             try:
@@ -226,11 +254,18 @@ class Policy:
 
     @classmethod
     def from_json(cls, text: str) -> Policy:
-        """Parse JSON text (nothing is evaluated) and validate it."""
+        """Parse JSON text (nothing is evaluated; at most :data:`~um_lab.files.POLICY_LIMIT` bytes, nested at
+        most :data:`~um_lab.files.JSON_DEPTH_LIMIT` levels) and validate it."""
+        if not isinstance(text, str | bytes):
+            raise PolicyError("policy", f"must be JSON text, got {type(text).__name__}")
+        if len(text) > POLICY_LIMIT:
+            raise PolicyError("policy", f"JSON text of {len(text):,} characters is more than the {POLICY_LIMIT:,} "
+                                    "bytes a policy may be")
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PolicyError("policy", f"not valid JSON: {e}") from None
+            data = parse_json(text, "policy")
+        except InputError as e:
+            raise PolicyError("policy", str(e).removeprefix("policy: ").replace("is not valid JSON", "not valid JSON")
+                              ) from None
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> Path:
@@ -241,8 +276,17 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
-        """Read a policy JSON file."""
-        return cls.from_json(Path(path).read_text())
+        """Read a policy JSON file: a regular file (not a directory, device or FIFO) of at most
+        :data:`~um_lab.files.POLICY_LIMIT` bytes, UTF-8 JSON of bounded depth (:class:`PolicyFileError`
+        naming it otherwise), then validated (:class:`PolicyError` naming the field)."""
+        try:
+            data = parse_json(read_text(path, "policy", POLICY_LIMIT), "policy", source=path)
+        except FileReadError as e:
+            raise PolicyFileError(e.path, e.reason) from None
+        try:
+            return cls.from_dict(data)
+        except PolicyError as e:
+            raise PolicyError(e.field, f"{e.message} (in policy file {str(path)!r})") from None
 
 
 _GPU_PINNED = Advice(preferred_location="gpu", accessed_by=frozenset({"gpu"}))
@@ -342,6 +386,19 @@ def named_policies() -> dict[str, Policy]:
 def is_scheduled(policy: Policy | str) -> bool:
     """True when ``policy`` (or the name) is a scheduled policy such as ``layer-ahead``."""
     return (policy.name if isinstance(policy, Policy) else policy) in SCHEDULED
+
+
+def check_preset_name(policy: Policy, baseline: str | None = None) -> Policy:
+    """``policy`` unless it takes the name of a named policy (a preset, or a scheduled one such as
+    ``layer-ahead``) with other advice: it would be recorded, compared and read back as that preset. One rule
+    for :func:`~um_lab.runner.run` and :func:`~um_lab.sweep.compare` (``baseline``: the comparison's baseline
+    name, said so in the error). Raises :class:`PolicyError` (field ``name``) naming the policy."""
+    preset = named_policies().get(policy.name)
+    if preset is not None and policy is not preset and policy.advice != preset.advice:
+        role = " (the baseline)" if baseline is not None and policy.name == baseline else ""
+        raise PolicyError("name", f"policy {policy.name!r} reuses the name of a preset{role} with other advice; "
+                                  f"rename it (e.g. 'my-{policy.name}')")
+    return policy
 
 
 def get_policy(policy: Policy | str) -> Policy:

@@ -3,15 +3,21 @@
 A run's ``status.json`` says ``running`` while steps run. So that it does not stay so when the process
 ends early (split from :mod:`um_lab.runner`, which registers its runs here):
 
-- **SIGTERM is handled like SIGINT** while a :class:`~um_lab.runner.Run` steps in the foreground on the
-  main thread: :class:`RunInterrupted` (a ``KeyboardInterrupt``) is raised there, and the run ends
-  ``interrupted`` with its completed steps, as on Ctrl-C. With only background runs, SIGTERM marks them
-  ``interrupted``, then terminates the process as the default action would.
-  um_lab installs its handler only from the main thread, only where SIGTERM has its default action
-  (never over a handler of yours, nor over ``SIG_IGN``), and puts the default back when its runs end.
+- **SIGTERM and SIGHUP are handled like SIGINT** while a :class:`~um_lab.runner.Run` steps in the
+  foreground on the main thread: :class:`RunInterrupted` (a ``KeyboardInterrupt``) is raised there, and
+  the run ends ``interrupted`` with its completed steps, as on Ctrl-C. With only background runs, the
+  signal marks them ``interrupted``, then terminates the process as the default action would.
+  um_lab installs its handler only from the main thread, only where the signal has its default action
+  (never over a handler of yours, nor over ``SIG_IGN``, e.g. under ``nohup``), and puts the default back
+  when its runs end.
+- **Repeated signals** (Ctrl-C pressed three times) cannot cut a run's final status short: while it is
+  written on the main thread (:func:`held_signals`), SIGINT, SIGTERM and SIGHUP wait, and are delivered
+  after it (one that only repeats the interrupt already ending the run is dropped).
 - **At interpreter exit** (``atexit``) a run still running (a background run, a foreground iteration
   left unfinished) is marked ``interrupted`` with its real step count; a run whose final status could
-  not be written is retried.
+  not be written is retried. Signals wait meanwhile. A background run's thread is then asked to stop and
+  waited for (at most :data:`EXIT_WAIT_S`): a thread still inside torch when the interpreter finalises
+  would abort the process (``terminate called without an active exception``).
 
 A process killed outright (SIGKILL, power loss) writes nothing: :func:`um_lab.runread.load` reads such a
 run (``running`` on disk, its process gone) as ``interrupted`` too, with its real step count (counted from
@@ -22,10 +28,13 @@ run (``running`` on disk, its process gone) as ``interrupted`` too, with its rea
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +45,17 @@ class _Run(Protocol):  # what this module needs of um_lab.runner.Run
     def current_status(self) -> dict[str, Any]: ...
 
     def end_abruptly(self, state: str, reason: str) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
+#: Signals handled like SIGINT while a run steps in the foreground (where the platform has them).
+HANDLED_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+#: Signals held while a final status is written (:func:`held_signals`).
+HELD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, *HANDLED_SIGNALS)
+#: How long interpreter exit waits for background runs' threads to end their step in progress.
+EXIT_WAIT_S = 60.0
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -57,6 +77,7 @@ _open: dict[int, _Run] = {}  # id(run) -> run whose final status is not on disk 
 _foreground: set[int] = set()  # ids of runs stepping in the foreground on the main thread
 _signalled: dict[int, str] = {}  # run id -> the signal that ended its foreground stepping
 _holders = 0  # runs that asked for the SIGTERM handler (it stays installed while > 0)
+_threads: dict[int, tuple[_Run, threading.Thread]] = {}  # background runs' threads, waited for at exit
 
 
 def _on_main_thread() -> bool:
@@ -69,6 +90,14 @@ def opened(run: _Run, *, foreground: bool) -> None:
         _open[id(run)] = run
         if foreground:
             _foreground.add(id(run))
+
+
+def started(run: _Run, thread: threading.Thread) -> None:
+    """Register the thread running ``run`` in the background (stopped and waited for at exit)."""
+    with _lock:
+        for key in [k for k, (_, t) in _threads.items() if not t.is_alive() and t.ident is not None]:
+            del _threads[key]
+        _threads[id(run)] = (run, thread)
 
 
 def closed(run: _Run, *, written: bool) -> None:
@@ -92,7 +121,8 @@ def own_status(path: Path) -> dict[str, Any] | None:
 
 
 def hold_sigterm() -> bool:
-    """Install the run SIGTERM handler (main thread only, and only over the default action).
+    """Install the run handler of SIGTERM and SIGHUP (:data:`HANDLED_SIGNALS`; main thread only, and only
+    over a signal's default action).
 
     Returns True when the caller holds it and must call :func:`release_sigterm` once its run ends.
     """
@@ -100,13 +130,18 @@ def hold_sigterm() -> bool:
     if not _on_main_thread():
         return False
     with _lock:
-        current = signal.getsignal(signal.SIGTERM)
-        if current is not _on_sigterm:
-            if current != signal.SIG_DFL:
-                return False  # a handler of the user's (or SIG_IGN): left alone
-            signal.signal(signal.SIGTERM, _on_sigterm)
-        _holders += 1
-        return True
+        held = False
+        for signum in HANDLED_SIGNALS:
+            current = signal.getsignal(signum)
+            if current is _on_sigterm:
+                held = True
+            elif current == signal.SIG_DFL:
+                signal.signal(signum, _on_sigterm)
+                held = True
+            # else: a handler of the user's (or SIG_IGN, e.g. nohup): left alone
+        if held:
+            _holders += 1
+        return held
 
 
 def release_sigterm() -> None:
@@ -123,8 +158,46 @@ def restore_if_idle() -> None:
     if not _on_main_thread():
         return
     with _lock:
-        if _holders == 0 and signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if _holders == 0:
+            for signum in HANDLED_SIGNALS:
+                if signal.getsignal(signum) is _on_sigterm:
+                    signal.signal(signum, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def held_signals(in_flight: BaseException | None = None) -> Iterator[list[int]]:
+    """Hold SIGINT, SIGTERM and SIGHUP while a final status is written (main thread only; elsewhere
+    nothing is held). Yields the list of signals that came meanwhile; on leaving, the handlers are put back
+    and those signals delivered, but for one that repeats ``in_flight`` (an interrupt already ending the
+    run: SIGINT, or a signal um_lab handles like it). Signals that come while they are put back are the
+    caller's as usual."""
+    pending: list[int] = []
+    if not _on_main_thread():
+        yield pending
+        return
+    previous: dict[signal.Signals, Any] = {}
+
+    def hold(signum: int, frame: object) -> None:
+        pending.append(signum)
+
+    try:
+        for held in HELD_SIGNALS:
+            current = signal.getsignal(held)
+            if current is None:  # a handler not installed from Python: left alone
+                continue
+            previous[held] = current
+            signal.signal(held, hold)
+        yield pending
+    finally:
+        for held, handler in previous.items():
+            signal.signal(held, handler)
+        for came in dict.fromkeys(pending):
+            handler = previous.get(signal.Signals(came))
+            if isinstance(in_flight, KeyboardInterrupt) and (
+                    handler is signal.default_int_handler or handler is _on_sigterm):
+                continue  # the run is already ending on an interrupt: a second one only repeats it
+            if handler not in (signal.SIG_IGN, None):
+                signal.raise_signal(came)
 
 
 def end_open_runs(state: str, reason: str) -> None:
@@ -160,6 +233,29 @@ def _on_sigterm(signum: int, frame: object) -> None:
     os.kill(os.getpid(), signum)
 
 
+def _stop_threads(deadline: float, pending: list[int]) -> None:
+    """Ask background runs' threads to stop and wait for them until ``deadline`` (or a signal comes)."""
+    with _lock:
+        running = [(run, thread) for run, thread in _threads.values() if thread.is_alive()]
+        _threads.clear()
+    for run, _ in running:
+        run.stop()
+    told = False
+    for run, thread in running:
+        while thread.is_alive() and not pending and time.monotonic() < deadline:
+            thread.join(0.1)
+            if thread.is_alive() and not told and time.monotonic() > deadline - EXIT_WAIT_S + 2.0:
+                told = True
+                print(f"um_lab: waiting for run {run.path} to end its step in progress before Python exits "
+                      f"(marked interrupted; at most {deadline - time.monotonic():.0f} s more, Ctrl-C to stop "
+                      "waiting)", file=sys.stderr)
+
+
 @atexit.register
 def _at_exit() -> None:
-    end_open_runs("interrupted", "interpreter exit")
+    with held_signals() as pending:  # a Ctrl-C now must not cut the statuses short (dropped: Python is exiting)
+        try:
+            end_open_runs("interrupted", "interpreter exit")
+            _stop_threads(time.monotonic() + EXIT_WAIT_S, pending)
+        finally:
+            pending.clear()  # nothing is delivered at exit

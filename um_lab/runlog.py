@@ -15,7 +15,9 @@ Writing a folder is :class:`um_lab.runner.Run`'s job; :func:`list_runs` lists th
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as _dt
+import errno
 import importlib.metadata
 import json
 import os
@@ -23,6 +25,7 @@ import platform
 import socket
 import threading
 import time
+import unicodedata
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -84,9 +87,19 @@ def safe_name(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)[:60]
 
 
+#: The longest run name, in bytes of the file system's encoding (a folder name's limit on Linux and macOS).
+RUN_NAME_LIMIT = 255
+#: Unicode categories refused in a run name: control (newlines, escapes), format (bidi overrides such as
+#: U+202E, zero-width characters), surrogate (lone halves of a pair), line and paragraph separators.
+_REFUSED_CATEGORIES = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
+                       "Cs": "a lone surrogate", "Zl": "a line separator", "Zp": "a paragraph separator"}
+
+
 def check_run_name(name: str | os.PathLike[str]) -> str:
     """``name`` if it is one plain folder name, else :class:`RunNameError` (nothing is created): not
-    empty, ``.`` or ``..``, not absolute, no path separator, so that the run stays inside ``out_dir``."""
+    empty, ``.`` or ``..``, not absolute, no path separator, so that the run stays inside ``out_dir``; no
+    control, bidi-override, invisible or surrogate character (a name shown in a terminal or a table must
+    read as what it is); at most :data:`RUN_NAME_LIMIT` bytes."""
     text = os.fspath(name) if isinstance(name, os.PathLike) else name
     if not isinstance(text, str):
         raise RunNameError(f"a run name must be a string, not {type(name).__name__}")
@@ -97,6 +110,19 @@ def check_run_name(name: str | os.PathLike[str]) -> str:
             f"run name {text!r} is not a plain folder name: it must not be empty, '.' or '..', absolute, "
             "or hold a path separator, so that the run folder stays inside out_dir (to put runs "
             "elsewhere, pass out_dir). Nothing was created.")
+    for index, char in enumerate(text):
+        kind = _REFUSED_CATEGORIES.get(unicodedata.category(char))
+        if kind is not None:
+            label = unicodedata.name(char, "") if kind != "a lone surrogate" else ""
+            raise RunNameError(
+                f"run name {ascii(text)} is not a plain folder name: it holds {kind} at position {index} "
+                f"(U+{ord(char):04X}{' ' + label if label else ''}); a run name may not hold control, bidi, "
+                "invisible or surrogate characters. Nothing was created.")
+    size = len(text.encode("utf-8"))
+    if size > RUN_NAME_LIMIT:
+        raise RunNameError(
+            f"run name {text[:40]!r}... is {len(text)} characters ({size} bytes), more than the {RUN_NAME_LIMIT} "
+            "bytes a folder name may have; give a shorter run name. Nothing was created.")
     return text
 
 
@@ -115,6 +141,9 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], name: str) -> Path:
     except FileExistsError:
         raise RunDirError(f"run directory {out / name} already exists; choose another name") from None
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise RunNameError(f"run name {name[:40]!r}... is too long for a folder name under {out} "
+                               f"({e.strerror}); give a shorter run name. Nothing was run.") from None
         raise RunDirError(
             f"cannot write the run directory under {out} ({e.strerror or e}); choose a writable "
             "out_dir (CLI: --out DIR). Nothing was run.") from None
@@ -136,11 +165,53 @@ def check_writable(out_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (a reader never sees half a file)."""
+#: The errors of a full disk or quota: a file that exists may still be rewritten in place.
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Create (or truncate) ``path`` and write ``data`` to it."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def write_json(path: Path, data: Any, *, in_place_if_full: bool = False) -> None:
+    """Write JSON atomically (a reader never sees half a file): a temporary file, then renamed over ``path``.
+    A failed write leaves no temporary file. ``in_place_if_full``: when the disk is full (or over quota),
+    an existing ``path`` is rewritten in place instead, in the blocks it already has (not atomic: the
+    last resort of a run's final status)."""
+    text = (json.dumps(data, indent=2, default=str) + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        _write_file(tmp, text)
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove_temporary(tmp)
+        if not (in_place_if_full and e.errno in _NO_SPACE and path.is_file()):
+            raise
+        try:
+            _rewrite_in_place(path, text)
+        except OSError:
+            raise e from None
+    except BaseException:  # interrupted mid-write: no temporary file is left behind
+        _remove_temporary(tmp)
+        raise
+
+
+def _remove_temporary(tmp: Path) -> None:
+    """Remove a temporary file a failed write left (only a file: anything else there is not ours)."""
+    with contextlib.suppress(OSError):
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink()
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    """Overwrite ``path`` with ``data`` without allocating a new file (works on a full disk while the
+    file's blocks hold ``data``)."""
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate()
+        f.flush()
 
 
 def _version(dist: str) -> str | None:
@@ -242,6 +313,10 @@ class RunFolderWriter:
         self._heartbeat_warned = False
         self._status_problem: object = None
 
+    def _open_log(self) -> IO[str]:
+        """``records.jsonl``, opened to append a line per step."""
+        return open(self.path / "records.jsonl", "a", encoding="utf-8")
+
     def _log(self, log: IO[str], record: StepRecord) -> bool:
         """Append ``record`` to records.jsonl and count it; False (nothing written) once sealed."""
         line = json.dumps(jsonable(record.to_dict())) + "\n"
@@ -253,7 +328,7 @@ class RunFolderWriter:
                 log.flush()
             except OSError as e:
                 raise RunDirError(f"cannot write {self.path / 'records.jsonl'} ({e.strerror or e}); the "
-                                  f"{self.steps_completed} steps before this one are on disk") from e
+                                  f"{self.steps_completed} steps before this one are in it") from e
             self.steps_completed += 1
             self.latest = record
             self.tail.append(record)
@@ -289,7 +364,7 @@ class RunFolderWriter:
             if self.status == "interrupted":  # a signal between a record's write and its count: trust the file
                 self.steps_completed = max(self.steps_completed, count_records(self.path / "records.jsonl"))
             try:
-                self._write_status()
+                self._write_status(final=True)
             except OSError as e:
                 self._status_problem = e.strerror or e
                 return False
@@ -326,11 +401,11 @@ class RunFolderWriter:
                 "heartbeat_s": HEARTBEAT_S,
             }
 
-    def _write_status(self) -> None:
+    def _write_status(self, *, final: bool = False) -> None:
         with self._io_lock:
             if self._sealed:
                 return
-            write_json(self.path / "status.json", self.current_status())
+            write_json(self.path / "status.json", self.current_status(), in_place_if_full=final)
             self._status_written_at = time.monotonic()
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import shutil
+import sys
 import threading
 import traceback
 import uuid
@@ -32,10 +34,10 @@ from typing import Any
 from um_lab import runexit
 from um_lab.backend import backend_class, get_backend, resolve_backend_name
 from um_lab.backend_base import Backend
-from um_lab.errors import UmLabError
+from um_lab.errors import BudgetTooSmall, ModelConfigError, UmLabError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.models import ModelCase, case_for_spec
-from um_lab.policy import Policy, get_policy
+from um_lab.policy import Policy, check_preset_name, get_policy
 from um_lab.runexit import RunInterrupted
 from um_lab.runlog import (
     RunDirError,
@@ -111,8 +113,10 @@ class Run(RunFolderWriter, Listenable):
         if name is not None:
             name = check_run_name(name)  # before anything is created
         spec = spec or RunSpec()
-        self.policy = get_policy(policy if policy is not None else spec.policy)
+        self.policy = check_preset_name(get_policy(policy if policy is not None else spec.policy))
         self.case = case if case is not None else case_for_spec(spec)
+        if case is None:
+            check_model_builds(self.case, spec)  # a bad knob the library finds: refused before any folder
         self.spec = dataclasses.replace(spec, policy=self.policy.name,
                                         model=self.case.name if case is not None else spec.model)
         if backend is None:
@@ -144,23 +148,36 @@ class Run(RunFolderWriter, Listenable):
         model_info: dict[str, Any] = {"name": self.case.name, "info": jsonable(self.case.info)}
         type(backend).check_case(self.case)  # e.g. the simulator's host-memory check: before any folder
         if preflight:
-            checked = backend.preflight(self.spec, self.case, self.policy)  # raises before any run
+            try:
+                checked = backend.preflight(self.spec, self.case, self.policy)  # raises before any run
+            except BudgetTooSmall as e:
+                raise _as_given_budget(e, self.spec) from None
             if checked is not None:
                 model_info["preflight"] = checked
         folder = name or f"{timestamp()}-{safe_name(self.case.name)}-{safe_name(self.policy.name)}-" \
                          f"{self.backend_name}-{uuid.uuid4().hex[:6]}"
         self.path = prepare_run_dir(resolve_out_dir(out_dir), folder)
-        write_json(self.path / "spec.json", self.spec.to_dict())
-        write_json(self.path / "policy.json", self.policy.to_dict())
-        write_json(self.path / "model.json", model_info)
-        write_json(self.path / "environment.json", environment_info(backend, spec.backend))
         self._started_at: str | None = None
-        self._write_status()
+        try:
+            write_json(self.path / "spec.json", self.spec.to_dict())
+            write_json(self.path / "policy.json", self.policy.to_dict())
+            write_json(self.path / "model.json", model_info)
+            write_json(self.path / "environment.json", environment_info(backend, spec.backend))
+            self._write_status()
+        except BaseException as e:  # a folder that could not be written whole is not left behind
+            shutil.rmtree(self.path, ignore_errors=True)
+            if isinstance(e, OSError) and not isinstance(e, UmLabError):
+                raise RunDirError(f"cannot write the run folder {self.path} ({e.strerror or e}); nothing was run "
+                                  "and the folder was removed") from e
+            raise
 
     # -- consumers ---------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[StepRecord]:
-        """Run in the foreground, yielding each record after it is on disk."""
+        """Run in the foreground, yielding each record after it is on disk. A Run runs once: iterating one
+        already started (or iterated) raises :class:`RunStateError` (follow a background run with
+        ``latest`` / ``tail`` / ``add_listener`` instead)."""
+        self._claim()
         return self._steps()
 
     def start(self) -> Run:
@@ -168,6 +185,7 @@ class Run(RunFolderWriter, Listenable):
         self._claim()
         self._holds_sigterm = runexit.hold_sigterm()
         self._thread = threading.Thread(target=self._drain, name=f"um_lab-run-{self.path.name}", daemon=True)
+        runexit.started(self, self._thread)
         self._thread.start()
         return self
 
@@ -226,12 +244,14 @@ class Run(RunFolderWriter, Listenable):
     def _claim(self) -> None:
         with self._lock:
             if self._claimed:
-                raise RunStateError("a Run runs once; create a new Run to run again")
+                how = ("it was started in the background (start()): follow it with latest, tail or "
+                       "add_listener(), wait with join()" if self._thread is not None else "it was iterated already")
+                raise RunStateError(f"a Run runs once, and {how}; create a new Run to run again")
             self._claimed = True
 
     def _drain(self) -> None:
         try:
-            for _ in self._steps(claimed=True):
+            for _ in self._steps(background=True):
                 pass
         except BaseException as e:  # kept for join(); status.json already says failed
             self.error = e
@@ -239,10 +259,8 @@ class Run(RunFolderWriter, Listenable):
             if self._holds_sigterm:
                 runexit.release_sigterm()
 
-    def _steps(self, claimed: bool = False) -> Iterator[StepRecord]:
-        if not claimed and self._thread is None:
-            self._claim()
-        foreground = not claimed and threading.current_thread() is threading.main_thread()
+    def _steps(self, background: bool = False) -> Iterator[StepRecord]:
+        foreground = not background and threading.current_thread() is threading.main_thread()
         holds_sigterm = foreground and runexit.hold_sigterm()
         self._started_at = now_iso()
         self.status = "running"
@@ -256,7 +274,7 @@ class Run(RunFolderWriter, Listenable):
                 raise RunDirError(f"cannot write {self.path / 'status.json'} ({e.strerror or e}); "
                                   "nothing was run") from e
             records = self.backend.run(self.spec, self.case, self.policy)
-            with open(self.path / "records.jsonl", "a", encoding="utf-8") as log:
+            with self._open_log() as log:
                 for record in records:
                     if not self._log(log, record):
                         break  # ended from outside (SIGTERM, interpreter exit): status already written
@@ -286,18 +304,23 @@ class Run(RunFolderWriter, Listenable):
             self.error = e
             raise
         finally:
+            in_flight = sys.exc_info()[1]
+            written = False
             try:
-                if records is not None and hasattr(records, "close"):
-                    records.close()  # the backend releases its pools / state
+                # a second Ctrl-C (or SIGTERM) now waits: it cannot cut the final status short
+                with runexit.held_signals(in_flight):
+                    try:
+                        if records is not None and hasattr(records, "close"):
+                            records.close()  # the backend releases its pools / state
+                    finally:
+                        try:
+                            self._settle(in_flight)
+                            written = self._finish()
+                        finally:  # even if the final write fails: the registry is put back
+                            runexit.closed(self, written=written)
             finally:
-                written = False
-                try:
-                    self._end_as("failed", if_running=True)
-                    written = self._finish()
-                finally:  # even if the final write is interrupted: the handler and registry are put back
-                    runexit.closed(self, written=written)
-                    if holds_sigterm:
-                        runexit.release_sigterm()
+                if holds_sigterm:
+                    runexit.release_sigterm()
             if not written:
                 problem = RunDirError(
                     f"cannot write {self.path / 'status.json'} ({self._status_problem}): the run ended "
@@ -306,6 +329,48 @@ class Run(RunFolderWriter, Listenable):
                 if ended_normally:
                     raise problem
                 warnings.warn(str(problem), RunLogWarning, stacklevel=2)  # keep the error in flight
+
+
+    def _settle(self, in_flight: BaseException | None) -> None:
+        """The end state of a run still ``running`` as it stops: an interrupt that landed before its handler
+        set the state (a signal right after another) ends it ``interrupted``; anything else ``failed``."""
+        if isinstance(in_flight, KeyboardInterrupt) and self.status in ("running", "interrupted") \
+                and self._end_as("interrupted") and self._interrupted_by is None:
+            self._interrupted_by = (in_flight.signal_name if isinstance(in_flight, RunInterrupted)
+                                    else "KeyboardInterrupt")
+        self._end_as("failed", if_running=True)
+
+
+def check_model_builds(case: ModelCase, spec: RunSpec) -> None:
+    """Build a zoo model on the meta device (nothing is allocated) so that a knob its library refuses
+    (``activation_function="bogus"``) is a :class:`~um_lab.errors.ModelConfigError` before a run folder
+    exists. A model that cannot be built on the meta device is left to its run."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            case.build_model()
+    except UmLabError:
+        raise
+    except NotImplementedError:
+        return
+    except Exception as e:  # noqa: BLE001  (the model library's own error: a knob it does not take)
+        knobs = dict(spec.model_kwargs) | ({"batch_size": spec.batch_size} if spec.batch_size is not None else {})
+        raise ModelConfigError(f"model {spec.model!r} cannot be built with the knobs {knobs!r} "
+                               f"({type(e).__name__}: {e}); nothing was created") from None
+
+
+def _as_given_budget(error: BudgetTooSmall, spec: RunSpec) -> BudgetTooSmall:
+    """``error`` quoting the budget the user gave: the scheduler sizes its plan from what is left once the
+    pools it keeps resident (staged activations' window, the optimizer's temporaries) are set aside."""
+    given = spec.gpu_budget_bytes
+    if given is None or error.budget >= given:
+        return error
+    reserved = given - error.budget
+    return BudgetTooSmall(given, error.needed + reserved,
+                          f"{error.what} next to the {reserved} B ({gib(reserved)}) the scheduler sets aside first "
+                          f"(pools it keeps resident and the optimizer's temporaries), leaving {error.budget} B "
+                          f"({gib(error.budget)})")
 
 
 def run(spec: RunSpec | None = None, case: ModelCase | None = None, policy: Policy | str | None = None,

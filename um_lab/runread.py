@@ -25,7 +25,8 @@ from typing import Any
 import pandas as pd
 
 from um_lab import runexit
-from um_lab.errors import UmLabError
+from um_lab.errors import FileReadError, UmLabError
+from um_lab.files import RECORD_LINE_LIMIT, RUN_FILE_LIMIT, check_regular, read_json
 from um_lab.policy import Policy
 from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summarize
 from um_lab.types import RunSpec, StepRecord
@@ -34,6 +35,9 @@ STALE_AFTER_S = 1800.0  #: a ``running`` status with a heartbeat, not rewritten 
 LEFT_RUNNING = "interrupted"  #: the state of a run left ``running`` by a process that no longer runs it
 #: the ``interrupted_by`` of such a run (a signal's name, or ``interpreter exit``, when the process closed it)
 ENDED_WITHOUT_CLOSING = "the process running it ended without closing it"
+#: the ``interrupted_by`` of a ``running`` status whose process cannot be checked from here (written on
+#: another host, or without its process's start time): read as not running, since nothing shows it runs
+NOT_CHECKABLE = "its process cannot be checked from here"
 
 
 class RunLogError(UmLabError, ValueError):
@@ -49,7 +53,10 @@ class RunLogWarning(UserWarning):
 
 
 def _record_from_line(raw: bytes) -> StepRecord:
-    data = json.loads(raw.decode("utf-8"))
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
     if not isinstance(data, dict):
         raise ValueError(f"a JSON {type(data).__name__}, not an object")
     record = StepRecord.from_dict(data)
@@ -64,15 +71,42 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
     """Stream the records of a ``records.jsonl``.
 
     A last line cut off by a crash mid-write is skipped silently. Any other line that is not a step
-    record is skipped and the rest are kept, with one :class:`RunLogWarning` per read naming the file
-    and the first bad line's number (none with ``warn=False``).
+    record (a line longer than :data:`~um_lab.files.RECORD_LINE_LIMIT` too) is skipped and the rest are
+    kept, with one :class:`RunLogWarning` per read naming the file and the first bad line's number (none
+    with ``warn=False``). A ``records.jsonl`` that is not a regular file (a FIFO, a link to a device) raises
+    :class:`RunLogError` naming it, before anything is read from it. An absent one yields nothing.
     """
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return
+    try:
+        check_regular(path, "run's records")
+    except FileReadError as e:
+        raise RunLogError(f"{e}: the run's steps cannot be read from it") from None
     warned = False
+
+    def bad(number: int, e: Exception) -> None:
+        nonlocal warned
+        if warn and not warned:
+            warned = True
+            reason = str(e) if len(str(e)) <= 100 else str(e)[:97] + "..."
+            warnings.warn(f"{path}: line {number} is not a step record ({type(e).__name__}: {reason}); "
+                          "skipped it (and skip any other bad line) and kept the rest", RunLogWarning, stacklevel=3)
+
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while True:
+            raw = f.readline(RECORD_LINE_LIMIT + 1)
+            if not raw:
+                return
+            number += 1
+            if len(raw) > RECORD_LINE_LIMIT:  # skip the rest of an over-long line, a bounded piece at a time
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(RECORD_LINE_LIMIT + 1)
+                if not raw:
+                    return
+                bad(number, ValueError(f"longer than {RECORD_LINE_LIMIT:,} bytes"))
+                continue
             if not raw.endswith(b"\n"):
                 return  # a partial last line from a crash mid-write
             if not raw.strip():
@@ -80,12 +114,7 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
             try:
                 record = _record_from_line(raw)
             except (ValueError, TypeError) as e:  # bad JSON or UTF-8, missing or mistyped fields
-                if warn and not warned:
-                    warned = True
-                    reason = str(e) if len(str(e)) <= 100 else str(e)[:97] + "..."
-                    warnings.warn(f"{path}: line {number} is not a step record ({type(e).__name__}: {reason}); "
-                                  "skipped it (and skip any other bad line) and kept the rest",
-                                  RunLogWarning, stacklevel=2)
+                bad(number, e)
                 continue
             yield record
 
@@ -93,6 +122,56 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
 def count_records(path: str | os.PathLike[str]) -> int:
     """How many step records a ``records.jsonl`` holds (bad lines not counted, nor warned about)."""
     return sum(1 for _ in iter_records(path, warn=False))
+
+
+def _count_lines(path: Path) -> int:
+    """Complete lines in a regular file (0 for an absent one); a cheap upper bound of its records."""
+    if not path.is_file():
+        return 0
+    lines = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            lines += chunk.count(b"\n")
+    return lines
+
+
+def _spans(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``3-5, 9`` (at most 6 spans shown)."""
+    spans: list[str] = []
+    ordered = sorted(steps)
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            first, last = ordered[start], ordered[i - 1]
+            spans.append(str(first) if first == last else f"{first}-{last}")
+            start = i
+    return ", ".join(spans[:6]) + (f" and {len(spans) - 6} more spans" if len(spans) > 6 else "")
+
+
+def _check_recorded(path: Path, status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` (an ended run's) checked against ``records.jsonl``: when the file holds fewer records than
+    ``steps_completed`` says (lines lost after the run, a file emptied or removed), a :class:`RunLogWarning`
+    names the file and the missing steps, and the status returned counts what is there (``complete``
+    false, ``steps_in_status`` what status.json said, a ``note``)."""
+    claimed = status.get("steps_completed")
+    if isinstance(claimed, bool) or not isinstance(claimed, int) or claimed <= 0:
+        return status
+    records = path / "records.jsonl"
+    if _count_lines(records) >= claimed:
+        return status
+    seen = {r.step for r in iter_records(records, warn=False)}
+    if len(seen) >= claimed:
+        return status
+    missing = sorted(set(range(claimed)) - seen)
+    which = f" (missing: step{'s' if len(missing) > 1 else ''} {_spans(missing)})" if missing else ""
+    held = "none" if not seen else f"{len(seen)}"
+    text = (f"{records} holds {held} of the {claimed} steps status.json counts{which}: "
+            f"{'it is missing' if not records.exists() else 'lines were lost after the run wrote them'}; "
+            "the summary covers only the steps it holds")
+    warnings.warn(text, RunLogWarning, stacklevel=3)
+    note = f"{text}; status.json says {status.get('status', 'unknown')} after {claimed} steps"
+    return {**status, "steps_completed": len(seen), "steps_in_status": claimed, "complete": False,
+            "note": f"{status['note']}; {note}" if status.get("note") else note}
 
 
 @dataclasses.dataclass
@@ -187,6 +266,12 @@ def _same_host_pid(status: Mapping[str, Any]) -> int | None:
     return pid
 
 
+def _start_times_known() -> bool:
+    """True where this platform tells when a process started (Linux's /proc): a status written here then
+    records its process's start time, and one without it cannot be tied to a live pid."""
+    return process_start_ticks(os.getpid()) is not None
+
+
 def _age_s(iso: Any) -> float | None:
     try:
         when = _dt.datetime.fromisoformat(str(iso))
@@ -195,37 +280,63 @@ def _age_s(iso: Any) -> float | None:
     return None if when.tzinfo is None else (_dt.datetime.now(_dt.UTC) - when).total_seconds()
 
 
-def left_running_reason(path: str | os.PathLike[str], status: Mapping[str, Any]) -> str | None:
-    """Why a ``running`` status no longer holds, or None while its run may still be running.
-
-    On this host: its process is gone (or a zombie), its pid now names another process, or (this
-    process) no run of ours writes the folder; a process shown alive by its pid and start time is
-    trusted. Where the process cannot be checked (another host): the run promised a heartbeat and its
-    status was not rewritten for :data:`STALE_AFTER_S`.
-    """
+def _left_running(path: Path, status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(interrupted_by, reason)`` for a ``running`` status that no longer holds (or cannot be shown to);
+    None while its run is shown to be running."""
     pid = _same_host_pid(status)
     if pid is not None and pid == os.getpid():
-        return None if runexit.own_status(Path(path)) is not None else "no run of this process writes it"
-    if pid is not None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return f"its process (pid {pid}) is gone"
-        except OSError:
-            pass  # not ours to signal: it exists
-        fields = _proc_stat(pid)
-        if fields and fields[0] == "Z":
-            return f"its process (pid {pid}) has exited"
-        started = status.get("pid_started")
-        now = process_start_ticks(pid)
-        if isinstance(started, int) and now is not None:
-            if now != started:
-                return f"pid {pid} now names another process"
-            return None  # its own process is alive: a long step or a paused loop is not a crash
+        return None if runexit.own_status(path) is not None else (ENDED_WITHOUT_CLOSING,
+                                                                   "no run of this process writes it")
+    if pid is None:
+        stale = _stale(status)
+        if stale is not None:
+            return ENDED_WITHOUT_CLOSING, stale
+        host = status.get("host")
+        where = f"on host {host!r}, not this one ({socket.gethostname()!r})" if isinstance(host, str) and \
+            host != socket.gethostname() else "without a valid host and pid"
+        return NOT_CHECKABLE, f"it was written {where}, so its process cannot be checked from here"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return ENDED_WITHOUT_CLOSING, f"its process (pid {pid}) is gone"
+    except OSError:
+        pass  # not ours to signal: it exists
+    fields = _proc_stat(pid)
+    if fields and fields[0] == "Z":
+        return ENDED_WITHOUT_CLOSING, f"its process (pid {pid}) has exited"
+    started = status.get("pid_started")
+    now = process_start_ticks(pid)
+    if isinstance(started, int) and not isinstance(started, bool) and now is not None:
+        if now != started:
+            return ENDED_WITHOUT_CLOSING, f"pid {pid} now names another process"
+        return None  # its own process is alive: a long step or a paused loop is not a crash
+    if _start_times_known():
+        return NOT_CHECKABLE, (f"it does not say when its process started, so the live pid {pid} cannot be shown "
+                               "to be the run's process")
+    stale = _stale(status)  # no start times on this platform: a live pid is trusted until it is stale
+    return None if stale is None else (ENDED_WITHOUT_CLOSING, stale)
+
+
+def _stale(status: Mapping[str, Any]) -> str | None:
     age = _age_s(status.get("updated_at"))
     if status.get("heartbeat_s") is not None and age is not None and age > STALE_AFTER_S:
         return f"it is stale (last rewritten {age / 60:.0f} minutes ago)"
     return None
+
+
+def left_running_reason(path: str | os.PathLike[str], status: Mapping[str, Any]) -> str | None:
+    """Why a ``running`` status no longer holds, or None while its run is shown to be running.
+
+    Liveness is judged only where the status names this host and its process's pid and start time: a
+    process alive with that pid and start time is trusted (a long step or a paused loop is not a crash);
+    one that is gone, a zombie, or whose pid now names another process is not; in this process, a folder
+    no run of ours writes is not. A status written on another host (a folder copied here, or on a shared
+    file system), or a live pid without its start time, cannot be checked: it is not read as running.
+    Where it cannot be checked, a status that promised a heartbeat and was not rewritten for
+    :data:`STALE_AFTER_S` is called stale.
+    """
+    found = _left_running(Path(path), status)
+    return None if found is None else found[1]
 
 
 def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict[str, Any]:
@@ -241,18 +352,24 @@ def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict
     path = Path(path)
     if _same_host_pid(status) == os.getpid() and (own := runexit.own_status(path)) is not None:
         return own
-    reason = left_running_reason(path, status)
-    if reason is None:
+    found = _left_running(path, status)
+    if found is None:
+        counted = count_records(path / "records.jsonl")  # the heartbeat lags the records
+        steps = status.get("steps_completed")
+        if isinstance(steps, int) and not isinstance(steps, bool) and counted > steps:
+            return {**status, "steps_completed": counted}
         return status
+    by, reason = found
     return {**status, "status": LEFT_RUNNING, "complete": False,
             "steps_completed": count_records(path / "records.jsonl"),
-            "interrupted_by": ENDED_WITHOUT_CLOSING,
-            "note": f"{ENDED_WITHOUT_CLOSING}: status.json says running, but {reason}; "
-                    "steps counted from records.jsonl"}
+            "interrupted_by": by,
+            "note": f"{by}: status.json says running, but {reason}; steps counted from records.jsonl"}
 
 
-def _read_object(file: Path) -> dict[str, Any]:
-    data = json.loads(file.read_text(encoding="utf-8"))
+def _read_object(file: Path, what: str) -> dict[str, Any]:
+    """A run file's JSON object: a regular file of at most :data:`~um_lab.files.RUN_FILE_LIMIT` bytes, of
+    bounded depth (:class:`~um_lab.errors.FileReadError` otherwise), holding an object."""
+    data = read_json(file, what, RUN_FILE_LIMIT)
     if not isinstance(data, dict):
         raise ValueError(f"a JSON {type(data).__name__}, not an object")
     return data
@@ -268,20 +385,20 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
     """
     path = Path(path)
     spec_file = path / "spec.json"
-    if not spec_file.is_file():
+    if not path.is_dir() or not (spec_file.exists() or spec_file.is_symlink()):
         raise NotARunFolderError(f"{path} is not a um_lab run folder (no spec.json)")
     try:
-        spec = RunSpec.from_dict(_read_object(spec_file), recorded=True)
+        spec = RunSpec.from_dict(_read_object(spec_file, "run spec"), recorded=True)
     except (ValueError, TypeError, OSError) as e:
         raise RunLogError(f"{spec_file} is not a readable run spec ({type(e).__name__}: {e}); "
                           "the run folder cannot be loaded") from None
 
     def side(name: str, parse: Any = None) -> Any:
         file = path / name
-        if not file.is_file():
+        if not file.exists() and not file.is_symlink():
             return None
         try:
-            data = _read_object(file)
+            data = _read_object(file, f"run's {name}")
             return parse(data) if parse else data
         except (ValueError, TypeError, OSError) as e:
             warnings.warn(f"{file} cannot be read ({type(e).__name__}: {e}); read as missing",
@@ -294,11 +411,14 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
                   "steps_completed": count_records(path / "records.jsonl"),
                   "steps_planned": spec.warmup_steps + spec.steps,
                   "note": "no readable status.json; steps counted from records.jsonl"}
+    status = current_status(path, status)
+    if status.get("status") != "running":
+        status = _check_recorded(path, status)
     return LoadedRun(
         path=path,
         spec=spec,
         policy=side("policy.json", Policy.from_dict),
         environment=side("environment.json") or {},
-        status=current_status(path, status),
+        status=status,
         model=side("model.json") or {},
     )

@@ -18,7 +18,7 @@ from torch import nn
 
 from um_lab.errors import OversubscriptionRefused, SpecError
 from um_lab.models import Batch, ModelCase, get_model
-from um_lab.types import positive_ratio, whole_bytes
+from um_lab.types import ratio_value, whole_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +209,7 @@ def size_for_ratio(name: str, capacity_bytes: int, ratio: float, knob: str = "ba
     Example: ``size_for_ratio("mlp", 80 * 2**30, 1.5, knob="batch_size", width=8192)``.
     """
     capacity_bytes = whole_bytes("capacity_bytes", capacity_bytes)
-    ratio = positive_ratio("ratio", ratio)
+    ratio = ratio_value("ratio", ratio)
     if isinstance(max_value, bool) or not isinstance(max_value, numbers.Integral) or max_value < 1:
         raise SpecError(f"max_value must be a positive integer, got {max_value!r}", "max_value")
     if knob in fixed:

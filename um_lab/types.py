@@ -83,10 +83,16 @@ class RunSpec:
             raise SpecError(f"model_kwargs must be a dict of knob names to values, got {self.model_kwargs!r}",
                             "model_kwargs")
         if self.capacity_bytes is not None:
-            object.__setattr__(self, "capacity_bytes", whole_bytes("capacity_bytes", self.capacity_bytes))
+            object.__setattr__(self, "capacity_bytes", capacity_value("capacity_bytes", self.capacity_bytes))
         if self.oversubscription_ratio is not None:
             object.__setattr__(self, "oversubscription_ratio",
-                               positive_ratio("oversubscription_ratio", self.oversubscription_ratio))
+                               ratio_value("oversubscription_ratio", self.oversubscription_ratio))
+        if self.capacity_bytes is not None and self.oversubscription_ratio is not None:
+            raise SpecError(
+                f"give capacity_bytes or oversubscription_ratio, not both: capacity_bytes={self.capacity_bytes} "
+                f"({self.capacity_bytes / 2**30:.2f} GiB) sets the simulated GPU's size, and so does "
+                f"oversubscription_ratio={self.oversubscription_ratio:g} (the model's footprint / ratio)",
+                "capacity_bytes")
         if self.gpu_budget_bytes is not None:
             object.__setattr__(self, "gpu_budget_bytes", whole_bytes("gpu_budget_bytes", self.gpu_budget_bytes))
         if self.gpu_budget_fraction is not None:
@@ -116,12 +122,21 @@ class RunSpec:
         if extra:
             raise SpecError(f"unknown RunSpec fields: {sorted(extra)}")
         fields = dict(data)
+        late: dict[str, Any] = {}
+        if recorded:  # rules newer than a recorded spec (a minimum capacity, not both sizes) do not unread it
+            for name in ("capacity_bytes", "oversubscription_ratio"):
+                if fields.get(name) is not None:
+                    late[name] = (whole_bytes if name == "capacity_bytes" else positive_ratio)(name, fields[name])
+                    fields[name] = None
         backend = fields.get("backend", AUTO)
         if recorded and isinstance(backend, str) and backend != AUTO and backend not in backend_names():
             spec = cls(**{**fields, "backend": AUTO})
             object.__setattr__(spec, "backend", backend)  # checked when it ran
-            return spec
-        return cls(**fields)
+        else:
+            spec = cls(**fields)
+        for name, value in late.items():
+            object.__setattr__(spec, name, value)
+        return spec
 
 
 def whole_bytes(name: str, value: Any) -> int:
@@ -142,6 +157,39 @@ def positive_ratio(name: str, value: Any) -> float:
             or not float(value) > 0):
         raise SpecError(f"{name} must be > 0 and finite, got {value!r}", name)
     return float(value)
+
+
+#: The smallest simulated GPU: one 2 MiB chunk (the simulator's unit of residency).
+MIN_CAPACITY_BYTES = 2 << 20
+#: The largest simulated GPU um_lab takes: 1 PiB (a capacity above it is a typo, not a GPU).
+MAX_CAPACITY_BYTES = 1 << 50
+#: The smallest oversubscription ratio: below it the simulated GPU is over 1000 times the model's footprint
+#: (nothing to study), and a tiny ratio (1e-300) makes a capacity no number can hold.
+MIN_RATIO = 1e-3
+
+
+def capacity_value(name: str, value: Any) -> int:
+    """``value`` as a simulated GPU capacity: whole bytes (:func:`whole_bytes`), at least one 2 MiB chunk
+    (:data:`MIN_CAPACITY_BYTES`) and at most :data:`MAX_CAPACITY_BYTES`; else :class:`SpecError` naming ``name``."""
+    capacity = whole_bytes(name, value)
+    if capacity < MIN_CAPACITY_BYTES:
+        raise SpecError(f"{name}={value!r} B is below one 2 MiB chunk ({MIN_CAPACITY_BYTES} B), the smallest GPU the "
+                        "simulator models; give a larger capacity (e.g. 8GiB)", name)
+    if capacity > MAX_CAPACITY_BYTES:
+        raise SpecError(f"{name}={value!r} B is above {MAX_CAPACITY_BYTES} B (1 PiB), more than any GPU; give the "
+                        "capacity in bytes (e.g. 8GiB)", name)
+    return capacity
+
+
+def ratio_value(name: str, value: Any) -> float:
+    """``value`` as an oversubscription ratio: finite, > 0 (:func:`positive_ratio`) and at least
+    :data:`MIN_RATIO`; else :class:`SpecError` naming ``name``."""
+    ratio = positive_ratio(name, value)
+    if ratio < MIN_RATIO:
+        raise SpecError(f"{name}={value!r} is below {MIN_RATIO:g}: the simulated GPU would be over "
+                        f"{1 / MIN_RATIO:g} times the model's footprint (no oversubscription to study); give a "
+                        f"ratio >= {MIN_RATIO:g}, or none for the profile's card", name)
+    return ratio
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
