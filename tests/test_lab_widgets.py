@@ -180,10 +180,18 @@ def test_engine_errors_show_in_the_panel_not_as_tracebacks(tmp_path):
     assert lab.run() is None
     assert lab.state == "error" and "CudaUnavailableError" in lab.status.value
     assert "no CUDA GPU" in lab.workload.cap_note.value
-    # a failure inside the run (a simulated GPU smaller than one 2 MiB chunk) ends it as failed
+    # a simulated GPU smaller than one 2 MiB chunk: once the estimate knows the footprint, Run refuses it
+    # before the run's folder exists, quoting the ratio given
     lab.workload.backend.value = "sim"
     lab.workload.capacity_mode.value = "ratio"
     lab.workload.capacity_value.value = 10_000.0
+    lab.workload.wait_estimate()
+    assert "below one 2 MiB chunk" in lab.workload.estimate.value
+    assert lab.run() is None and lab.state == "error"
+    assert "ratio 10000.0" in lab.status.value and "below one 2 MiB chunk" in lab.status.value
+    assert not any(tmp_path.iterdir())
+    # before the estimate is done, the run's own check fails it: a failure inside the run ends it as failed
+    lab.workload.last_sized = None
     lab.run(wait=True, timeout=60)
     assert lab.state == "failed" and "below one 2 MiB chunk" in lab.status.value
     assert lab.run_button.disabled is False

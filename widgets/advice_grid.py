@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from um_lab.advice_notes import policy_notes
-from um_lab.errors import PolicyError
+from um_lab.errors import FileReadError, PolicyError, UmLabError
 from um_lab.policy import PREFERRED_LOCATIONS, PREFETCHES, Advice, Policy, get_policy, named_policies
 from um_lab.types import DATA_TYPES, PAPER_GROUPS, DataType
+from um_lab.widgets._html import html_text
 
 CUSTOM = "custom"
 
@@ -22,7 +23,7 @@ class _Row:
         import ipywidgets as w
 
         self.dtypes = dtypes
-        self.label = w.HTML(f"<b>{label}</b>", layout=w.Layout(width="150px"))
+        self.label = w.HTML(f"<b>{html_text(label)}</b>", layout=w.Layout(width="150px"))
         self.preferred = w.Dropdown(options=PREFERRED_LOCATIONS, layout=w.Layout(width="90px"))
         self.by_gpu = w.Checkbox(description="gpu", indent=False, layout=w.Layout(width="55px"))
         self.by_cpu = w.Checkbox(description="cpu", indent=False, layout=w.Layout(width="55px"))
@@ -120,7 +121,9 @@ class AdviceGrid:
         for row in self._rows5 + self._rows3:
             values = {self._policy[t] for t in row.dtypes}
             row.show(self._policy[row.dtypes[0]], mixed=len(values) > 1)
-        self.description.value = f"<small>{self._policy.description}</small>" if self._policy.description else ""
+        # a policy's description (and name) may come from a shared file: shown as text, never as HTML
+        self.description.value = (f"<small>{html_text(self._policy.description)}</small>"
+                                  if self._policy.description else "")
 
     def _layout_rows(self) -> None:
         self.rows.children = [r.box for r in (self._rows3 if self.three_types.value else self._rows5)]
@@ -139,7 +142,7 @@ class AdviceGrid:
             for dtype in row.dtypes:
                 advice[dtype] = row.advice()
         except PolicyError as e:  # the dropdowns only offer valid values; kept for safety
-            self.notes.value = f"<span style='color:#c00'>{e}</span>"
+            self.notes.value = f"<span style='color:#c00'>{html_text(e)}</span>"
             return
         if advice == dict(self._policy.advice):
             return
@@ -156,7 +159,7 @@ class AdviceGrid:
     def _changed(self) -> None:
         notes = policy_notes(self._policy)
         self.notes.value = "".join(
-            f"<div style='color:#a60'>&#9888; <b>{dtype}</b>: {text}</div>"
+            f"<div style='color:#a60'>&#9888; <b>{html_text(dtype)}</b>: {html_text(text)}</div>"
             for dtype, texts in notes.items() for text in texts)
         if self._on_change is not None:
             self._on_change(self._policy)
@@ -169,9 +172,9 @@ class AdviceGrid:
         try:
             saved = self._policy.save(target)
         except OSError as e:
-            self.file_status.value = f"<span style='color:#c00'>cannot save {target}: {e.strerror or e}</span>"
+            self._file_says(f"cannot save {target}: {e.strerror or e}", "#c00")
             return None
-        self.file_status.value = f"saved policy {self._policy.name!r} to {saved}"
+        self._file_says(f"saved policy {self._policy.name!r} to {saved}")
         return saved
 
     def load(self, path: str | Path | None = None) -> Policy | None:
@@ -180,11 +183,18 @@ class AdviceGrid:
         try:
             policy = Policy.load(source)
         except OSError as e:
-            self.file_status.value = f"<span style='color:#c00'>cannot read {source}: {e.strerror or e}</span>"
+            self._file_says(f"cannot read {source}: {e.strerror or e}", "#c00")
             return None
-        except (PolicyError, ValueError) as e:  # ValueError: not text (UnicodeDecodeError)
-            self.file_status.value = f"<span style='color:#c00'>{source} is not a valid policy: {e}</span>"
+        except FileReadError as e:  # missing, not a regular file, too large, not UTF-8: the message names it
+            self._file_says(f"{'not a valid policy' if source.is_file() else 'cannot read'}: {e}", "#c00")
+            return None
+        except (UmLabError, ValueError, RecursionError) as e:  # ValueError: not text (UnicodeDecodeError)
+            self._file_says(f"{source} is not a valid policy: {e}", "#c00")
             return None
         self.set_policy(policy)
-        self.file_status.value = f"loaded policy {policy.name!r} from {source}"
+        self._file_says(f"loaded policy {policy.name!r} from {source}")
         return policy
+
+    def _file_says(self, text: str, colour: str = "#000") -> None:
+        """Show plain ``text`` as the file status (escaped: paths, names and errors may hold ``<``)."""
+        self.file_status.value = f"<span style='color:{colour}'>{html_text(text)}</span>"

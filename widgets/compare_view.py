@@ -12,6 +12,7 @@ median step time with speed-up against ``um-default`` (log scale optional), step
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -21,13 +22,23 @@ from typing import Any
 import pandas as pd
 
 from um_lab.backend import backend_class, resolve_backend_name, valid_backend_names
-from um_lab.errors import UmLabError
+from um_lab.errors import ModelConfigError, PolicyError, SpecError, UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import named_policies
 from um_lab.runlog import default_out_dir
 from um_lab.runread import load
 from um_lab.summary import readable_table
 from um_lab.sweep import BASELINE_POLICY, compare
+from um_lab.widgets._checks import (
+    model_kwargs_value,
+    model_name,
+    no_duplicates,
+    optional_positive,
+    out_dir_value,
+    sequence_value,
+    whole_number,
+)
+from um_lab.widgets._html import html_text
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
 from um_lab.widgets.workload import backend_choices
@@ -38,7 +49,10 @@ _TABLE_COLUMNS = {"model": "model", "policy": "policy", "ratio": "ratio", "media
 
 
 def parse_ratios(text: str) -> list[float | None]:
-    """``"0.8, 1.5, none"`` -> ``[0.8, 1.5, None]``; raises ``ValueError`` naming the bad entry."""
+    """``"0.8, 1.5, none"`` -> ``[0.8, 1.5, None]``; a :class:`SpecError` (a ``ValueError``) names the bad
+    entry: not a number, not finite and > 0, or a ratio given twice (``1.5, 1.5x``; ``none, card``)."""
+    if not isinstance(text, str):
+        raise SpecError(f"ratios must be text such as '0.8, 1.5, none', got {text!r}", "ratios")
     out: list[float | None] = []
     for part in text.replace(";", ",").split(","):
         part = part.strip()
@@ -50,13 +64,23 @@ def parse_ratios(text: str) -> list[float | None]:
         try:
             value = float(part.rstrip("xX"))
         except ValueError:
-            raise ValueError(f"not a ratio: {part!r} (numbers > 0, or 'none' for the whole card)") from None
-        if not value > 0:
-            raise ValueError(f"ratio must be > 0, got {part!r}")
+            raise SpecError(f"not a ratio: {part!r} (numbers > 0, or 'none' for the whole card)", "ratios") from None
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(f"ratio must be a finite number > 0, got {part!r}", "ratios")
         out.append(value)
     if not out:
-        raise ValueError("give at least one ratio, e.g. 0.8, 1.5")
+        raise SpecError("give at least one ratio, e.g. 0.8, 1.5", "ratios")
+    no_duplicates("ratios", out, text)
     return out
+
+
+def ratio_text(ratio: float | None) -> str:
+    """A ratio as the ratios field shows it: ``none`` for the whole card, else the number exactly (``1.5``;
+    never rounded, so the field reads back as the ratio given)."""
+    if ratio is None:
+        return "none"
+    short = f"{ratio:g}"
+    return short if float(short) == ratio else repr(float(ratio))
 
 
 def reports_band(backend: str) -> bool:
@@ -116,24 +140,40 @@ class CompareView:
                  warmup_steps: int = 1, out_dir: str | os.PathLike[str] | None = None) -> None:
         import ipywidgets as w
 
+        # every argument checked up front: a typed UmLabError naming it and quoting the value
         choices = backend_choices()
-        if backend not in choices:
-            raise ValueError(f"unknown backend {backend!r}; valid: {valid_backend_names()}")
-        self.model_kwargs = {m: dict(kw) for m, kw in models.items()} if isinstance(models, Mapping) else {}
-        names = list(models)
-        unknown = [m for m in names if m not in ZOO] + [p for p in policies if p not in named_policies()]
-        if unknown:
-            raise ValueError(f"unknown model or policy {unknown}; models: {', '.join(ZOO)}; "
-                             f"policies: {', '.join(named_policies())}")
+        if not isinstance(backend, str) or backend not in choices:
+            raise SpecError(f"unknown backend {backend!r}; valid: {valid_backend_names()}", "backend")
+        if isinstance(models, Mapping):
+            names = [model_name(m, "model") for m in models]
+            self.model_kwargs = {m: model_kwargs_value(m, kw, "models", integers=False)
+                                 for m, kw in models.items()}
+        else:
+            names = [model_name(m, "model") for m in sequence_value("models", models, ModelConfigError)]
+            self.model_kwargs = {}
+        no_duplicates("models", names, error=ModelConfigError)
+        policies = sequence_value("policies", policies, PolicyError)
+        for p in policies:
+            if not isinstance(p, str) or p not in named_policies():
+                raise PolicyError("policies", f"unknown policy {p!r}; valid: {', '.join(named_policies())}")
+        no_duplicates("policies", policies, error=PolicyError)
+        ratios = [optional_positive("ratios", r) for r in sequence_value("ratios", ratios)]
+        no_duplicates("ratios", ratios)
+        for name, given in (("models", names), ("policies", policies), ("ratios", ratios)):
+            if not given:
+                raise SpecError(f"{name}: give at least one", name)
+        steps = whole_number("steps", steps, 1)
+        warmup_steps = whole_number("warmup_steps", warmup_steps, 0)
+        out_dir_value(out_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.models = w.SelectMultiple(options=list(ZOO), value=names, description="models", rows=5)
         self.policies = w.SelectMultiple(options=list(named_policies()), value=list(policies), description="policies",
                                          rows=7)
-        self.ratios = w.Text(value=", ".join("none" if r is None else f"{r:g}" for r in ratios),
+        self.ratios = w.Text(value=", ".join(ratio_text(r) for r in ratios),
                              description="ratios", placeholder="0.8, 1.5, none")
         self.backend = w.Dropdown(options=choices, value=backend, description="backend")
         self.backend.add_class("um-lab-compare-backend")
-        self.steps = w.BoundedIntText(value=steps, min=1, max=10**6, description="steps")
+        self.steps = w.IntText(value=steps, description="steps")  # a value < 1 is refused at Compare
         self.warmup = warmup_steps
         self.log_scale = w.Checkbox(value=False, description="log scale", indent=False)
         #: on a backend that reports one (the simulator: each run also at both ends of the profile constants'
@@ -173,7 +213,8 @@ class CompareView:
         self.band.description = "uncertainty band" if supported else "uncertainty band (not on this backend)"
 
     def _say(self, text: str, colour: str = "#000") -> None:
-        self.status.value = f"<span style='color:{colour}'>{text}</span>"
+        """Show plain ``text`` in the status line (escaped: names, paths and errors may hold ``<``)."""
+        self.status.value = f"<span style='color:{colour}'>{html_text(text)}</span>"
 
     def run(self, wait: bool = False, timeout: float | None = None) -> None:
         """Run the comparison in the background (what Compare does); bad input is explained in the panel."""
@@ -182,11 +223,14 @@ class CompareView:
             return
         self.last_error = None
         self._stop.clear()
-        try:
+        try:  # every cell checked before the first run: nothing runs twice, no table is lost late
             ratios = parse_ratios(self.ratios.value)
             models = list(self.models.value)
             if not models or not self.policies.value:
-                raise ValueError("pick at least one model and one policy")
+                raise SpecError("pick at least one model and one policy", "models")
+            no_duplicates("models", models, error=ModelConfigError)
+            no_duplicates("policies", list(self.policies.value), error=PolicyError)
+            whole_number("steps", self.steps.value, 1)
         except ValueError as e:
             self.last_error = e
             self._say(f"error: {e}", "#c00")

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from um_lab.types import DATA_TYPES, StepRecord
+from um_lab.widgets._html import plotly_text
 
 
 def _plotly() -> Any:
@@ -114,8 +115,9 @@ def _grouped(table: pd.DataFrame, needed: set[str]) -> pd.DataFrame:
     missing = {"model", "policy", "ratio", *needed} - set(table.columns)
     if missing:
         raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from um_lab.sweep.compare")
-    groups = [f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}" for m, r in zip(table["model"], table["ratio"],
-                                                                              strict=True)]
+    # plotly renders tags in category labels: a model's name is shown as text
+    groups = [plotly_text(f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}")
+              for m, r in zip(table["model"], table["ratio"], strict=True)]
     return table.assign(group=groups)
 
 
@@ -125,7 +127,7 @@ def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
     frame = _grouped(table, {metric})
     fig = go.Figure()
     for policy, rows in frame.groupby("policy", sort=False):
-        fig.add_bar(name=str(policy), x=rows["group"], y=rows[metric])
+        fig.add_bar(name=plotly_text(policy), x=rows["group"], y=rows[metric])
     fig.update_layout(barmode="group", xaxis_title="model @ oversubscription ratio",
                       yaxis_title=metric.replace("_", " "), legend_title="policy",
                       title=f"{metric.replace('_', ' ')} by policy")
@@ -166,7 +168,7 @@ def residency_figure(records: Iterable[StepRecord], field: str = "live_bytes") -
             fig.add_vrect(x0=r.step - 0.5, x1=r.step + 0.5, fillcolor="lightgrey", opacity=0.4, line_width=0)
         reasons = sorted({r.telemetry for r in unmeasured})
         fig.add_annotation(text=f"{field.replace('_', ' ')} not measured in {len(unmeasured)} of {len(records)} "
-                                f"steps (shaded): {'; '.join(reasons)}",
+                                f"steps (shaded): {plotly_text('; '.join(reasons))}",
                            xref="paper", yref="paper", x=0, y=1.08, showarrow=False, align="left")
     return fig
 
@@ -297,7 +299,7 @@ def dashboard_figure_from_rows(rows: np.ndarray, last: list[StepRecord], title: 
     fig.update_xaxes(title_text="step", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=2)
     fig.add_hline(y=1.0, line={"color": "grey", "dash": "dot"}, row=2, col=2)
-    fig.update_layout(height=720, title=title or None, legend={"orientation": "v"},
+    fig.update_layout(height=720, title=plotly_text(title) or None, legend={"orientation": "v"},
                       margin={"l": 60, "r": 20, "t": 70 if title else 40, "b": 40})
     return fig
 
@@ -328,10 +330,11 @@ def speedup_figure(table: pd.DataFrame, baseline: str = "um-default", log_scale:
             error_y = {"type": "data", "symmetric": False, "thickness": 1,
                        "array": (rows["band_slow_ms"] - rows["median_ms"]).clip(lower=0),
                        "arrayminus": (rows["median_ms"] - rows["band_fast_ms"]).clip(lower=0)}
-        fig.add_bar(name=str(policy), x=rows["group"], y=rows["median_ms"], text=labels, textposition="outside",
+        fig.add_bar(name=plotly_text(policy), x=rows["group"], y=rows["median_ms"], text=labels,
+                    textposition="outside",
                     error_y=error_y,
-                    hovertemplate="%{x}<br>%{y:.2f} ms<br>speed-up %{text}<extra>" + str(policy) + "</extra>")
-    title = f"Median step time; labels: speed-up against {baseline}"
+                    hovertemplate="%{x}<br>%{y:.2f} ms<br>speed-up %{text}<extra>" + plotly_text(policy) + "</extra>")
+    title = f"Median step time; labels: speed-up against {plotly_text(baseline)}"
     if banded:
         title += "<br><sup>error bars: the profile constants' uncertainty band; ⚠ the ranking flips inside it</sup>"
     fig.update_layout(barmode="group", xaxis_title="model @ oversubscription ratio",
@@ -347,7 +350,7 @@ def step_time_overlay(runs: Iterable[tuple[str, Iterable[StepRecord]]]) -> Any:
     fig = go.Figure()
     for label, records in runs:
         records = list(records)
-        fig.add_scatter(x=[r.step for r in records], y=[r.wall_ms for r in records], name=label,
+        fig.add_scatter(x=[r.step for r in records], y=[r.wall_ms for r in records], name=plotly_text(label),
                         mode="lines+markers", marker={"size": 4})
     fig.update_layout(xaxis_title="step", yaxis_title="step time (ms)", legend_title="run",
                       title="Step time per step")

@@ -12,6 +12,7 @@ data type, press Run and watch the live dashboard; Stop ends the run after the c
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from pathlib import Path
@@ -24,6 +25,17 @@ from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
 from um_lab.runread import LoadedRun, iter_records
 from um_lab.types import RunSpec, StepRecord, budget_from_text
+from um_lab.widgets._checks import (
+    capacity_bytes_of,
+    model_kwargs_value,
+    model_name,
+    optional_positive,
+    out_dir_value,
+    real_number,
+    text_value,
+    whole_number,
+)
+from um_lab.widgets._html import html_text
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
@@ -52,10 +64,25 @@ class Lab:
                  telemetry: bool | str = "auto", budget: str = "") -> None:
         import ipywidgets as w
 
-        if steps < 1 or warmup_steps < 0:
-            raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
-        if pace_s < 0:
-            raise ValueError(f"pace_s must be >= 0, got {pace_s}")
+        # every argument checked up front: a typed UmLabError naming it and quoting the value, never a
+        # value silently changed to fit a control
+        steps = whole_number("steps", steps, 1)
+        warmup_steps = whole_number("warmup_steps", warmup_steps, 0)
+        pace_s = real_number("pace_s", pace_s, 0.0)
+        ratio = optional_positive("ratio", ratio)
+        capacity_gib = optional_positive("capacity_gib", capacity_gib)
+        if capacity_gib is not None:
+            capacity_bytes_of("capacity_gib", capacity_gib)
+        budget = text_value("budget", budget)
+        if budget.strip():
+            try:
+                budget_from_text(budget)
+            except SpecError as e:
+                raise SpecError(f"budget: {e}", "budget") from None
+        if not isinstance(telemetry, (bool, str)):
+            raise SpecError(f"telemetry must be True, False or a mode name (str), got {telemetry!r}", "telemetry")
+        out_dir_value(out_dir)
+        model_kwargs = model_kwargs_value(model_name(model), model_kwargs)
         self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
         self.telemetry = telemetry
         self._backends: dict[str, Any] = {}
@@ -63,13 +90,12 @@ class Lab:
         self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib,
                                        backend_for=self._backend)
         self.advice = AdviceGrid(policy)
-        self.steps = w.BoundedIntText(value=steps, min=1, max=10**7, description="steps",
-                                      layout=w.Layout(width="170px"))
+        # unbounded fields: a value typed out of range is refused when Run is pressed, never clamped
+        self.steps = w.IntText(value=steps, description="steps", layout=w.Layout(width="170px"))
         self.steps.add_class("um-lab-steps")
-        self.warmup = w.BoundedIntText(value=warmup_steps, min=0, max=10**6, description="warm-up",
-                                       layout=w.Layout(width="170px"))
-        self.pace = w.BoundedFloatText(value=pace_s, min=0.0, max=60.0, step=0.05, description="pace (s/step)",
-                                       style={"description_width": "initial"}, layout=w.Layout(width="190px"))
+        self.warmup = w.IntText(value=warmup_steps, description="warm-up", layout=w.Layout(width="170px"))
+        self.pace = w.FloatText(value=pace_s, step=0.05, description="pace (s/step)",
+                                style={"description_width": "initial"}, layout=w.Layout(width="190px"))
         self.pace.add_class("um-lab-pace")
         self.budget = w.Text(value=budget, description="GPU budget", placeholder="8GiB or 0.5x (layer-ahead)",
                              style={"description_width": "initial"}, layout=w.Layout(width="260px"))
@@ -134,6 +160,20 @@ class Lab:
         except SpecError as e:
             raise SpecError(f"GPU budget: {e}", e.field or "gpu_budget_bytes") from None
 
+    def _check_capacity(self, spec: RunSpec) -> None:
+        """Refuse a simulated capacity the backend refuses for this model (a ratio leaving less than one
+        2 MiB chunk, ...) before the run's folder exists, where the estimate already knows the footprint of
+        exactly these model and knobs (else the run's own check says it)."""
+        if spec.capacity_bytes is None and spec.oversubscription_ratio is None:
+            return
+        footprint = self.workload.last_footprint
+        if footprint and self.workload.last_sized == (spec.model, dict(spec.model_kwargs)):
+            try:
+                self._backend(spec.backend).capacity_for(spec, footprint)
+            except SpecError as e:  # quote what the field holds, as given
+                given = f"{self.workload.capacity_mode.value} {self.workload.capacity_value.value!r}"
+                raise SpecError(f"{given}: {e}", e.field) from None
+
     def _backend(self, name: str) -> Any:
         """The panel's one instance of backend ``name`` (refused, as the run would be, where it cannot run)."""
         backend_class(name).check_available()  # e.g. CudaUnavailableError without a GPU
@@ -156,7 +196,9 @@ class Lab:
             return None
         self.last_error = None
         try:
+            real_number("pace (s/step)", self.pace.value, 0.0)
             spec = self.spec()
+            self._check_capacity(spec)
             active = Run(spec, policy=self.policy, out_dir=self.out_dir, backend=self._backend(spec.backend))
         except Exception as e:  # refused before any step: explain in the panel, not as a traceback
             self.last_error = e
@@ -182,10 +224,13 @@ class Lab:
             self.wait(timeout)
         return active
 
-
     def _pace_step(self, _record: object) -> None:
-        """Wait the pace slider's seconds after a step (the stop button cuts the wait short)."""
-        self._stop.wait(float(self.pace.value))
+        """Wait the pace field's seconds after a step (the stop button cuts the wait short; a value typed
+        during the run that is not a finite number >= 0 waits not at all)."""
+        pace = float(self.pace.value)
+        if math.isfinite(pace) and pace > 0:
+            self._stop.wait(pace)
+
     def stop(self) -> None:
         """End the run after the step in progress (its completed steps stay on disk)."""
         if self.active is None or self.active.done:
@@ -240,7 +285,8 @@ class Lab:
                       f"{steps}/{spec.warmup_steps + spec.steps} steps")
 
     def _say(self, text: str, colour: str = "#000") -> None:
-        self.status.value = f"<span style='color:{colour}'>{text}</span>"
+        """Show plain ``text`` in the status line (escaped: names, paths and errors may hold ``<``)."""
+        self.status.value = f"<span style='color:{colour}'>{html_text(text)}</span>"
 
     # -- results -----------------------------------------------------------------------------------
 

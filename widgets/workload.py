@@ -17,8 +17,11 @@ from typing import Any
 
 from um_lab import models
 from um_lab.backend import AUTO, backend_class, backend_names, get_backend, resolve_backend_name, valid_backend_names
+from um_lab.errors import ModelConfigError, SpecError
 from um_lab.sizing import MemoryEstimate, estimate_memory, format_bytes
 from um_lab.types import DATA_TYPES, RunSpec
+from um_lab.widgets._checks import capacity_bytes_of, model_kwargs_value, model_name, optional_positive
+from um_lab.widgets._html import html_text
 
 #: config fields worth a knob for the transformer families (the rest stay at the size's defaults)
 _CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd", "n_head"),
@@ -37,8 +40,7 @@ def _join_estimators() -> None:
 
 def model_knobs(name: str) -> dict[str, int]:
     """The integer size knobs of zoo model ``name`` with their defaults, e.g. ``{"width": 4096, ...}``."""
-    if name not in models.ZOO:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(models.ZOO)}")
+    model_name(name)
     base = getattr(models, "_ZOO_BASE", {}).get(name, models.ZOO[name])
     fixed = getattr(models, "_FIXED_BY_NAME", {}).get(base, set())
     knobs = {p.name: p.default for p in inspect.signature(base).parameters.values()
@@ -63,11 +65,12 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
     if capacity_bytes:
         r = (footprint_bytes if footprint_bytes is not None else estimate.total_bytes) / capacity_bytes
         colour = "#c00" if r > 1 else "#080"
-        cells += cell.format(capacity_label, format_bytes(capacity_bytes))
+        cells += cell.format(html_text(capacity_label), format_bytes(capacity_bytes))  # a profile's name
         cells += cell.format("ratio", f"<span style='color:{colour}'>{r:.2f}x</span>")
     basis = ("the ratio is of the simulator's 2 MiB segments (what a run oversubscribes)" if footprint_bytes
              is not None else "a lower bound (2 MiB segment rounding and temporaries come on top)")
-    return f"<table><tr>{cells}</tr></table><small>estimate per type: {estimate.method}; {basis}</small>"
+    return (f"<table><tr>{cells}</tr></table><small>estimate per type: {html_text(estimate.method)}; "
+            f"{basis}</small>")
 
 
 def backend_choices() -> list[str]:
@@ -88,16 +91,19 @@ class WorkloadPicker:
         the panel's ratio is of that footprint, and the prepared trace is reused by the run."""
         import ipywidgets as w
 
-        if model not in models.ZOO:
-            raise ValueError(f"unknown model {model!r}; valid: {', '.join(models.ZOO)}")
+        model_kwargs = model_kwargs_value(model_name(model), model_kwargs)
         choices = backend_choices()
-        if backend not in choices:
-            raise ValueError(f"unknown backend {backend!r}; valid: {valid_backend_names()}")
+        if not isinstance(backend, str) or backend not in choices:
+            raise SpecError(f"unknown backend {backend!r}; valid: {valid_backend_names()}", "backend")
+        ratio = optional_positive("ratio", ratio)
+        capacity_gib = optional_positive("capacity_gib", capacity_gib)
         self._on_change = on_change
         self._backend_for = backend_for
         self._own_backends: dict[str, Any] = {}
         self._own_backends_lock = threading.Lock()  # the estimate thread asks too
         self.last_footprint: int | None = None
+        #: (model, knobs) the last estimate and footprint were made for (None: none made yet)
+        self.last_sized: tuple[str, dict[str, Any]] | None = None
         self.model = w.Dropdown(options=list(models.ZOO), value=model, description="model")
         self.model.add_class("um-lab-model")
         self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
@@ -109,8 +115,8 @@ class WorkloadPicker:
         self.capacity_mode = w.ToggleButtons(options=CAPACITY_MODES, value=mode,
                                              tooltips=["oversubscription ratio: footprint / simulated capacity",
                                                        "simulated GPU capacity in GiB", "the profile's whole card"])
-        self.capacity_value = w.BoundedFloatText(value=capacity_gib or ratio or 1.0, min=0.001, max=1e6, step=0.25,
-                                                 layout=w.Layout(width="90px"))
+        # unbounded: a value out of range is refused (estimate line, status line), never clamped
+        self.capacity_value = w.FloatText(value=capacity_gib or ratio or 1.0, step=0.25, layout=w.Layout(width="90px"))
         self.capacity_value.add_class("um-lab-capacity")
         self.capacity_box = w.HBox([w.HTML("simulated GPU:"), self.capacity_mode, self.capacity_value])
         self.cap_note = w.HTML()
@@ -157,17 +163,18 @@ class WorkloadPicker:
     def sim_capacity(self) -> tuple[int | None, float | None]:
         """``(capacity_bytes, oversubscription_ratio)`` for the RunSpec (on a backend that simulates
         capacity; see :attr:`simulates_capacity`)."""
-        mode, value = self.capacity_mode.value, float(self.capacity_value.value)
-        if mode == "ratio":
-            return None, value
+        mode, value = self.capacity_mode.value, self.capacity_value.value
+        if mode == "ratio":  # SpecError quoting the value where it is not a finite number > 0
+            return None, optional_positive("ratio", value)
         if mode == "capacity GiB":
-            return int(value * 2**30), None
+            return capacity_bytes_of("capacity GiB", value), None
         return None, None
 
     def capacity_bytes(self, footprint: int | None) -> tuple[int | None, str]:
         """The capacity the footprint is compared with, and its label: on a backend that simulates capacity,
         the simulated GPU the controls describe (in whole 2 MiB chunks, as the simulator takes it); else the
-        limit the backend puts on a run (the cuda backend's safety cap; None: no limit to show)."""
+        limit the backend puts on a run (the cuda backend's safety cap; None: no limit to show). A value the
+        controls hold that the backend refuses raises its error (:class:`SpecError` for a bad ratio)."""
         if not self.simulates_capacity:
             return self._cap_bytes, "safety cap"
         capacity, ratio = self.sim_capacity()
@@ -179,10 +186,12 @@ class WorkloadPicker:
             label = f"simulated {profile_name}" if profile_name else "simulated card"
         spec = RunSpec(model=self.model.value, backend=self.resolved_backend, capacity_bytes=capacity,
                        oversubscription_ratio=ratio)
+        # raises where the backend refuses it (e.g. a ratio leaving less than one 2 MiB chunk): the estimate
+        # line says so, as the run would
         try:
             capacity = self.backend_instance().capacity_for(spec, int(footprint or 0))
-        except Exception:  # e.g. a ratio leaving less than one chunk: the run says so when it starts
-            capacity = int(footprint / ratio) if ratio is not None and footprint else capacity
+        except SpecError as e:  # quote what the field holds, as given
+            raise SpecError(f"{self.capacity_mode.value} {self.capacity_value.value!r}: {e}", e.field) from None
         return (None if capacity is None else int(capacity) // _CHUNK * _CHUNK), label
 
     # -- reacting ----------------------------------------------------------------------------------
@@ -193,11 +202,13 @@ class WorkloadPicker:
         defaults = model_knobs(self.model.value)
         unknown = sorted(set(values) - set(defaults))
         if unknown:
-            raise ValueError(f"model {self.model.value!r} has no knob(s) {unknown}; its knobs: {', '.join(defaults)}")
+            raise ModelConfigError(f"model {self.model.value!r} has no knob(s) {unknown} in the panel; its knobs: "
+                                   f"{', '.join(defaults)}", unknown[0])
         self.knobs = {}
         for name, default in defaults.items():
-            control = w.BoundedIntText(value=int(values.get(name, default)), min=0, max=10**9, description=name,
-                                       style={"description_width": "initial"}, layout=w.Layout(width="190px"))
+            # unbounded: a value the model refuses is quoted in the estimate line, never clamped
+            control = w.IntText(value=int(values.get(name, default)), description=name,
+                                style={"description_width": "initial"}, layout=w.Layout(width="190px"))
             control.add_class(f"um-lab-knob-{name}")
             control.observe(lambda _c: self._refresh_estimate(), names="value")
             self.knobs[name] = control
@@ -221,7 +232,7 @@ class WorkloadPicker:
             if not simulated:
                 self._cap_bytes = self._run_limit(name)
                 if self._cap_bytes:
-                    self.cap_note.value = (f"{name}: managed bytes are capped at "
+                    self.cap_note.value = (f"{html_text(name)}: managed bytes are capped at "
                                            f"<b>{format_bytes(self._cap_bytes)}</b> (its safety cap); a run "
                                            "above it is refused before anything is allocated")
         self._refresh_estimate()
@@ -258,14 +269,19 @@ class WorkloadPicker:
                 footprint = int(prepare(case).footprint_bytes)  # what the run will oversubscribe
             text = ""
         except Exception as e:  # shown in the panel; a bad size is the user's to fix
-            estimate, text = None, f"<span style='color:#c00'>cannot size {name}: {e}</span>"
+            estimate, text = None, f"<span style='color:#c00'>{html_text(f'cannot size {name}: {e}')}</span>"
         with self._lock:
             if generation != self._generation:
                 return
             self.last_estimate, self.last_footprint = estimate, footprint
+            self.last_sized = (name, dict(kwargs))
         if estimate is not None:
-            capacity, label = self.capacity_bytes(footprint if footprint is not None else estimate.total_bytes)
-            text = estimate_html(estimate, capacity, label, footprint)
+            try:
+                capacity, label = self.capacity_bytes(footprint if footprint is not None else estimate.total_bytes)
+                text = estimate_html(estimate, capacity, label, footprint)
+            except Exception as e:  # e.g. a ratio typed as -1.5: said here (Run refuses it too), never a traceback
+                text = (estimate_html(estimate, None, "", footprint)
+                        + f"<div style='color:#c00'>{html_text(f'simulated GPU: {e}')}</div>")
         self.estimate.value = text
 
     def wait_estimate(self, timeout: float = 120.0) -> MemoryEstimate | None:

@@ -1,0 +1,19 @@
+"""Escaping of text shown as HTML: anything that did not come from um_lab's own code (policy names and
+descriptions from a file, file paths, exception messages, model and profile names) reaches a
+``widgets.HTML`` only through :func:`html_text`, and plotly titles, trace names and labels only through
+:func:`plotly_text`, so a shared file holding ``<img src=x onerror=...>`` shows that text, never runs it."""
+
+from __future__ import annotations
+
+import html
+
+
+def html_text(value: object) -> str:
+    """``value`` as text for an HTML widget: ``<``, ``>``, ``&`` and quotes escaped (shown literally)."""
+    return html.escape(str(value), quote=True)
+
+
+def plotly_text(value: object) -> str:
+    """``value`` as text for a plotly title, trace name or category: plotly renders a subset of HTML in
+    them; ``<``, ``>`` and ``&`` are escaped (plotly shows these entities as the characters)."""
+    return html.escape(str(value), quote=False)
