@@ -4,6 +4,7 @@
 
     um-lab run --model mlp --model-kw width=1024 --policy gpu-first --backend sim --steps 50
     um-lab compare --models mlp gpt2-small --policies um-default gpu-first --ratios 0.8 1.5 --csv out.csv
+    um-lab compare --models mlp --ratios 1.5 2 --csv out.csv --force    # --force: replace an existing out.csv
     um-lab run --model gpt2-small --policy layer-ahead --budget 0.5x      # GPU-resident bytes <= half the footprint
     um-lab compare --models mlp --policies um-default layer-ahead --ratios 1.5 2 --backend sim
     um-lab calibrate --out calibration/my-gpu.json        # needs a CUDA GPU
@@ -19,6 +20,9 @@ Any registered backend can be named (an installed package registers one with an 
 A bare preset name always means the preset; a policy file is given with a path or a ``.json`` name and
 may not take a preset's name.
 Runs go to ``--out``, else ``$UM_LAB_RUNS_DIR``, else ``runs/`` in the current folder.
+Every run of a comparison is checked before the first one starts; one that still fails stops it, but the
+table of the runs made is shown, written to ``--csv`` and to the comparison folder's ``summary.csv``.
+um_lab's own errors are one line, ``um-lab: error: ...`` (exit status 2 for bad input, 1 otherwise).
 """
 
 from __future__ import annotations

@@ -137,8 +137,9 @@ def check_capacity_and_ratios(capacity: int | None, ratios: Sequence[float | Non
     """Refuse ``--capacity`` with a ratio: each sets the simulated GPU's size (a ratio: footprint / ratio)."""
     given = [r for r in ratios if r is not None]
     if capacity is not None and given:
-        raise SpecError(f"--capacity {capacity} B ({capacity / 2**30:.3g} GiB) and {flag} {' '.join(f'{r:g}' for r in given)} both set the "
-                        f"simulated GPU's size (a ratio: the model's footprint / ratio): give one of them",
+        shown = " ".join(f"{r:g}" for r in given)
+        raise SpecError(f"--capacity {capacity} B ({capacity / 2**30:.3g} GiB) and {flag} {shown} both set the "
+                        "simulated GPU's size (a ratio: the model's footprint / ratio): give one of them",
                         "capacity_bytes")
 
 

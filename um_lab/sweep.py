@@ -195,6 +195,13 @@ def compare(
     ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
     ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
     ranking_flips: the run's place among its cell's policies changes inside the band).
+    Each model and each ratio is given once (a duplicate is refused; a policy given twice runs once), and
+    ``batch_size`` may not contradict a model's ``batch_size`` knob, nor ``capacity_bytes`` come with ratios.
+    Unless ``keep_going``, every run is checked before the first one starts: the backend's pre-flight of each
+    (on the simulator a GPU budget too small for the model, on a GPU a size over the safety cap) and the GPU
+    size each ratio gives each model. A run that still fails (or Ctrl-C) ends the comparison, but the table
+    of the runs made (the one that failed included) is written to ``summary.csv`` first, and the exception
+    raised carries it as ``compare_table`` (and a note saying where it is).
     Columns: model, policy, ratio, backend, steps, median_ms, mean_ms, p90_ms, speedup_vs_<baseline>,
     migrated_bytes, htod_bytes, dtoh_bytes, gpu_page_faults, evictions, remote_bytes, ..., status, run_dir.
     """
