@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from um_lab.errors import ModelConfigError
+from um_lab.errors import ModelConfigError, ModelTypeError, OptimizerNeedsClosure, UmLabError
 from um_lab.knobs import check_overrides, check_positive, check_transformer
 
 Batch = tuple[torch.Tensor, ...]
@@ -266,16 +266,27 @@ def custom(
     ``loss_fn(model, *batch) -> scalar``; default: cross entropy of ``model(x)`` against ``y``.
     ``make_optimizer(params)``; default: AdamW(lr=1e-5).
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError("custom model needs a non-empty name")
+    if not isinstance(name, str):
+        raise ModelTypeError(f"custom model name must be a string, got {type(name).__name__} {name!r}"[:200], "name")
+    if not name.strip() or not name.isprintable():
+        raise ModelConfigError(f"custom model needs a non-empty printable name, got {name!r}"[:200], "name")
     if isinstance(model, nn.Module):
         template = model
         build: Callable[[], nn.Module] = lambda: copy.deepcopy(template)
+        build.__um_lab_template__ = template  # type: ignore[attr-defined]  # the trace key reads its shapes
     elif callable(model):
         build = model
     else:
-        raise TypeError(f"model must be an nn.Module or a factory, got {type(model).__name__}")
-    batch_factory = _as_batch_factory(make_batch)
+        raise ModelTypeError(f"custom model {name!r}: model must be an nn.Module or a factory returning one, "
+                             f"got {type(model).__name__} {model!r}"[:300], "model")
+    for arg, value in (("loss_fn", loss_fn), ("make_optimizer", make_optimizer)):
+        if value is not None and not callable(value):
+            raise ModelTypeError(f"custom model {name!r}: {arg} must be callable or None, got "
+                                 f"{type(value).__name__} {value!r}"[:300], arg)
+    if info is not None and not isinstance(info, Mapping):
+        raise ModelTypeError(f"custom model {name!r}: info must be a mapping or None, got {type(info).__name__}",
+                             "info")
+    batch_factory = _as_batch_factory(make_batch, name)
     case = ModelCase(name, build, batch_factory, loss_fn or _classification_loss, info=dict(info or {}))
     if make_optimizer is not None:
         case.make_optimizer = make_optimizer
@@ -283,17 +294,19 @@ def custom(
     return case
 
 
-def _as_batch_factory(make_batch: Any) -> Callable[[torch.Generator], Batch]:
+def _as_batch_factory(make_batch: Any, name: str = "custom") -> Callable[[torch.Generator], Batch]:
     if isinstance(make_batch, torch.Tensor):
         fixed: Batch = (make_batch,)
         return lambda g: fixed
     if isinstance(make_batch, (tuple, list)):
-        if not all(isinstance(t, torch.Tensor) for t in make_batch):
-            raise TypeError("a fixed batch must be a tuple of tensors")
+        if not make_batch or not all(isinstance(t, torch.Tensor) for t in make_batch):
+            raise ModelTypeError(f"custom model {name!r}: a fixed batch must be a non-empty tuple of tensors, got "
+                                 f"{[type(t).__name__ for t in make_batch]}"[:300], "make_batch")
         fixed = tuple(make_batch)
         return lambda g: fixed
     if not callable(make_batch):
-        raise TypeError(f"make_batch must be callable or a tuple of tensors, got {type(make_batch).__name__}")
+        raise ModelTypeError(f"custom model {name!r}: make_batch must be callable or a tuple of tensors, got "
+                             f"{type(make_batch).__name__} {make_batch!r}"[:300], "make_batch")
     try:
         takes_generator = len(inspect.signature(make_batch).parameters) >= 1
     except (TypeError, ValueError):
@@ -337,6 +350,7 @@ _ZOO_BASE: dict[str, Callable[..., ModelCase]] = {
 }
 _FIXED_BY_NAME: dict[Callable[..., ModelCase] | None, set[str]] = {
     resnet: {"depth"}, vit: {"size"}, gpt2: {"size"}, bert: {"size"}}  # set by the name
+_CONFIG_FAMILIES = (gpt2, bert)  #: their knobs beyond the signature are the library's config fields
 _ZOO_DEFAULT = dict(ZOO)  #: the built-in entries (a name replaced by register() is not checked as one)
 
 
@@ -362,7 +376,7 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
         raise ModelConfigError(f"model {name!r}: {fixed[0]} is set by the model's name and cannot be a knob; "
                                f"name another model instead ({', '.join(family)})", fixed[0])
     try:
-        return ZOO[name](**kwargs)
+        case = ZOO[name](**kwargs)
     except TypeError as e:
         text = str(e)
         if "unexpected keyword argument" not in text and "multiple values for" not in text:
@@ -371,6 +385,123 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
         knob = re.search(r"argument '(\w+)'", text)
         raise ModelConfigError(f"model {name!r}: {e.args[0].split(': ', 1)[-1]}; its knobs: {knobs}",
                                knob.group(1) if knob else None) from None
+    if kwargs and isinstance(case, ModelCase):
+        case.build_model = _knob_checked_build(case.name, case.build_model, kwargs)
+        if base in _CONFIG_FAMILIES and set(kwargs) - set(inspect.signature(base).parameters):
+            check_builds(case)  # config fields reach the library's constructor: build it on meta (cheap) now
+    return case
+
+
+#: Errors a model library raises for a bad configuration value while building a model (a missing key, a
+#: value it cannot use); wrapped in :class:`ModelConfigError` naming the knob.
+_LIBRARY_ERRORS = (KeyError, ValueError, TypeError, AttributeError, AssertionError, IndexError, ZeroDivisionError,
+                   NotImplementedError)
+
+
+def _knob_checked_build(name: str, build: Callable[[], nn.Module], knobs: Mapping[str, Any]
+                        ) -> Callable[[], nn.Module]:
+    """``build`` with the model library's errors raised as :class:`ModelConfigError` naming the knob
+    (the knobs whose name or value the error quotes; all knobs given when it quotes none)."""
+    knobs = dict(knobs)
+
+    def build_with_knobs() -> nn.Module:
+        try:
+            return build()
+        except UmLabError:
+            raise
+        except _LIBRARY_ERRORS as e:
+            raise knob_error(name, knobs, e) from e
+
+    template = getattr(build, "__um_lab_template__", None)
+    if template is not None:
+        build_with_knobs.__um_lab_template__ = template  # type: ignore[attr-defined]
+    return build_with_knobs
+
+
+def knob_error(name: str, knobs: Mapping[str, Any], error: BaseException) -> ModelConfigError:
+    """A :class:`ModelConfigError` for ``error``, raised by the model library while building ``name`` with
+    ``knobs``: it names the knobs the error quotes (by name or value), else all knobs given."""
+    text = str(error)
+
+    def quoted(key: str, value: Any) -> bool:
+        if re.search(rf"\b{re.escape(key)}\b", text):
+            return True
+        if isinstance(value, str) and value:
+            return repr(value) in text or text.strip("'\"") == value or (len(value) >= 4 and value in text)
+        return False
+
+    named = [k for k, v in knobs.items() if quoted(k, v)]
+    shown = ", ".join(f"{k}={knobs[k]!r}" for k in (named or knobs))
+    which = f"knob {shown}" if len(named) == 1 else f"knobs {shown}" if named else f"one of its knobs ({shown})"
+    reason = f"{type(error).__name__}: {text}"[:300]
+    return ModelConfigError(f"model {name!r}: the model library cannot build it with {which} ({reason}); "
+                            "check the value", named[0] if len(named) == 1 else None)
+
+
+def check_builds(case: ModelCase) -> ModelCase:
+    """Build ``case``'s model on the meta device (no memory, no data; GPT-2-XL in about 0.15 s) so that a
+    knob the model library refuses raises :class:`ModelConfigError` now. A build that fails for another
+    reason (a factory that needs real tensors) is left for the run to report. Returns ``case``."""
+    _meta_model(case)
+    return case
+
+
+def _meta_model(case: ModelCase) -> nn.Module | None:
+    template = getattr(case.build_model, "__um_lab_template__", None)
+    if isinstance(template, nn.Module):
+        return template  # a custom model given as a module: it exists, nothing to build
+    try:
+        with torch.device("meta"):
+            model = case.build_model()
+    except UmLabError:
+        raise
+    except Exception:  # noqa: BLE001 - not checkable on meta; the run builds it for real and reports
+        return None
+    return model if isinstance(model, nn.Module) else None
+
+
+def step_needs_closure(optimizer: Any) -> bool:
+    """True when ``optimizer.step`` requires an argument (a closure: ``torch.optim.LBFGS``)."""
+    try:
+        signature = inspect.signature(optimizer.step)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in signature.parameters.values())
+
+
+def check_optimizer(case: ModelCase, optimizer: Any) -> None:
+    """Refuse (:class:`~um_lab.errors.OptimizerNeedsClosure`) an optimizer whose ``step()`` needs a closure:
+    a run calls ``optimizer.step()`` once per training step, without one."""
+    if step_needs_closure(optimizer):
+        cls = type(optimizer)
+        public = getattr(torch.optim, cls.__name__, None) is cls
+        raise OptimizerNeedsClosure(f"torch.optim.{cls.__name__}" if public else f"{cls.__module__}.{cls.__qualname__}",
+                                    case.name)
+
+
+def check_case(case: ModelCase) -> ModelCase:
+    """Cheap checks of a model case before a run's folder is created; returns ``case``.
+
+    The model is built on the meta device (:func:`check_builds`: a knob the model library refuses is a
+    :class:`ModelConfigError` naming it), its optimizer made for those parameters (nothing allocated) and
+    refused when its ``step()`` needs a closure (:class:`~um_lab.errors.OptimizerNeedsClosure`, e.g.
+    ``torch.optim.LBFGS``). What cannot be built on meta is left for the run to report.
+    """
+    if not isinstance(case, ModelCase):
+        raise ModelTypeError(f"a model case must be a ModelCase (get_model(...) or custom(...)), got "
+                             f"{type(case).__name__}", "case")
+    model = _meta_model(case)
+    params = [p for p in model.parameters() if p.requires_grad] if model is not None else \
+        [nn.Parameter(torch.empty(1, device="meta"))]
+    try:
+        optimizer = case.make_optimizer(params)
+    except UmLabError:
+        raise
+    except Exception:  # noqa: BLE001 - a factory that cannot take these parameters: the run reports it
+        return case
+    check_optimizer(case, optimizer)
+    return case
 
 
 def describe_models() -> dict[str, str]:

@@ -22,6 +22,7 @@ from um_lab.backend_base import BackendBase
 from um_lab.budget.request import resolve_budget, uses_budget
 from um_lab.errors import BudgetError, HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
+from um_lab.models import check_case as check_model_case
 from um_lab.policy import Policy, get_policy, stages_activations
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
@@ -62,7 +63,7 @@ class SimBackend(BackendBase):
         ``prefetch_stream``: ``"compute"`` (as the real backend issues them) or ``"copy"`` (overlap)."""
         if prefetch_stream not in PREFETCH_STREAMS:
             raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
-        self.profile = load_profile(profile)
+        self.profile = load_profile(profile).check()
         self.prefetch_stream = prefetch_stream
         self._prepared: dict[str, PreparedCase] = {}
         self._lock = threading.Lock()
@@ -74,13 +75,19 @@ class SimBackend(BackendBase):
 
     @classmethod
     def check_case(cls, case: ModelCase) -> None:
-        """Refuse (:class:`HostMemoryRefused`) a case whose input batch does not fit in host memory."""
+        """Refuse a case before anything is made for it: a knob the model library cannot build or an
+        optimizer that needs a closure (:func:`um_lab.models.check_case`: :class:`ModelConfigError`), an input
+        batch that does not fit in host memory (:class:`HostMemoryRefused`)."""
+        check_model_case(case)
         check_batch_fits_host(case)
 
     def environment(self) -> dict[str, Any]:
-        """The simulated device and the calibration profile: its name and a SHA-256 of its constants."""
+        """The simulated device and the calibration profile: its name, a SHA-256 of its constants and its
+        origin (:attr:`~um_lab.sim.profile.Profile.origin`: packaged, a user's file by path and the SHA-256
+        of its bytes, or built in code)."""
         return {"device": {"name": "cpu (simulated GPU)"}, "calibration_profile": self.profile.name,
-                "calibration_profile_sha256": profile_sha256(self.profile)}
+                "calibration_profile_sha256": profile_sha256(self.profile),
+                "calibration_profile_origin": self.profile.origin}
 
     def prepare(self, case: ModelCase) -> PreparedCase:
         """Trace, place and expand ``case`` (cached per model configuration).

@@ -19,12 +19,12 @@ import json
 import math
 import threading
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from um_lab.errors import ProfileError
 from um_lab.sim.placement import BLOCK
-from um_lab.sim.profile import Profile, load_profile
+from um_lab.sim.profile import Profile, load_profile, packaged_profile_names
 
 #: Constants whose larger value makes a step faster (bandwidths, peaks, tiles); the rest of the banded
 #: constants make it slower (latencies, per-call costs, passes).
@@ -61,7 +61,9 @@ def profile_ranges(profile: str | Path | Profile = "h200") -> dict[str, tuple[fl
     """``{field: (low, high)}`` for every banded constant of ``profile``.
 
     Measured constants use the ranges recorded with the profile (``measured.primitives``); a
-    :class:`Profile` object without its JSON gets only the :data:`UNMEASURED` ranges around its values.
+    :class:`Profile` built in code gets only the :data:`UNMEASURED` ranges around its values (unless it
+    equals the packaged profile of its name). A recorded range that is not two finite numbers >= 0 raises
+    :class:`~um_lab.errors.ProfileError` naming the field and the profile's file.
     """
     prof = load_profile(profile)
     ranges: dict[str, tuple[float, float]] = {}
@@ -70,12 +72,12 @@ def profile_ranges(profile: str | Path | Profile = "h200") -> dict[str, tuple[fl
         if value > 0:
             ranges[name] = (value * lo, value * hi)
     block_us = lambda gbps: BLOCK / (float(gbps) * 1e3)  # noqa: E731
-    for name, info in _measured_provenance(profile).items():
+    for name, info in _measured_provenance(prof).items():
         if not hasattr(prof, name):
             continue
         value = float(getattr(prof, name))
-        span = info.get("range")
-        gbps = info.get("range_GBps")
+        span = _recorded_range(prof, name, info, "range")
+        gbps = _recorded_range(prof, name, info, "range_GBps", positive=True)
         if span is None and gbps is not None:  # a per-block cost measured as a rate: slow rate = high cost
             span = sorted(block_us(g) for g in gbps)
             if name == "fault_block_us":
@@ -85,22 +87,41 @@ def profile_ranges(profile: str | Path | Profile = "h200") -> dict[str, tuple[fl
     return ranges
 
 
-def _measured_provenance(profile: str | Path | Profile) -> Mapping[str, Any]:
-    if isinstance(profile, Profile):  # the packaged profile of that name, if this is it unchanged
-        try:
-            same = load_profile(profile.name) == profile
-        except ValueError:
-            return {}
-        return _measured_provenance(profile.name) if same else {}
-    text = str(profile)
-    try:
-        if text.endswith(".json") or Path(text).exists():
-            data = json.loads(Path(text).read_text())
-        else:
-            data = json.loads(resources.files("um_lab.sim").joinpath(f"profiles/{text}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data.get("measured", {}).get("primitives", {})
+def _profile_path(profile: Profile) -> str | None:
+    origin = profile.origin
+    return origin.get("path") or (f"<packaged {origin['name']}>" if "name" in origin else None)
+
+
+def _recorded_range(profile: Profile, name: str, info: Any, key: str,
+                    positive: bool = False) -> list[float] | None:
+    """``measured.primitives[name][key]`` as two floats (low <= high), None when not recorded."""
+    if not isinstance(info, Mapping):
+        raise ProfileError(f"measured.primitives.{name} must be a JSON object, got {info!r}"[:300],
+                           name, _profile_path(profile))
+    span = info.get(key)
+    if span is None:
+        return None
+    ok = isinstance(span, list | tuple) and len(span) == 2 and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 if positive else v >= 0)
+        for v in span)
+    if not ok:
+        raise ProfileError(f"measured.primitives.{name}.{key} must be [low, high], two finite numbers "
+                           f"{'> 0' if positive else '>= 0'}, got {span!r}"[:300], name, _profile_path(profile))
+    return sorted(float(v) for v in span)
+
+
+def _measured_provenance(profile: Profile) -> Mapping[str, Any]:
+    """The ``measured.primitives`` recorded with ``profile``'s file; for a profile built in code, those of
+    the packaged profile of its name if it equals it, else none."""
+    measured = profile.measured
+    if measured is None and profile.origin["kind"] == "code" and profile.name in packaged_profile_names():
+        packaged = load_profile(profile.name)
+        measured = packaged.measured if packaged == profile else None
+    primitives = (measured or {}).get("primitives", {})
+    if not isinstance(primitives, Mapping):
+        raise ProfileError(f"measured.primitives must be a JSON object, got {primitives!r}"[:300],
+                           "measured", _profile_path(profile))
+    return primitives
 
 
 def corner_profiles(profile: str | Path | Profile = "h200",
@@ -111,7 +132,8 @@ def corner_profiles(profile: str | Path | Profile = "h200",
     fast, slow = {}, {}
     for name, (lo, hi) in ranges.items():
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi and hi > 0):
-            raise ValueError(f"range of {name} must be 0 <= low <= high, high > 0, got ({lo}, {hi})")
+            raise ProfileError(f"range of {name} must be 0 <= low <= high, high > 0, got ({lo}, {hi})", name,
+                               _profile_path(prof))
         fast[name], slow[name] = (hi, lo) if name in FASTER_WHEN_LARGER else (lo, hi)
     return (prof.replace(name=f"{prof.name}-fast", **fast), prof.replace(name=f"{prof.name}-slow", **slow))
 

@@ -31,7 +31,6 @@ elementwise rates are fitted op by op there; whole step times then fit only what
 from __future__ import annotations
 
 import functools
-import json
 import math
 import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -41,7 +40,7 @@ from typing import Any
 from um_lab.policy import Policy, get_policy
 from um_lab.sim.placement import BLOCK
 from um_lab.sim.primitives import fit_primitives, fit_scheduler_rates, load_primitives
-from um_lab.sim.profile import Profile
+from um_lab.sim.profile import Profile, read_measurements
 from um_lab.sim.replicas import model_case
 from um_lab.sim.roofline import native_step_ms
 from um_lab.sim.trace import KIND_ATTENTION, KIND_CONV, KIND_MATMUL, cached_trace
@@ -207,7 +206,7 @@ def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS,
 def fidelity_targets(path: str | Path, fitted_only: bool = True) -> list[dict[str, Any]]:
     """Step-time targets from a ``bench/sim_fidelity.py`` result: its measured rows (only those marked
     ``"fitted": true`` by default, so the others stay held out)."""
-    data = json.loads(Path(path).read_text())
+    data = read_measurements(path)
     return [{"model": r["model"], "model_kwargs": r.get("model_kwargs", {}), "policy": r["policy"],
              "ms": float(r["measured_ms"])}
             for r in data["rows"] if r.get("measured_ms") and (r.get("fitted") or not fitted_only)]
@@ -234,7 +233,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     models' own weight GEMMs timed alone, which replace that law at exactly those shapes; and ``bench/budget.py
     --time-moves`` results, the layer-ahead scheduler's side-stream rates in training
     (:func:`um_lab.sim.primitives.fit_scheduler_rates`)."""
-    probe = json.loads(Path(probe_path).read_text())
+    probe = read_measurements(probe_path)
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
     targets = list(H200_TARGETS)
@@ -266,8 +265,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
             resident_gemms,
         )
 
-        detail = json.loads(Path(step_detail_path).read_text())
-        kernels = resident_gemms(json.loads(Path(primitives_path).read_text())) if primitives_path else []
+        detail = read_measurements(step_detail_path)
+        kernels = resident_gemms(read_measurements(primitives_path)) if primitives_path else []
         fits = (fit_host_costs, functools.partial(fit_gemm_rate, extra=kernels), fit_attention_rate,
                 functools.partial(fit_resident_ops, kernel_us=Profile().kernel_us), fit_remote_elementwise)
         for fit in fits:
@@ -285,7 +284,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     if conv_path is not None:
         from um_lab.sim.conv_act import ACT_REMOTE, fit_conv_tile
 
-        conv_fields, conv_provenance = fit_conv_tile(json.loads(Path(conv_path).read_text()), profile, ACT_REMOTE)
+        conv_fields, conv_provenance = fit_conv_tile(read_measurements(conv_path), profile, ACT_REMOTE)
         profile = profile.replace(source=profile.source + f"; convolution tile from "
                                       f"{Path(conv_path).name} (bench/conv_in_step.py)", **conv_fields)
         provenance.update(conv_provenance)

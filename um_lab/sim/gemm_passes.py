@@ -51,7 +51,6 @@ zero-copy step from -11% to -18% while ViT gained 4-5 points.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -60,6 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from um_lab.sim.profile import read_measurements
 
 #: The reference shape of the power laws (rows and columns).
 REF = 4096.0
@@ -180,7 +181,7 @@ def fit_gemm_passes(data: Mapping[str, Any], stream_GBps: float,
 
 def load_gemm_tiles(path: str | Path) -> dict[str, Any]:
     """Read a ``bench/uvm_primitives.py --sections gemm_tiles`` result."""
-    return json.loads(Path(path).read_text())
+    return read_measurements(path)
 
 
 def law_passes(rows: Iterable[Mapping[str, Any]], profile: Any) -> list[float]:
@@ -208,7 +209,7 @@ def load_gemm_shapes(paths: Iterable[str | Path],
     rate = load_profile("h200").remote_GBps if rate is None else rate
     seen: dict[tuple[str, int, int, int, int], list[float]] = {}
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_measurements(path)
         for r in data["rows"]:
             if r.get("passes") is None:
                 continue
@@ -230,7 +231,7 @@ def law_spread(paths: Iterable[str | Path], profile: Any = None) -> dict[str, An
     rate = base.remote_GBps
     per_model: dict[str, float] = {}
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_measurements(path)
         rows = [r for r in data["rows"] if r.get("passes") is not None and r.get("weight_bytes")]
         if profile is not None:
             laws = law_passes(rows, base.replace(gemm_law_factor=1.0))

@@ -14,7 +14,6 @@ minimises the mean log error of the passes).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from um_lab.sim.placement import BLOCK
+from um_lab.sim.profile import read_measurements
 
 
 def _numbers(shape: str) -> dict[str, int]:
@@ -159,7 +159,7 @@ def fit_primitives(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str,
 
 def load_primitives(path: str | Path) -> dict[str, Any]:
     """Read a ``bench/uvm_primitives.py`` result."""
-    return json.loads(Path(path).read_text())
+    return read_measurements(path)
 
 
 def fit_scheduler_rates(paths: Iterable[str | Path]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
@@ -171,7 +171,7 @@ def fit_scheduler_rates(paths: Iterable[str | Path]) -> tuple[dict[str, float], 
     files = []
     for path in paths:
         used = False
-        for row in json.loads(Path(path).read_text()).get("rows", []):
+        for row in read_measurements(path).get("rows", []):
             for direction, samples in rates.items():
                 rate = (row.get("move_timing") or {}).get(direction, {}).get("GBps")
                 if isinstance(rate, int | float) and math.isfinite(rate) and rate > 0:  # NaN: no move timed

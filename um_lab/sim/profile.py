@@ -13,15 +13,34 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
+import os
+import warnings
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from um_lab.errors import ProfileError
+from um_lab.files import MIB, PROFILE_LIMIT, parse_json, read_json, read_text
+
 FORMAT_VERSION = 2
+#: Largest measurement file (a bench result or probe) calibration reads.
+MEASUREMENT_LIMIT = 64 * MIB
 #: Host costs that may be zero (a fit can find that a cost is not there).
 ZERO_ALLOWED = frozenset({"cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us",
                           "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
                           "scheduler_d2h_GBps"})
+#: Fields a profile may leave out without a warning: an absent per-shape GEMM table is empty (``to_dict``
+#: leaves an empty one out), an absent ``source`` is no description.
+OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source"})
+#: Fields that hold whole numbers.
+INT_FIELDS = frozenset({"gpu_memory_bytes", "fault_batch_size"})
+_TEXT_FIELDS = frozenset({"name", "source"})
+
+
+class ProfileDefaultsWarning(UserWarning):
+    """A profile left out fields, which take :class:`Profile`'s starting values (not a calibrated card)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,29 +168,68 @@ class Profile:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Profile:
-        """Build from a dict; unknown keys raise ``ValueError``; missing keys keep their defaults."""
+    def from_dict(cls, data: Mapping[str, Any], path: str | os.PathLike[str] | None = None) -> Profile:
+        """Build from a dict (a profile JSON's object), every field checked: numbers finite and positive
+        (zero where :data:`ZERO_ALLOWED`; ``prefetch_host_sync`` 0 or 1), whole numbers where
+        :data:`INT_FIELDS`, text for ``name`` / ``source``. A bad, unknown or wrongly typed field raises
+        :class:`~um_lab.errors.ProfileError` naming it (and ``path``, the file it came from); missing
+        fields take :class:`Profile`'s starting values with a :class:`ProfileDefaultsWarning` naming them
+        (:data:`OPTIONAL_FIELDS` may be left out silently)."""
+        def fail(message: str, field: str | None = None) -> ProfileError:
+            return ProfileError(message, field, path)
+
+        if not isinstance(data, Mapping):
+            raise fail(f"must be a JSON object of profile fields, got {_kind(data)}")
         data = dict(data)
         version = data.pop("um_lab_profile", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise ValueError(f"unsupported profile format version {version!r}")
-        data.pop("measured", None)
+        if isinstance(version, bool) or version != FORMAT_VERSION:
+            raise fail(f"unsupported profile format version {version!r} (this um_lab reads version "
+                       f"{FORMAT_VERSION})", "um_lab_profile")
+        measured = data.pop("measured", None)
+        if measured is not None and not isinstance(measured, Mapping):
+            raise fail(f"measured must be a JSON object, got {_kind(measured)}", "measured")
         known = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(data) - known)
+        extra = sorted(set(data) - known, key=str)
         if extra:
-            raise ValueError(f"unknown profile fields: {extra}; valid: {sorted(known)}")
-        if "gemm_shape_passes" in data:
-            data["gemm_shape_passes"] = gemm_shape_table(data["gemm_shape_passes"])
+            raise fail(f"unknown profile fields: {extra}; valid: {sorted(known)}", str(extra[0]))
         for key, value in data.items():
-            if key in ("name", "source", "gemm_shape_passes"):
+            data[key] = _checked_field(key, value, fail)
+        missing = sorted(known - set(data) - OPTIONAL_FIELDS)
+        if missing:
+            where = f"profile file {str(path)!r}" if path is not None else "profile"
+            warnings.warn(f"{where} leaves out {len(missing)} field(s), which take um_lab's starting values "
+                          f"(round H200-sized numbers, not a calibrated card): {', '.join(missing)}",
+                          ProfileDefaultsWarning, stacklevel=2)
+        profile = cls(**data)
+        if measured is not None:
+            object.__setattr__(profile, "_measured", dict(measured))
+        return profile
+
+    def check(self) -> Profile:
+        """This profile if every numeric field is a finite number >= 0 (a profile built in code is not checked
+        when made); else :class:`~um_lab.errors.ProfileError` naming the field."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _TEXT_FIELDS or f.name == "gemm_shape_passes":
                 continue
-            if key == "prefetch_host_sync" and isinstance(value, int | float) and value in (0, 1):
-                continue
-            if key in ZERO_ALLOWED and isinstance(value, int | float) and value == 0:
-                continue
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"profile field {key} must be a positive number, got {value!r}")
-        return cls(**data)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or value < 0:
+                raise ProfileError(f"field {f.name} must be a finite number >= 0, got {value!r}", f.name)
+        return self
+
+    @property
+    def origin(self) -> dict[str, str]:
+        """Where this profile came from: ``{"kind": "packaged", "name": ..., "file_sha256": ...}`` (a profile
+        packaged with um_lab), ``{"kind": "file", "path": <absolute path>, "file_sha256": ...}`` (a user's
+        profile file: its bytes' SHA-256), or ``{"kind": "code"}`` (built or changed in code, e.g. by
+        :meth:`replace`). :func:`profile_sha256` digests the constants whatever the origin."""
+        return dict(self.__dict__.get("_origin") or {"kind": "code"})
+
+    @property
+    def measured(self) -> Mapping[str, Any] | None:
+        """The raw measurements recorded with the profile's file (its ``measured`` object), None when it
+        recorded none or the profile was built or changed in code."""
+        return self.__dict__.get("_measured")
 
     def save(self, path: str | Path, measured: dict[str, Any] | None = None) -> Path:
         """Write the profile as JSON (optionally with the raw measurements it came from)."""
@@ -184,46 +242,131 @@ class Profile:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        """Read a profile JSON file."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        """Read a profile JSON file: a regular file of at most :data:`~um_lab.files.PROFILE_LIMIT` bytes,
+        checked as :meth:`from_dict` does; every error names the file. The profile's :attr:`origin` is the
+        file's absolute path and the SHA-256 of its bytes."""
+        text = read_text(path, "profile", PROFILE_LIMIT)
+        profile = cls.from_dict(parse_json(text, "profile", source=path), path=path)
+        object.__setattr__(profile, "_origin", {
+            "kind": "file", "path": str(Path(path).absolute()),
+            "file_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()})
+        return profile
+
+
+def read_measurements(path: str | os.PathLike[str]) -> Any:
+    """A measurement JSON file that calibration reads (a probe, a bench result): a regular file of at most
+    :data:`MEASUREMENT_LIMIT` bytes (:class:`~um_lab.errors.FileReadError` naming it otherwise)."""
+    return read_json(path, "calibration measurement", MEASUREMENT_LIMIT)
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind for messages: ``a list``, ``a string``, ..."""
+    names = {list: "a list", tuple: "a list", str: "a string", bool: "true/false", int: "a number",
+             float: "a number", type(None): "null", dict: "an object"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+def _checked_field(key: str, value: Any, fail: Any) -> Any:
+    """``value`` for field ``key`` as the profile holds it, or ``fail(message, key)`` raised."""
+    if key in _TEXT_FIELDS:
+        if not isinstance(value, str) or (key == "name" and not value.strip()):
+            raise fail(f"field {key} must be {'a non-empty' if key == 'name' else 'a'} string, got {value!r}", key)
+        return value
+    if key == "gemm_shape_passes":
+        try:
+            return gemm_shape_table(value)
+        except ValueError as e:
+            raise fail(str(e), key) from None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and not math.isfinite(value):
+        raise fail(f"field {key} must be a positive finite number, got {value!r}", key)
+    if key == "prefetch_host_sync":
+        if not number or value not in (0, 1):
+            raise fail(f"field {key} must be 0 or 1, got {value!r}", key)
+        return value
+    zero = " (or 0)" if key in ZERO_ALLOWED else ""
+    if not number or value < 0 or (value == 0 and key not in ZERO_ALLOWED):
+        raise fail(f"field {key} must be a positive finite number{zero}, got {value!r}", key)
+    if key in INT_FIELDS:
+        if not float(value).is_integer():
+            raise fail(f"field {key} must be a whole number, got {value!r}", key)
+        return int(value)
+    return value
 
 
 def gemm_shape_table(rows: Any) -> tuple[tuple[str, int, int, int, int, float], ...]:
     """Rows ``[layout, bias, M, K, N, passes]`` checked into :attr:`Profile.gemm_shape_passes`'s form
     (``ValueError`` naming the first bad row)."""
+    if isinstance(rows, str | bytes | Mapping) or not isinstance(rows, list | tuple):
+        raise ValueError(f"gemm_shape_passes must be a list of rows [layout nt|nn, bias 0|1, M, K, N, passes >= 1]; "
+                         f"got {rows!r}"[:300])
     out = []
     for row in rows:
         try:
             layout, bias, m, k, n, passes = row
-            ok = layout in ("nt", "nn") and bias in (0, 1, True, False) and min(int(m), int(k), int(n)) > 0 \
-                and float(passes) >= 1.0
+            whole = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                        and float(v).is_integer() and v > 0 for v in (m, k, n))
+            ok = layout in ("nt", "nn") and bias in (0, 1, True, False) and whole \
+                and isinstance(passes, int | float) and math.isfinite(passes) and float(passes) >= 1.0
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise ValueError(f"gemm_shape_passes rows are [layout nt|nn, bias 0|1, M, K, N, passes >= 1]; got {row!r}")
+            raise ValueError(f"gemm_shape_passes rows are [layout nt|nn, bias 0|1, M, K, N, passes >= 1]; "
+                             f"got {row!r}"[:300])
         out.append((str(layout), int(bool(bias)), int(m), int(k), int(n), float(passes)))
     return tuple(sorted(out))
 
 
-def load_profile(name_or_path: str | Path | Profile = "h200") -> Profile:
-    """A packaged profile by name (``"h200"``), a profile JSON path, or a :class:`Profile` itself."""
+def packaged_profile_names() -> list[str]:
+    """Names of the profiles packaged with um_lab (``"h200"``)."""
+    folder = resources.files("um_lab.sim").joinpath("profiles")
+    return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | os.PathLike[str] | Profile = "h200") -> Profile:
+    """A packaged profile by name (``"h200"``), a profile JSON path, or a :class:`Profile` itself.
+
+    A packaged name means the packaged profile even where a file of that name is in the working directory
+    (a warning says it is not read: pass ``./h200`` to read it); a path (a ``Path``, text ending in
+    ``.json`` or naming a folder, or an existing file) is read with :meth:`Profile.load`. Bad input raises
+    :class:`~um_lab.errors.ProfileError` or :class:`~um_lab.errors.FileReadError` naming it; the profile's
+    :attr:`Profile.origin` says which it was.
+    """
     if isinstance(name_or_path, Profile):
         return name_or_path
-    text = str(name_or_path)
-    if text.endswith(".json") or Path(text).exists():
+    if isinstance(name_or_path, os.PathLike):
+        return Profile.load(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise ProfileError(f"must be a packaged profile name, a profile JSON path or a Profile, got "
+                           f"{type(name_or_path).__name__} {name_or_path!r}"[:300])
+    text = name_or_path
+    if "\0" in text:
+        raise ProfileError(f"a profile name or path cannot hold a NUL character, got {text!r}"[:300], "profile")
+    names = packaged_profile_names()
+    if text in names:
+        if os.path.lexists(text):
+            warnings.warn(f"profile {text!r} is the packaged profile; the file {text!r} in the working directory "
+                          f"is not read (pass {os.path.join('.', text)!r} or its full path to use it)",
+                          stacklevel=2)
+        return _packaged_profile(text)
+    if text.endswith(".json") or os.sep in text or (os.altsep and os.altsep in text) or os.path.lexists(text):
         return Profile.load(text)
-    return _packaged_profile(text)
+    raise ProfileError(f"unknown profile {text!r}: not a packaged profile name ({', '.join(names)}) nor a "
+                       "profile JSON file"[:300], "profile")
 
 
 @functools.lru_cache(maxsize=8)
 def _packaged_profile(name: str) -> Profile:
     """A packaged profile, parsed once (profiles are frozen; the file carries its raw measurements too)."""
-    try:
-        data = resources.files("um_lab.sim").joinpath(f"profiles/{name}.json").read_text()
-    except FileNotFoundError:
-        raise ValueError(f"unknown profile {name!r}: not a packaged profile name or a JSON file") from None
-    return Profile.from_dict(json.loads(data))
+    if name not in packaged_profile_names():
+        raise ProfileError(f"unknown profile {name!r}: not a packaged profile name "
+                           f"({', '.join(packaged_profile_names())})", "profile")
+    raw = resources.files("um_lab.sim").joinpath(f"profiles/{name}.json").read_bytes()
+    profile = Profile.from_dict(json.loads(raw), path=f"<packaged {name}>")
+    object.__setattr__(profile, "_origin", {"kind": "packaged", "name": name,
+                                            "file_sha256": hashlib.sha256(raw).hexdigest()})
+    return profile
 
 
 def profile_sha256(profile: str | Profile = "h200") -> str:
