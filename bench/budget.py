@@ -1,4 +1,4 @@
-"""Issue 13: training under a GPU budget with the layer-ahead scheduler (Session(gpu_budget_bytes=B)).
+"""Benchmark (GPU): training under a GPU budget with the layer-ahead scheduler (Session(gpu_budget_bytes=B)).
 
     python bench/budget.py                       # gpt2-large (bs 4 x 1024) and resnet50, footprint/B = 1.5, 2, 3
     python bench/budget.py --models gpt2-large --ratios 2 --steps 8 --telemetry
@@ -8,7 +8,7 @@
     python bench/budget.py --models gpt2-large --ratios 2 --batch-calls off on --time-moves   # one call per range?
 
 For each model: one run with no budget (``fit_step_ms``; ``footprint_bytes`` = the peak of live managed
-bytes), then one run per ratio with B = footprint / ratio. A row per ratio (schema of issue 13):
+bytes), then one run per ratio with B = footprint / ratio. A row per ratio (the budget table's schema):
 ``step_ms`` (median of the steps after the first two: the first learns the order, the second may
 re-plan), ``crossing_bytes`` (the ledger's prefetched + evicted bytes per step, median), ``bound_ms`` =
 max(fit_step_ms, crossing_bytes / 47 GB/s), ``over_bound`` = step_ms / bound_ms (also against the
@@ -129,8 +129,8 @@ def build_case(name: str) -> ModelCase:
 #: extra Session arguments (the CPU test of this script passes a fake driver here)
 SESSION_KWARGS: dict[str, Any] = {}
 #: ``--advice``: ``host`` (the session's default, ``budget_host_advice=True``): the pools prefer the host and are
-#: mapped for the GPU, so only the scheduler's prefetches make data resident; ``none``: no advice (before
-#: session 12), what the scheduler did not foresee faults in behind the ledger
+#: mapped for the GPU, so only the scheduler's prefetches make data resident; ``none``: no advice (the
+#: earlier default), what the scheduler did not foresee faults in behind the ledger
 ADVICE_CHOICES = ("host", "none")
 
 
@@ -145,7 +145,7 @@ def host_advice(advice: str) -> bool:
 class RowOptions:
     """One budget row's session options (each a ``--flag on off`` of the script, the session's keyword beside it):
     how moves are issued (``issue``), discarding dead gradients (``discard``), batched calls (``batch_calls``),
-    compute waiting on the GPU (``gpu_waits``), the pools' advice (``advice``), staged activations (``stage``),
+    the pools' advice (``advice``), staged activations (``stage``),
     discarding free blocks (``free``), the intermediate pool in device memory (``device_act``; None: the session's
     default), optimizer state left remote (``remote``), partial staging (``partial``) and remote state copied for
     its chunk's step (``copies``, experimental: off in place, the session's default), and growth announced for
@@ -154,7 +154,6 @@ class RowOptions:
     issue: str = "thread"
     discard: bool = False
     batch_calls: bool = False
-    gpu_waits: bool = False
     advice: str = "host"
     stage: bool = False
     free: bool = False
@@ -179,15 +178,15 @@ def on_word(flag: bool) -> str:
 
 
 def option_grid(issues: tuple[str, ...] = ("thread",), discards: tuple[bool, ...] = (False,),
-                batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
+                batches: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
                 copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,)) -> list[RowOptions]:
     """Every combination of the choices, in the script's order; the staging choices (device pool, partial staging)
     only with staging on, the copies only with staging and remote state on, settling only with partial staging."""
-    return [RowOptions(i, d, b, w, a, st, f, da, ro, pa, co, se)
-            for i in issues for d in discards for b in batches for w in gpu_waits for a in advices for st in stages
+    return [RowOptions(i, d, b, a, st, f, da, ro, pa, co, se)
+            for i in issues for d in discards for b in batches for a in advices for st in stages
             for f in frees for da in (device_acts if st else (None,)) for ro in remotes
             for pa in (partials if st else (False,)) for co in (copies_opts if st and ro else (False,))
             for se in (settles if st and pa else (False,))]
@@ -209,19 +208,18 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
     o = options
     with experimental.options(host_advice=host_advice(o.advice), budget_issue=o.issue, discard_gradients=o.discard,
-                              batch_calls=o.batch_calls, gpu_waits=o.gpu_waits, discard_free=o.free,
+                              batch_calls=o.batch_calls, discard_free=o.free,
                               device_activations=o.device_act if o.stage else None, remote_optimizer=o.remote,
                               partial_staging=o.partial and o.stage, copy_remote_state=o.copies,
                               settle_tail_growth=o.settle):
         lab = Session("um-default", cap_bytes=cap, telemetry=Telemetry(flush="step") if telemetry else False,
-                      evacuate_on_close=False, budget=None if budget is None else Budget(budget, stage_activations=o.stage),
-                      **SESSION_KWARGS)
+                      evacuate_on_close=False,
+                      budget=None if budget is None else Budget(budget, stage_activations=o.stage), **SESSION_KWARGS)
     lab.open()
     try:
         if time_moves and lab.budget is not None:  # a diagnostic the session does not expose
             lab.budget.executor.time_moves()
         batch_used = lab.budget is not None and lab.budget.executor.batch_calls  # off where CUDA lacks it
-        waits_used = lab.budget is not None and lab.budget.executor.gpu_waits  # off where the driver refuses
         base = lab.stats()["live_total"]
 
         def guard(record: Any) -> None:  # the bench's own counter, beside the shim's cap: after every step
@@ -246,7 +244,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     if left != 0:
         raise ManagedBytesLeft(f"{case.name}: {left} managed bytes still held after the session closed")
     return {"records": records, "peak_bytes": peak, "cap_bytes": cap,
-            "batch_calls": batch_used, "gpu_waits": waits_used}
+            "batch_calls": batch_used}
 
 
 def pool_usage(pool_id: tuple[int, int]) -> dict[str, int]:
@@ -328,7 +326,7 @@ def cupti_max(records: list[Any]) -> int | None:
 def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetry: bool,
                 say: Callable[[str], None], issues: tuple[str, ...] = ("thread",),
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
-                batches: tuple[bool, ...] = (False,), gpu_waits: tuple[bool, ...] = (False,),
+                batches: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
                 frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
@@ -342,7 +340,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    grid = option_grid(issues, discards, batches, gpu_waits, advices, stages, frees, device_acts, remotes, partials,
+    grid = option_grid(issues, discards, batches, advices, stages, frees, device_acts, remotes, partials,
                        copies_opts, settles)
     for ratio, options in ((r, o) for r in ratios for o in grid):
         budget = int(footprint / ratio)
@@ -407,7 +405,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "cupti_resident_all": [sum(r.resident_bytes.values()) if r.resident_bytes else None
                                    for r in out["records"]],
             "gpu_page_faults_all": [r.gpu_page_faults for r in out["records"]],
-            "batch_calls": out["batch_calls"], "gpu_waits": out["gpu_waits"],
+            "batch_calls": out["batch_calls"],
             **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_STAT_KEYS} if options.free else {}),
             "run_s": time.perf_counter() - t0,
         })
@@ -428,7 +426,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             row_done(rows)
         o = options
         say(f"  ratio {ratio} ({o.issue}, discard {on_word(o.discard)}, batch calls {on_word(o.batch_calls)}, "
-            f"GPU waits {on_word(o.gpu_waits)}, advice {o.advice}, staging {on_word(o.stage)}, "
+            f"advice {o.advice}, staging {on_word(o.stage)}, "
             f"device activations {'on' if row['device_activations'] else 'off'}, "
             f"remote optimizer {on_word(o.remote)} ({remote_bytes / GiB:.2f} GiB), "
             f"partial staging {on_word(o.partial)} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
@@ -555,11 +553,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="who makes the prefetch calls (a row per choice): a mover thread, or the training thread")
     on_off(ap, "--discard", "off", "discard dead gradients, not copy them (Session(budget_discard=...))")
     on_off(ap, "--batch-calls", "off", "consecutive prefetches to one location as one cudaMemPrefetchBatchAsync "
-           "(Session(budget_batch_calls=...))")
-    on_off(ap, "--gpu-waits", "off", "compute waits for prefetches on the GPU, never the host for the mover "
-           "(Session(budget_gpu_waits=...))")
+           "(experimental.options(batch_calls=...))")
     on_off(ap, "--stage", "off", "stage saved activations through pinned host memory "
-           "(Session(budget_stage_activations=...))")
+           "(Budget(..., stage_activations=...))")
     ap.add_argument("--device-act", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="with --stage on: the intermediate-results pool in plain device memory "
                          "(Session(budget_device_activations=...); auto: the session's default, on with staging); "
@@ -632,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_rows = bench_model(
                     name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
                     tuple(d == "on" for d in args.discard), args.time_moves, tuple(b == "on" for b in args.batch_calls),
-                    tuple(w == "on" for w in args.gpu_waits), tuple(args.advice),
+                    tuple(args.advice),
                     tuple(st == "on" for st in args.stage),
                     tuple(f == "on" for f in args.discard_free),
                     tuple(None if d == "auto" else d == "on" for d in args.device_act),
@@ -683,7 +679,7 @@ def fill_fsdp2(rows: list[dict], name: str, steps: int, say: Any) -> None:
         row.update(fsdp2_step_ms=peer["fsdp2_step_ms"], fsdp2_peak_bytes=peer["fsdp2_peak_bytes"])
 
 
-#: pinned copies between GPU memory and pinned host memory on the H200, each way (issue 13's probe)
+#: pinned copies between GPU memory and pinned host memory on the H200, each way (a staging probe)
 PINNED_COPY_BYTES_PER_S = 55e9
 
 

@@ -94,20 +94,6 @@ def test_slower_evictions_make_a_slower_step(prepared):
     assert first.wall_us > steady.wall_us and first.side_busy_us > steady.side_busy_us
 
 
-def test_gpu_side_waits_never_hold_the_host_and_never_slow_the_step(prepared):
-    """replay_plan(gpu_waits=True), as Session(gpu_waits=True): no host waits for the mover, the
-    same transfers, and a step no slower; with slow evictions the host would have waited, so it is faster."""
-    sim, prep = prepared
-    derived = derive_order(prep.trace, prep.placement.final, sim.profile)
-    plan = plan_budget(derived, prep.footprint_bytes // 2)
-    for rate in (None, 3.65):
-        host = replay_plan(derived, plan, sim.profile, evict_GBps=rate)
-        gpu = replay_plan(derived, plan, sim.profile, evict_GBps=rate, gpu_waits=True)
-        assert gpu.host_waits == 0 and host.host_waits > 0
-        assert gpu.side_busy_us == pytest.approx(host.side_busy_us) and gpu.calls == host.calls
-        assert gpu.wall_us <= host.wall_us
-
-
 def test_a_budget_below_one_position_is_refused(prepared):
     sim, prep = prepared
     with pytest.raises(BudgetTooSmall):

@@ -34,8 +34,8 @@ class Options:
     Budget scheduler: ``budget_issue`` (``"thread"``: a mover thread makes the prefetch calls, or
     ``"inline"``); ``discard_gradients`` (zero gradients at their first accumulation and discard dead
     gradient blocks instead of copying them; CUDA 13+); ``batch_calls`` (consecutive prefetches as one
-    ``cudaMemPrefetchBatchAsync``; CUDA 13+); ``gpu_waits`` (compute waits for the side stream's prefetches
-    on the GPU); ``host_advice`` (unadvised pools prefer the host, read remotely until prefetched);
+    ``cudaMemPrefetchBatchAsync``; CUDA 13+); ``host_advice`` (unadvised pools prefer the host, read
+    remotely until prefetched);
     ``device_activations`` (the intermediate-results pool in plain device memory when activations are
     staged; None: as staging); ``discard_free`` (discard blocks the caching allocator holds nothing in
     instead of copying them; CUDA 13+); ``remote_optimizer`` (optimizer state the plan would move in and
@@ -50,7 +50,6 @@ class Options:
     budget_issue: str = "thread"
     discard_gradients: bool = False
     batch_calls: bool = False
-    gpu_waits: bool = False
     host_advice: bool = True
     device_activations: bool | None = None
     discard_free: bool = False

@@ -81,23 +81,20 @@ def test_budget_run_stays_under_b_and_trains_like_a_run_without_one(discard):
     assert [round(r.loss, 4) for r in records] == [round(r.loss, 4) for r in plain]
 
 
-@pytest.mark.parametrize("option", ["budget_batch_calls", "budget_gpu_waits"])
-def test_each_mover_option_keeps_the_ledger_under_b_and_trains_like_a_run_without_a_budget(option):
-    """budget_batch_calls (cudaMemPrefetchBatchAsync for runs of one location) and budget_gpu_waits (compute waits
-    on cuStreamWaitValue32 for the side stream's counter, so the training thread never waits for the mover):
-    same bounds, same training."""
+def test_batched_prefetch_calls_keep_the_ledger_under_b_and_train_like_a_run_without_a_budget():
+    """The experimental batch_calls (cudaMemPrefetchBatchAsync for runs of one location): same bounds, same
+    training."""
     from um_lab.cuda.driver import can_prefetch_batch
 
-    if option == "budget_batch_calls" and not can_prefetch_batch():
+    if not can_prefetch_batch():
         pytest.skip("cudaMemPrefetchBatchAsync needs CUDA 13+")
     plain, plain_params, footprint = _train(None)
     budget = footprint // 2
-    records, params, _ = _train(budget, remote_optimizer=False, **{option: True})
+    records, params, _ = _train(budget, remote_optimizer=False, batch_calls=True)
     for r in records[2:]:
         b = r.extra["budget"]
         assert b["followed_plan"] and b["max_resident_ledger"] <= budget and not b["over_budget"], b
         assert b["prefetched_bytes"] > 0 and b["evicted_bytes"] > 0
-        assert option != "budget_gpu_waits" or b["host_waits"] == 0, b
     for a, p in zip(plain_params, params, strict=True):
         torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
     assert [round(r.loss, 4) for r in records] == [round(r.loss, 4) for r in plain]

@@ -62,7 +62,7 @@ class BudgetExecutor:
                  segments: Callable[[], Sequence[Segment]], *, lookahead: int = 2,
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
-                 batch_calls: bool = False, gpu_waits: bool = False,
+                 batch_calls: bool = False,
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
                  fixed_types: Iterable[DataType] = (), host_written_types: Iterable[DataType] = (),
                  remote_optimizer: bool = False) -> None:
@@ -80,8 +80,6 @@ class BudgetExecutor:
         #: populates (:mod:`um_lab.budget.free`)
         self.free_ranges = free_ranges
         self._free_discarded: set[int] = set()  # blocks discarded as free and not brought back since
-        #: compute waits for a batch on the GPU (a counter the side stream writes), never the host for the mover
-        self.gpu_waits = gpu_waits and bool(getattr(streams, "value_waits", lambda: False)())
         #: consecutive prefetches to one location go in one cudaMemPrefetchBatchAsync (runtimes that have it)
         self.batch_calls = batch_calls
         #: plan discards of dead gradient blocks (the caller re-zeroes gradients before they are read)
@@ -469,13 +467,7 @@ class BudgetExecutor:
 
     def _wait(self, batch: MoveBatch) -> None:
         """Compute waits for ``batch``'s transfers (the host first waits until it was issued: counted in
-        ``stats["host_waits"]`` and ``stats["host_wait_ms"]``; with ``gpu_waits`` compute waits on the GPU for
-        the batch's counter value and the host goes on at once)."""
-        if batch.value is not None:
-            if batch.issued and batch.error is not None:
-                self._wait_issued(batch)  # raises the batch's error (its waits were released)
-            self.streams.compute_wait_value(batch.value)
-            return
+        ``stats["host_waits"]`` and ``stats["host_wait_ms"]``)."""
         self._wait_issued(batch)
 
     def _wait_issued(self, batch: MoveBatch) -> None:
@@ -529,9 +521,8 @@ class BudgetExecutor:
             return
         live = None if self.cover_unknown else self.span_live
         try:
-            value = self.streams.next_value() if self.gpu_waits and targets else None
             batch = self.mover.submit(MoveBatch(compute_event, calls, record=bool(targets), live=live,
-                                                clock=self.clock, batched=self.batch_calls, value=value))
+                                                clock=self.clock, batched=self.batch_calls))
         except BaseException:  # an earlier batch failed: the ledger holds moves that did not happen
             self.residency_unknown = True
             raise
@@ -582,8 +573,6 @@ class BudgetExecutor:
             self.mover.close()
         finally:
             self.streams.synchronize_side()
-            if self.gpu_waits:  # nothing may wait for a value no batch will write any more
-                self.streams.release_values()
         self._raise_mover_error()
 
 

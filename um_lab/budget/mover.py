@@ -86,10 +86,8 @@ class MoveBatch:
 
     def __init__(self, compute_event: Any, calls: Sequence[Call], record: bool,
                  live: Callable[[int, int], bool] | None = None, clock: MoveClock | None = None,
-                 batched: bool = False, value: int | None = None) -> None:
+                 batched: bool = False) -> None:
         self.compute_event = compute_event
-        #: with GPU-side waits: the counter value the side stream writes after the calls (instead of an event)
-        self.value = value
         self.clock = clock
         self.batched = batched  #: consecutive prefetches to one location in one batch call (runtime.prefetch_batch)
         self.calls = list(calls)
@@ -130,24 +128,12 @@ class MoveBatch:
                     after = clock.timed_event()
                     clock.add(clock.kind(loc_type), sum(c[1] for c in group), mark, after, time.perf_counter() - began)
                     mark = after
-            if self.value is not None:
-                streams.side_write_value(self.value)
-            elif self.record:
+            if self.record:
                 self.side_event = streams.record_side()
         except BaseException as e:  # handed to whoever waits for the batch
             self.error = e
-            self.release(streams)
         finally:
             self._done.set()
-
-    def release(self, streams: Any) -> None:
-        """A batch compute may wait for on the GPU will not write its value: let every such wait pass."""
-        if self.value is not None:
-            try:
-                streams.release_values()
-            except Exception as e:  # the batch's own error is the one to raise
-                warnings.warn(f"could not release the GPU-side waits after a failed move ({e})", RuntimeWarning,
-                              stacklevel=2)
 
     def wait(self) -> Any:
         """Block until the batch was issued; its side event (raises the error it met)."""
@@ -232,7 +218,6 @@ class ThreadMover:
                 return
             if self._error is not None:
                 batch.error = self._error
-                batch.release(self.streams)
                 batch._done.set()
                 continue
             batch.run(self.runtime, self.streams)

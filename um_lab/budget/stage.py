@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from um_lab.budget.pinned import CopyOps, CpuCopyOps, CudaCopyOps, PinnedArena, available_host_bytes
+from um_lab.errors import UmLabError
 from um_lab.types import DataType
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def tail_bytes(room_bytes: int, budget_bytes: int) -> int:
     return keep if keep >= MIN_TAIL_BYTES else 0
 
 
-class StaleSavedTensor(RuntimeError):
+class StaleSavedTensor(UmLabError, RuntimeError):
     """Backward reached a staged tensor of an earlier step, whose host memory has been reused since."""
 
 

@@ -266,35 +266,6 @@ def prefetch_batch_raw(ptrs: Sequence[int], sizes: Sequence[int], location_type:
         raise RuntimeError(f"cudaMemPrefetchBatchAsync of {count} ranges failed: cudaError {err}")
 
 
-@functools.cache
-def _driver_library() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _stream_value_call(name: str) -> Any:
-    lib = _driver_library()
-    fn = getattr(lib, name + "_v2", None) or getattr(lib, name)  # the _v2 entry points are CUDA 12's defaults
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def stream_write_value32(stream: int, address: int, value: int) -> None:
-    """``cuStreamWriteValue32``: ``stream`` writes ``value`` to the 32-bit device word at ``address`` once its
-    earlier work is done."""
-    err = _stream_value_call("cuStreamWriteValue32")(ctypes.c_void_p(stream), address, value & 0xFFFFFFFF, 0)
-    if err != 0:
-        raise RuntimeError(f"cuStreamWriteValue32 failed: CUresult {err}")
-
-
-def stream_wait_value32(stream: int, address: int, value: int) -> None:
-    """``cuStreamWaitValue32`` (GEQ, a cyclic comparison): ``stream`` waits until the word at ``address`` has
-    reached ``value``; the host does not wait."""
-    err = _stream_value_call("cuStreamWaitValue32")(ctypes.c_void_p(stream), address, value & 0xFFFFFFFF, 0)
-    if err != 0:
-        raise RuntimeError(f"cuStreamWaitValue32 failed: CUresult {err}")
-
-
 def advise(ptr: int, nbytes: int, advice: str, processor: str, device: int) -> None:
     """``cudaMemAdvise`` by name, e.g. ``advise(p, n, "SetPreferredLocation", "cpu", 0)``."""
     advise_raw(ptr, nbytes, advice_code(advice), location_code(processor), device if processor == GPU else 0)

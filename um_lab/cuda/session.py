@@ -490,9 +490,8 @@ class Session(Listenable):
         source = pools.source
         device = self.device
         options = self.options
-        gpu_waits = options.gpu_waits
-        streams: StreamOps = (CudaStreams(device, value_waits=gpu_waits) if self._real and device is not None
-                              else RecordingStreams(value_waits=gpu_waits))
+        streams: StreamOps = (CudaStreams(device) if self._real and device is not None
+                              else RecordingStreams())
 
         def select_device() -> None:
             torch.cuda.set_device(index)
@@ -512,7 +511,7 @@ class Session(Listenable):
                              cover_unknown=not self._real, generation=source.generation if self._real else None,
                              keep_tensor=self._is_device if self._real else None, issue=options.budget_issue,
                              thread_init=select_device if self._real else None, discard_gradients=discard,
-                             batch_calls=batch_calls, gpu_waits=gpu_waits, free_ranges=free_ranges,
+                             batch_calls=batch_calls, free_ranges=free_ranges,
                              stager=new_stager(source, self.device if self._real else None, window_for_budget(budget))
                              if self.budget_stage_activations else None,
                              fixed_types=self._budget_resident_types(),

@@ -309,15 +309,14 @@ def restore_start(backward: Sequence[bool], out_bytes: Sequence[int]) -> int:
 
 def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 evict_GBps: float | None = None, prefetch_GBps: float | None = None,
-                gpu_waits: bool = False, staging: StageCopies | None = None,
+                staging: StageCopies | None = None,
                 remote_copies: bool = False) -> BudgetStep:
     """The steady step's time on the four clocks of the module docstring (``evict_GBps``: the
     GPU->host rate, default the profile's ``scheduler_d2h_GBps``, else ``prefetch_d2h_GBps``; ``prefetch_GBps``:
-    the host->GPU rate, default ``scheduler_h2d_GBps``, else ``prefetch_h2d_GBps``; ``gpu_waits``: as
-    ``Session(budget_gpu_waits=True)``, the host never waits for the mover to issue a batch, only compute waits
-    for its transfers; ``staging``: saved activations copied through pinned memory on a fifth clock, the copy
-    stream, as :mod:`um_lab.sim.staged` describes; ``remote_copies``: remote optimizer state copied to the device
-    for its position's step, a position ahead, and back after it, on two more clocks at ``STAGE_COPY_GBPS``, as
+    the host->GPU rate, default ``scheduler_h2d_GBps``, else ``prefetch_h2d_GBps``; ``staging``: saved
+    activations copied through pinned memory on a fifth clock, the copy stream, as :mod:`um_lab.sim.staged`
+    describes; ``remote_copies``: remote optimizer state copied to the device for its position's step, a
+    position ahead, and back after it, on two more clocks at ``STAGE_COPY_GBPS``, as
     :mod:`um_lab.budget.remote_state` does, instead of updated in place over the link)."""
     p = profile
     h2d = (prefetch_GBps or p.scheduler_h2d_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
@@ -372,7 +371,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                 ready = max(ready, restored.get(i, 0.0))
             for target in sorted(t for t in pending if t <= i):
                 side_done, issued = pending.pop(target)
-                if issued > cpu and not gpu_waits:
+                if issued > cpu:
                     waits += 1
                     cpu = issued
                 ready = max(ready, side_done)
@@ -400,7 +399,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                         targets.add(m.target)
                 for t in targets:
                     if t == i:
-                        if mover > cpu and not gpu_waits:
+                        if mover > cpu:
                             waits += 1
                             cpu = mover
                         ready = max(ready, side)
