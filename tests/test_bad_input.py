@@ -273,7 +273,7 @@ def test_an_existing_csv_is_kept_until_the_table_replaces_it(fake_backend, tmp_p
     csv = tmp_path / "table.csv"
     csv.write_text("old\n")
     assert main(["compare", "--backend", "sim", "--steps", "1", "--out", str(tmp_path / "runs"),
-                 "--csv", str(csv), "--no-progress", *TINY]) == 0
+                 "--csv", str(csv), "--force", "--no-progress", *TINY]) == 0
     assert len(pd.read_csv(csv)) == 2
 
 

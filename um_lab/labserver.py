@@ -130,7 +130,7 @@ def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = Fal
         cmd.append(f"--ServerApp.ip={LOCAL_IP}")
     if jupyter_setting(extra, ROOT_DIR_NAMES) is None:
         cmd.append(f"--ServerApp.root_dir={notebooks}")
-    if port is not None:
+    if port is not None and jupyter_setting(extra, PORT_NAMES) is None:  # a port after ``--`` wins
         cmd.append(f"--ServerApp.port={port}")
     if named_port(port, extra) is not None and jupyter_setting(extra, PORT_RETRY_NAMES) is None:
         cmd.append("--ServerApp.port_retries=0")
