@@ -66,14 +66,14 @@ def _install_naive_allocator() -> None:
     torch.cuda.memory.change_current_allocator(torch.cuda.memory._CUDAAllocator(raw))
 
 
-#: um_lab variants that leave out one piece each (``--modes um_lab+no_timer ...``; issue 12), with the
+#: um_lab variants that leave out one piece each (``--modes um_lab+no_timer ...``), with the
 #: effect on the step predicted before measuring (ms per step, MLP / ResNet-50 bs 128).
 VARIANTS: dict[str, tuple[str, str]] = {
     "no_timer": ("the step's CUDA-event timer (record + synchronize) replaced by a wall clock",
                  "-0.02 / -0.02 ms: one event pair and a sync the loop does anyway"),
-    "loss_item": ("the loss read with float(loss) after the step's synchronisation (before session 8) instead "
-                  "of a pinned copy queued before the end event",
-                  "+0.05 / +0.6 ms: session 8 saw um_lab's wall minus GPU span 0.15 / 0.65 ms above native's"),
+    "loss_item": ("the loss read with float(loss) after the step's synchronisation (the session's earlier timer) "
+                  "instead of a pinned copy queued before the end event",
+                  "+0.05 / +0.6 ms: with that timer um_lab's wall minus GPU span was 0.15 / 0.65 ms above native's"),
     "no_record": ("the StepRecord's live bytes per type (a locked copy in the C shim) read once, not per step",
                   "-0.01 / -0.01 ms"),
     "no_gradcheck": ("the per-step scan for parameters whose .grad is None skipped",
@@ -81,10 +81,10 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "no_prefetch": ("the policy's prefetch calls at phase boundaries skipped (none for um-default)",
                     "0 / 0 ms: um-default issues no prefetch"),
     "caller": ("backward on the calling thread (no autograd hook and engine callback to route it); the "
-               "session's default since session 14, so now a no-op", "-0.02 / -0.02 ms (before session 14)"),
+               "session's default, so a no-op", "-0.02 / -0.02 ms against backward on autograd's device thread"),
     "worker": ("(added, not left out) backward on autograd's device thread, routed by a hook on the loss and an "
-               "engine callback (the default before session 14)",
-               "+0.15 ms on the MLP: session 14's kernel gaps put +62-66 and +32-34 us at backward's start"),
+               "engine callback (the session's earlier default)",
+               "+0.15 ms on the MLP: its kernel gaps put +62-66 and +32-34 us at backward's start"),
     "one_pool": ("every step-time allocation routed into the activation pool (params, grads, optimizer "
                  "state stay in theirs)", "0 / 0 ms: pool lookups are per segment, not per allocation"),
     "no_routing": ("no routing during the step: temporaries from torch's native caching allocator, "
@@ -93,9 +93,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "native_persistent": ("parameters, gradients and optimizer state (and the optimizer's temporaries) in torch's "
                           "own allocator: their routes are no-ops from before place(); activations and input "
                           "still managed", "-0.4 / -0.8 ms if the persistent tensors' managed placement is the cost "
-                          "(session 6: the MLP's gap is GPU time and survives no_routing)"),
+                          "(the MLP's gap measured as GPU time, and it survives no_routing)"),
     "no_staging": ("the batch copied pageable -> input pool directly (synchronous), not through the pinned buffer",
-                   "+0.6 / +5 ms: session 7 measured staging variants on the MLP (3 repeats): pinned buffer "
+                   "+0.6 / +5 ms: staging variants measured on the MLP (3 repeats): pinned buffer "
                    "9.75/9.40/9.95 ms vs direct 10.43/9.76/10.51 ms; a device buffer then a copy, 10.70/10.26/10.99"),
 }
 #: Variants applied before the model is placed (the others after attach).
@@ -123,7 +123,7 @@ class _WallTimer:
 
 
 class _ItemReadTimer:
-    """The session timer as it was before session 8 (variant ``loss_item``): the loss is read with
+    """The session's earlier timer (variant ``loss_item``): the loss is read with
     ``float(loss)`` after the end event's synchronisation, a second device-to-host round trip."""
 
     def __init__(self, device: object) -> None:
@@ -421,7 +421,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="result JSON (default allocator_overhead.json; --alternate: allocator_alternating.json)")
+                        help="result JSON (default bench/results/allocator_overhead.json)")
     parser.add_argument("--modes", nargs="+", default=list(MODES),
                         help="native, um_lab, naive, um_lab@POLICY (a preset name), or "
                              "um_lab+VARIANT[+VARIANT] (one piece left out: " + ", ".join(VARIANTS) + ")")
@@ -444,8 +444,6 @@ def main() -> None:
         parser.error("--repeats must be >= 1")
     if args.alternate < 0:
         parser.error("--alternate must be >= 0 (0: one process per mode)")
-    if args.alternate and args.out == DEFAULT_OUT:  # a table of another kind: never over the per-process one
-        args.out = DEFAULT_OUT.with_name("allocator_alternating.json")
     if args.alternate:
         modes = ["native", "um_lab"] if tuple(args.modes) == MODES else list(args.modes)
         if len(modes) != 2 or modes[0] != "native" or modes[1].split("+")[0] != "um_lab":

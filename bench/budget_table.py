@@ -1,8 +1,8 @@
-"""Issue 13's table: merge bench/budget.py runs (one JSON each) and the FSDP2 peer's lines into one results
-file, and print the README's table.
+"""The budget table: merge bench/budget.py runs (one JSON each) and the FSDP2 peer's lines into one results
+file, and print the table (markdown).
 
     python bench/budget_table.py RUN.json [RUN.json ...] --fsdp2 PEER.jsonl \\
-        --predicted bench/results/budget_predicted_session12.json --note "..." --out bench/results/budget.json
+        --predicted bench/results/budget_predicted.json --note "..." --out bench/results/budget.json
     python bench/budget_table.py OLD.json@gpt2-large:1.5,gpt2-xl:1.5 NEW.json ...   # some rows of a run only
 
 Each row keeps its run's file (``source``). ``fsdp2_step_ms`` / ``fsdp2_peak_bytes`` come from the peer's
@@ -73,14 +73,14 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
     row's model and ratio, for rows whose ``source`` starts with ``source_prefix``. A prediction naming one of
     :data:`SETTINGS` or ``telemetry`` goes to rows with that setting only (telemetry off where it names none); the
     one naming the most of them wins."""
-    sim = predicted.get("sim")  # a section of rows, or (session 17's files) a line saying how they were made
+    sim = predicted.get("sim")  # a section of rows, or (in older files) a line saying how they were made
     sim_rows = sim.get("rows", []) if isinstance(sim, dict) else []
     candidates = [p for p in [*predicted.get("rows", []), *sim_rows]  # a file's simulator section ("sim") too
                   if "ratio" in p and (p.get("sim_step_ms") is not None or p.get("predicted_step_ms") is not None)]
     for row in rows:
         if not str(row.get("source", "")).startswith(source_prefix):
             continue
-        # remote state updated in place takes only a prediction that says it simulated that (session 20's weighed the
+        # remote state updated in place takes only a prediction that says it simulated that (older ones weighed the
         # copies), and state copied only one that does not say it was updated in place
         remote = bool(row.get("remote_bytes"))
         in_place, copying = remote and row.get("remote_copies") is False, remote and bool(row.get("remote_copies"))
@@ -101,7 +101,7 @@ def add_predictions(rows: list[dict[str, Any]], predicted: dict[str, Any], sourc
 
 
 def fill_sim_from_predictions(rows: list[dict[str, Any]]) -> None:
-    """Issue 13's ``sim_step_ms`` of a row its run did not simulate (``--no-sim``): its pre-registered prediction,
+    """The ``sim_step_ms`` of a row its run did not simulate (``--no-sim``): its pre-registered prediction,
     marked ``sim_step_source: "prediction"`` (a run's own simulation, at its measured footprint, is kept)."""
     for row in rows:
         if row.get("sim_error") or row.get("error"):
@@ -119,7 +119,7 @@ def _most_specific(predictions: list[dict[str, Any]]) -> dict[str, Any]:
 def staging_cell(row: dict[str, Any]) -> str:
     """The staging column: off, on (intermediate pool managed) or on with that pool in device memory; and the
     optimizer state left in host memory (``Session(budget_remote_optimizer=True)``) where a row had some."""
-    how = " copied" if row.get("remote_copied_bytes") else " in place"  # in place before session 20
+    how = " copied" if row.get("remote_copied_bytes") else " in place"  # older runs: always in place
     remote = f"; optimizer state remote {row['remote_bytes'] / GiB:.1f} GiB{how}" if row.get("remote_bytes") else ""
     if row.get("remote_optimizer") is False and row.get("prefetched_bytes"):
         remote = "; optimizer state moved"

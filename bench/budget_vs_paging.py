@@ -1,5 +1,6 @@
-"""Issue 13 on a smaller GPU, simulated: the layer-ahead scheduler against the driver's demand paging under real
-oversubscription (the shared H200 must never be oversubscribed, so this runs on the simulator only).
+"""The budget scheduler on a smaller GPU, simulated: the layer-ahead scheduler against the driver's demand
+paging under real oversubscription (the shared H200 must never be oversubscribed, so this runs on the simulator
+only).
 
     python bench/budget_vs_paging.py                                  # GPT-2-large and GPT-2-XL at 1.5, 2, 3
     python bench/budget_vs_paging.py --models gpt2-large --ratios 2 --no-band --out /tmp/paging.json

@@ -28,19 +28,65 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "diagnostics"))
+sys.path.insert(0, str(ROOT.parent))
 
 from sim_fidelity import policy_named  # noqa: E402
 
+from um_lab.models import ModelCase  # noqa: E402
 from um_lab.sim.conv_act import RESNET50_CONVS, conv_case, conv_samples, fit_conv_tile  # noqa: E402
 
 POLICIES = ("um-default", "act-remote")
 
 
+def _device_ms(evt: Any, self_only: bool) -> float:
+    name = "self_device_time_total" if self_only else "device_time_total"
+    legacy = "self_cuda_time_total" if self_only else "cuda_time_total"
+    return float(getattr(evt, name, getattr(evt, legacy, 0.0))) / 1e3
+
+
+def profile_config(model: str, kwargs: dict[str, Any], policy_name: str, warmup: int = 2,
+                   case: ModelCase | None = None) -> dict[str, Any]:
+    """Run ``warmup`` steps, then profile one step; GPU time per op (``case``: instead of the named model)."""
+    import gc
+    import statistics
+
+    import torch
+
+    from um_lab.backend import get_backend
+    from um_lab.models import get_model
+    from um_lab.types import RunSpec
+
+    policy = policy_named(policy_name)
+    backend = get_backend("cuda", telemetry=False)
+    case = case if case is not None else get_model(model, **kwargs)
+    spec = RunSpec(model=model, backend="cuda", steps=2, warmup_steps=warmup)
+    records = backend.run(spec, case, policy)
+    step_ms = []
+    for _ in range(warmup + 1):
+        step_ms.append(next(records).wall_ms)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step_ms.append(next(records).wall_ms)
+        torch.cuda.synchronize()
+    for _ in records:  # let the run end cleanly (pools released)
+        pass
+    ops = []
+    for evt in prof.key_averages():
+        total, own = _device_ms(evt, False), _device_ms(evt, True)
+        if total >= 0.05 or own >= 0.05:
+            ops.append({"op": evt.key, "count": int(evt.count), "device_ms": round(total, 3),
+                        "self_device_ms": round(own, 3)})
+    ops.sort(key=lambda o: -o["device_ms"])
+    del records, case
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"model": model, "model_kwargs": kwargs, "policy": policy_name,
+            "step_ms": round(statistics.median(step_ms[warmup:]), 3), "ops": ops}
+
+
 def measure(out: Path, batch_size: int) -> None:
     """Profile every shape under both policies; write the JSON after each row."""
     import torch
-    from remote_ops import profile_config
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -1,5 +1,5 @@
-"""Issue 13's peer: PyTorch FSDP2 with ``CPUOffloadPolicy`` on one GPU (world size 1), same model and batch as
-``bench/budget.py`` (its ``build_case``).
+"""The budget scheduler's peer: PyTorch FSDP2 with ``CPUOffloadPolicy`` on one GPU (world size 1), same model
+and batch as ``bench/budget.py`` (its ``build_case``).
 
     python bench/fsdp2_peer.py --model gpt2-large --steps 6          # prints one JSON line
 

@@ -1,25 +1,33 @@
-"""Issue 10: a model's own GEMM shapes, timed alone with the weight remote, against the shape model.
+"""Benchmark (GPU, CPU for the list): a model's own GEMM shapes, timed alone with the weight remote, against the
+shape model.
 
 The simulator prices a 2-d GEMM's remote weight by :mod:`um_lab.sim.gemm_passes`, a power law fitted on a
 160-kernel grid. cuBLAS picks its kernel per shape, and at shapes off the grid the law can be far off
-(ViT-L/16 at M = 6,304: 0.78-1.82x, ``bench/results/raw/session9_gemm_cold_vs_model.json``). This script
+(ViT-L/16 at M = 6,304: 0.78-1.82x on the H200). This script
 lists the distinct weight GEMMs of a model's training step from the simulator's trace (layout, bias, M, K,
 N, how many per step) and, on a GPU, times each alone with its weight in host memory read remotely
 (zero-copy advice, as ``bench/uvm_primitives.py`` does), beside the law's passes. The results feed the
 profile's per-shape table: ``profile.replace(gemm_shape_passes=load_gemm_shapes([...]))``
 (:func:`um_lab.sim.gemm_passes.load_gemm_shapes`), which wins over the law at those shapes.
 
-    python bench/gemm_shapes.py --model vit-l16 batch_size=16 --out $OUT/gemm_shapes_vitl16.json   # GPU
+    python bench/gemm_shapes.py --model vit-l16 batch_size=16 --out bench/results/gemm_shapes/vit-l16_batch_size16.json
     python bench/gemm_shapes.py --model gpt2-small batch_size=2 --list                              # CPU
+
+One JSON per model: ``{"date", "model", "kwargs", "device", "torch", "passes_at_GBps", "rows": [{"layout", "bias",
+"M", "K", "N", "count", "model_passes", "resident_ms", "remote_ms", "passes", "weight_bytes",
+"passes_over_model"}]}``; each weight GEMM is timed with CUDA events (median of ``--repeats`` after one warm-up),
+resident and with the weight remote, its passes over the weight at the profile's remote read rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +53,58 @@ def weight_gemms(trace: Any) -> list[dict[str, Any]]:
     return [{"layout": lay, "bias": b, "M": m, "K": k, "N": n, "count": c}
             for (lay, b, m, k, n), c in counts.most_common()]
 
+
+def median_ms(launch: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """Median CUDA-event ms of ``launch`` (after one warm-up), running ``before`` untimed ahead of each repeat."""
+    import torch
+
+    launch()
+    out = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        launch()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return statistics.median(out)
+
+
+def gemm_row(lab: Any, name: str, m: int, k: int, n: int, layout: str, repeats: int,
+             flushes: dict[str, Callable[[], object]], *, bias: bool | None = None,
+             link_bps: float) -> dict[str, Any]:
+    """One GEMM shape: resident, remote warm, remote after each flush (``x @ W^T`` is an ``addmm`` with a
+    bias and ``x @ W`` an ``mm`` unless ``bias`` says otherwise; passes at ``link_bps``)."""
+    import torch
+    from uvm_primitives import remote_copy
+
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") if layout == "nt" else torch.randn(k, n, device="cuda")
+    b = torch.randn(n, device="cuda")
+
+    fused = layout == "nt" if bias is None else bias
+
+    def run(weight: torch.Tensor) -> Callable[[], object]:
+        w = weight.t() if layout == "nt" else weight
+        if fused:
+            return lambda: torch.addmm(b, x, w)
+        return lambda: torch.mm(x, w)
+
+    resident = median_ms(run(w), repeats)
+    times = {}
+    with remote_copy(lab, w) as far:
+        times["warm"] = median_ms(run(far), repeats)
+        for label, flush in flushes.items():
+            times[label] = median_ms(run(far), repeats, flush)
+    wbytes = w.numel() * 4
+    row: dict[str, Any] = {"name": name, "M": m, "K": k, "N": n, "layout": layout, "weight_bytes": wbytes,
+                           "resident_ms": round(resident, 3)}
+    for label, ms in times.items():
+        row[f"{label}_ms"] = round(ms, 3)
+        row[f"passes_{label}"] = round((ms - resident) * 1e-3 * link_bps / wbytes, 2)
+    return row
 
 
 def main() -> None:
@@ -84,10 +144,9 @@ def main() -> None:
 
 
 def time_on_gpu(rows: list[dict[str, Any]], repeats: int, link_bps: float) -> None:
-    """Fill each row's resident and remote times and measured passes (``bench/diagnostics/gemm_cold.py``'s
-    timing; managed bytes through a 2 GiB counter far below the card)."""
+    """Fill each row's resident and remote times and measured passes (:func:`gemm_row`; managed bytes through a
+    2 GiB counter far below the card)."""
     import torch
-    from diagnostics.gemm_cold import gemm_row
     from uvm_primitives import RunBudget
 
     from um_lab.basics import gpu_lab

@@ -7,12 +7,12 @@ coordinate search as one would write it from outside — one process, starting f
 data type in turn tries all 36 options (:data:`um_lab.sim.search.OPTIONS`) with the other types fixed
 and keeps the fastest (only when strictly faster), sweeps repeat until one changes nothing, and every
 candidate is simulated afresh through ``SimBackend.run`` (no cache, no parallelism). Its count is
-1 + 180 per sweep (the issue's 541 evaluations are three sweeps). One process because that is how a
+1 + 180 per sweep (541 evaluations are three sweeps). One process because that is how a
 script "run from outside" drives the simulator; "2 cores" describes the machine it ran on. Both score a
 candidate by the median of 4 measured steps after 2 warm-up steps and both start with an empty trace
 cache, so each pays its own tracing.
 
-Bars (issue 10): the search's speed-up within 2% of the greedy's, in at most a quarter of its time and
+Bars: the search's speed-up within 2% of the greedy's, in at most a quarter of its time and
 under 2 minutes. Writes bench/results/search.json: ``{"rows": [{"model", "ratio", "speedup", "seconds",
 "greedy_speedup", "greedy_seconds", "evaluations", "greedy_evaluations", ...}], ...}``.
 """
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_three_types import MODEL_KNOBS, git_commit  # noqa: E402  (the project's standard shapes)
+from paper_three_types import MODEL_KNOBS  # noqa: E402  (the project's standard shapes)
 
 from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         "profile": "h200", "profile_sha256": profile_sha256("h200"),
-        "sim_source_sha256": paper.sim_source_sha256(), "git_commit": git_commit(),
+        "sim_source_sha256": paper.sim_source_sha256(),
         "workers": args.workers, "steps": STEPS, "warmup_steps": WARMUP,
         "bars": {"within": WITHIN, "time_fraction": TIME_FRACTION, "time_limit_s": TIME_LIMIT_S},
         "all_bars_met": all(meets(r) for r in rows),

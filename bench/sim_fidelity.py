@@ -25,7 +25,12 @@ the fitted rows (in-sample) and the held-out rows separately.
 Writes ``<out>/sim_fidelity.json`` ({"device", "versions", "date", "rows": [{"model", "policy", "ratio",
 "measured_ms", "simulated_ms", "error"}]}, error = simulated / measured - 1), or with
 ``--simulate-only`` ``<out>/sim_fidelity_predicted.json`` (measured_ms and error null).
-Bars (issue 3): median |error| <= 15%, worst <= 35%, zero-copy configurations within 25%.
+Bars: median |error| <= 15%, worst <= 35%, zero-copy configurations within 25%.
+
+A held-out set (``--subset new``: :data:`NEW_HELDOUT`) is predicted first on any CPU and the predictions committed
+(``--simulate-only --subset new --out bench/results/sim_fidelity_heldout/DATE``: ``predicted.json``), then measured
+on the GPU into the same folder (``measured.json``). Each earlier set keeps its folder there, named by the date and
+time of its measurement.
 """
 
 from __future__ import annotations
@@ -64,17 +69,17 @@ EXTRA = [
     ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "um-default"),
     ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "zero-copy-params"),
 ]
-#: Held-out configurations of round 1 (2026-11-30; predictions committed before measuring):
-#: results kept in bench/results/raw/sim_fidelity_new_round1.json.
+#: Held-out configurations measured 2026-11-30 08:04 (predictions committed before measuring;
+#: bench/results/sim_fidelity_heldout/2026-11-30T0804/).
 HELDOUT_ROUND1 = [
     ("resnet50", {"batch_size": 64}, "um-default"),
     ("resnet50", {"batch_size": 64}, "zero-copy-params"),
     ("gpt2-small", {"batch_size": 8, "seq_len": 1024}, "offload-optimizer"),
     ("mlp", {"width": 8192}, "zero-copy-params"),
 ]
-#: Round 2 (issue 10, 2026-12-01; predictions committed in 387c1c6 before measuring): measured rows
-#: re-simulated since in bench/results/sim_fidelity_round2.json, predictions kept in
-#: bench/results/sim_fidelity_predicted_round2.json, the blind result in bench/results/raw/.
+#: Held out, measured 2026-12-01 03:53 (predictions committed before measuring;
+#: bench/results/sim_fidelity_heldout/2026-12-01T0353/: the predictions in predicted.json, the measured rows
+#: re-simulated since in measured.json).
 HELDOUT_ROUND2 = [
     ("vit-b16", {"batch_size": 64}, "zero-copy-params"),
     ("vit-b16", {"batch_size": 64}, "act-remote"),
@@ -85,10 +90,10 @@ HELDOUT_ROUND2 = [
     ("bert-base", {"batch_size": 16, "seq_len": 512}, "um-default"),
     ("resnet152", {"batch_size": 32}, "um-default"),
 ]
-#: Round 3 (issue 10, after the in-step convolution model; predictions committed in 20f3add before
+#: Held out, measured 2026-12-01 05:49, after the in-step convolution model (predictions committed before
 #: measuring): the models never run before (ResNet-34, ResNet-101, ViT-L/16) under remote activations and
 #: zero-copy parameters, ResNet-101 under plain UM, BERT-large under remote activations. Blind: median
-#: 12.0%, worst +27% (raw/sim_fidelity_new_round3.json); re-simulated since in sim_fidelity_round3.json.
+#: 12.0%, worst +27% (bench/results/sim_fidelity_heldout/2026-12-01T0549/, predicted.json against measured.json).
 HELDOUT_ROUND3 = [
     ("resnet101", {"batch_size": 32}, "act-remote"),
     ("resnet101", {"batch_size": 32}, "zero-copy-params"),
@@ -99,9 +104,9 @@ HELDOUT_ROUND3 = [
     ("vit-l16", {"batch_size": 32}, "zero-copy-params"),
     ("bert-large", {"batch_size": 8, "seq_len": 512}, "act-remote"),
 ]
-#: Round 4 (issue 10, after the k x k / 1x1 split of the convolution tile; predictions committed in 1d1a605
-#: before measuring): every row simulated too fast, median 22.2%, worst -34% (raw/sim_fidelity_new_round4.json);
-#: re-simulated since in sim_fidelity_round4.json, predictions kept in sim_fidelity_predicted_round4.json.
+#: Held out, measured 2026-12-01 06:04, after the k x k / 1x1 split of the convolution tile (predictions
+#: committed before measuring): every row simulated too fast, median 22.2%, worst -34%
+#: (bench/results/sim_fidelity_heldout/2026-12-01T0604/).
 HELDOUT_ROUND4 = [
     ("resnet18", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 16}, "act-remote"),
@@ -112,15 +117,15 @@ HELDOUT_ROUND4 = [
     ("resnet101", {"batch_size": 16}, "offload-optimizer"),
     ("vit-l16", {"batch_size": 16}, "um-default"),
 ]
-#: Round 5 (issue 10, after the per-op fits of um_lab.sim.step_fit: host costs, GEMM / attention / convolution /
-#: HBM rates, batch-norm passes, remote read-and-write and column-reduction rates). Rule, stated before any
-#: of them ran: configurations never measured, on models outside the fit set (mlp, resnet50, gpt2-small,
-#: gpt2-medium, vit-b16), at batches where the step is GPU-bound (the regime the model claims); six of eight
-#: heavy in remote access (remote activations, offloaded optimizer state, zero-copy parameters of a CNN).
-#: Not tested here, known gaps with their re-simulated errors in the README: zero-copy parameters of
+#: Held out, measured 2026-12-01 10:04, after the per-op fits of um_lab.sim.step_fit (host costs, GEMM /
+#: attention / convolution / HBM rates, batch-norm passes, remote read-and-write and column-reduction rates).
+#: Rule, stated before any of them ran: configurations never measured, on models outside the fit set (mlp,
+#: resnet50, gpt2-small, gpt2-medium, vit-b16), at batches where the step is GPU-bound (the regime the model
+#: claims); six of eight heavy in remote access (remote activations, offloaded optimizer state, zero-copy
+#: parameters of a CNN). Not tested here, known gaps with their re-simulated errors: zero-copy parameters of
 #: GEMM-heavy transformers and MLPs (-24% .. -31%) and host-bound CNN steps at small batches (-19% .. -33%).
-#: Predictions committed in 5dc8702 before measuring; measured in 9b45b40: median 5.2%, worst +9.2%; re-simulated
-#: since in sim_fidelity_round5.json, predictions kept in sim_fidelity_predicted_round5.json.
+#: Predictions committed before measuring; blind: median 5.2%, worst +9.2%
+#: (bench/results/sim_fidelity_heldout/2026-12-01T1004/).
 HELDOUT_ROUND5 = [
     ("resnet101", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 64}, "zero-copy-params"),
@@ -131,15 +136,16 @@ HELDOUT_ROUND5 = [
     ("vit-l16", {"batch_size": 32}, "um-default"),
     ("gpt2-large", {"batch_size": 2, "seq_len": 1024}, "um-default"),
 ]
-#: Round 6 (issue 10, after the GEMM weight passes by layout and shape of um_lab.sim.gemm_passes, fitted on the
-#: gemm_tiles grid only). Rule, stated before any of them ran: configurations never measured, on models outside
-#: the fit sets, at batches where the GPU is busy; at least three with zero-copy parameters read by transformer
-#: GEMMs (the class the grid model is about: ViT-L/16 at two row counts, BERT-large, GPT-2-large), the rest remote
-#: activations or offloaded optimizer state. Each under ~25 s on the H200, live managed memory far below the card.
-#: Predictions committed in 8ffd5a2 before they were ever measured; measured in eb8b883: median 12.7%, worst -26.9%
-#: (ViT-L/16 384 px zero-copy; raw/sim_fidelity_new_round6.json). Re-simulated since in sim_fidelity_round6.json,
-#: predictions kept in sim_fidelity_predicted_round6.json. Session 10 timed the four zero-copy rows' weight GEMM
-#: shapes alone (bench/results/gemm_shapes/) AFTER these steps were measured: their re-simulation is in-sample.
+#: Held out, measured 2026-12-01 21:42, after the GEMM weight passes by layout and shape of
+#: um_lab.sim.gemm_passes (fitted on the gemm_tiles grid only). Rule, stated before any of them ran:
+#: configurations never measured, on models outside the fit sets, at batches where the GPU is busy; at least
+#: three with zero-copy parameters read by transformer GEMMs (the class the grid model is about: ViT-L/16 at two
+#: row counts, BERT-large, GPT-2-large), the rest remote activations or offloaded optimizer state. Each under
+#: ~25 s on the H200, live managed memory far below the card. Predictions committed before they were ever
+#: measured; blind: median 12.7%, worst -26.9% (ViT-L/16 384 px zero-copy;
+#: bench/results/sim_fidelity_heldout/2026-12-01T2142/).
+#: The four zero-copy rows' weight GEMM shapes were timed alone (bench/results/gemm_shapes/) AFTER these steps
+#: were measured: their re-simulation is in-sample.
 HELDOUT_ROUND6 = [
     ("vit-l16", {"batch_size": 16}, "zero-copy-params"),
     ("vit-l16", {"batch_size": 8, "image_size": 384}, "zero-copy-params"),
@@ -150,12 +156,13 @@ HELDOUT_ROUND6 = [
     ("bert-base", {"batch_size": 32, "seq_len": 256}, "offload-optimizer"),
     ("resnet152", {"batch_size": 128}, "offload-optimizer"),
 ]
-#: Round 7 (issue 10, after the per-shape GEMM table: the weight GEMMs of each zero-copy row's model timed alone
-#: with the weight remote, bench/gemm_shapes.py, in the profile before any of these steps ran). Rule, stated before
-#: any of them ran: models never run in a fidelity round (GPT-2-XL, ViT-H/14, ViT-L/32), configurations never
-#: measured; three with zero-copy parameters (the class round 6 missed on), the rest remote activations,
-#: offloaded optimizer state and plain UM. Each well under 30 s a step on the H200, live managed memory far below
-#: the card. Predictions (bench/results/sim_fidelity_predicted_new.json) committed before they were ever measured;
+#: The newest held-out set, measured 2026-12-02 01:42, after the per-shape GEMM table (the weight GEMMs of each
+#: zero-copy row's model timed alone with the weight remote, bench/gemm_shapes.py, in the profile before any of
+#: these steps ran). Rule, stated before any of them ran: models never run in a held-out set (GPT-2-XL,
+#: ViT-H/14, ViT-L/32), configurations never measured; three with zero-copy parameters (the class the set of
+#: 2026-12-01 21:42 missed on), the rest remote activations, offloaded optimizer state and plain UM. Each well
+#: under 30 s a step on the H200, live managed memory far below the card. Predictions
+#: (bench/results/sim_fidelity_heldout/2026-12-02T0142/predicted.json) committed before they were ever measured;
 #: ``predicted_law_ms`` there is the same prediction without the per-shape table.
 NEW_HELDOUT = [
     ("gpt2-xl", {"batch_size": 1, "seq_len": 1024}, "zero-copy-params"),
@@ -174,7 +181,7 @@ HELDOUT_ROUNDS = {1: HELDOUT_ROUND1, 2: HELDOUT_ROUND2, 3: HELDOUT_ROUND3, 4: HE
 CUSTOM_POLICIES = {"act-remote": ACT_REMOTE}
 #: Models whose rows the H200 profile's constants were fitted on (with the probe's numbers).
 FIT_MODELS = ("mlp", "gpt2-small", "gpt2-medium")
-#: Models the per-op constants (um_lab.sim.step_fit, bench/diagnostics/step_detail.py) are fitted on: a
+#: Models the per-op constants (um_lab.sim.step_fit, bench/step_detail.py) are fitted on: a
 #: held-out round uses none of them.
 STEP_FIT_MODELS = ("mlp", "resnet50", "gpt2-small", "gpt2-medium", "vit-b16")
 SLOW_MS = 1000.0
@@ -268,7 +275,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     new = [r for r in rows if r.get("new_heldout")]
     if any(r.get("error") is not None for r in new):
         s["new_held_out"] = _stats(new)
-        # issue 10's bar for the new held-out rows: every row within 25%, median within 15%
+        # the bar for the new held-out rows: every row within 25%, median within 15%
         s["new_held_out"]["passes_new_bar"] = bool(s["new_held_out"]["worst_abs_error"] <= 0.25
                                                       and s["new_held_out"]["median_abs_error"] <= 0.15)
     return s
@@ -326,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--profile", default="h200", help="simulator profile name or JSON path")
     ap.add_argument("--subset", choices=("all", "new"), default="all",
-                    help="'new': only the new held-out configurations (written to sim_fidelity_new.json)")
+                    help="'new': only the new held-out configurations (predicted.json / measured.json in --out, "
+                         "a folder bench/results/sim_fidelity_heldout/DATE)")
     ap.add_argument("--measured", metavar="PATH",
                     help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
     ap.add_argument("--measured-name", help="file name for --measured's result (default sim_fidelity.json)")
@@ -385,8 +393,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "profile": sim.profile.name, "summary": summary, "rows": rows}
     name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
-    if args.subset == "new":
-        name = name.replace(".json", "_new.json")
+    if args.subset == "new":  # a held-out set's folder: its committed predictions, then its measurement
+        name = "measured.json" if measure_gpu else "predicted.json"
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / name}")
     return result

@@ -1,4 +1,4 @@
-"""Diagnostic (GPU): where one training step's time goes, host and GPU, op by op and shape by shape.
+"""Benchmark (GPU): where one training step's time goes, host and GPU, op by op and shape by shape.
 
 Two kinds of configuration, each through the real backend under the safety cap (far below the card):
 
@@ -9,31 +9,40 @@ Two kinds of configuration, each through the real backend under the safety cap (
 
 For each configuration: the median step time of ``--steps`` unprofiled steps, then one profiled step:
 GPU busy time (sum of kernel durations), and per ``(op, input shapes)`` its count, self GPU time and
-self host time.
+self host time. The result is an input of the simulator's calibration (:mod:`um_lab.sim.step_fit`: host costs,
+GEMM / attention / convolution / HBM rates, batch-norm passes, remote elementwise rates).
 
-    python bench/diagnostics/step_detail.py --out step_detail.json [--kind host|shapes]
+    python bench/step_detail.py --out bench/results/step_detail.json [--kind host|shapes]
+
+JSON: ``{"device", "torch", "date", "configs": [{"kind", "model", "model_kwargs", "policy", "step_ms",
+"gpu_busy_ms", "host_span_ms", "ops": [...], "seconds"}]}``, rewritten after each configuration.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import gc
+import json
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from um_lab.backend import get_backend
-from um_lab.models import get_model
-from um_lab.types import RunSpec
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profiled_runs import new_result, run_config  # noqa: E402
 from sim_fidelity import policy_named  # noqa: E402
+
+from um_lab.backend import get_backend  # noqa: E402
+from um_lab.models import get_model  # noqa: E402
+from um_lab.types import RunSpec  # noqa: E402
 
 #: (kind, model, knobs, policy). The ``host`` rows use the models the host constants are fitted on.
 CONFIGS: list[tuple[str, str, dict[str, Any], str]] = [
@@ -63,6 +72,30 @@ CONFIGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("shapes", "resnet50", {"batch_size": 32}, "offload-optimizer"),
     ("shapes", "gpt2-small", {"batch_size": 4, "seq_len": 512}, "offload-optimizer"),
 ]
+
+
+def new_result() -> dict[str, Any]:
+    """``{"device", "torch", "date", "configs": []}`` for this GPU, with TF32 off for matmuls (as measured)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "configs": []}
+
+
+def run_config(result: dict[str, Any], out: str, row: dict[str, Any],
+               measure: Callable[[], dict[str, Any]], show: tuple[str, ...] = ("step_ms",)) -> None:
+    """Fill ``row`` with ``measure()`` (or the error it raised) and its duration, append it to ``result``,
+    print it and rewrite ``out`` (a failure or a timeout never loses the configurations already measured)."""
+    t = time.perf_counter()
+    try:
+        row.update(measure())
+    except Exception as e:  # noqa: BLE001 - one failure must not lose the others
+        row["error"] = f"{type(e).__name__}: {e}"
+    row["seconds"] = round(time.perf_counter() - t, 1)
+    result["configs"].append(row)
+    print(row["model"], row.get("model_kwargs"), row["policy"], *(row.get(k) for k in show), row.get("error", ""),
+          f"{row['seconds']} s", flush=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def _kernel_us(prof: Any) -> float:
@@ -133,6 +166,7 @@ def main() -> None:
         row: dict[str, Any] = {"kind": kind, "model": model, "model_kwargs": knobs, "policy": policy}
         run_config(result, args.out, row, functools.partial(detail, model, knobs, policy, args.steps),
                    show=("step_ms", "gpu_busy_ms"))
+
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Unified Memory primitives on the GPU (issue 10): the numbers the simulator's remote-access and migration
+"""Unified Memory primitives on the GPU: the numbers the simulator's remote-access and migration
 models are fitted to. ``python bench/uvm_primitives.py [--quick] [--sections ...] [--out PATH]``
 
 * remote: GPU kernels on a buffer at preferred=cpu + accessed_by=gpu (written by the CPU first) against
@@ -588,7 +588,7 @@ def migration_section(rec: Recorder, lab: GpuLab, plan: dict[str, Any]) -> None:
             rec.attempt(f"{name} {size_label(nbytes)}", functools.partial(measure, lab, nbytes, plan["repeats"]))
 
 
-# ---- D. prefetch rate by call size (issue 13: the scheduler's evictions ran at 11 GB/s) -----------------------
+# ---- D. prefetch rate by call size (the budget scheduler's evictions ran at 11 GB/s) ---------------------------
 
 
 def chunked_prefetch(lab: GpuLab, ptr: int, nbytes: int, chunk: int, to: str, stream: Any) -> None:

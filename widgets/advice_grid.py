@@ -68,6 +68,7 @@ class AdviceGrid:
                                  layout=w.Layout(width="280px"))
         self.preset.add_class("um-lab-preset")
         self.description = w.HTML(layout=w.Layout(width="100%"))
+        self.description.add_class("um-lab-policy-description")
         self.three_types = w.ToggleButton(value=False, description="paper's three types",
                                           tooltip="group param+grad+optim as the paper's 'model parameters'")
         self.three_types.add_class("um-lab-three-types")
@@ -84,6 +85,7 @@ class AdviceGrid:
         self.save_button = w.Button(description="Save", icon="save", layout=w.Layout(width="80px"))
         self.load_button = w.Button(description="Load", icon="folder-open", layout=w.Layout(width="80px"))
         self.file_status = w.HTML()
+        self.file_status.add_class("um-lab-file-status")
         self.save_button.on_click(lambda _b: self.save())
         self.load_button.on_click(lambda _b: self.load())
         self.preset.observe(self._preset_chosen, names="value")

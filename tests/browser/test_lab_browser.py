@@ -235,3 +235,94 @@ def test_quickstart_lab_in_chromium(jupyter_lab: JupyterLab, page: Any, tmp_path
 
     published = publish_screenshots({"lab.png": live, "lab-stopped.png": stopped_shot})
     print(f"browser test timings (s from opening the page): {timings}; screenshots: {shots} {published}")
+
+
+# ----------------------------------------------------------------------------- text from files stays text
+
+PAYLOAD = '<img src=x onerror="window.__pwned=1">'  #: runs script in the page if rendered as HTML
+TINY_MLP = {"width": 256, "depth": 2, "batch_size": 32}
+
+#: the cells of the notebook the injection test runs: a shared policy file whose name and description hold
+#: PAYLOAD, loaded into a Lab that then runs; a Lab whose error quotes PAYLOAD; an AdviceGrid loading a bad file
+#: whose error quotes it; a CompareView whose error quotes it
+INJECTION_CELLS = [
+    f"""import json, pathlib
+from um_lab.policy import Advice, Policy
+from um_lab.widgets import AdviceGrid, CompareView, Lab
+PAYLOAD = {PAYLOAD!r}
+TINY_MLP = {TINY_MLP!r}
+shared = pathlib.Path("shared-policy.json")
+shared.write_text(Policy("shared " + PAYLOAD, {{"param": Advice(preferred_location="gpu")}},
+                         "from a colleague " + PAYLOAD).to_json())
+bad = pathlib.Path("bad-policy.json")
+bad.write_text(json.dumps({{"name": "bad", "advice": {{PAYLOAD: {{}}}}}}))""",
+    """lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=2, warmup_steps=0)
+assert lab.advice.load(shared) is not None
+lab.run(wait=True, timeout=120)
+assert lab.state == "complete", lab.status.value
+lab""",
+    """refused = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=2, budget="")
+refused.budget.value = PAYLOAD
+assert refused.run() is None and refused.state == "error"
+refused""",
+    """grid = AdviceGrid()
+assert grid.load(bad) is None
+grid.widget""",
+    """view = CompareView(models={"mlp": TINY_MLP}, policies=["gpu-first"], ratios=[1.5], steps=1)
+view.ratios.value = PAYLOAD
+view.run(wait=True, timeout=60)
+view""",
+]
+
+
+def write_notebook(path: Path, cells: list[str]) -> int:
+    """A notebook of code ``cells`` (Python 3 kernel) at ``path``; returns the number of cells."""
+    nb = {"nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                       "language_info": {"name": "python"}},
+          "cells": [{"cell_type": "code", "id": f"cell-{i}", "execution_count": None, "metadata": {}, "outputs": [],
+                     "source": source} for i, source in enumerate(cells)]}
+    path.write_text(json.dumps(nb, indent=1))
+    return len(cells)
+
+
+def texts(page: Any, selector: str) -> list[str]:
+    """The text (as the page shows it) of every element matching ``selector`` (an SVG element's textContent)."""
+    return [t.strip() for t in page.locator(selector).evaluate_all(
+        "els => els.map(e => (typeof e.innerText === 'string' ? e.innerText : e.textContent) || '')")]
+
+
+def test_policy_file_and_error_text_show_literally_and_run_no_script_in_chromium(jupyter_lab: JupyterLab,
+                                                                                 page: Any, tmp_path: Path) -> None:
+    lab = jupyter_lab
+    n_code = write_notebook(lab.root / "injection.ipynb", INJECTION_CELLS)
+    page.goto(lab.url("/lab/tree/injection.ipynb"), wait_until="domcontentloaded", timeout=90_000)
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+    run_all_cells(page, n_code)
+
+    def shown() -> bool:
+        return (len(texts(page, ".um-lab-status")) >= 2 and bool(texts(page, ".um-lab-compare-status"))
+                and len(texts(page, ".um-lab-file-status")) >= 3
+                and any("shared" in t for t in texts(page, ".um-lab-static .gtitle")))
+
+    wait_until(shown, 60, "the panels, their status lines and the static figure to be drawn",
+               describe=lambda: "\n".join(f"{s}: {texts(page, s)}" for s in (
+                   ".um-lab-status", ".um-lab-compare-status", ".um-lab-file-status", ".um-lab-static .gtitle")))
+    page.screenshot(path=str(tmp_path / "injection.png"), full_page=True)
+    time.sleep(1.0)  # an <img src=x> would have failed to load and run its onerror by now
+
+    assert page.evaluate("() => window.__pwned") is None, "script from a policy file or an error ran in the page"
+    assert page.evaluate("() => document.querySelectorAll('img[src=\"x\"]').length") == 0, \
+        "an <img> from a policy file or an error was rendered as HTML"
+    statuses = texts(page, ".um-lab-status")
+    assert any("complete" in t and f"shared {PAYLOAD}" in t for t in statuses), statuses  # the policy's name
+    assert any("GPU budget" in t and PAYLOAD in t for t in statuses), statuses  # an error quoting it
+    assert f"from a colleague {PAYLOAD}" in texts(page, ".um-lab-policy-description"), \
+        texts(page, ".um-lab-policy-description")
+    files = texts(page, ".um-lab-file-status")
+    assert any(f"loaded policy 'shared {PAYLOAD}'" in t for t in files), files
+    assert any("not a valid policy" in t and PAYLOAD in t for t in files), files
+    compare = texts(page, ".um-lab-compare-status")
+    assert any("not a ratio" in t and PAYLOAD in t for t in compare), compare
+    assert any(f"shared {PAYLOAD}" in t for t in texts(page, ".um-lab-static .gtitle"))  # the plotly title
+    assert not notebook_state(page)["errors"]
