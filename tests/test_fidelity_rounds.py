@@ -1,4 +1,4 @@
-"""The held-out fidelity rounds keep the fit and the check apart (bench/sim_fidelity.py)."""
+"""The held-out fidelity sets keep the fit and the check apart (bench/sim_fidelity.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_the_new_round_uses_no_fit_model_and_repeats_no_earlier_configuration() 
 
 
 def test_the_committed_predictions_are_the_new_round() -> None:
-    predicted = json.loads((ROOT / "bench" / "results" / "sim_fidelity_predicted_new.json").read_text())
+    newest = max((ROOT / "bench" / "results" / "sim_fidelity_heldout").iterdir())  # folders named by date
+    predicted = json.loads((newest / "predicted.json").read_text())
     rows = {_key(r["model"], r["model_kwargs"], r["policy"]): r for r in predicted["rows"]}
     assert set(rows) == {_key(*c) for c in sim_fidelity.NEW_HELDOUT}
     assert all(r["simulated_ms"] > 0 and r["measured_ms"] is None for r in rows.values())
