@@ -14,7 +14,8 @@ Zoo (``get_model(name, **knobs)``; ``describe_models()`` lists the knobs):
 - ``bert-base`` / ``bert-large`` (transformers; batch_size, seq_len, BertConfig overrides)
 
 Your own model: ``custom("mine", model_or_factory, make_batch, loss_fn)``; ``register(case_factory)``
-puts it in the zoo so runs, comparisons and the CLI can name it.
+puts it in the zoo so runs, comparisons and the CLI can name it. ``check_case(case)`` is the cheap check
+before a run: the model built on the meta device, its optimizer refused when ``step()`` needs a closure.
 
 Memory per data type: ``estimate_memory(case)``; a size that oversubscribes a capacity by a chosen
 ratio: ``size_for_ratio(name, capacity_bytes, ratio)``; the pre-flight check against a cap:
@@ -365,7 +366,10 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
     """The zoo entry ``name`` with size knobs; unknown names list the valid ones.
 
     Bad knobs (unknown, wrongly typed, fixed by the name like ``resnet50``'s depth) raise
-    :class:`~um_lab.errors.ModelConfigError` naming the knob; nothing is built.
+    :class:`~um_lab.errors.ModelConfigError` naming the knob; nothing is built, except that GPT-2 / BERT
+    config fields are tried on the meta device (no memory): a value the model library refuses
+    (``activation_function="bogus"``) is a ``ModelConfigError`` naming the knob here, not a ``KeyError`` later.
+    Building the returned case raises the library's errors as ``ModelConfigError`` naming the knobs given.
     """
     if not isinstance(name, str) or name not in ZOO:
         raise ModelConfigError(f"unknown model {name!r}; valid: {', '.join(ZOO)}")

@@ -348,12 +348,13 @@ def case_fingerprint(case: ModelCase, seed: int = 0) -> str:
         batch = case.batch(seed)
     index = {id(p): i for i, p in enumerate(params)}
     groups = [(sorted((str(k), _value_text(v)) for k, v in group.items() if k != "params"),
-               [index.get(id(p), -1) for p in group["params"]]) for group in optimizer.param_groups]
+               [index.get(id(p), -1) for p in group.get("params", ())])
+              for group in getattr(optimizer, "param_groups", ())]
     parts = [
         f"name={case.name!r}",
         f"info={_value_text(case.info)}",
         f"model={_module_text(model)}",
-        f"optimizer={_type_text(type(optimizer))}|{groups}|{_value_text(optimizer.defaults)}",
+        f"optimizer={_type_text(type(optimizer))}|{groups}|{_value_text(getattr(optimizer, 'defaults', None))}",
         f"batch={[_value_text(t) for t in batch]}",
         f"loss={_callable_text(case.loss_fn)}",
         f"seed={seed}",
