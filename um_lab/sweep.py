@@ -17,7 +17,7 @@ import pandas as pd
 from um_lab.backend import backend_class, backend_names, get_backend
 from um_lab.backend_base import Backend
 from um_lab.errors import ModelConfigError, OutputExistsError, PolicyError, SpecError
-from um_lab.models import ModelCase, case_for_spec
+from um_lab.models import ModelCase, case_for_spec, check_case
 from um_lab.policy import Policy, get_policy, is_scheduled, named_policies
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.summary import summarize, with_speedup
@@ -329,7 +329,7 @@ def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, A
     for label, model in model_items:
         spec = next(s for (name, _), s in specs.items() if name == label)
         try:
-            case = model if isinstance(model, ModelCase) else case_for_spec(spec)
+            case = check_case(model if isinstance(model, ModelCase) else case_for_spec(spec))
             kind.check_case(case)
             cases[label] = case
         except Exception:
