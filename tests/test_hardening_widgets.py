@@ -19,7 +19,12 @@ from um_lab.types import StepRecord  # noqa: E402
 from um_lab.widgets import AdviceGrid, CompareView, Lab  # noqa: E402
 from um_lab.widgets import compare_view as compare_view_module  # noqa: E402
 from um_lab.widgets.compare_view import parse_ratios, ratio_text  # noqa: E402
-from um_lab.widgets.figures import dashboard_figure, speedup_figure, step_time_overlay  # noqa: E402
+from um_lab.widgets.figures import (  # noqa: E402
+    dashboard_figure,
+    display_bundle,
+    speedup_figure,
+    step_time_overlay,
+)
 
 TINY_MLP = {"width": 256, "depth": 2, "batch_size": 32}
 PAYLOAD = '<img src=x onerror="window.__pwned=1">'
@@ -330,3 +335,4 @@ def test_plotly_titles_names_and_labels_show_user_text_literally():
     assert "<img" not in overlay.data[0].name and "&lt;img" in overlay.data[0].name
     board = dashboard_figure([record], title=f"t {PAYLOAD}")
     assert "<img" not in board.layout.title.text and "&lt;img" in board.layout.title.text
+    assert display_bundle(board)["data"]["text/plain"] == f"<plotly figure: t {PAYLOAD}>"  # plain text: as given

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import html
 import json
 import os
 import warnings
@@ -182,7 +183,7 @@ def display_bundle(fig: Any, text: str = "") -> dict[str, Any]:
     return {"output_type": "display_data", "metadata": {},
             "data": {"application/vnd.plotly.v1+json": {"data": data.get("data", []),
                                                          "layout": data.get("layout", {}), "config": {}},
-                     "text/plain": text or f"<plotly figure: {fig.layout.title.text or 'untitled'}>"}}
+                     "text/plain": text or f"<plotly figure: {html.unescape(fig.layout.title.text or 'untitled')}>"}}
 
 
 # ------------------------------------------------------------------------------------ dashboard
