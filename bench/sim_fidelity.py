@@ -30,7 +30,7 @@ Bars: median |error| <= 15%, worst <= 35%, zero-copy configurations within 25%.
 A held-out set (``--subset new``: :data:`NEW_HELDOUT`) is predicted first on any CPU and the predictions committed
 (``--simulate-only --subset new --out bench/results/sim_fidelity_heldout/DATE``: ``predicted.json``), then measured
 on the GPU into the same folder (``measured.json``). Each earlier set keeps its folder there, named by the date and
-time of its measurement.
+time its predictions were written.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ EXTRA = [
     ("gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "zero-copy-params"),
 ]
 #: Held-out configurations measured 2026-11-30 08:04 (predictions committed before measuring;
-#: bench/results/sim_fidelity_heldout/2026-11-30T0804/).
+#: bench/results/sim_fidelity_heldout/2026-11-30T0756/).
 HELDOUT_ROUND1 = [
     ("resnet50", {"batch_size": 64}, "um-default"),
     ("resnet50", {"batch_size": 64}, "zero-copy-params"),
@@ -78,7 +78,7 @@ HELDOUT_ROUND1 = [
     ("mlp", {"width": 8192}, "zero-copy-params"),
 ]
 #: Held out, measured 2026-12-01 03:53 (predictions committed before measuring;
-#: bench/results/sim_fidelity_heldout/2026-12-01T0353/: the predictions in predicted.json, the measured rows
+#: bench/results/sim_fidelity_heldout/2026-12-01T0344/: the predictions in predicted.json, the measured rows
 #: re-simulated since in measured.json).
 HELDOUT_ROUND2 = [
     ("vit-b16", {"batch_size": 64}, "zero-copy-params"),
@@ -93,7 +93,7 @@ HELDOUT_ROUND2 = [
 #: Held out, measured 2026-12-01 05:49, after the in-step convolution model (predictions committed before
 #: measuring): the models never run before (ResNet-34, ResNet-101, ViT-L/16) under remote activations and
 #: zero-copy parameters, ResNet-101 under plain UM, BERT-large under remote activations. Blind: median
-#: 12.0%, worst +27% (bench/results/sim_fidelity_heldout/2026-12-01T0549/, predicted.json against measured.json).
+#: 12.0%, worst +27% (bench/results/sim_fidelity_heldout/2026-12-01T0545/, predicted.json against measured.json).
 HELDOUT_ROUND3 = [
     ("resnet101", {"batch_size": 32}, "act-remote"),
     ("resnet101", {"batch_size": 32}, "zero-copy-params"),
@@ -106,7 +106,7 @@ HELDOUT_ROUND3 = [
 ]
 #: Held out, measured 2026-12-01 06:04, after the k x k / 1x1 split of the convolution tile (predictions
 #: committed before measuring): every row simulated too fast, median 22.2%, worst -34%
-#: (bench/results/sim_fidelity_heldout/2026-12-01T0604/).
+#: (bench/results/sim_fidelity_heldout/2026-12-01T0602/).
 HELDOUT_ROUND4 = [
     ("resnet18", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 16}, "act-remote"),
@@ -125,7 +125,7 @@ HELDOUT_ROUND4 = [
 #: parameters of a CNN). Not tested here, known gaps with their re-simulated errors: zero-copy parameters of
 #: GEMM-heavy transformers and MLPs (-24% .. -31%) and host-bound CNN steps at small batches (-19% .. -33%).
 #: Predictions committed before measuring; blind: median 5.2%, worst +9.2%
-#: (bench/results/sim_fidelity_heldout/2026-12-01T1004/).
+#: (bench/results/sim_fidelity_heldout/2026-12-01T0959/).
 HELDOUT_ROUND5 = [
     ("resnet101", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 64}, "zero-copy-params"),
@@ -143,7 +143,7 @@ HELDOUT_ROUND5 = [
 #: row counts, BERT-large, GPT-2-large), the rest remote activations or offloaded optimizer state. Each under
 #: ~25 s on the H200, live managed memory far below the card. Predictions committed before they were ever
 #: measured; blind: median 12.7%, worst -26.9% (ViT-L/16 384 px zero-copy;
-#: bench/results/sim_fidelity_heldout/2026-12-01T2142/).
+#: bench/results/sim_fidelity_heldout/2026-12-01T2124/).
 #: The four zero-copy rows' weight GEMM shapes were timed alone (bench/results/gemm_shapes/) AFTER these steps
 #: were measured: their re-simulation is in-sample.
 HELDOUT_ROUND6 = [
@@ -162,7 +162,7 @@ HELDOUT_ROUND6 = [
 #: ViT-H/14, ViT-L/32), configurations never measured; three with zero-copy parameters (the class the set of
 #: 2026-12-01 21:42 missed on), the rest remote activations, offloaded optimizer state and plain UM. Each well
 #: under 30 s a step on the H200, live managed memory far below the card. Predictions
-#: (bench/results/sim_fidelity_heldout/2026-12-02T0142/predicted.json) committed before they were ever measured;
+#: (bench/results/sim_fidelity_heldout/2026-12-02T0134/predicted.json) committed before they were ever measured;
 #: ``predicted_law_ms`` there is the same prediction without the per-shape table.
 NEW_HELDOUT = [
     ("gpt2-xl", {"batch_size": 1, "seq_len": 1024}, "zero-copy-params"),

@@ -51,7 +51,7 @@ def test_each_held_out_set_holds_its_predictions_made_before_its_measurement() -
     for folder in folders:
         predicted = json.loads((folder / "predicted.json").read_text())
         measured = json.loads((folder / "measured.json").read_text())
-        assert predicted["date"] < measured["date"] and measured["date"][:16].replace(":", "") == folder.name
+        assert predicted["date"][:16].replace(":", "") == folder.name and predicted["date"] < measured["date"]
         assert all(r["measured_ms"] is None for r in predicted["rows"])
         def keys(rows: list[dict]) -> set[tuple[str, str, str]]:
             return {(r["model"], json.dumps(r["model_kwargs"], sort_keys=True), r["policy"]) for r in rows}
