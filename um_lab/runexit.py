@@ -12,7 +12,9 @@ ends early (split from :mod:`um_lab.runner`, which registers its runs here):
   when its runs end.
 - **Repeated signals** (Ctrl-C pressed three times) cannot cut a run's final status short: while it is
   written on the main thread (:func:`held_signals`), SIGINT, SIGTERM and SIGHUP wait, and are delivered
-  after it (one that only repeats the interrupt already ending the run is dropped).
+  after it (one that only repeats the interrupt already ending the run is dropped). Once an interrupt has
+  ended a foreground run, further SIGINTs within :data:`REPEAT_WINDOW_S` are taken as repeats of it and
+  dropped (:func:`absorb_repeats`), so that they do not land in Python's own exit.
 - **At interpreter exit** (``atexit``) a run still running (a background run, a foreground iteration
   left unfinished) is marked ``interrupted`` with its real step count; a run whose final status could
   not be written is retried. Signals wait meanwhile. A background run's thread is then asked to stop and
@@ -56,6 +58,8 @@ HANDLED_SIGNALS: tuple[signal.Signals, ...] = tuple(
 HELD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, *HANDLED_SIGNALS)
 #: How long interpreter exit waits for background runs' threads to end their step in progress.
 EXIT_WAIT_S = 60.0
+#: After an interrupt ends a foreground run, SIGINTs for this long only repeat it (:func:`absorb_repeats`).
+REPEAT_WINDOW_S = 1.0
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -78,6 +82,7 @@ _foreground: set[int] = set()  # ids of runs stepping in the foreground on the m
 _signalled: dict[int, str] = {}  # run id -> the signal that ended its foreground stepping
 _holders = 0  # runs that asked for the SIGTERM handler (it stays installed while > 0)
 _threads: dict[int, tuple[_Run, threading.Thread]] = {}  # background runs' threads, waited for at exit
+_quiet_until = 0.0  # SIGINTs before this (time.monotonic) repeat the interrupt that ended a run
 
 
 def _on_main_thread() -> bool:
@@ -129,6 +134,7 @@ def hold_sigterm() -> bool:
     global _holders
     if not _on_main_thread():
         return False
+    _restore_sigint()
     with _lock:
         held = False
         for signum in HANDLED_SIGNALS:
@@ -194,10 +200,38 @@ def held_signals(in_flight: BaseException | None = None) -> Iterator[list[int]]:
         for came in dict.fromkeys(pending):
             handler = previous.get(signal.Signals(came))
             if isinstance(in_flight, KeyboardInterrupt) and (
-                    handler is signal.default_int_handler or handler is _on_sigterm):
+                    handler in (signal.default_int_handler, _on_repeated_sigint, _on_sigterm)):
                 continue  # the run is already ending on an interrupt: a second one only repeats it
             if handler not in (signal.SIG_IGN, None):
                 signal.raise_signal(came)
+
+
+def absorb_repeats() -> None:
+    """An interrupt just ended a foreground run: for :data:`REPEAT_WINDOW_S`, a SIGINT is a repeat of it and
+    dropped (main thread, and only over Python's default SIGINT handler). After the window SIGINT raises
+    ``KeyboardInterrupt`` as before, and the default handler is put back by the next run, a SIGINT, or
+    interpreter exit."""
+    global _quiet_until
+    if not _on_main_thread():
+        return
+    current = signal.getsignal(signal.SIGINT)
+    if current is not signal.default_int_handler and current is not _on_repeated_sigint:
+        return  # a handler of the user's (a notebook kernel's): left alone
+    _quiet_until = time.monotonic() + REPEAT_WINDOW_S
+    signal.signal(signal.SIGINT, _on_repeated_sigint)
+
+
+def _on_repeated_sigint(signum: int, frame: object) -> None:
+    if time.monotonic() < _quiet_until:
+        return  # a repeat of the Ctrl-C that ended the run
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise KeyboardInterrupt
+
+
+def _restore_sigint() -> None:
+    if _on_main_thread() and signal.getsignal(signal.SIGINT) is _on_repeated_sigint \
+            and time.monotonic() >= _quiet_until:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def end_open_runs(state: str, reason: str) -> None:

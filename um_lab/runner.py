@@ -34,9 +34,9 @@ from typing import Any
 from um_lab import runexit
 from um_lab.backend import backend_class, get_backend, resolve_backend_name
 from um_lab.backend_base import Backend
-from um_lab.errors import BudgetTooSmall, ModelConfigError, UmLabError, gib
+from um_lab.errors import BudgetTooSmall, UmLabError, gib
 from um_lab.listeners import Listenable, RecordListeners
-from um_lab.models import ModelCase, case_for_spec
+from um_lab.models import ModelCase, case_for_spec, check_case
 from um_lab.policy import Policy, check_preset_name, get_policy
 from um_lab.runexit import RunInterrupted
 from um_lab.runlog import (
@@ -114,9 +114,8 @@ class Run(RunFolderWriter, Listenable):
             name = check_run_name(name)  # before anything is created
         spec = spec or RunSpec()
         self.policy = check_preset_name(get_policy(policy if policy is not None else spec.policy))
-        self.case = case if case is not None else case_for_spec(spec)
-        if case is None:
-            check_model_builds(self.case, spec)  # a bad knob the library finds: refused before any folder
+        self.case = check_case(case if case is not None else case_for_spec(spec))  # built on meta: a knob the
+        # library refuses, or an optimizer that needs a closure, is refused before any folder exists
         self.spec = dataclasses.replace(spec, policy=self.policy.name,
                                         model=self.case.name if case is not None else spec.model)
         if backend is None:
@@ -321,6 +320,8 @@ class Run(RunFolderWriter, Listenable):
             finally:
                 if holds_sigterm:
                     runexit.release_sigterm()
+                if foreground and isinstance(in_flight, KeyboardInterrupt):
+                    runexit.absorb_repeats()  # Ctrl-C pressed again at once only repeats this interrupt
             if not written:
                 problem = RunDirError(
                     f"cannot write {self.path / 'status.json'} ({self._status_problem}): the run ended "
@@ -339,25 +340,6 @@ class Run(RunFolderWriter, Listenable):
             self._interrupted_by = (in_flight.signal_name if isinstance(in_flight, RunInterrupted)
                                     else "KeyboardInterrupt")
         self._end_as("failed", if_running=True)
-
-
-def check_model_builds(case: ModelCase, spec: RunSpec) -> None:
-    """Build a zoo model on the meta device (nothing is allocated) so that a knob its library refuses
-    (``activation_function="bogus"``) is a :class:`~um_lab.errors.ModelConfigError` before a run folder
-    exists. A model that cannot be built on the meta device is left to its run."""
-    import torch
-
-    try:
-        with torch.device("meta"):
-            case.build_model()
-    except UmLabError:
-        raise
-    except NotImplementedError:
-        return
-    except Exception as e:  # noqa: BLE001  (the model library's own error: a knob it does not take)
-        knobs = dict(spec.model_kwargs) | ({"batch_size": spec.batch_size} if spec.batch_size is not None else {})
-        raise ModelConfigError(f"model {spec.model!r} cannot be built with the knobs {knobs!r} "
-                               f"({type(e).__name__}: {e}); nothing was created") from None
 
 
 def _as_given_budget(error: BudgetTooSmall, spec: RunSpec) -> BudgetTooSmall:

@@ -375,6 +375,13 @@ def _read_object(file: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def _why(error: Exception) -> str:
+    """What was wrong with a run file, for a message that names the file already."""
+    if isinstance(error, FileReadError):
+        return f"it {error.reason}"
+    return f"{type(error).__name__}: {error}"
+
+
 def load(path: str | os.PathLike[str]) -> LoadedRun:
     """Read a run folder written by :class:`~um_lab.runner.Run` (complete or not).
 
@@ -390,8 +397,8 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
     try:
         spec = RunSpec.from_dict(_read_object(spec_file, "run spec"), recorded=True)
     except (ValueError, TypeError, OSError) as e:
-        raise RunLogError(f"{spec_file} is not a readable run spec ({type(e).__name__}: {e}); "
-                          "the run folder cannot be loaded") from None
+        raise RunLogError(f"{spec_file} is not a readable run spec ({_why(e)}); the run folder cannot be loaded"
+                          ) from None
 
     def side(name: str, parse: Any = None) -> Any:
         file = path / name
@@ -401,8 +408,7 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
             data = _read_object(file, f"run's {name}")
             return parse(data) if parse else data
         except (ValueError, TypeError, OSError) as e:
-            warnings.warn(f"{file} cannot be read ({type(e).__name__}: {e}); read as missing",
-                          RunLogWarning, stacklevel=3)
+            warnings.warn(f"{file} cannot be read ({_why(e)}); read as missing", RunLogWarning, stacklevel=3)
             return None
 
     status = side("status.json")
