@@ -83,7 +83,7 @@ def test_each_row_is_handed_on_as_it_completes_so_a_stopped_run_keeps_it(bench, 
 
 def test_remote_copies_get_a_row_each_where_state_is_remote_and_only_the_copying_row_copies(bench, monkeypatch):  # noqa: F811
     monkeypatch.setattr(stage, "MIN_STAGE_BYTES", 64 << 10)
-    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying: True)  # the fake's plans always move
+    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying, costs: True)  # the fake's plans always move
     torch.manual_seed(0)
     # at 1.5 (B 64 MiB) the slots found no room at the first plan once in five runs after other tests (the CPU
     # heap's addresses decide how many 2 MiB blocks each tensor spans): 1.4 leaves them room

@@ -14,9 +14,9 @@ from um_lab.budget.config import Budget
 from um_lab.budget.pinned import CpuCopyOps
 from um_lab.budget.record import optimizer_chunks, step_optimizer_in_chunks
 from um_lab.budget.remote_state import (
-    IN_PLACE_MS_PER_GB,
     SLOTS,
     CopySlots,
+    LinkCosts,
     RemoteStateCopies,
     chunk_state_bytes,
     link_cost_ms,
@@ -122,7 +122,7 @@ def test_a_session_copies_remote_state_with_staged_activations_and_trains_exactl
                                                                                                      monkeypatch):
     # the fake driver's tensors take new addresses every step, so its plans move data whatever the room: the
     # slots would always cost moves here; taken as worth it (the decision itself: test_worth_copying_...)
-    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying: True)
+    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying, costs: True)
     model, batches = model_and_data()
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
     budget = 96 * MiB  # the model, gradients and AdamW state are ~120 MiB: some state stays remote, slots fit
@@ -152,7 +152,7 @@ def test_a_session_copies_remote_state_with_staged_activations_and_trains_exactl
 @pytest.mark.parametrize("budget_mib, worth", [(48, True), (96, False)])
 def test_slots_without_room_or_not_worth_their_room_leave_remote_state_updated_in_place(env, monkeypatch,
                                                                                         budget_mib, worth):
-    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying: worth)
+    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying, costs: worth)
     model, batches = model_and_data()
     twin = copy.deepcopy(model)
     with make_session(env, budget=Budget(budget_mib * MiB, stage_activations=True)) as lab:
@@ -171,11 +171,15 @@ def test_slots_without_room_or_not_worth_their_room_leave_remote_state_updated_i
 
 
 def test_copying_is_worth_its_slots_when_the_link_time_it_saves_exceeds_what_their_room_costs():
+    from um_lab.sim.profile import load_profile
+
+    costs = LinkCosts.from_profile(load_profile("h200"))
     gb = 10**9
     in_place = SimpleNamespace(remote_bytes=4 * gb, prefetched_bytes=0, evicted_bytes=0)
-    assert worth_copying(in_place, SimpleNamespace(remote_bytes=6 * gb, prefetched_bytes=0, evicted_bytes=0))
-    assert not worth_copying(in_place, SimpleNamespace(remote_bytes=11 * gb, prefetched_bytes=0, evicted_bytes=0))
+    assert worth_copying(in_place, SimpleNamespace(remote_bytes=6 * gb, prefetched_bytes=0, evicted_bytes=0), costs)
+    assert not worth_copying(in_place, SimpleNamespace(remote_bytes=11 * gb, prefetched_bytes=0, evicted_bytes=0),
+                             costs)
     # room bought by evicting and prefetching data the plan kept resident: the slow direction decides
     assert not worth_copying(in_place, SimpleNamespace(remote_bytes=5 * gb, prefetched_bytes=gb * 3 // 2,
-                                                       evicted_bytes=gb * 3 // 2))
-    assert link_cost_ms(in_place, False) == pytest.approx(4 * IN_PLACE_MS_PER_GB)
+                                                       evicted_bytes=gb * 3 // 2), costs)
+    assert link_cost_ms(in_place, False, costs) == pytest.approx(4 * costs.update_ms_per_GB)

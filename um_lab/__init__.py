@@ -78,11 +78,10 @@ if TYPE_CHECKING:  # the lazy names, typed for users' type checkers
     from um_lab import experimental
     from um_lab.budget.config import Budget
     from um_lab.cuda.session import Session
-    from um_lab.models import ModelCase, custom, get_model
+    from um_lab.models import custom, get_model
     from um_lab.runlog import RunDirError, RunNameError, list_runs
     from um_lab.runner import Run, RunStateError, run
-    from um_lab.runread import LoadedRun, NotARunFolderError, RunLogError, load
-    from um_lab.sim.backend import SimBackend
+    from um_lab.runread import NotARunFolderError, RunLogError, load
     from um_lab.sizing import SizeRefused
     from um_lab.sweep import compare
 

@@ -95,7 +95,9 @@ def parse_json(text: str | bytes, what: str, source: str | os.PathLike[str] | No
     from um_lab.errors import InputError
 
     def fail(reason: str) -> Exception:
-        return FileReadError(Path(source), what, reason) if source is not None else InputError(f"{what}: {reason}", what)
+        if source is not None:
+            return FileReadError(Path(source), what, reason)
+        return InputError(f"{what}: {reason}", what)
 
     try:
         data = json.loads(text)

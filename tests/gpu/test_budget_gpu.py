@@ -228,7 +228,7 @@ def _copies_taken(monkeypatch):
     would weigh them against moves and often refuse: remote_state.worth_copying); their mechanics are tested."""
     from um_lab.budget import control
 
-    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying: True)
+    monkeypatch.setattr(control, "worth_copying", lambda in_place, copying, costs: True)
 
 
 def test_remote_state_copied_for_its_chunks_step_trains_bit_for_bit_like_updating_it_in_place(monkeypatch):

@@ -32,7 +32,14 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
-from um_lab.budget.remote_state import SLOTS, CopySlots, RemoteStateCopies, chunk_state_bytes, worth_copying
+from um_lab.budget.remote_state import (
+    SLOTS,
+    CopySlots,
+    LinkCosts,
+    RemoteStateCopies,
+    chunk_state_bytes,
+    worth_copying,
+)
 from um_lab.budget.stage import ActivationStager
 from um_lab.budget.streams import StreamOps
 from um_lab.budget.tail import TailSizer
@@ -54,7 +61,7 @@ class BudgetControl:
                  free_ranges: Callable[[], Iterable[Span]] | None = None,
                  stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = (),
                  host_written_types: Iterable[DataType] = (), remote_optimizer: bool = False,
-                 partial_staging: bool = False) -> None:
+                 partial_staging: bool = False, link_costs: LinkCosts | None = None) -> None:
         if issue not in ISSUE_MODES:
             raise BudgetError(f"budget_issue must be one of {ISSUE_MODES}, got {issue!r}")
         mover = ThreadMover(runtime, streams, thread_init) if issue == "thread" else InlineMover(runtime, streams)
@@ -72,6 +79,8 @@ class BudgetControl:
         #: the slots' room is worth it; off, the optimizer's kernels update it in place over the link. On the H200 it
         #: made GPT-2-XL at 2 faster (1,271 against 1,440 ms) but GPT-2-XL at 3 slower (2,412 against 1,865): the
         #: pool grew after the slots were weighed and the plan then moved 7.2 GB a step
+        #: how remote-state copies are weighed against updating the state in place (None: never copied)
+        self.link_costs = link_costs
         self.copy_remote_state = False
         self._ops_out = another_like(stager.ops) if stager is not None else None
         self._slot_bytes = 0  # each copy slot's size, announced to the plan (0: none yet); -1: refused
@@ -356,7 +365,7 @@ class BudgetControl:
             plan = executor.set_order(executor.plan_order)
         except BudgetTooSmall:
             plan = None
-        if plan is None or not worth_copying(before, plan):
+        if plan is None or self.link_costs is None or not worth_copying(before, plan, self.link_costs):
             # no room, or room only by moving data the plan kept resident (evicted at a third of the link's rate
             # or less) or by leaving more state remote than the copies save: the state is updated in place
             executor.expected_growth = max(0, executor.expected_growth - SLOTS * slot)  # (a re-plan may use some)

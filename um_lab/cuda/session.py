@@ -45,6 +45,7 @@ from um_lab.types import DataType, StepRecord
 
 if TYPE_CHECKING:
     from um_lab.budget.control import BudgetControl
+    from um_lab.budget.remote_state import LinkCosts
 
 
 class Session(Listenable):
@@ -517,7 +518,8 @@ class Session(Listenable):
                              fixed_types=self._budget_resident_types(),
                              host_written_types=self._host_preferred_types(),
                              remote_optimizer=options.remote_optimizer,
-                             partial_staging=options.partial_staging)
+                             partial_staging=options.partial_staging,
+                             link_costs=_link_costs())
         control.settle_tail_growth = options.settle_tail_growth
         control.copy_remote_state = options.copy_remote_state
         return control
@@ -608,6 +610,14 @@ class Session(Listenable):
     def stats(self) -> dict[str, Any]:
         """The segment source's counters (allocations, frees, refusals, live bytes)."""
         return self._require_open().source.stats()
+
+
+def _link_costs() -> LinkCosts:
+    """The host link's costs as the packaged calibration profile measured them."""
+    from um_lab.budget.remote_state import LinkCosts
+    from um_lab.sim.profile import load_profile
+
+    return LinkCosts.from_profile(load_profile("h200"))
 
 
 def _check_loss(loss: Any) -> None:

@@ -53,10 +53,6 @@ from um_lab.types import DATA_TYPES, DataType, StepRecord
 #: not measured: a forward pre/post hook pair, a tensor hook, a few dict look-ups)
 HOOK_US_PER_POSITION = 40.0
 STEADY_STEPS = 3  #: steady steps replayed; the last one's time is reported
-#: Discarding GPU-resident pages and populating discarded pages on the GPU (discard-and-prefetch), as
-#: equivalent rates: 1 GiB took 3.4 and 6.7 ms on the H200 (bench/diagnostics/discard_probe.py, session 9).
-DISCARD_GBPS = 318.0
-POPULATE_GBPS = 160.0
 _PARAM, _GRAD, _OPTIM = (DATA_TYPES.index(t) for t in (DataType.PARAM, DataType.GRAD, DataType.OPTIM))
 
 
@@ -75,19 +71,16 @@ class DerivedOrder:
     remote_costs: tuple[tuple[RemoteCost, ...], ...] = ()
 
 
-#: managed (GPU-resident) <-> pinned host copies on the H200: 52.3 GB/s out, 51.0 GB/s back
-#: (bench/diagnostics/staging_probe.py, raw/session13_call2/staging_probe.json); the slower one for both
-STAGE_COPY_GBPS = 51.0
-
 
 @dataclasses.dataclass(frozen=True)
 class StageCopies:
     """The staging copies of a step, by position: bytes out after ``out_bytes[i]``'s position, bytes back
-    before ``in_bytes[i]``'s; ``GBps`` the copy rate, ``window`` the bytes in flight / ahead."""
+    before ``in_bytes[i]``'s; ``GBps`` the copy rate (None: the profile's ``stage_copy_GBps``), ``window`` the
+    bytes in flight / ahead."""
 
     out_bytes: tuple[int, ...]
     in_bytes: tuple[int, ...]
-    GBps: float = STAGE_COPY_GBPS
+    GBps: float | None = None
     window: int = WINDOW_BYTES
 
     @property
@@ -316,7 +309,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     the host->GPU rate, default ``scheduler_h2d_GBps``, else ``prefetch_h2d_GBps``; ``staging``: saved
     activations copied through pinned memory on a fifth clock, the copy stream, as :mod:`um_lab.sim.staged`
     describes; ``remote_copies``: remote optimizer state copied to the device for its position's step, a
-    position ahead, and back after it, on two more clocks at ``STAGE_COPY_GBPS``, as
+    position ahead, and back after it, on two more clocks at the profile's ``stage_copy_GBps``, as
     :mod:`um_lab.budget.remote_state` does, instead of updated in place over the link)."""
     p = profile
     h2d = (prefetch_GBps or p.scheduler_h2d_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
@@ -333,7 +326,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     copied = remote_state_bytes(derived.remote_costs, plan.remote_blocks, n) if remote_copies else [0] * n
     if remote_copies:
         remote_us, remote_link = [0.0] * n, 2.0 * sum(copied)
-    copy_rate = STAGE_COPY_GBPS * 1e3
+    copy_rate = p.stage_copy_GBps * 1e3
     first_back = next((i for i in range(n) if backward[i]), n)
     restores_from = restore_start(backward, staging.out_bytes if staging is not None else [0] * n)
     for _ in range(STEADY_STEPS):
@@ -356,7 +349,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                     copied_in[j] = copy_in
             ready = max(ready, copied_in.get(i, 0.0))
             if staging is not None and (backward[i] or i == restores_from):  # a window ahead of backward, in its order
-                rate = staging.GBps * 1e3
+                rate = (staging.GBps or p.stage_copy_GBps) * 1e3
                 first = i if backward[i] else first_back
                 next_restore = max(next_restore, first)
                 ahead = sum(staging.in_bytes[first:next_restore])
@@ -389,7 +382,8 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
                             mover = max(mover, side)
                         mover += p.prefetch_call_us + p.prefetch_call_us_per_block * blocks
                         if m.kind in ("discard", "populate"):  # no copy: the driver's page work only
-                            took = nbytes / (DISCARD_GBPS if m.kind == "discard" else POPULATE_GBPS) / 1e3
+                            rate = p.discard_GBps if m.kind == "discard" else p.discard_populate_GBps
+                            took = nbytes / rate / 1e3
                         else:
                             took = nbytes / (h2d if m.kind == "prefetch" else d2h) + p.prefetch_block_us * blocks
                         side = max(side, mover) + took
@@ -415,7 +409,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
             if copied[i]:
                 copy_out = max(copy_out, gpu) + copied[i] / copy_rate
             if staging is not None and staging.out_bytes[i]:  # after the position's ops; the host throttles
-                copy = max(copy, gpu) + staging.out_bytes[i] / (staging.GBps * 1e3)
+                copy = max(copy, gpu) + staging.out_bytes[i] / ((staging.GBps or p.stage_copy_GBps) * 1e3)
                 in_flight.append((copy, staging.out_bytes[i]))
                 while sum(b for _, b in in_flight) > staging.window and len(in_flight) > 1:
                     cpu = max(cpu, in_flight.pop(0)[0])

@@ -144,6 +144,18 @@ class Profile:
     scheduler_h2d_GBps: float = 0.0
     scheduler_d2h_GBps: float = 0.0
     readmostly_write_fault_us: float = 58.0  #: per 4 KiB page a kernel writes in read_mostly data
+    #: copies between GPU-resident managed memory and pinned host memory (staged activations), the slower way
+    stage_copy_GBps: float = 51.0
+    #: discarding GPU-resident pages, and discard-and-prefetch of discarded ones, as equivalent rates
+    discard_GBps: float = 318.0
+    discard_populate_GBps: float = 160.0
+    #: the host link's time per GB of remote optimizer state that AdamW updates in place, and per GB copied in
+    #: to the device and back for its step (both directions at once at the staging copies' rate)
+    remote_update_ms_per_GB: float = 53.0
+    remote_copy_ms_per_GB: float = 20.0
+    #: the rates at which the scheduler weighs a plan's moves (to the GPU; to the host)
+    plan_prefetch_GBps: float = 47.0
+    plan_evict_GBps: float = 13.0
     #: Measured link passes of weight GEMMs at exact shapes, ``(layout, bias, M, K, N, passes)`` with layout
     #: "nt" (x @ W^T) or "nn" (x @ W) and bias 0/1 (``bench/gemm_shapes.py``): they replace the power law of
     #: :mod:`um_lab.sim.gemm_passes` at those shapes (cuBLAS picks its kernel per shape). Empty: the law alone.

@@ -6,7 +6,7 @@
 autograd saves for backward (the trace cannot tell a saved tensor from one merely alive across the phase
 boundary, so this is an upper bound on the session's staged bytes). It is copied to the host after the
 position that made it (the stager's pack hook) and back ahead of the backward position that first reads
-it, a window of bytes at a time, on one copy stream at :data:`STAGE_COPY_GBPS`.
+it, a window of bytes at a time, on one copy stream at the profile's ``stage_copy_GBps``.
 
 **The fixed pool.** The intermediate-results pool is never moved by the scheduler: its size is the peak of
 live intermediate bytes with each staged storage counted only from its allocation to its last forward use
@@ -39,7 +39,7 @@ from um_lab.budget.ledger import BLOCK
 from um_lab.budget.order import Order, Position
 from um_lab.budget.plan import Plan, make_plan
 from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR
-from um_lab.budget.remote_state import SLOTS, worth_copying
+from um_lab.budget.remote_state import SLOTS, LinkCosts, worth_copying
 from um_lab.budget.stage import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
 from um_lab.sim.budget import (
@@ -231,7 +231,7 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
             fixed, plan = plan_for(staged)
         except BudgetTooSmall:
             copying = False
-        if not copying or not worth_copying(before[1], plan):
+        if not copying or not worth_copying(before[1], plan, LinkCosts.from_profile(profile)):
             slots, copying = 0, False
             fixed, plan = before
     if partial:  # the room the plan leaves, as the session's control measures it (less its margin), in rounds
@@ -244,7 +244,8 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
             keep += more
             staged = every[~np.isin(every, kept_tail(trace, every, keep))]
             fixed, plan = plan_for(staged)
-    copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window)
+    copies = dataclasses.replace(stage_copies(trace, derived, staged, uses=uses), window=window,
+                                 GBps=profile.stage_copy_GBps)
     # the session copies remote optimizer state for its steps where the intermediate pool is fixed device memory
     return StagedSimulation(derived, plan, copies, fixed, replay_plan(derived, plan, profile, staging=copies,
                                                                       remote_copies=copying))
