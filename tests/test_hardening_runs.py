@@ -521,9 +521,11 @@ def test_deeply_nested_json_is_a_typed_error_everywhere(tmp_path):
     with pytest.raises(RunLogError, match=r"spec\.json.*nested deeper"):
         load(path)
     (path / "spec.json").write_text(spec_json)
+    status_json = (path / "status.json").read_text()
     (path / "status.json").write_text(deep)
     with pytest.warns(RunLogWarning, match=r"status\.json cannot be read.*nested deeper"):
         assert load(path).state == "unknown"
+    (path / "status.json").write_text(status_json)
     with open(path / "records.jsonl", "a") as f:
         f.write(deep + "\n")
     with pytest.warns(RunLogWarning, match="line 8 is not a step record.*nested too deep"):
