@@ -51,6 +51,11 @@ class PreparedCase:
         return int(sum(self.placement.final.segment_bytes.values()))
 
 
+def case_bytes(n: int) -> str:
+    """``n`` bytes for a message: MiB below a GiB, else GiB."""
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
 class SimBackend(BackendBase):
     """The simulated backend: trace once per model configuration, then simulate any policy/capacity."""
 
@@ -130,15 +135,22 @@ class SimBackend(BackendBase):
         else:
             cap = int(self.profile.gpu_memory_bytes)
         if cap < BLOCK:
-            raise SpecError(f"simulated GPU capacity {cap} B is below one 2 MiB chunk; use a smaller ratio",
-                            "oversubscription_ratio" if spec.oversubscription_ratio is not None else "capacity_bytes")
+            if spec.capacity_bytes is not None:
+                raise SpecError(f"capacity_bytes={spec.capacity_bytes!r} is below one 2 MiB chunk of GPU memory: give "
+                                "at least 2 MiB", "capacity_bytes")
+            raise SpecError(f"oversubscription_ratio={spec.oversubscription_ratio!r} leaves {case_bytes(footprint)} of "
+                            f"data a simulated GPU of {cap} B, below one 2 MiB chunk: use a smaller ratio",
+                            "oversubscription_ratio")
         return cap
 
     def preflight(self, spec: RunSpec, case: ModelCase, policy: Policy) -> dict[str, Any] | None:
-        """A run with a GPU budget: the budget in bytes, checked against the simulated capacity (and a
-        budget too small for one layer refused) before the run's folder is written
-        (:class:`~um_lab.errors.BudgetError`); None without one."""
+        """Before the run's folder is written: the simulated capacity a ratio or capacity gives
+        (:class:`~um_lab.errors.SpecError` below one chunk), and a run with a GPU budget: the budget in bytes,
+        checked against that capacity (and a budget too small for one layer refused,
+        :class:`~um_lab.errors.BudgetError`); None without a budget."""
         if not uses_budget(spec, policy):
+            if spec.oversubscription_ratio is not None or spec.capacity_bytes is not None:
+                self.capacity_for(spec, self.prepare(case).footprint_bytes)
             return None
         from um_lab.sim.budget import simulate_budget
         from um_lab.sim.staged import simulate_staged
