@@ -28,7 +28,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
 #     "cupti-python==13.0.*" pyelftools
 set -uo pipefail
-cd "$(dirname "$0")/.."
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$self")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -45,7 +46,7 @@ run() {  # run NAME SECONDS CMD...: the command's output to $OUT/NAME.log (its t
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,20p' "$0"
+  sed -n '2,/^set -uo/p' "$self" | sed '$d'
   exit 2
 fi
 suites=("$@")
