@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from um_lab.errors import SpecError, UmLabError
-from um_lab.types import budget_from_text, size_bytes
+from um_lab.types import MIN_CAPACITY_BYTES, MIN_RATIO, budget_from_text, size_bytes  # one rule for the CLI and RunSpec
 
 SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
                    "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
@@ -26,11 +26,6 @@ class CliError(UmLabError):
     """A problem the user can fix; printed as ``um-lab: error: ...`` with exit status 2."""
 
 
-#: the smallest ratio the CLI takes: below it the simulated GPU is over 1000 times the footprint (no
-#: oversubscription to study; ``none`` runs on the profile's whole card), and a tiny ratio overflows the capacity
-MIN_RATIO = 1e-3
-#: the smallest simulated GPU capacity: one 2 MiB chunk (the simulator's UVM block)
-MIN_CAPACITY_BYTES = 2 << 20
 #: options that take one value which may start with ``-`` (``--budget -1GiB``): joined as ``--budget=-1GiB``
 #: before argparse reads them, so that the value is refused by what it is, not taken for an option
 SIGNED_VALUE_OPTIONS = ("--budget", "--capacity", "--ratio")
@@ -160,10 +155,7 @@ def load_policy_arg(value: str) -> Any:
             raise CliError(f"{value!r} is not a preset; to use the policy file of that name, give it with "
                            f"a path: ./{value}")
         return get_policy(value)  # unknown preset: the error lists the valid ones
-    path = Path(value)
-    if not path.is_file():
-        raise CliError(f"policy file {value!r} not found")
-    policy = Policy.load(path)
+    policy = Policy.load(Path(value))  # a typed error says what the path is when it is not a policy file
     if policy.name in presets:
         raise CliError(f"policy file {value} is named {policy.name!r}, the name of a preset: a file may not "
                        f"stand in for a preset. Rename it (its \"name\" field, e.g. \"my-{policy.name}\")")

@@ -28,7 +28,7 @@ import threading
 import traceback
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from um_lab import runexit
@@ -90,7 +90,7 @@ class Run(RunFolderWriter, Listenable):
     by ``spec`` must be able to run here (``check_available``), a backend that does not simulate
     capacity refuses ``capacity_bytes`` and ``oversubscription_ratio``, and ``preflight=True`` runs the
     backend's pre-flight (on cuda: the memory estimate against the safety cap), recorded in
-    ``model.json``.
+    ``model.json`` (a mapping: its result, checked already).
 
     While it runs, ``status.json`` is rewritten every :data:`~um_lab.runlog.HEARTBEAT_S` with the step
     count. SIGTERM ends a foreground run on the main thread as Ctrl-C does (``interrupted``), and a
@@ -108,7 +108,7 @@ class Run(RunFolderWriter, Listenable):
         keep_records: bool = False,
         tail: int = 128,
         name: str | None = None,
-        preflight: bool = True,
+        preflight: bool | Mapping[str, Any] = True,
     ) -> None:
         if name is not None:
             name = check_run_name(name)  # before anything is created
@@ -146,7 +146,9 @@ class Run(RunFolderWriter, Listenable):
                              f"{self.backend_name} size the model instead (um_lab.sizing.size_for_ratio)")
         model_info: dict[str, Any] = {"name": self.case.name, "info": jsonable(self.case.info)}
         type(backend).check_case(self.case)  # e.g. the simulator's host-memory check: before any folder
-        if preflight:
+        if isinstance(preflight, Mapping):  # checked already (compare checks every run before the first)
+            model_info["preflight"] = dict(preflight)
+        elif preflight:
             try:
                 checked = backend.preflight(self.spec, self.case, self.policy)  # raises before any run
             except BudgetTooSmall as e:

@@ -18,7 +18,7 @@ from um_lab.backend import backend_class, backend_names, get_backend
 from um_lab.backend_base import Backend
 from um_lab.errors import ModelConfigError, OutputExistsError, PolicyError, SpecError
 from um_lab.models import ModelCase, case_for_spec, check_case
-from um_lab.policy import Policy, get_policy, is_scheduled, named_policies
+from um_lab.policy import Policy, check_preset_name, get_policy, is_scheduled
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.summary import summarize, with_speedup
 from um_lab.types import RunSpec
@@ -84,13 +84,7 @@ def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[P
     """The policies, the baseline first when missing; a policy may not reuse a preset's name with other
     advice (it would stand in for the preset, the baseline included) nor share a name with another."""
     objs: list[Policy] = []
-    presets = named_policies()
-    for policy in [get_policy(p) for p in policies]:
-        preset = presets.get(policy.name)
-        if preset is not None and policy.advice != preset.advice:
-            role = " (the baseline)" if policy.name == baseline else ""
-            raise PolicyError("name", f"policy {policy.name!r} reuses the name of a preset{role} with other "
-                                      f"advice; rename it (e.g. 'my-{policy.name}')")
+    for policy in [check_preset_name(get_policy(p), baseline) for p in policies]:
         same = [p for p in objs if p.name == policy.name]
         if same and same[0].advice != policy.advice:
             raise PolicyError("name", f"two different policies are named {policy.name!r}; rename one")
@@ -249,22 +243,23 @@ def compare(
                           "choose a folder for the runs (CLI: --out DIR). Nothing was run.")
     check_writable(out)
     shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
-    if not keep_going:  # with keep_going a cell that cannot run is recorded as refused by its run
-        _check_cells(cells, cases, shared_backend, kind)
+    # with keep_going a cell that cannot run is recorded as refused by its run; otherwise each run takes the
+    # pre-flight result checked here (the backend is asked once per run)
+    checked: list[Any] = [True] * len(cells) if keep_going else _check_cells(cells, cases, shared_backend, kind)
     sweep_dir = prepare_run_dir(out, f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
 
     bar = _progress_bar(progress, len(cells))
     rows: list[dict[str, Any]] = []
     stopped: BaseException | None = None  # what ended the comparison early (without keep_going)
     try:
-        for label, model, ratio, policy, spec in cells:
+        for index, (label, model, ratio, policy, spec) in enumerate(cells):
             if bar is not None:
                 bar.set_postfix_str(f"{label} {policy.name} ratio={ratio}")
             case = model if isinstance(model, ModelCase) else None
             row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
                                    "backend": backend_name}
             try:
-                active = Run(spec, case, policy, sweep_dir, backend=shared_backend)
+                active = Run(spec, case, policy, sweep_dir, backend=shared_backend, preflight=checked[index])
             except Exception as e:  # refused before any step (bad size, over the safety cap)
                 rows.append({**row, **summarize(()), "status": "refused", "error": _error_text(e),
                              "run_dir": None})
@@ -340,18 +335,22 @@ def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, A
 
 
 def _check_cells(cells: Sequence[tuple[str, Any, float | None, Policy, RunSpec]],
-                 cases: Mapping[str, ModelCase | None], backend: Backend, kind: type[Backend]) -> None:
+                 cases: Mapping[str, ModelCase | None], backend: Backend, kind: type[Backend]) -> list[Any]:
     """Every run of the comparison before the first one: the backend's pre-flight of each (on the simulator a
     GPU budget that cannot hold one layer; on a GPU a size over the safety cap) and, on a backend that
     simulates capacity, the capacity each ratio gives the model (a ratio so small or large that no GPU
-    size follows). The simulator's traces and budget plans made here are the runs' own (cached)."""
+    size follows). The simulator's traces and budget plans made here are the runs' own (cached). Returns each
+    cell's pre-flight result for its run (False: nothing to record)."""
     footprints: dict[str, int] = {}
+    results: list[Any] = []
     for label, _, ratio, policy, spec in cells:
         case = cases[label]
         if case is None:
+            results.append(True)
             continue
         try:
-            backend.preflight(spec, case, policy)
+            checked = backend.preflight(spec, case, policy)
+            results.append(False if checked is None else checked)
             if kind.simulates_capacity and (spec.oversubscription_ratio is not None or spec.capacity_bytes is not None):
                 if label not in footprints:
                     footprints[label] = _footprint(backend, case)
@@ -365,6 +364,7 @@ def _check_cells(cells: Sequence[tuple[str, Any, float | None, Policy, RunSpec]]
             e.add_note(f"refused before the first run of the comparison: {label} under {policy.name} at ratio "
                        f"{shown}. Nothing was run.")
             raise
+    return results
 
 
 def _footprint(backend: Backend, case: ModelCase) -> int:
