@@ -629,3 +629,14 @@ def test_policy_file_errors_survive_pickling():
 
     error = pickle.loads(pickle.dumps(PolicyFileError("/x.json", "is a directory, not a regular file")))
     assert isinstance(error, PolicyError) and str(error) == "policy file '/x.json' is a directory, not a regular file"
+
+
+def test_run_refuses_a_batch_size_that_disagrees_with_the_model_knob_before_any_folder(tmp_path):
+    from um_lab import run as run_api
+    from um_lab.errors import ModelConfigError
+
+    spec = RunSpec(model="mlp", model_kwargs={"width": 16, "depth": 1, "batch_size": 8}, batch_size=4,
+                   backend="sim", steps=1, warmup_steps=0)
+    with pytest.raises(ModelConfigError, match="batch_size=4 and model_kwargs batch_size=8"):
+        run_api(spec, out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -525,5 +525,9 @@ def case_for_spec(spec: Any) -> ModelCase:
     """The :class:`ModelCase` a :class:`~um_lab.types.RunSpec` names (its batch size and model knobs)."""
     kwargs = dict(spec.model_kwargs)
     if spec.batch_size is not None:
+        given = kwargs.get("batch_size")
+        if given is not None and given != spec.batch_size:
+            raise ModelConfigError(f"batch_size={spec.batch_size!r} and model_kwargs batch_size={given!r} disagree: "
+                                   "give the batch size once", "batch_size")
         kwargs["batch_size"] = spec.batch_size
     return get_model(spec.model, **kwargs)
