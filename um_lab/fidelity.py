@@ -5,13 +5,10 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
 * ``fitted``: the H200 profile's constants were fitted on these rows (MLP, GPT-2 small/medium): in-sample.
 * ``hand-set``: ResNet-50 bs 32; host costs and the convolution tile were once set by hand after seeing
   them, and ResNet-50 is one of the models the per-op fits (:mod:`um_lab.sim.step_fit`) use: not a test.
-* ``held-out-1``: round 1 (session 2), predictions committed (``sim_fidelity_predicted.json``) before they
-  were measured; re-simulated since with later profiles (``sim_fidelity_round1.json``), so no longer blind.
-* ``held-out-2`` .. ``held-out-6``: rounds 2 to 6 (issue 10), predictions committed
-  (``sim_fidelity_predicted_roundN.json``) before they were measured; re-simulated since
-  (``sim_fidelity_roundN.json``), so no longer blind.
-* ``held-out-new``: round 7 (issue 10, session 10), predictions committed (``sim_fidelity_predicted_new.json``)
-  before they were measured (``sim_fidelity_new.json``): the current true out-of-sample test.
+* ``held-out-1`` .. ``held-out-6`` and ``held-out-new``: the held-out checks, oldest first, each in
+  ``sim_fidelity_heldout/<when its predictions were written>/``: ``predicted.json`` committed before the rows
+  were measured, ``measured.json`` the measurements (re-simulated since with later profiles for the older ones,
+  so no longer blind). ``held-out-new`` is the newest: the current true out-of-sample test.
 
 error = simulated / measured - 1.
 """
@@ -29,13 +26,12 @@ from um_lab.errors import UmLabError
 
 SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-3", "held-out-4", "held-out-5", "held-out-6",
         "held-out-new")
-FILES = ("sim_fidelity.json", "sim_fidelity_round1.json", "sim_fidelity_round2.json", "sim_fidelity_round3.json",
-         "sim_fidelity_round4.json", "sim_fidelity_round5.json", "sim_fidelity_round6.json", "sim_fidelity_new.json")
-PREDICTED = ("sim_fidelity_predicted.json", "sim_fidelity_predicted_round2.json",
-             "sim_fidelity_predicted_round3.json", "sim_fidelity_predicted_round4.json",
-             "sim_fidelity_predicted_round5.json", "sim_fidelity_predicted_round6.json",
-             "sim_fidelity_predicted_new.json")
-BAND = 0.15  #: the bar on the median |error| (issue 3); also the band drawn around y = x
+#: the held-out checks, oldest first: folders of ``sim_fidelity_heldout/`` named by when the predictions were written
+HELDOUT = ("2026-11-30T0756", "2026-12-01T0344", "2026-12-01T0545", "2026-12-01T0602", "2026-12-01T0959",
+           "2026-12-01T2124", "2026-12-02T0134")
+FILES = ("sim_fidelity.json", *(f"sim_fidelity_heldout/{h}/measured.json" for h in HELDOUT))
+PREDICTED = tuple(f"sim_fidelity_heldout/{h}/predicted.json" for h in HELDOUT)
+BAND = 0.15  #: the bar on the median |error|; also the band drawn around y = x
 
 
 class FidelityResultsMissing(UmLabError, FileNotFoundError):

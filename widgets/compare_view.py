@@ -258,6 +258,8 @@ class CompareView:
 
     def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
         before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
+        self.table = None  # never the previous comparison's figures
+        self.output.outputs = ()
         try:
             band = bool(self.band.value) and reports_band(self.backend.value)
             self.table = compare(models, policies, ratios, backend=self.backend.value, steps=int(self.steps.value),
@@ -273,13 +275,26 @@ class CompareView:
             folders = sorted(set(self.out_dir.glob("compare-*")) - before)
             self._say(f"{e}; their folders are in {folders[-1] if folders else self.out_dir}", "#a60")
             self.progress.bar_style = "warning"
+            self._show_partial(e)
         except Exception as e:  # shown in the panel, never a traceback
             self.last_error = e
             self._say(f"error: {type(e).__name__}: {e}", "#c00")
             self.progress.bar_style = "danger"
+            self._show_partial(e)
         finally:
             self.run_button.disabled, self.stop_button.disabled = False, True
             self._ended.set()
+
+    def _show_partial(self, error: BaseException) -> None:
+        """The table of the runs made before a comparison stopped or failed (``compare`` hands it over), shown
+        as a finished one is; nothing when no run finished."""
+        table = getattr(error, "compare_table", None)
+        if table is not None and len(table):
+            self.table = table
+            try:
+                self._show()
+            except Exception:  # a partial table that cannot be drawn: the status line says what happened
+                self.output.outputs = ()
 
     def _show(self) -> None:
         if self.table is None:

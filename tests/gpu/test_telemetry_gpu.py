@@ -115,7 +115,7 @@ def test_known_tensors_resident_and_migrated_bytes_per_type():
 
         # 3. to the host again, then demand faults on the GPU bring it back, one type at a time: a
         # burst of demand migrations (~160 MiB here) can overflow the driver's event queue and lose
-        # the newest records (bench/diagnostics/telemetry_records.py; README, "Limits")
+        # the newest records (docs/telemetry.md, "Limits")
         to("cpu", away)
         moved_out = _collect(tel)
         parts = []

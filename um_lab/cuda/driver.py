@@ -220,7 +220,7 @@ def discard_raw(ptr: int, nbytes: int, stream: int) -> None:
     """``cudaMemDiscardBatchAsync`` of one range on ``stream`` (not the legacy default stream: the batch
     calls refuse it): its pages' contents become undefined and resident ones are dropped without a copy
     (through ctypes: the GIL is released for the call). A GPU write to discarded pages that were not
-    populated first faults at ~0.7 GB/s on the H200 (``bench/diagnostics/discard_probe.py``)."""
+    populated first faults at ~0.7 GB/s on the H200."""
     lib = runtime_library()
     ptrs, sizes = (ctypes.c_void_p * 1)(ptr), (ctypes.c_size_t * 1)(nbytes)
     err = lib.cudaMemDiscardBatchAsync(ptrs, sizes, ctypes.c_size_t(1), ctypes.c_ulonglong(0),

@@ -14,7 +14,7 @@ Two kinds of input, both plain dicts (JSON-ready):
 :func:`measure_on_gpu` collects both on the local GPU (it needs CUDA and the real backend); without
 CUDA it raises :class:`um_lab.errors.CudaUnavailableError`. ``um_lab/sim/profiles/h200.json`` was
 made by :func:`build_h200_profile` from the H200 probe (2026-11-30), the UM primitives, the in-step
-convolutions and the per-op training steps of ``bench/diagnostics/step_detail.py``
+convolutions and the per-op training steps of ``bench/step_detail.py``
 (:mod:`um_lab.sim.step_fit`: host costs, GEMM / attention / convolution / HBM rates and remote
 elementwise rates are fitted op by op there; whole step times then fit only what is left). To rebuild::
 
@@ -25,7 +25,7 @@ elementwise rates are fitted op by op there; whole step times then fit only what
                        step_detail_path="bench/results/step_detail.json",
                        gemm_tiles_path="bench/results/gemm_tiles.json",
                        gemm_shapes_paths=sorted(Path("bench/results/gemm_shapes").glob("*.json")),
-                       scheduler_paths=sorted(Path("bench/results/raw").glob("session1[12]_budget*.json")))
+                       scheduler_paths=[Path("bench/results/scheduler_moves.json")])
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
     (:mod:`um_lab.sim.primitives`; they override the probe's), and the in-step convolutions of
     ``bench/conv_in_step.py``, which set ``tile_conv_igemm_kxk`` / ``_1x1`` (:mod:`um_lab.sim.conv_act`), and
-    the per-op training steps of ``bench/diagnostics/step_detail.py``, which set the host costs, the GEMM,
+    the per-op training steps of ``bench/step_detail.py``, which set the host costs, the GEMM,
     attention, convolution and HBM rates, the batch-norm passes and the remote elementwise rates
     (:mod:`um_lab.sim.step_fit`); the whole-step fit then keeps those peaks fixed; and the GEMM grid of
     ``bench/uvm_primitives.py --sections gemm_tiles``, which sets the link passes over a GEMM's remote weight
@@ -278,7 +278,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                    not t["model_kwargs"] else t for t in targets]
         source += (f"; host costs, GEMM, attention, convolution and HBM rates, batch-norm passes and remote "
                    f"elementwise rates from {Path(step_detail_path).name} "
-                   "(bench/diagnostics/step_detail.py)")
+                   "(bench/step_detail.py)")
     profile = calibrate(targets, bw, Profile(), name="h200", gpu_memory_bytes=gpu_total, source=source,
                         fixed=fixed, **link)
     if conv_path is not None:

@@ -26,22 +26,21 @@ widest N (4,096), where passes were 8-9.3 whatever K. x @ W keeps the power law 
 M = 512, N = 4,096 took 1.7-3.7 passes: 256-row tiles with split-K, no such shrinking).
 
 Every result is clamped to ``[1, M / 32]``. The fit sees the grid only; per-op profiles of training steps
-(``step_detail.json``, ``remote_ops_vit.json``) and the fidelity rows are checks.
+(``step_detail.json``, a per-kernel profile of ViT-B/16) and the fidelity rows are checks.
 
 Checks. GPT-2-small bs 4 x 512 with zero-copy parameters (M = 2,048, ``step_detail.json``): its ten
 weight-reading GEMM shapes, the tied 50,257-column head included, read 0-17% more than the model's passes
 (mean 8%).
-ViT-B/16 bs 64 (M = 12,608, ``remote_ops_vit.json``, per cuBLAS kernel): its forward GEMMs took 1.19x and
+ViT-B/16 bs 64 (M = 12,608, per cuBLAS kernel, H200, 2026-12-01): its forward GEMMs took 1.19x and
 its input-gradient GEMMs 1.13x the time the *grid itself* gives for the same shapes, and ViT step times
 say more (bs 32, M = 6,304: ~1.5x). So a ViT step's GEMMs read their remote weights more often than the
 same shapes do alone, which no fit on the grid can show; GPT-2 and BERT steps (M = 8,192) do not. Not
 modelled: the cause is not known (candidates: the weights' placement inside the pool's segments, the
 kernels cuBLAS picks for M = batch x 197 rows). Not warm caches: ViT-L/16's weight GEMMs at M = 6,304
 took the same time within 3% back to back and after a 2 GiB device write or a 256 MiB remote read between
-repeats (``bench/diagnostics/gemm_cold.py``, ``bench/results/raw/session9_gemm_cold_vitl16.json``).
+repeats (H200, 2026-12-01).
 Alone, those seven shapes read W 0.78-1.82x the passes this model gives (N = 1,024 forward and K = 1,024
-input-gradient shapes 1.66-1.82x; 1.24x the model's link bytes over the seven):
-``raw/session9_gemm_cold_vs_model.json``. So the excess is mostly in the shapes themselves, which the grid
+input-gradient shapes 1.66-1.82x; 1.24x the model's link bytes over the seven). So the excess is mostly in the shapes themselves, which the grid
 (no M = 6,304) and a power law in M cannot give: cuBLAS's kernel choice per M.
 Also seen and not adopted: a factor for M not a multiple
 of 128 (the grid's x @ W rows at M = 3,152 and 12,608 read ~25% more than at 2,048 and 8,192) improved

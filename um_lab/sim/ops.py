@@ -90,7 +90,7 @@ def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 #: ``bench/conv_in_step.py``). GEMM layouts are cuBLAS's: NT is ``x @ W.T`` (nn.Linear forward), NN ``a @ b``
 #: (backward ``grad_y @ W``, GPT-2's Conv1D forward), TN ``grad_y.T @ x``; the A operand of NT and NN is
 #: re-read per tile of the output's columns (measured for NT; for NN seen in a per-op profile of GPT-2-small
-#: with remote activations, bench/results/remote_ops.json). CONV_IGEMM(_1X1): an operand of a k x k (1x1)
+#: with remote activations on the H200). CONV_IGEMM(_1X1): an operand of a k x k (1x1)
 #: convolution's implicit GEMM, read ``volume`` times its bytes per pass (the im2col'd input: R*S / stride^2)
 #: and re-read once per tile of the other GEMM dimension.
 #: COL_REDUCE: the input of a column reduction (a sum over leading dims), read at ``remote_colreduce_GBps``.

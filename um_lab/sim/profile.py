@@ -3,7 +3,7 @@
 A profile is a JSON file. The packaged ``profiles/h200.json`` was built from measurements on an NVIDIA
 H200 (PCIe Gen5 host link), recorded in ``calibration/h200-probe.json`` (2026-11-30), the primitives of
 ``bench/uvm_primitives.py``, the convolutions of ``bench/conv_in_step.py`` and the per-op training
-steps of ``bench/diagnostics/step_detail.py``;
+steps of ``bench/step_detail.py``;
 see :mod:`um_lab.sim.calibration` for how the constants are derived and fitted.
 """
 
@@ -80,7 +80,7 @@ class Profile:
     remote_GBps: float = 51.2  #: GPU streaming reads of host-resident managed memory (zero-copy)
     remote_write_GBps: float = 52.6  #: GPU streaming writes to host-resident managed memory
     #: a kernel that both reads and writes host-resident data moves at most this many bytes per second in
-    #: total (the link is not fully duplex for them: in-step elementwise kernels, bench/diagnostics/step_detail.py)
+    #: total (the link is not fully duplex for them: in-step elementwise kernels, bench/step_detail.py)
     remote_rw_GBps: float = 104.0
     #: the same for a kernel whose only remote accesses update data in place (an optimizer's foreach ops)
     remote_inplace_GBps: float = 104.0

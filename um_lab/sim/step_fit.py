@@ -1,6 +1,6 @@
 """Profile constants fitted on measured training steps of the *fit* models, op by op.
 
-The input is a ``bench/diagnostics/step_detail.py`` result: tiny-batch steps (the GPU idles, so the step
+The input is a ``bench/step_detail.py`` result: tiny-batch steps (the GPU idles, so the step
 time is the host's dispatch time) and per-(op, input shapes) GPU times of moderate steps. From it:
 
 - :func:`fit_host_costs`: host time per kernel op (forward/optimizer, backward), per host-only op (views,
@@ -75,7 +75,7 @@ def fit_host_costs(detail: Mapping[str, Any]) -> tuple[dict[str, float], dict[st
         vals = [float(s[k]) for s in spans] or [float(coef[k])]
         provenance[name] = {
             "value": fields[name], "range": [round(min(vals + [coef[k]]), 3), round(max(vals + [coef[k]]), 3)],
-            "source": "step_detail.json host rows (bench/diagnostics/step_detail.py): tiny-batch um-default "
+            "source": "step_detail.json host rows (bench/step_detail.py): tiny-batch um-default "
                       "steps of " + ", ".join(sorted({c["model"] for c in rows})) + "; range: leave-one-out refits",
         }
     provenance["host_fit_rows"] = [{"model": c["model"], "model_kwargs": c["model_kwargs"],
@@ -157,7 +157,7 @@ def fit_gemm_rate(detail: Mapping[str, Any],
         "matmul_tflops": {"value": fields["matmul_tflops"],
                           "range": [round(float(np.percentile(achieved, 10)), 2), round(float(achieved.max()), 2)],
                           "source": f"{len(samples) - len(extra)} GEMM shapes of resident training steps "
-                                    "(step_detail.json, bench/diagnostics/step_detail.py) and "
+                                    "(step_detail.json, bench/step_detail.py) and "
                                     f"{len(extra)} resident linear kernels (uvm_primitives.json); range: 10th "
                                     "percentile to the best achieved TFLOPS"},
         "matmul_half_gflop": {"value": fields["matmul_half_gflop"], "range": _factor_two(half),
@@ -188,7 +188,7 @@ def fit_attention_rate(detail: Mapping[str, Any]) -> tuple[dict[str, float], dic
     rates = [float(g.sum()) * 1e3 / us for g, us in steps]
     fields = {"attention_tflops": round(float(peak), 3), "attention_half_gflop": round(float(half), 4)}
     src = (f"fused attention kernels of {len(steps)} resident training steps (step_detail.json, "
-           "bench/diagnostics/step_detail.py)")
+           "bench/step_detail.py)")
     return fields, {
         "attention_tflops": {"value": fields["attention_tflops"],
                              "range": [round(min(rates + [peak]), 3), round(max(rates + [peak]), 3)],
@@ -246,7 +246,7 @@ def fit_resident_ops(detail: Mapping[str, Any], kernel_us: float) -> tuple[dict[
         raise ValueError("fit_resident_ops needs resident steps with elementwise ops, batch norms and convolutions")
     hbm = elem_bytes / elem_us / 1e3
     fields: dict[str, float] = {"hbm_GBps": round(hbm, 1)}
-    src = "resident training steps of the fit models (step_detail.json, bench/diagnostics/step_detail.py)"
+    src = "resident training steps of the fit models (step_detail.json, bench/step_detail.py)"
     provenance: dict[str, Any] = {"hbm_GBps": {
         "value": fields["hbm_GBps"],
         "range": [round(min(per_step_rates + [hbm]), 1), round(max(per_step_rates + [hbm]), 1)],
@@ -322,7 +322,7 @@ def fit_remote_elementwise(detail: Mapping[str, Any],
         raise ValueError("fit_remote_elementwise needs act-remote elementwise ops and column sums")
     fields = {"remote_rw_GBps": round(_weighted_median(rw), 2),
               "remote_colreduce_GBps": round(_weighted_median(col), 2)}
-    src = "act-remote training steps of the fit models (step_detail.json, bench/diagnostics/step_detail.py)"
+    src = "act-remote training steps of the fit models (step_detail.json, bench/step_detail.py)"
     provenance = {
         "remote_rw_GBps": {"value": fields["remote_rw_GBps"], "range": [round(min(g for g, _ in rw), 2),
                                                                         round(max(g for g, _ in rw), 2)],
