@@ -16,7 +16,6 @@ from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver, new_sess
 from um_lab import DataType
 from um_lab.cuda import cupti_source as tm
 from um_lab.cuda.allocator import Segment
-from um_lab.cuda.session import Session
 from um_lab.cuda.telemetry import BLOCK, CuptiSource, Kind, ResidencyTracker, Telemetry, TelemetryUnavailable
 
 MiB = 1 << 20

@@ -40,8 +40,9 @@ kernels cuBLAS picks for M = batch x 197 rows). Not warm caches: ViT-L/16's weig
 took the same time within 3% back to back and after a 2 GiB device write or a 256 MiB remote read between
 repeats (H200, 2026-12-01).
 Alone, those seven shapes read W 0.78-1.82x the passes this model gives (N = 1,024 forward and K = 1,024
-input-gradient shapes 1.66-1.82x; 1.24x the model's link bytes over the seven). So the excess is mostly in the shapes themselves, which the grid
-(no M = 6,304) and a power law in M cannot give: cuBLAS's kernel choice per M.
+input-gradient shapes 1.66-1.82x; 1.24x the model's link bytes over the seven). So the excess is mostly in
+the shapes themselves, which the grid (no M = 6,304) and a power law in M cannot give: cuBLAS's kernel
+choice per M.
 Also seen and not adopted: a factor for M not a multiple
 of 128 (the grid's x @ W rows at M = 3,152 and 12,608 read ~25% more than at 2,048 and 8,192) improved
 the leave-one-out error of x @ W by 0.01 only and of x @ W^T not at all, and moved GPT-2-medium's
