@@ -58,12 +58,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from um_lab import experimental  # noqa: E402
-from um_lab.budget.config import Budget  # noqa: E402
-from um_lab.budget.free import STAT_KEYS as FREE_STAT_KEYS  # noqa: E402
 from um_lab.cuda.allocator import default_cap  # noqa: E402
 from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.cuda.telemetry import Telemetry  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
+from um_lab.schedule.config import Budget  # noqa: E402
+from um_lab.schedule.live.free import STAT_KEYS as FREE_STAT_KEYS  # noqa: E402
 from um_lab.types import DataType  # noqa: E402
 
 LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)

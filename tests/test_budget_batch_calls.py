@@ -7,8 +7,8 @@ import torch
 from fakes import FakeRuntime
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.mover import DISCARD, POPULATE, MoveBatch, _groups
-from um_lab.budget.streams import RecordingStreams
+from um_lab.schedule.live.mover import DISCARD, POPULATE, MoveBatch, _groups
+from um_lab.schedule.live.streams import RecordingStreams
 
 MiB = 1 << 20
 HOST, GPU = FakeRuntime.codes.location_host, FakeRuntime.codes.location_device

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_budget_bench import bench  # noqa: F401 - the fixture
 
-from um_lab.budget import control, stage
+from um_lab.schedule.live import control, stage
 
 
 def test_the_advice_choices_map_to_the_sessions_flag(bench):  # noqa: F811

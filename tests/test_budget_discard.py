@@ -12,12 +12,12 @@ from test_budget_executor import World, drive
 from test_budget_ledger import layered_order
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK, Ledger
-from um_lab.budget.order import Access, Order
-from um_lab.budget.plan import dead_gradient_blocks, make_plan, new_ledger
-from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import Segment
+from um_lab.schedule.ledger import BLOCK, Ledger
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.order import Access, Order
+from um_lab.schedule.plan import dead_gradient_blocks, make_plan, new_ledger
 from um_lab.types import DataType
 
 MiB = 1 << 20

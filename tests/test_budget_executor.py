@@ -9,12 +9,12 @@ from fakes import FakeRuntime
 from test_budget_ledger import layered_order
 
 from um_lab import BudgetTooSmall
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK
-from um_lab.budget.mover import ThreadMover
-from um_lab.budget.order import Order, Position
-from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import Segment
+from um_lab.schedule.ledger import BLOCK
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.mover import ThreadMover
+from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.order import Order, Position
 from um_lab.types import DataType
 
 

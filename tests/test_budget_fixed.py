@@ -9,12 +9,12 @@ from test_budget_executor import drive as _drive
 from test_budget_ledger import layered_order
 
 from um_lab import BudgetError, BudgetTooSmall
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK, GPU, Ledger
-from um_lab.budget.order import Order, Position
-from um_lab.budget.plan import make_plan
-from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import Segment
+from um_lab.schedule.ledger import BLOCK, GPU, Ledger
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.order import Order, Position
+from um_lab.schedule.plan import make_plan
 from um_lab.types import DataType
 
 BASE = 1 << 40
@@ -218,7 +218,7 @@ def test_trimming_the_starting_set_keeps_what_the_first_positions_use_position_0
 
 
 def test_a_session_re_plans_once_the_fixed_pool_outgrew_the_plan():
-    from um_lab.budget.control import BudgetControl
+    from um_lab.schedule.live.control import BudgetControl
 
     order = layered_order(layers=4, param_blocks=3, act_blocks=2)
     world = World(_typed(order))
@@ -260,8 +260,8 @@ def test_with_staging_a_chunk_whose_state_exists_steps_in_the_resident_intermedi
     optimizer-state pool, which prefers the host under a budget, they crossed the link every step. A chunk whose
     state is still to be created steps in the optimizer-state pool (the state must land there); without staging
     nothing changes."""
-    from um_lab.budget.control import BudgetControl
-    from um_lab.budget.stage import new_stager
+    from um_lab.schedule.live.control import BudgetControl
+    from um_lab.schedule.live.stage import new_stager
 
     def control(stager):
         return BudgetControl(1 << 30, FakeRuntime(), 0, RecordingStreams(), lambda: [], issue="inline",

@@ -1,5 +1,5 @@
 """Blocks the caching allocator holds no tensor in are discarded and populated, never copied
-(``Session(discard_free=True)``, um_lab/budget/free.py): which blocks count as free, the ledger's
+(``Session(discard_free=True)``, um_lab/schedule/free.py): which blocks count as free, the ledger's
 accounting, that those calls are ordered with compute (never on the side stream), that a block written
 again since its discard is prefetched like live data, and that the budget holds."""
 
@@ -8,10 +8,10 @@ from test_budget_discard import DiscardingRuntime
 from test_budget_executor import World, drive
 from test_budget_ledger import layered_order
 
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.free import FreeRanges, split_free
-from um_lab.budget.ledger import BLOCK, Ledger
-from um_lab.budget.streams import RecordingStreams
+from um_lab.schedule.ledger import BLOCK, Ledger
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.free import FreeRanges, split_free
+from um_lab.schedule.live.streams import RecordingStreams
 from um_lab.types import DataType
 
 
@@ -187,7 +187,7 @@ def test_moves_issued_between_steps_are_turned_too():
 def test_ordered_calls_come_after_every_earlier_move_was_issued_to_the_side_stream():
     """A discard is undefined while a prefetch of the same range runs: the mover is drained first, so every
     earlier move is on the side stream, which the ordered stream waits for (CudaStreams.run_ordered)."""
-    from um_lab.budget.mover import InlineMover
+    from um_lab.schedule.live.mover import InlineMover
 
     order = layered_order(layers=4, param_blocks=1, act_blocks=2)
     world = FreeWorld(order)

@@ -5,9 +5,9 @@ import math
 import pytest
 
 from um_lab import BudgetError, BudgetTooSmall, UmLabError
-from um_lab.budget.ledger import BLOCK, GPU, HOST, Ledger
-from um_lab.budget.order import Access, Order, covering_segments
-from um_lab.budget.plan import Scheduler, make_plan, new_ledger
+from um_lab.schedule.ledger import BLOCK, GPU, HOST, Ledger
+from um_lab.schedule.order import Access, Order, covering_segments
+from um_lab.schedule.plan import Scheduler, make_plan, new_ledger
 from um_lab.types import DataType
 
 MiB = 1 << 20

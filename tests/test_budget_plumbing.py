@@ -180,9 +180,9 @@ def test_the_lab_panel_lists_layer_ahead_and_passes_its_budget_field(tmp_path):
 
 
 def test_order_and_scheduler_arguments_raise_typed_budget_errors():
-    from um_lab.budget.ledger import Ledger
-    from um_lab.budget.order import Access, Order
-    from um_lab.budget.plan import Scheduler
+    from um_lab.schedule.ledger import Ledger
+    from um_lab.schedule.order import Access, Order
+    from um_lab.schedule.plan import Scheduler
     from um_lab.types import DataType
 
     with pytest.raises(BudgetError, match="phase must be one of"):

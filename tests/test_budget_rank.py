@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from test_budget_ledger import layered_order
 
-from um_lab.budget.ledger import BLOCK
-from um_lab.budget.order import Access, Order
-from um_lab.budget.plan import NextUse, Scheduler, make_plan, new_ledger
+from um_lab.schedule.ledger import BLOCK
+from um_lab.schedule.order import Access, Order
+from um_lab.schedule.plan import NextUse, Scheduler, make_plan, new_ledger
 from um_lab.types import DataType
 
 

@@ -10,12 +10,12 @@ from fakes import FakeRuntime
 from test_budget_ledger import replay
 
 from um_lab import BudgetError, BudgetTooSmall, UnsupportedOptimizer
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK
-from um_lab.budget.order import Order
-from um_lab.budget.plan import make_plan
-from um_lab.budget.record import StepRecorder, join_chunks, optimizer_chunks, step_optimizer_in_chunks
-from um_lab.budget.streams import RecordingStreams
+from um_lab.schedule.ledger import BLOCK
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.record import StepRecorder, join_chunks, optimizer_chunks, step_optimizer_in_chunks
+from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.order import Order
+from um_lab.schedule.plan import make_plan
 from um_lab.types import DataType
 
 MiB = 1 << 20
@@ -275,7 +275,7 @@ def test_a_lookahead_past_the_step_end_is_waited_for_in_the_next_step_not_at_onc
 
 
 def test_the_mover_thread_issues_the_same_calls_in_the_same_order_as_inline():
-    from um_lab.budget.mover import ThreadMover
+    from um_lab.schedule.live.mover import ThreadMover
 
     order, _, _ = recorded("mlp")
     order = Order(order.positions, order.managed_segments())

@@ -9,12 +9,12 @@ from test_budget_executor import drive
 from test_budget_ledger import layered_order
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK, blocks_of_span
-from um_lab.budget.order import Access, Order
-from um_lab.budget.plan import make_plan, optimizer_only_blocks
-from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import Segment
+from um_lab.schedule.ledger import BLOCK, blocks_of_span
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.order import Access, Order
+from um_lab.schedule.plan import make_plan, optimizer_only_blocks
 from um_lab.types import DataType
 
 LAYER_TYPES = (DataType.PARAM, DataType.GRAD, DataType.OPTIM, DataType.ACT)  # layered_order's arrays, per layer

@@ -1,4 +1,4 @@
-"""Remote optimizer state copied to the device for its chunk's step and back (um_lab.budget.remote_state): the
+"""Remote optimizer state copied to the device for its chunk's step and back (um_lab.schedule.live.remote_state): the
 step's result is the in-place one bit for bit, the state dict holds the original tensors after every exit,
 and a session with staged activations and remote state copies it and trains exactly as without a budget."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget import control
-from um_lab.budget.config import Budget
-from um_lab.budget.pinned import CpuCopyOps
-from um_lab.budget.record import optimizer_chunks, step_optimizer_in_chunks
-from um_lab.budget.remote_state import (
+from um_lab.schedule.config import Budget
+from um_lab.schedule.live import control
+from um_lab.schedule.live.pinned import CpuCopyOps
+from um_lab.schedule.live.record import optimizer_chunks, step_optimizer_in_chunks
+from um_lab.schedule.live.remote_state import (
     SLOTS,
     CopySlots,
     LinkCosts,

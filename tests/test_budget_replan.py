@@ -6,11 +6,11 @@ from fakes import FakeRuntime
 from test_budget_executor import World, drive
 from test_budget_ledger import layered_order
 
-from um_lab.budget.control import REPLAN_UNFORESEEN_FRACTION, plan_outdated
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK
-from um_lab.budget.order import Access, Order
-from um_lab.budget.streams import RecordingStreams
+from um_lab.schedule.ledger import BLOCK
+from um_lab.schedule.live.control import REPLAN_UNFORESEEN_FRACTION, plan_outdated
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.order import Access, Order
 
 B = 64 * BLOCK
 FOLLOWED = {"followed_plan": True, "unforeseen_bytes": 0}
@@ -67,7 +67,7 @@ def test_the_executor_counts_what_a_followed_plan_did_not_foresee():
 
 
 def test_discards_waiting_for_new_gradient_addresses_force_a_new_plan():
-    from um_lab.budget.control import BudgetControl
+    from um_lab.schedule.live.control import BudgetControl
 
     order = layered_order(layers=3)
     world = World(order.segments)
@@ -91,7 +91,7 @@ def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
     every step, so each new plan missed as much as the last. A plan made for unforeseen ranges that misses at
     least half as much in the next step makes that amount tolerated; more than that (plus the threshold)
     re-plans again, and a change of positions starts over."""
-    from um_lab.budget.control import BudgetControl
+    from um_lab.schedule.live.control import BudgetControl
 
     order = layered_order(layers=3)
     shifted = moved(order, BLOCK)

@@ -13,11 +13,11 @@ from fakes import FakeRuntime, new_session
 
 import um_lab
 from um_lab import BudgetError, BudgetTooSmall, InputError, UnsupportedOptimizer
-from um_lab.budget.config import Budget
-from um_lab.budget.mover import MoveBatch, ThreadMover
-from um_lab.budget.streams import RecordingStreams
 from um_lab.cuda.allocator import ManagedPools
 from um_lab.cuda.session import Session
+from um_lab.schedule.config import Budget
+from um_lab.schedule.live.mover import MoveBatch, ThreadMover
+from um_lab.schedule.live.streams import RecordingStreams
 from um_lab.types import DataType
 
 MiB = 1 << 20

@@ -10,11 +10,12 @@ import pytest
 import torch
 from test_budget_session import make_session, model_and_data, train
 
-from um_lab.budget.config import Budget
-from um_lab.budget.pinned import CpuCopyOps, PinnedArena, available_host_bytes
-from um_lab.budget.stage import ActivationStager, StaleSavedTensor
-from um_lab.budget.tail import TailSizer
 from um_lab.errors import BudgetError, InputError
+from um_lab.schedule import staging
+from um_lab.schedule.config import Budget
+from um_lab.schedule.live.pinned import CpuCopyOps, PinnedArena, available_host_bytes
+from um_lab.schedule.live.stage import ActivationStager, StaleSavedTensor
+from um_lab.schedule.live.tail import TailSizer
 from um_lab.types import DataType
 
 MiB = 1 << 20
@@ -288,7 +289,7 @@ def test_a_failing_step_end_still_ends_the_stagers_step(env, monkeypatch):
 def test_a_budget_sessions_window_is_a_tenth_of_the_budget_between_64_mib_and_2_gib():
     """Backward needs about two layers of look-ahead or copies and kernels alternate (window_for_budget's docstring):
     GPT-2-large at ratio 2 (B = 19.48 GiB) gets 1.95 GiB where it had 1 GiB."""
-    from um_lab.budget.stage import BUDGET_WINDOW_MAX_BYTES, window_for_budget
+    from um_lab.schedule.live.stage import BUDGET_WINDOW_MAX_BYTES, window_for_budget
 
     gib = 1 << 30
     assert window_for_budget(int(19.48 * gib)) == int(19.48 * gib) // 10
@@ -403,9 +404,9 @@ def test_forward_done_starts_the_copies_back_so_backward_finds_every_staged_tens
 
 
 def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_without(env, monkeypatch):
-    from um_lab.budget import stage
+    from um_lab.schedule.live import stage
 
-    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)  # this model saves ~12 MiB a step
+    monkeypatch.setattr(staging, "MIN_TAIL_BYTES", 1 * MiB)  # this model saves ~12 MiB a step
     model, batches = model_and_data()
     batches = batches * 2  # the decision waits for a step that followed its plan with no re-plan: chances for it
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
@@ -444,7 +445,7 @@ def test_partial_staging_needs_staging(env):
 
 
 def test_tail_bytes_is_the_room_less_the_margin_and_nothing_below_the_minimum():
-    from um_lab.budget.stage import MIN_TAIL_BYTES, TAIL_MARGIN_FRACTION, tail_bytes
+    from um_lab.schedule.live.stage import MIN_TAIL_BYTES, TAIL_MARGIN_FRACTION, tail_bytes
 
     budget = 20 << 30
     margin = int(TAIL_MARGIN_FRACTION * budget)
@@ -456,9 +457,9 @@ def test_tail_bytes_is_the_room_less_the_margin_and_nothing_below_the_minimum():
 
 
 def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the_growth_announced(env, monkeypatch):
-    from um_lab.budget import stage
+    from um_lab.schedule.live import stage
 
-    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    monkeypatch.setattr(staging, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
     budget = 320 * MiB
 
@@ -496,9 +497,9 @@ def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the
 def tail_sized_by_hand(env, monkeypatch, budget=320 * MiB):
     """A staging session after three steps with a TailSizer of its own (partial staging off: the tests size the tail
     by hand); yields (sizer, stager, executor, the ledger peak that leaves no room)."""
-    from um_lab.budget import stage
+    from um_lab.schedule.live import stage
 
-    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    monkeypatch.setattr(staging, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
     with make_session(env, budget=Budget(budget, stage_activations=True)) as lab:
         train(lab, model, batches[:3])
@@ -508,7 +509,7 @@ def tail_sized_by_hand(env, monkeypatch, budget=320 * MiB):
 
 
 def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_steps_when_asked(env, monkeypatch):
-    from um_lab.budget import tail as tail_module
+    from um_lab.schedule.live import tail as tail_module
 
     with tail_sized_by_hand(env, monkeypatch) as (tail, stager, executor, line):
         third = stager.eligible_bytes // 3
@@ -541,9 +542,8 @@ def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_st
 
 
 def test_giving_back_the_tails_growth_trains_exactly_as_without_and_keeps_the_ledger_under_b(env, monkeypatch):
-    from um_lab.budget import stage
 
-    monkeypatch.setattr(stage, "MIN_TAIL_BYTES", 1 * MiB)
+    monkeypatch.setattr(staging, "MIN_TAIL_BYTES", 1 * MiB)
     model, batches = model_and_data()
     batches = batches * 3
     twin = copy.deepcopy(model)
@@ -563,8 +563,8 @@ def test_giving_back_the_tails_growth_trains_exactly_as_without_and_keeps_the_le
 
 
 def test_settling_counts_the_pools_growth_first_and_restarts_after_a_replan_or_a_short_tail(env, monkeypatch):
-    from um_lab.budget import tail as tail_module
-    from um_lab.budget.ledger import Ledger
+    from um_lab.schedule.ledger import Ledger
+    from um_lab.schedule.live import tail as tail_module
 
     with tail_sized_by_hand(env, monkeypatch) as (tail, stager, executor, line):
         tail.settle = True

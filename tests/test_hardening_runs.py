@@ -28,7 +28,6 @@ import um_lab.runlog
 import um_lab.runner
 from um_lab import models, runexit
 from um_lab.backend_base import BackendBase
-from um_lab.budget.stage import StaleSavedTensor
 from um_lab.cli import main
 from um_lab.errors import BudgetTooSmall, FileReadError, ModelConfigError, SpecError, UmLabError
 from um_lab.files import POLICY_LIMIT, RECORD_LINE_LIMIT
@@ -37,6 +36,7 @@ from um_lab.policy import Advice, Policy, PolicyError, PolicyFileError, check_pr
 from um_lab.runlog import RunDirError, RunNameError, list_runs
 from um_lab.runner import Run, RunStateError, run
 from um_lab.runread import NOT_CHECKABLE, RunLogError, RunLogWarning, load
+from um_lab.schedule.live.stage import StaleSavedTensor
 from um_lab.sizing import size_for_ratio
 from um_lab.sweep import compare
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from um_lab import get_model
-from um_lab.budget.ledger import BLOCK
 from um_lab.errors import BudgetTooSmall
+from um_lab.schedule.ledger import BLOCK
 from um_lab.sim.backend import SimBackend
 from um_lab.sim.budget import derive_order, plan_budget, replay_plan, simulate_budget
 from um_lab.types import DataType, RunSpec

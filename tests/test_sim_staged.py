@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from um_lab import get_model
-from um_lab.budget.ledger import BLOCK
 from um_lab.errors import BudgetTooSmall
+from um_lab.schedule.ledger import BLOCK
 from um_lab.sim.backend import SimBackend
 from um_lab.sim.budget import replay_plan
 from um_lab.sim.staged import fixed_pool_bytes, simulate_staged, staged_storages
@@ -157,7 +157,7 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_copies_less(prepared
 
 
 def test_remote_state_takes_its_copy_slots_off_the_plan_as_the_session_announces_them(prepared):
-    from um_lab.budget.remote_state import SLOTS
+    from um_lab.schedule.live.remote_state import SLOTS
 
     sim = prepared[0]
     prep = sim.prepare(get_model("mlp", width=1024, depth=24, batch_size=256))  # slots worth their room at 0.7

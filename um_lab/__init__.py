@@ -59,7 +59,7 @@ _LAZY = {
     "SimBackend": "um_lab.sim.backend",
     "Session": "um_lab.cuda.session",
     "SizeRefused": "um_lab.sizing",
-    "Budget": "um_lab.budget.config",
+    "Budget": "um_lab.schedule.config",
 }
 
 #: The public surface: what a notebook or script needs (details live in the submodules), then the errors.
@@ -76,12 +76,12 @@ __all__ = [
 
 if TYPE_CHECKING:  # the lazy names, typed for users' type checkers
     from um_lab import experimental
-    from um_lab.budget.config import Budget
     from um_lab.cuda.session import Session
     from um_lab.models import custom, get_model
     from um_lab.runlog import RunDirError, RunNameError, list_runs
     from um_lab.runner import Run, RunStateError, run
     from um_lab.runread import NotARunFolderError, RunLogError, load
+    from um_lab.schedule.config import Budget
     from um_lab.sizing import SizeRefused
     from um_lab.sweep import compare
 

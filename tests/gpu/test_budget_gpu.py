@@ -5,7 +5,7 @@ far below the card (an MLP of ~2 GiB with its AdamW state); the safety cap stays
 import pytest
 import torch
 
-from um_lab.budget.config import Budget
+from um_lab.schedule.config import Budget
 
 pytestmark = pytest.mark.gpu
 
@@ -226,7 +226,7 @@ def test_optimizer_state_left_in_host_memory_keeps_cupti_residency_under_b():
 def _copies_taken(monkeypatch):
     """The copy slots taken whatever they cost (this MLP's layers make them a large share of B, so the session
     would weigh them against moves and often refuse: remote_state.worth_copying); their mechanics are tested."""
-    from um_lab.budget import control
+    from um_lab.schedule.live import control
 
     monkeypatch.setattr(control, "worth_copying", lambda in_place, copying, costs: True)
 

@@ -13,9 +13,7 @@ never frees its segments (unpaired calls in an early probe leaked hundreds of Gi
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import dataclasses
 import importlib
 import threading
 import warnings
@@ -26,6 +24,7 @@ import torch
 
 from um_lab.errors import OversubscriptionRefused, SessionStateError
 from um_lab.policy import Advice, Policy
+from um_lab.segments import AdviceCodes, Runtime, Segment, SegmentIndex
 from um_lab.types import DATA_TYPES, DataType
 
 DATA_TYPE_NAMES = tuple(t.value for t in DATA_TYPES)  # the shim's tags, in order
@@ -37,35 +36,6 @@ def default_cap(free_bytes: int, total_bytes: int) -> int:
     """The safety cap: free GPU memory minus a reserve of max(2 GiB, 5 % of the card)."""
     reserve = max(2 * GiB, total_bytes // 20)
     return max(0, free_bytes - reserve)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdviceCodes:
-    """CUDA enum values the shim needs (taken from cuda-bindings on a real GPU)."""
-
-    set_read_mostly: int
-    unset_read_mostly: int
-    set_preferred_location: int
-    unset_preferred_location: int
-    set_accessed_by: int
-    unset_accessed_by: int
-    location_device: int
-    location_host: int
-
-
-class Runtime(Protocol):
-    """What the pools need from CUDA beyond the shim (a fake implements it in CPU tests)."""
-
-    codes: AdviceCodes
-
-    def advise(self, ptr: int, nbytes: int, code: int, location_type: int, location_id: int) -> None:
-        """Apply one advice call to a range."""
-
-    def prefetch(self, ptr: int, nbytes: int, location_type: int, location_id: int, stream: int) -> None:
-        """Prefetch a range to a location on ``stream``."""
-
-    def current_stream(self) -> int:
-        """The raw handle of the stream prefetches go on."""
 
 
 class PoolAPI(Protocol):
@@ -142,36 +112,6 @@ def _shim() -> Any:
             f"um_lab's compiled allocation shim is missing ({e}); reinstall with `pip install -e .`"
         ) from None
     return _shim
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """One segment handed to torch: managed memory, or plain device memory for a pool switched to it
-    (``managed=False``: always GPU-resident, never advised, prefetched or discarded)."""
-
-    ptr: int
-    size: int
-    data_type: DataType
-    managed: bool = True
-
-    def contains(self, address: int) -> bool:
-        """True when ``address`` lies inside this segment."""
-        return self.ptr <= address < self.ptr + self.size
-
-
-class SegmentIndex:
-    """Address -> data type lookups over a snapshot of segments (bisect, not a scan)."""
-
-    def __init__(self, segments: list[Segment]) -> None:
-        self._segs = sorted(segments, key=lambda seg: seg.ptr)
-        self._starts = [seg.ptr for seg in self._segs]
-
-    def data_type_of(self, address: int) -> DataType | None:
-        """The data type whose segment holds ``address`` (None: in no segment)."""
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0 and self._segs[i].contains(address):
-            return self._segs[i].data_type
-        return None
 
 
 class SegmentSource:

@@ -10,13 +10,13 @@ import torch
 
 import um_lab.backend
 from um_lab.backend_base import BackendBase
-from um_lab.budget.config import Budget
-from um_lab.budget.request import resolve_budget, uses_budget
 from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
 from um_lab.errors import CudaUnavailableError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, stages_activations
+from um_lab.schedule.config import Budget
+from um_lab.schedule.request import resolve_budget, uses_budget
 from um_lab.sizing import check_fits, estimate_memory
 from um_lab.types import RunSpec, StepRecord
 

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from um_lab import experimental
-from um_lab.budget.config import Budget, as_budget
 from um_lab.cuda.allocator import ManagedPools, PoolAPI, Runtime, Segment, SegmentSource, TorchPoolAPI, default_cap
 from um_lab.cuda.evacuate import evacuate
 from um_lab.cuda.evacuate import is_tensor as _is_tensor
@@ -41,11 +40,12 @@ from um_lab.cuda.telemetry import Telemetry, check_telemetry_mode, open_telemetr
 from um_lab.errors import BudgetError, BudgetTooSmall, InputError, SessionStateError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.policy import PREFETCH_BEFORE, Location, Policy, get_policy
+from um_lab.schedule.config import Budget, as_budget
 from um_lab.types import DataType, StepRecord
 
 if TYPE_CHECKING:
-    from um_lab.budget.control import BudgetControl
-    from um_lab.budget.remote_state import LinkCosts
+    from um_lab.schedule.live.control import BudgetControl
+    from um_lab.schedule.live.remote_state import LinkCosts
 
 
 class Session(Listenable):
@@ -59,9 +59,9 @@ class Session(Listenable):
     the card). ``telemetry``: measured residency per data type (CUPTI; ``"auto"`` where it can be).
     ``evacuate_on_close``: move registered models and optimizers to ordinary CUDA memory on close.
 
-    ``budget`` (a :class:`~um_lab.budget.config.Budget` in bytes, or bytes) keeps GPU-resident managed bytes
+    ``budget`` (a :class:`~um_lab.schedule.config.Budget` in bytes, or bytes) keeps GPU-resident managed bytes
     at most ``B`` while total managed bytes stay under the cap: the layer-ahead scheduler
-    (:mod:`um_lab.budget`) learns the order of use in the first step, then prefetches the next layers' data
+    (:mod:`um_lab.schedule`) learns the order of use in the first step, then prefetches the next layers' data
     on a side stream and pushes data that is done with to the host; the optimizer is stepped one layer at a
     time, and the policy's phase prefetches are left to the scheduler. Each record's ``extra["budget"]``
     holds the scheduler's numbers. The ledger sees data at layer boundaries (each layer's parameters,
@@ -70,7 +70,7 @@ class Session(Listenable):
     recorded after the fact (``touched_bytes``; ``over_budget`` when it took the ledger above ``B``).
     Unadvised pools prefer the host under a budget, so only the scheduler's prefetches make data
     resident. ``Budget(..., stage_activations=True)`` copies the activations forward saves for backward to
-    pinned host memory on a stream of their own and back ahead of backward (:mod:`um_lab.budget.stage`);
+    pinned host memory on a stream of their own and back ahead of backward (:mod:`um_lab.schedule.live.stage`);
     the intermediate-results pool is then plain device memory, a fixed part of ``B``. Without a budget
     nothing changes: no hooks are installed.
 
@@ -484,9 +484,9 @@ class Session(Listenable):
 
     def _new_budget_control(self, budget: int, index: int, runtime: Runtime, pools: ManagedPools) -> BudgetControl:
         """The scheduler's parts: CUDA streams on a GPU, recording fakes (and covering blocks) on the CPU."""
-        from um_lab.budget.control import BudgetControl  # imported only with a budget
-        from um_lab.budget.stage import new_stager, window_for_budget
-        from um_lab.budget.streams import CudaStreams, RecordingStreams, StreamOps
+        from um_lab.schedule.live.control import BudgetControl  # imported only with a budget
+        from um_lab.schedule.live.stage import new_stager, window_for_budget
+        from um_lab.schedule.live.streams import CudaStreams, RecordingStreams, StreamOps
 
         source = pools.source
         device = self.device
@@ -580,10 +580,10 @@ class Session(Listenable):
 
     def _pool_policy(self, policy: Policy) -> Policy:
         """The advice the pools get: ``policy``, under a budget with host advice (the default) its unadvised types
-        preferring the host (:func:`um_lab.budget.request.with_host_advice`)."""
+        preferring the host (:func:`um_lab.schedule.request.with_host_advice`)."""
         if self.gpu_budget_bytes is None or not self.options.host_advice:
             return policy
-        from um_lab.budget.request import with_host_advice
+        from um_lab.schedule.request import with_host_advice
 
         return with_host_advice(policy, keep=self._budget_resident_types())
 
@@ -614,7 +614,7 @@ class Session(Listenable):
 
 def _link_costs() -> LinkCosts:
     """The host link's costs as the packaged calibration profile measured them."""
-    from um_lab.budget.remote_state import LinkCosts
+    from um_lab.schedule.live.remote_state import LinkCosts
     from um_lab.sim.profile import load_profile
 
     return LinkCosts.from_profile(load_profile("h200"))
@@ -632,7 +632,7 @@ def _check_loss(loss: Any) -> None:
 def _free_ranges_of(pools: ManagedPools, device: torch.device) -> Callable[[], list[tuple[int, int]]]:
     """What the caching allocator has free now in the pools whose blocks may be discarded when free (managed
     ones only: not a pool of plain device memory)."""
-    from um_lab.budget.free import inactive_ranges
+    from um_lab.schedule.live.free import inactive_ranges
 
     pool_ids = [pools.pool_id(t) for t in (DataType.ACT, DataType.INPUT, DataType.GRAD) if t not in pools.device_types]
     return lambda: inactive_ranges(pool_ids, int(torch.cuda.current_stream(device).cuda_stream))

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from um_lab.backend_base import BackendBase
-from um_lab.budget.request import resolve_budget, uses_budget
 from um_lab.errors import BudgetError, HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
 from um_lab.models import check_case as check_model_case
 from um_lab.policy import Policy, get_policy, stages_activations
+from um_lab.schedule.request import resolve_budget, uses_budget
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile, profile_sha256

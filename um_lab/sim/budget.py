@@ -7,14 +7,14 @@ Linear's weight and bias, a norm's scale and shift); a forward position opens at
 another layer's parameters, a backward position at each op that touches another layer's parameters or
 gradients, and ops touching no parameter join the open position. The optimizer is stepped in chunks of
 consecutive layers holding at most B/64 of parameters, as the budgeted session does
-(:func:`um_lab.budget.record.step_optimizer_in_chunks`): one position per chunk with its parameters,
+(:func:`um_lab.schedule.live.record.step_optimizer_in_chunks`): one position per chunk with its parameters,
 gradients and optimizer state. This is coarser than the hooks (which also
 open positions for parameter-free modules and containers), so ``lookahead`` positions reach a little
 further here than on a GPU. Byte ranges come from the placed layout (:mod:`um_lab.sim.placement`);
 the optimizer's temporaries (the foreach step's per-tensor results, one layer's worth when stepped per
 layer) are left out of the order and their largest layer's worth is taken off the budget instead.
 
-**Plan.** The same planner as the session: :func:`um_lab.budget.plan.make_plan` (Belady evictions,
+**Plan.** The same planner as the session: :func:`um_lab.schedule.plan.make_plan` (Belady evictions,
 look-ahead prefetches, the steady-state step), so the moves are the ones the real executor would replay.
 
 **Time.** :func:`replay_plan` walks three steady steps on four clocks: the training thread (each
@@ -37,12 +37,11 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from um_lab.budget.ledger import BLOCK, Span
-from um_lab.budget.order import Order, Position
-from um_lab.budget.plan import Plan, make_plan
-from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR, join_consecutive
-from um_lab.budget.stage import WINDOW_BYTES
 from um_lab.errors import BudgetTooSmall
+from um_lab.schedule.ledger import BLOCK, Span
+from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, Order, Position, join_consecutive
+from um_lab.schedule.plan import Plan, make_plan
+from um_lab.schedule.staging import WINDOW_BYTES
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.remote_optim import RemoteCost, by_layer, remote_costs, remote_extra_us, remote_state_bytes
@@ -138,7 +137,7 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile,
                  optimizer_chunk_bytes: int | None = None) -> DerivedOrder:
     """Group ``trace``'s ops into the scheduler's positions on ``layout`` (see the module docstring). With
     ``optimizer_chunk_bytes``, consecutive layers whose parameters hold at most that together share one
-    optimizer position, as the session joins its chunks (:func:`~um_lab.budget.record.join_consecutive`)."""
+    optimizer position, as the session joins its chunks (:func:`~um_lab.schedule.live.record.join_consecutive`)."""
     from um_lab.sim.roofline import op_host_us, op_times_us
 
     base = op_times_us(trace, profile)
@@ -281,9 +280,10 @@ def _type_runs(layout: Layout) -> list[Span]:
 def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = False,
                 remote_optimizer: bool = False) -> Plan:
     """The scheduler's steady-state plan of ``derived`` under ``budget_bytes`` less the optimizer's
-    temporaries (whole blocks); ``discard``: dead gradients discarded, as ``Session(budget_discard=True)``;
-    ``remote_optimizer``: optimizer state the plan would move left in host memory, as
-    ``Session(budget_remote_optimizer=True)``. Raises :class:`BudgetTooSmall` when one position cannot fit."""
+    temporaries (whole blocks); ``discard``: dead gradients discarded, as the experimental
+    ``discard_gradients`` option; ``remote_optimizer``: optimizer state the plan would move left in host memory,
+    as the experimental ``remote_optimizer`` option (on by default). Raises :class:`BudgetTooSmall` when one
+    position cannot fit."""
     scratch = -(-derived.optim_scratch_bytes // BLOCK) * BLOCK
     usable = budget_bytes - scratch
     if usable < BLOCK:
@@ -294,7 +294,7 @@ def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, di
 
 def restore_start(backward: Sequence[bool], out_bytes: Sequence[int]) -> int:
     """The position at which staged activations start coming back: the one after forward's last copy out
-    (:meth:`~um_lab.budget.stage.ActivationStager.forward_done`), backward's first at the latest."""
+    (:meth:`~um_lab.schedule.live.stage.ActivationStager.forward_done`), backward's first at the latest."""
     first_back = next((i for i, b in enumerate(backward) if b), len(backward))
     last_out = max((i for i, nbytes in enumerate(out_bytes) if nbytes and not backward[i]), default=None)
     return first_back if last_out is None else min(last_out + 1, first_back)
@@ -310,7 +310,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     activations copied through pinned memory on a fifth clock, the copy stream, as :mod:`um_lab.sim.staged`
     describes; ``remote_copies``: remote optimizer state copied to the device for its position's step, a
     position ahead, and back after it, on two more clocks at the profile's ``stage_copy_GBps``, as
-    :mod:`um_lab.budget.remote_state` does, instead of updated in place over the link)."""
+    :mod:`um_lab.schedule.live.remote_state` does, instead of updated in place over the link)."""
     p = profile
     h2d = (prefetch_GBps or p.scheduler_h2d_GBps or p.prefetch_h2d_GBps) * 1e3  # bytes per microsecond
     d2h = (evict_GBps or p.scheduler_d2h_GBps or p.prefetch_d2h_GBps) * 1e3

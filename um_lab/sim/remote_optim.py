@@ -1,5 +1,5 @@
-"""Optimizer state left in host memory under a budget (``Session(budget_remote_optimizer=True)``), on the
-simulator: what the optimizer's kernels cost when part of a layer's state is remote.
+"""Optimizer state left in host memory under a budget (the experimental ``remote_optimizer`` option, on by
+default), on the simulator: what the optimizer's kernels cost when part of a layer's state is remote.
 
 :func:`remote_costs` gives each traced optimizer-state storage the time its kernels spend on it over the
 link if it is remote: per access, the longest of its read stream at ``remote_GBps``, its write stream at
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from um_lab.budget.ledger import BLOCK
+from um_lab.schedule.ledger import BLOCK
 from um_lab.sim.placement import Layout
 from um_lab.sim.profile import Profile
 from um_lab.sim.trace import ACC_READ, ACC_READ_WRITE, ACC_WRITE_ONLY, StepTrace

@@ -1,8 +1,8 @@
 """The layer-ahead scheduler with saved activations staged through pinned host memory, on the simulator
-(``Session(gpu_budget_bytes=B, budget_stage_activations=True)``, :mod:`um_lab.budget.stage`).
+(``Session(gpu_budget_bytes=B, budget_stage_activations=True)``, :mod:`um_lab.schedule.live.stage`).
 
 **What is staged.** A storage of the intermediate-results type of at least
-:data:`~um_lab.budget.stage.MIN_STAGE_BYTES` that a forward op writes and a backward op reads: what
+:data:`~um_lab.schedule.live.stage.MIN_STAGE_BYTES` that a forward op writes and a backward op reads: what
 autograd saves for backward (the trace cannot tell a saved tensor from one merely alive across the phase
 boundary, so this is an upper bound on the session's staged bytes). It is copied to the host after the
 position that made it (the stager's pack hook) and back ahead of the backward position that first reads
@@ -35,13 +35,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from um_lab.budget.ledger import BLOCK
-from um_lab.budget.order import Order, Position
-from um_lab.budget.plan import Plan, make_plan
-from um_lab.budget.record import OPTIMIZER_CHUNK_DIVISOR
-from um_lab.budget.remote_state import SLOTS, LinkCosts, worth_copying
-from um_lab.budget.stage import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.errors import BudgetTooSmall
+from um_lab.schedule.costs import SLOTS, LinkCosts, worth_copying
+from um_lab.schedule.ledger import BLOCK
+from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, Order, Position
+from um_lab.schedule.plan import Plan, make_plan
+from um_lab.schedule.staging import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.sim.budget import (
     BudgetStep,
     DerivedOrder,
@@ -170,7 +169,7 @@ def without_intermediates(derived: DerivedOrder, layout: Layout) -> DerivedOrder
 
 def kept_tail(trace: StepTrace, staged: np.ndarray, keep_bytes: int) -> np.ndarray:
     """The staged storages partial staging keeps on the GPU: forward's last saves (by allocation) from where the
-    saves still to come are ``keep_bytes`` or fewer, as :meth:`um_lab.budget.stage.ActivationStager.pack` counts
+    saves still to come are ``keep_bytes`` or fewer, as :meth:`um_lab.schedule.live.stage.ActivationStager.pack` counts
     (a save straddling the line is kept)."""
     if keep_bytes <= 0 or not len(staged):
         return staged[:0]
@@ -185,12 +184,12 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     """Plan and steady step of ``trace`` under ``budget_bytes`` with staged activations (module docstring).
     Raises :class:`BudgetTooSmall` when the fixed pool, the optimizer's temporaries and one position's
     other data do not fit. ``remote_optimizer``: optimizer state the plan would move stays in host memory
-    (``Session(budget_remote_optimizer=True)``, :mod:`um_lab.sim.remote_optim`). Memoised as
+    (the experimental ``remote_optimizer`` option, on by default; :mod:`um_lab.sim.remote_optim`). Memoised as
     :func:`~um_lab.sim.budget.simulate_budget` is (a pre-flight and its run simulate once). ``partial``: as
-    ``Session(budget_partial_staging=True)``, the room the plan leaves under B (less 5% of B) is forward's last saves
-    kept on the GPU (:func:`kept_tail`), and the plan is made again with them in the fixed pool; again while the new
-    plan leaves room (up to :data:`~um_lab.budget.stage.TAIL_ROUNDS` rounds), as the session does. ``remote_copies``:
-    remote state copied to device slots for its steps where their room is worth it, as the session's
+    the experimental ``partial_staging`` option, the room the plan leaves under B (less 5% of B) is forward's last
+    saves kept on the GPU (:func:`kept_tail`), and the plan is made again with them in the fixed pool; again while
+    the new plan leaves room (up to :data:`~um_lab.schedule.staging.TAIL_ROUNDS` rounds), as the session does.
+    ``remote_copies``: remote state copied to device slots for its steps where their room is worth it, as the session's
     ``copy_remote_state`` (experimental, off)."""
     from um_lab.sim.profile import profile_sha256
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from um_lab.budget.ledger import BLOCK
 from um_lab.errors import BudgetError, gib
 from um_lab.policy import Advice, Policy, is_scheduled
+from um_lab.schedule.ledger import BLOCK
 from um_lab.types import DataType, RunSpec
 
 

@@ -16,8 +16,8 @@ staged through its whole storage when that is at most :data:`MAX_VIEW_SPREAD` ti
 is copied once for every view saved of it, and each view is rebuilt on the copy back with its own offset and
 strides, so backward sees the same layout bit for bit. Otherwise it stays on the GPU (``kept_bytes``).
 
-Host memory comes from :class:`~um_lab.budget.pinned.PinnedArena`, allocated once and reused every step, capped by
-``host_limit_bytes``; past it, tensors stay on the GPU (counted in ``kept_bytes``).
+Host memory comes from :class:`~um_lab.schedule.live.pinned.PinnedArena`, allocated once and reused every
+step, capped by ``host_limit_bytes``; past it, tensors stay on the GPU (counted in ``kept_bytes``).
 
 **Partial staging** (``keep_tail_bytes``): the last saves of forward are the first that backward reads, so a copy
 of them would go out and come straight back. With ``keep_tail_bytes = K`` the saves of a step after the first
@@ -36,38 +36,24 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from um_lab.budget.pinned import CopyOps, CpuCopyOps, CudaCopyOps, PinnedArena, available_host_bytes
 from um_lab.errors import UmLabError
+from um_lab.schedule.live.pinned import CopyOps, CpuCopyOps, CudaCopyOps, PinnedArena, available_host_bytes
+from um_lab.schedule.staging import (  # noqa: F401 - the stager's constants, importable here too
+    BUDGET_WINDOW_MAX_BYTES,
+    MAX_VIEW_SPREAD,
+    MIN_STAGE_BYTES,
+    MIN_TAIL_BYTES,
+    TAIL_MARGIN_FRACTION,
+    TAIL_ROUNDS,
+    WINDOW_BYTES,
+    tail_bytes,
+    window_for_budget,
+)
 from um_lab.types import DataType
-
-if TYPE_CHECKING:
-    from um_lab.cuda.allocator import SegmentSource
-
-#: tensors smaller than this stay on the GPU (their copies would cost more in calls than they free)
-MIN_STAGE_BYTES = 1 << 20
-#: bytes brought back ahead of what backward asks for, and bytes of copies to the host in flight before
-#: the training thread waits for the oldest (so freed blocks can be reused and the pool does not grow)
-WINDOW_BYTES = 1 << 30
-#: a view is staged through its storage when the storage is at most this many times the view's own bytes
-MAX_VIEW_SPREAD = 4
-#: partial staging keeps this share of B free beyond the saves it keeps on the GPU (the caching allocator's
-#: rounding of the pool's new segments)
-TAIL_MARGIN_FRACTION = 0.05
-#: less room than this under the plan: everything is staged
-MIN_TAIL_BYTES = 64 << 20
-#: the kept tail is sized again after each of this many steps while room is left (its saves reuse cached blocks)
-TAIL_ROUNDS = 3
-
-
-def tail_bytes(room_bytes: int, budget_bytes: int) -> int:
-    """What partial staging keeps on the GPU when a plan leaves ``room_bytes`` free under ``budget_bytes``: the
-    room less :data:`TAIL_MARGIN_FRACTION` of B, or 0 when that is under :data:`MIN_TAIL_BYTES`."""
-    keep = int(room_bytes) - int(TAIL_MARGIN_FRACTION * budget_bytes)
-    return keep if keep >= MIN_TAIL_BYTES else 0
 
 
 class StaleSavedTensor(UmLabError, RuntimeError):
@@ -401,23 +387,9 @@ class ActivationStager:
             i -= 1
 
 
-#: the most a budget session's window may be (:func:`window_for_budget`)
-BUDGET_WINDOW_MAX_BYTES = 2 << 30
-
-
-def window_for_budget(budget_bytes: int) -> int:
-    """The stager's window under a GPU budget: a tenth of it, between 64 MiB and :data:`BUDGET_WINDOW_MAX_BYTES`
-    (the blocks of copies in flight stay on the GPU, in the pool the budget holds resident).
-
-    A restore's device block comes from the caching allocator on the compute stream, so its copy waits for the
-    compute issued before it; backward then needs ``window > (copy + compute) / copy`` layers of look-ahead or
-    copies and kernels alternate: per layer at least (copy + compute) / window. On the H200 (GPT-2-large, 1 GiB,
-    about 1.5 of its layers): copy engine and kernels each ~60% busy in backward."""
-    return int(min(BUDGET_WINDOW_MAX_BYTES, max(64 << 20, budget_bytes // 10)))
-
-
-def new_stager(source: SegmentSource, device: torch.device | None, window_bytes: int | None = None) -> ActivationStager:
-    """A stager for a session's pools: CUDA copies of tensors in the intermediate-results pool on ``device``,
+def new_stager(source: Any, device: torch.device | None, window_bytes: int | None = None) -> ActivationStager:
+    """A stager for a session's pools (``source``: their :class:`~um_lab.cuda.allocator.SegmentSource`): CUDA
+    copies of tensors in the intermediate-results pool on ``device``,
     with at most half the host's available memory pinned and ``window_bytes`` in flight each way. Without a
     device (a fake driver on the CPU, in tests), where tensors are not in the pools, intermediates are told by
     autograd instead: tensors with a history that are not views of a leaf (a parameter or an input)."""

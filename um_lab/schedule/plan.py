@@ -5,7 +5,7 @@ At each position ``i`` of the step (one layer in forward, backward or the optimi
 the next ``lookahead`` positions while that can be done by evicting only blocks needed later than the
 one brought in. Victims are chosen by Belady's rule on the learned order, which repeats every step:
 the block whose next use (cyclically) is furthest away goes first. Every move goes through the
-:class:`~um_lab.budget.ledger.Ledger`, so resident bytes never exceed the budget.
+:class:`~um_lab.schedule.ledger.Ledger`, so resident bytes never exceed the budget.
 
 :func:`make_plan` runs the scheduler over a recorded order until it repeats itself (the steady state
 of step 2 onwards) and returns the moves per position with their totals: what a session issues, and
@@ -21,9 +21,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from um_lab.budget.ledger import Ledger, Move, blocks_of_span
-from um_lab.budget.order import Order
 from um_lab.errors import BudgetError, BudgetTooSmall
+from um_lab.schedule.ledger import Ledger, Move, blocks_of_span
+from um_lab.schedule.order import Order
 from um_lab.types import DataType
 
 
@@ -185,7 +185,7 @@ def dead_gradient_blocks(ledger: Ledger, order: Order, discard_segments: set[int
     """Gradient blocks to discard, by the position at which their contents die.
 
     With ``zero_grad`` every step, a gradient is dead from the optimizer position that last reads it until
-    the backward that writes it next (the session zeroes it again there, :mod:`um_lab.budget.control`). A
+    the backward that writes it next (the session zeroes it again there, :mod:`um_lab.schedule.live.control`). A
     block qualifies when every piece of it lies in ``discard_segments`` (the gradient pool's), every access
     to it is a gradient access, backward before optimizer, and every gradient an optimizer position reads in
     it is written by a backward position (not a frozen parameter's); it is marked dead as the position after

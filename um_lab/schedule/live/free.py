@@ -10,7 +10,7 @@ now (:func:`inactive_ranges`), and :func:`split_free` turns
   (``cudaMemDiscardAndPrefetchBatchAsync``: resident, contents undefined, no copy).
 
 These calls are *ordered*: on a stream that first waits for the compute stream and that compute then waits
-for (:meth:`~um_lab.budget.streams.StreamOps.run_ordered`), so they land exactly between the kernels queued
+for (:meth:`~um_lab.schedule.live.streams.StreamOps.run_ordered`), so they land exactly between the kernels queued
 before them (which may still use a tensor freed on the host) and those queued after (which may write a
 tensor the allocator puts there next). On the side stream a discard could run after such a write and lose it.
 They also wait for every move issued before them on the side stream: CUDA leaves a discard undefined while a
@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from um_lab.budget.ledger import Ledger, Move, Span
+from um_lab.schedule.ledger import Ledger, Move, Span
 
 #: the counters a step's ``extra["budget"]`` holds with free discards on
 STAT_KEYS = ("free_discard_bytes", "free_populate_bytes", "refilled_bytes", "free_queries", "free_query_ms",

@@ -13,7 +13,7 @@
 
 A listener (the executor) hears each position as it opens (:meth:`PositionListener.enter`) and each
 range written after the fact (:meth:`PositionListener.touched`); without one the recorder only builds
-the :class:`~um_lab.budget.order.Order`, e.g. on the CPU for tests and planning.
+the :class:`~um_lab.schedule.order.Order`, e.g. on the CPU for tests and planning.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from um_lab.budget.ledger import Span
-from um_lab.budget.order import Order, Position
 from um_lab.errors import UnsupportedOptimizer
+from um_lab.schedule.ledger import Span
+from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, Order, Position, join_consecutive  # noqa: F401
 from um_lab.types import DataType
 
 Touch = tuple[DataType, Span]
@@ -105,7 +105,8 @@ def own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 class SavedTensorSaver(Protocol):
-    """Where tensors forward saves for backward may go instead (:class:`um_lab.budget.stage.ActivationStager`)."""
+    """Where tensors forward saves for backward may go instead
+    (:class:`um_lab.schedule.live.stage.ActivationStager`)."""
 
     def pack(self, t: torch.Tensor) -> Any:
         """``t`` itself to keep it, or a handle that :meth:`unpack` turns back into a tensor in backward."""
@@ -319,28 +320,6 @@ def optimizer_chunks(roots: Sequence[nn.Module], optimizer: torch.optim.Optimize
     if rest:
         chunks.append(("(other parameters)", rest))
     return chunks if max_bytes is None else join_chunks(chunks, max_bytes)
-
-
-#: under a GPU budget the optimizer is stepped in chunks of consecutive modules whose parameters hold at most
-#: B / this (an AdamW chunk then touches about 4x that: parameters, gradients and two state tensors)
-OPTIMIZER_CHUNK_DIVISOR = 64
-
-
-def join_consecutive(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
-    """Indices of ``sizes`` in runs of consecutive items holding at most ``max_bytes`` together (an item larger
-    than that alone): how the optimizer's chunks are joined, in the session and in the simulator."""
-    if max_bytes <= 0:
-        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-    runs: list[list[int]] = []
-    held = 0
-    for i, nbytes in enumerate(sizes):
-        if runs and held + nbytes <= max_bytes:
-            runs[-1].append(i)
-            held += nbytes
-        else:
-            runs.append([i])
-            held = nbytes
-    return runs
 
 
 def join_chunks(chunks: Chunks, max_bytes: int) -> Chunks:

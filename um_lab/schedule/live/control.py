@@ -17,12 +17,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.ledger import BLOCK, Span
-from um_lab.budget.mover import InlineMover, ThreadMover
-from um_lab.budget.order import Order
-from um_lab.budget.pinned import another_like
-from um_lab.budget.record import (
+from um_lab.errors import BudgetError, BudgetTooSmall
+from um_lab.experimental import ISSUE_MODES
+from um_lab.schedule.ledger import BLOCK, Span
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.mover import InlineMover, ThreadMover
+from um_lab.schedule.live.pinned import another_like
+from um_lab.schedule.live.record import (
     OPTIMIZER_CHUNK_DIVISOR,
     StepRecorder,
     check_chunkable,
@@ -32,7 +33,7 @@ from um_lab.budget.record import (
     tensor_span,
     tensors_in,
 )
-from um_lab.budget.remote_state import (
+from um_lab.schedule.live.remote_state import (
     SLOTS,
     CopySlots,
     LinkCosts,
@@ -40,12 +41,11 @@ from um_lab.budget.remote_state import (
     chunk_state_bytes,
     worth_copying,
 )
-from um_lab.budget.stage import ActivationStager
-from um_lab.budget.streams import StreamOps
-from um_lab.budget.tail import TailSizer
-from um_lab.cuda.allocator import ManagedPools, Runtime, Segment
-from um_lab.errors import BudgetError, BudgetTooSmall
-from um_lab.experimental import ISSUE_MODES
+from um_lab.schedule.live.stage import ActivationStager
+from um_lab.schedule.live.streams import StreamOps
+from um_lab.schedule.live.tail import TailSizer
+from um_lab.schedule.order import Order
+from um_lab.segments import Runtime, Segment
 from um_lab.types import DataType
 
 
@@ -99,13 +99,14 @@ class BudgetControl:
 
     @property
     def partial_staging(self) -> bool:
-        """Whether forward's last saves are kept on the GPU where the plan leaves room (:mod:`~um_lab.budget.tail`)."""
+        """Whether forward's last saves are kept on the GPU where the plan leaves room
+        (:mod:`~um_lab.schedule.live.tail`)."""
         return self.tail is not None
 
     @property
     def settle_tail_growth(self) -> bool:
         """Experimental, off: growth announced for the kept tail that does not come is given back to the plan
-        (:attr:`~um_lab.budget.tail.TailSizer.settle`; only with partial staging)."""
+        (:attr:`~um_lab.schedule.live.tail.TailSizer.settle`; only with partial staging)."""
         return self.tail is not None and self.tail.settle
 
     @settle_tail_growth.setter
@@ -249,7 +250,7 @@ class BudgetControl:
 
     # ---- the step ----
 
-    def run_step(self, pools: ManagedPools, closure: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+    def run_step(self, pools: Any, closure: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
                  *, zero_grad: bool, before_optimizer: Callable[[], object] | None, backward_thread: str,
                  check_loss: Callable[[Any], None]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Forward, backward and a layer-by-layer optimizer step under the budget; returns the loss and
@@ -377,7 +378,7 @@ class BudgetControl:
         self._slot_bytes = slot
         return True, "remote copies"
 
-    def _remote_copier(self, optimizer: torch.optim.Optimizer, pools: ManagedPools) -> RemoteStateCopies | None:
+    def _remote_copier(self, optimizer: torch.optim.Optimizer, pools: Any) -> RemoteStateCopies | None:
         """This step's copies of remote optimizer state (None: nothing remote under the plan followed, no slots
         announced yet, or :attr:`copy_remote_state` off). The slots are allocated the first time, in the
         intermediate-results pool the plan left room for."""

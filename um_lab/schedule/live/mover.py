@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from um_lab.cuda.allocator import Runtime
+from um_lab.segments import Runtime
 
 Call = tuple[int, int, int, int]  #: (address, bytes, location type, location id) of one prefetch
 #: The location type of a call that discards its range instead (``runtime.discard``, CUDA 13+).

@@ -1,7 +1,7 @@
 """The scheduler in a live session: hook events in, ``cudaMemPrefetchAsync`` calls out.
 
-:class:`BudgetExecutor` is the :class:`~um_lab.budget.record.PositionListener` of a session's
-recorder. Every residency change goes through its :class:`~um_lab.budget.ledger.Ledger`:
+:class:`BudgetExecutor` is the :class:`~um_lab.schedule.live.record.PositionListener` of a session's
+recorder. Every residency change goes through its :class:`~um_lab.schedule.ledger.Ledger`:
 
 - **learning** (no plan yet, or the step left the plan): at each position the ranges it is about to
   use are brought in, least-recently-used blocks evicted first; outputs written by a layer are
@@ -14,7 +14,7 @@ recorder. Every residency change goes through its :class:`~um_lab.budget.ledger.
   (``skipped_ahead``), never an error, as is a planned bring-in that no longer fits beside a fixed pool that
   grew since the plan: only the position's own ranges can fail a step.
 
-Moves are issued on a side stream, by a :mod:`~um_lab.budget.mover` (a thread of its own on a GPU,
+Moves are issued on a side stream, by a :mod:`~um_lab.schedule.live.mover` (a thread of its own on a GPU,
 where a prefetch call blocks the host until its stream's earlier work is done): before an eviction
 the side stream waits for the compute stream
 (an event recorded at this position: the layers that used the data are done), and a prefetch is
@@ -35,15 +35,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from um_lab.budget.free import STAT_KEYS as FREE_STAT_KEYS
-from um_lab.budget.free import FreeRanges, split_free
-from um_lab.budget.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
-from um_lab.budget.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
-from um_lab.budget.order import Order, Position
-from um_lab.budget.plan import Plan, Scheduler, make_plan
-from um_lab.budget.streams import StreamOps
-from um_lab.cuda.allocator import Runtime, Segment, SegmentIndex
 from um_lab.errors import BudgetTooSmall
+from um_lab.schedule.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
+from um_lab.schedule.live.free import STAT_KEYS as FREE_STAT_KEYS
+from um_lab.schedule.live.free import FreeRanges, split_free
+from um_lab.schedule.live.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
+from um_lab.schedule.live.streams import StreamOps
+from um_lab.schedule.order import Order, Position
+from um_lab.schedule.plan import Plan, Scheduler, make_plan
+from um_lab.segments import Runtime, Segment, SegmentIndex
 from um_lab.types import DataType
 
 
@@ -68,7 +68,7 @@ class BudgetExecutor:
                  remote_optimizer: bool = False) -> None:
         self.ledger = Ledger(budget_bytes)
         #: optimizer state the plan would move stays in host memory, updated there over the link
-        #: (:func:`~um_lab.budget.plan.make_plan`); only where that pool's writes land on the host
+        #: (:func:`~um_lab.schedule.plan.make_plan`); only where that pool's writes land on the host
         self.remote_optimizer = remote_optimizer and DataType.OPTIM in frozenset(host_written_types)
         self._remote_asked = remote_optimizer
         #: data types whose segments stay resident, never moved by the scheduler
@@ -77,7 +77,7 @@ class BudgetExecutor:
         #: (mapped remotely), so only the scheduler's prefetches make their blocks resident
         self.host_written_types = frozenset(host_written_types)
         #: the ranges the allocator has free now: moves of wholly free blocks become ordered discards and
-        #: populates (:mod:`um_lab.budget.free`)
+        #: populates (:mod:`um_lab.schedule.live.free`)
         self.free_ranges = free_ranges
         self._free_discarded: set[int] = set()  # blocks discarded as free and not brought back since
         #: consecutive prefetches to one location go in one cudaMemPrefetchBatchAsync (runtimes that have it)

@@ -16,7 +16,7 @@ A segment registered as *fixed* (``add_segment(..., fixed=True)``: data the sche
 such as the intermediate-results pool when saved activations are staged through pinned host memory) counts
 as resident from registration on and is never a victim: it is a fixed part of the budget.
 
-Pure Python, no CUDA: the executor (:mod:`um_lab.budget.executor`) turns moves into
+Pure Python, no CUDA: the executor (:mod:`um_lab.schedule.live.executor`) turns moves into
 ``cudaMemPrefetchAsync`` calls.
 """
 

@@ -2,10 +2,10 @@
 from the room a budget step's plan leaves.
 
 Forward's last saves are the first backward reads, so a copy of them goes out and comes straight back
-(:mod:`um_lab.budget.stage`). After a step that followed its plan without a re-plan, :meth:`TailSizer.keep_more`
-adds the room left under B, less a margin (:func:`~um_lab.budget.stage.tail_bytes`), to the tail
-(:attr:`~um_lab.budget.stage.ActivationStager.keep_tail_bytes`), announces it to the executor as growth of the
-fixed pool (:meth:`~um_lab.budget.executor.BudgetExecutor.expect_fixed_growth`) and plans again at once.
+(:mod:`um_lab.schedule.live.stage`). After a step that followed its plan without a re-plan, :meth:`TailSizer.keep_more`
+adds the room left under B, less a margin (:func:`~um_lab.schedule.live.stage.tail_bytes`), to the tail
+(:attr:`~um_lab.schedule.live.stage.ActivationStager.keep_tail_bytes`), announces it to the executor as growth of the
+fixed pool (:meth:`~um_lab.schedule.live.executor.BudgetExecutor.expect_fixed_growth`) and plans again at once.
 
 The kept saves may reuse the pool's cached blocks, so the pool can grow by less than they hold, or grow steps
 later (H200: ResNet-50's pool grew 1.95 GiB in one step, a round after the saves it holds were kept):
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from um_lab.budget.executor import BudgetExecutor
-from um_lab.budget.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
 from um_lab.errors import BudgetTooSmall
+from um_lab.schedule.live.executor import BudgetExecutor
+from um_lab.schedule.live.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
 
 #: steps in a row that must run the whole kept tail, its announced growth outstanding and the fixed pool not
 #: growing, before :meth:`TailSizer.settle_growth` gives that growth back
@@ -62,7 +62,7 @@ class TailSizer:
 
     def keep_more(self, step: Mapping[str, Any]) -> tuple[bool, str]:
         """One round: the room is the smaller of what the plan leaves and what the step's ledger peak left, less the
-        announced growth that has not come yet. Up to :data:`~um_lab.budget.stage.TAIL_ROUNDS` rounds, until the
+        announced growth that has not come yet. Up to :data:`~um_lab.schedule.live.stage.TAIL_ROUNDS` rounds, until the
         room is under the minimum or the tail holds every save. Returns (replanned, reason)."""
         executor, stager, plan = self.executor, self.stager, self.executor.plan
         if not 0 <= self._rounds < TAIL_ROUNDS or plan is None or executor.plan_order is None \

@@ -1,5 +1,5 @@
 """The order in which a training step uses its data: positions of (phase, layer), each with the byte
-ranges it touches per data type. Recorded by :mod:`um_lab.budget.record`; read by the planner."""
+ranges it touches per data type. Recorded by :mod:`um_lab.schedule.live.record`; read by the planner."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from um_lab.budget.ledger import BLOCK, Span, blocks_of_span
 from um_lab.errors import BudgetError
+from um_lab.schedule.ledger import BLOCK, Span, blocks_of_span
 from um_lab.types import DataType
 
 PHASES = ("forward", "backward", "optimizer")
@@ -102,3 +102,25 @@ def covering_segments(spans: Iterable[Span]) -> list[Span]:
     """Whole 2 MiB blocks covering ``spans``, one pseudo-segment per block (disjoint, sorted)."""
     blocks = sorted({b for p, n in spans for b in blocks_of_span(p, n)})
     return [(b * BLOCK, BLOCK) for b in blocks]
+
+
+#: under a GPU budget the optimizer is stepped in chunks of consecutive modules whose parameters hold at most
+#: B / this (an AdamW chunk then touches about 4x that: parameters, gradients and two state tensors)
+OPTIMIZER_CHUNK_DIVISOR = 64
+
+
+def join_consecutive(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Indices of ``sizes`` in runs of consecutive items holding at most ``max_bytes`` together (an item larger
+    than that alone): how the optimizer's chunks are joined, in the session and in the simulator."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    runs: list[list[int]] = []
+    held = 0
+    for i, nbytes in enumerate(sizes):
+        if runs and held + nbytes <= max_bytes:
+            runs[-1].append(i)
+            held += nbytes
+        else:
+            runs.append([i])
+            held = nbytes
+    return runs

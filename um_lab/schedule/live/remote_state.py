@@ -1,9 +1,9 @@
 """Optimizer state left in host memory, copied to the device for its chunk's step and back after it.
 
-A plan with remote optimizer state (``Session(budget_remote_optimizer=True)``) leaves the state it would
-otherwise move in host memory, where the optimizer's kernels read and write it over the link. Those kernels
-reach the link's rate in neither direction: on the H200, GPT-2-XL at footprint/B = 2 spent 380 ms of GPU time
-in AdamW for 6.4 GB of remote state (43 ms when all of it was resident). Here each chunk's
+A plan with remote optimizer state (the experimental ``remote_optimizer`` option, on by default) leaves the
+state it would otherwise move in host memory, where the optimizer's kernels read and write it over the link.
+Those kernels reach the link's rate in neither direction: on the H200, GPT-2-XL at footprint/B = 2 spent
+380 ms of GPU time in AdamW for 6.4 GB of remote state (43 ms when all of it was resident). Here each chunk's
 remote state tensors are copied instead into a device slot on one side stream, a chunk ahead, and back after
 the chunk's step on another, so the two directions run at once and overlap the steps.
 
@@ -28,46 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from um_lab.budget.pinned import CopyOps
-from um_lab.budget.plan import Plan
+from um_lab.schedule.costs import SLOTS, LinkCosts, link_cost_ms, worth_copying  # noqa: F401 - importable here too
+from um_lab.schedule.live.pinned import CopyOps
 
-
-@dataclasses.dataclass(frozen=True)
-class LinkCosts:
-    """How the scheduler prices a plan's use of the host link (from the calibration profile: see
-    :meth:`from_profile`): ms per GB of remote optimizer state updated in place and copied in and back, and
-    the rates of its moves to the GPU and to the host."""
-
-    update_ms_per_GB: float
-    copy_ms_per_GB: float
-    prefetch_GBps: float
-    evict_GBps: float
-
-    @classmethod
-    def from_profile(cls, profile: Any) -> LinkCosts:
-        """The costs a calibration profile (:class:`um_lab.sim.profile.Profile`) measured."""
-        return cls(profile.remote_update_ms_per_GB, profile.remote_copy_ms_per_GB, profile.plan_prefetch_GBps,
-                   profile.plan_evict_GBps)
-
-
-def link_cost_ms(plan: Plan, copying: bool, costs: LinkCosts) -> float:
-    """A steady step's link time under ``plan`` as ``costs`` price it: its moves, and its remote optimizer
-    state copied (``copying``) or updated in place."""
-    gb = 1e-9
-    remote = plan.remote_bytes * gb * (costs.copy_ms_per_GB if copying else costs.update_ms_per_GB)
-    return (plan.prefetched_bytes * gb * 1e3 / costs.prefetch_GBps + plan.evicted_bytes * gb * 1e3 / costs.evict_GBps
-            + remote)
-
-
-def worth_copying(in_place: Plan, copying: Plan, costs: LinkCosts) -> bool:
-    """Whether the plan with room for the copy slots (``copying``: more state remote, perhaps more moves) costs
-    less link time than the plan without them, its remote state updated in place (:func:`link_cost_ms`)."""
-    return link_cost_ms(copying, True, costs) < link_cost_ms(in_place, False, costs)
-
-
-#: device slots the chunks' copies rotate through (a chunk's copies in, the step before it, the copies back of
-#: the one before that)
-SLOTS = 3
 _ALIGN = 512
 
 
