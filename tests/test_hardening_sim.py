@@ -332,7 +332,7 @@ def test_an_unknown_zoo_name_is_a_model_config_error_naming_it(given):
 
 
 def test_an_unknown_model_in_the_lab_panel_is_a_model_config_error():
-    widgets = pytest.importorskip("widgets")
+    widgets = pytest.importorskip("um_lab.widgets")
     with pytest.raises(ModelConfigError, match="'nosuch'"):
         widgets.Lab("nosuch")
 
