@@ -1,4 +1,4 @@
-"""Benchmark (GPU): training under a GPU budget with the layer-ahead scheduler (Session(gpu_budget_bytes=B)).
+"""Benchmark (GPU): training under a GPU budget with the layer-ahead scheduler (Session(budget=B)).
 
     python bench/budget.py                       # gpt2-large (bs 4 x 1024) and resnet50, footprint/B = 1.5, 2, 3
     python bench/budget.py --models gpt2-large --ratios 2 --steps 8 --telemetry

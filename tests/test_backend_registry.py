@@ -276,7 +276,7 @@ def test_capabilities_and_options_are_asked_of_the_class_never_its_name(third):
     assert backend_class("sim").reports_uncertainty_band and not backend_class("cuda").reports_uncertainty_band
     assert not third.ThirdBackend.reports_uncertainty_band and not third.ThirdBackend.simulates_capacity
     assert backend_options("sim") == ("profile", "prefetch_stream")
-    assert backend_options("cuda") == ("cap_bytes", "allow_oversubscription", "telemetry", "budget_lookahead")
+    assert backend_options("cuda") == ("cap_bytes", "allow_oversubscription", "telemetry")  # a run's lookahead: Budget
     assert backend_options("third") == ("scale",)
 
     class Open(BackendBase):  # **options names no option: nothing is passed to it by name

@@ -173,7 +173,7 @@ def test_compare_checks_a_layer_ahead_budget_before_the_first_run(tmp_path, caps
     assert rc == 2 and "cannot hold" in err and "mlp under layer-ahead-staged" in err and "Nothing was run" in err
     assert sweeps(tmp_path) == [] and not (tmp_path / "t.csv").exists()
     with pytest.raises(BudgetTooSmall):
-        compare({"mlp": TINY_MLP}, ["layer-ahead-staged"], gpu_budget_bytes=2 << 20, backend="sim", steps=1,
+        compare({"mlp": TINY_MLP}, ["layer-ahead-staged"], budget=2 << 20, backend="sim", steps=1,
                 out_dir=tmp_path)
     assert sweeps(tmp_path) == []
 

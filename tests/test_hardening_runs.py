@@ -603,7 +603,7 @@ def test_a_budget_too_small_is_quoted_as_given(tmp_path):
     usable = 130_793_984  # what the scheduler plans with, once its resident pools are set aside
     backend = InstantBackend(budget_error=BudgetTooSmall(usable, 274_726_912, "optimizer of layer 0"))
     with pytest.raises(BudgetTooSmall) as caught:
-        Run(spec(policy="layer-ahead-staged", gpu_budget_bytes=700_000_000), out_dir=tmp_path, backend=backend)
+        Run(spec(policy="layer-ahead-staged", budget=700_000_000), out_dir=tmp_path, backend=backend)
     assert caught.value.budget == 700_000_000 and caught.value.needed == 274_726_912 + 700_000_000 - usable
     text = str(caught.value)
     assert text.startswith("the GPU budget of 700000000 B (0.65 GiB) cannot hold optimizer of layer 0 next to")
@@ -612,7 +612,7 @@ def test_a_budget_too_small_is_quoted_as_given(tmp_path):
 
 def test_a_budget_too_small_on_the_simulator_is_quoted_as_given(tmp_path):
     with pytest.raises(BudgetTooSmall, match=r"^the GPU budget of 200000000 B \(0.19 GiB\) cannot hold"):
-        Run(RunSpec(model="mlp", policy="layer-ahead", backend="sim", gpu_budget_bytes=200_000_000, steps=2),
+        Run(RunSpec(model="mlp", policy="layer-ahead", backend="sim", budget=200_000_000, steps=2),
             out_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
 

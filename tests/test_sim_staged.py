@@ -91,7 +91,7 @@ def test_the_policy_layer_ahead_staged_runs_on_the_simulator_with_staged_copies_
 
     assert LAYER_AHEAD_STAGED in named_policies() and is_scheduled(LAYER_AHEAD_STAGED)
     assert stages_activations(LAYER_AHEAD_STAGED) and not stages_activations("layer-ahead")
-    spec = dict(model="mlp", model_kwargs=MLP, backend="sim", steps=2, warmup_steps=0, gpu_budget_fraction=0.5)
+    spec = dict(model="mlp", model_kwargs=MLP, backend="sim", steps=2, warmup_steps=0, budget=0.5)
     staged = list(run(RunSpec(policy=LAYER_AHEAD_STAGED, **spec), out_dir=tmp_path).records())
     plain = list(run(RunSpec(policy="layer-ahead", **spec), out_dir=tmp_path).records())
     b = staged[-1].extra["budget"]
@@ -108,7 +108,7 @@ def test_a_budget_the_staged_model_refuses_is_refused_before_the_run_folder(tmp_
     plan would fit it."""
     from um_lab import RunSpec, run
 
-    spec = RunSpec(model="mlp", model_kwargs=MLP, backend="sim", steps=1, warmup_steps=0, gpu_budget_fraction=0.27,
+    spec = RunSpec(model="mlp", model_kwargs=MLP, backend="sim", steps=1, warmup_steps=0, budget=0.27,
                    policy="layer-ahead-staged")
     with pytest.raises(BudgetTooSmall):
         run(spec, out_dir=tmp_path)

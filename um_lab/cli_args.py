@@ -15,11 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from um_lab.errors import SpecError, UmLabError
-from um_lab.types import MIN_CAPACITY_BYTES, MIN_RATIO, budget_from_text, size_bytes  # one rule for the CLI and RunSpec
+from um_lab.errors import BudgetError, SpecError, UmLabError
+from um_lab.schedule.config import Budget
+from um_lab.types import MIN_CAPACITY_BYTES, MIN_RATIO, size_bytes  # one rule for the CLI and RunSpec
 
+#: the columns ``um-lab compare`` and ``um-lab show`` print: remote bytes (read over the link, never
+#: migrated) next to the migrated bytes, so a policy that migrates nothing is not read as moving nothing
 SUMMARY_COLUMNS = ["model", "policy", "ratio", "steps", "median_ms", "mean_ms", "p90_ms",
-                   "speedup_vs_um-default", "migrated_bytes", "gpu_page_faults", "evictions", "status"]
+                   "speedup_vs_um-default", "migrated_bytes", "remote_bytes", "gpu_page_faults", "evictions",
+                   "status"]
 
 
 class CliError(UmLabError):
@@ -94,14 +98,13 @@ def parse_ratio(text: str) -> float | None:
     return value
 
 
-def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """A GPU budget: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of the run's
-    footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)`` (:func:`um_lab.types.budget_from_text` as an argparse
-    type)."""
+def parse_budget(text: str) -> Budget:
+    """A GPU budget: a size (``8GiB``, ``1.5e9``) or a fraction of the run's footprint (``0.5x``, in (0, 1])
+    as a :class:`~um_lab.schedule.config.Budget` (an argparse type)."""
     _refuse_negative(text, "a GPU budget")
     try:
-        return budget_from_text(text)
-    except SpecError as e:
+        return Budget(text)
+    except (SpecError, BudgetError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -183,18 +186,52 @@ def ratio_text(value: Any) -> str:
 
 
 def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
+    """None, NaN or pandas' NA (a quantity no run measured)."""
+    import pandas as pd  # loaded already: a table is a DataFrame
+
+    if value is None or isinstance(value, (str, bool)):
+        return value is None
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):  # not a scalar
+        return False
+
+
+_COUNT_COLUMNS = frozenset({"steps", "warmup_steps", "gpu_page_faults", "evictions"})
+
+
+def table_cell(column: str, value: Any) -> str:
+    """One cell of a printed table, by its column: ``*_bytes`` in B/KiB/MiB/GiB/TiB, ``*_ms`` as ``12.345 ms``,
+    speed-ups as ``2.333x``, counts with thousands separators, ratios as numbers or ``none``, a value not
+    measured as ``—`` (never ``NaN``, never a raw byte count)."""
+    from um_lab.summary import NOT_MEASURED, human_bytes
+
+    if column == "ratio":
+        return ratio_text(value)
+    if _missing(value):
+        return NOT_MEASURED
+    if isinstance(value, (str, bool)):
+        return str(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if column.endswith("_bytes"):
+        return human_bytes(number)
+    if column.endswith("_ms"):
+        return f"{number:,.3f} ms"
+    if column.startswith("speedup"):
+        return f"{number:.3f}x"
+    if column in _COUNT_COLUMNS and number.is_integer():
+        return f"{int(number):,}"
+    return f"{number:.3f}"
 
 
 def format_table(table: Any) -> str:
-    """A comparison table as text: the summary columns, ratios as numbers or ``none``, a value not measured
-    (e.g. the times of a run refused before its first step) as ``—``: never ``NaN``."""
-    from um_lab.summary import NOT_MEASURED
-
-    shown = table[[c for c in SUMMARY_COLUMNS if c in table.columns]].copy()
+    """A comparison table as text: the summary columns (remote bytes next to migrated bytes), bytes in
+    binary units, times in ms, ratios as numbers or ``none``, a value not measured (e.g. the times of a run
+    refused before its first step) as ``—``: never ``NaN``, never a raw byte count."""
+    shown = table[[c for c in SUMMARY_COLUMNS if c in table.columns]].astype(object)
     for column in shown.columns:
-        if column == "ratio":
-            shown[column] = [ratio_text(v) for v in shown[column]]
-        elif shown[column].dtype == object:  # a quantity no run measured is None there, not NaN
-            shown[column] = [NOT_MEASURED if _missing(v) else v for v in shown[column]]
-    return shown.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep=NOT_MEASURED)
+        shown[column] = [table_cell(str(column), v) for v in shown[column]]
+    return shown.to_string(index=False)

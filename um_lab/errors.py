@@ -117,7 +117,7 @@ class OversubscriptionRefused(torch.cuda.OutOfMemoryError, UmLabError):
 
 
 class BudgetError(UmLabError, ValueError):
-    """A GPU budget (``Session(gpu_budget_bytes=...)``) is invalid or cannot be kept."""
+    """A GPU budget (:class:`~um_lab.schedule.config.Budget`) is invalid or cannot be kept."""
 
 
 class BudgetTooSmall(BudgetError):

@@ -352,7 +352,7 @@ LAYER_AHEAD_STAGED = "layer-ahead-staged"
 
 #: Named policies that run a scheduler instead of (only) advising the driver. ``layer-ahead``: the
 #: layer-ahead scheduler of :mod:`um_lab.schedule` keeps GPU-resident managed bytes under a budget
-#: (``RunSpec.gpu_budget_bytes`` / ``gpu_budget_fraction``; on the simulator, by default, the simulated
+#: (``RunSpec.budget``; on the simulator, by default, the simulated
 #: capacity), with no advice. Not in :data:`presets` (advice-only sweeps and searches leave it out); a
 #: bare name reaches it through :func:`get_policy`, the CLI and the lab's panel.
 SCHEDULED: dict[str, Policy] = {

@@ -347,7 +347,7 @@ class Run(RunFolderWriter, Listenable):
 def _as_given_budget(error: BudgetTooSmall, spec: RunSpec) -> BudgetTooSmall:
     """``error`` quoting the budget the user gave: the scheduler sizes its plan from what is left once the
     pools it keeps resident (staged activations' window, the optimizer's temporaries) are set aside."""
-    given = spec.gpu_budget_bytes
+    given = spec.budget.bytes if spec.budget is not None else None
     if given is None or error.budget >= given:
         return error
     reserved = given - error.budget

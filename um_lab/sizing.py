@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from um_lab.errors import OversubscriptionRefused, SpecError
 from um_lab.models import Batch, ModelCase, get_model
 from um_lab.types import ratio_value, whole_bytes
+from um_lab.units import available_host_bytes, format_bytes  # noqa: F401 - importable here too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +53,6 @@ class MemoryEstimate:
         """A JSON-ready dict."""
         return {"model": self.model, "bytes_per_type": dict(self.bytes_per_type), "method": self.method,
                 "total_bytes": self.total_bytes, "notes": list(self.notes)}
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'`` (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"  # pragma: no cover
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -268,33 +259,4 @@ def check_fits(estimate: MemoryEstimate, cap_bytes: int | None) -> MemoryEstimat
     return estimate
 
 
-def available_host_bytes() -> int | None:
-    """Host memory this process can still use: the smaller of the system's available memory (psutil,
-    else ``/proc/meminfo``'s MemAvailable, else free pages) and a cgroup v2 limit's headroom; None if
-    unknown."""
-    found: list[int] = []
-    try:
-        import psutil
 
-        found.append(int(psutil.virtual_memory().available))
-    except Exception:  # not installed, or no /proc: the fallbacks
-        try:
-            with open("/proc/meminfo", encoding="ascii") as f:
-                found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-        except (OSError, ValueError, IndexError):
-            pass
-        if not found:
-            try:
-                found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-            except (ValueError, OSError, AttributeError):
-                pass
-    try:  # a cgroup v2 limit (containers): its headroom over anonymous memory (file cache is reclaimable)
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.stat", encoding="ascii") as f:
-                stat = dict(line.split()[:2] for line in f if line.strip())
-            found.append(max(0, int(limit) - int(stat["anon"])))
-    except (OSError, ValueError, KeyError):
-        pass
-    return min(found) if found else None

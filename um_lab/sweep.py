@@ -10,7 +10,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
 
@@ -20,6 +20,7 @@ from um_lab.errors import ModelConfigError, OutputExistsError, PolicyError, Spec
 from um_lab.models import ModelCase, case_for_spec, check_case
 from um_lab.policy import Policy, check_preset_name, get_policy, is_scheduled
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
+from um_lab.schedule.config import Budget
 from um_lab.summary import summarize, with_speedup
 from um_lab.types import RunSpec
 
@@ -164,8 +165,7 @@ def compare(
     keep_going: bool = False,
     backend_instance: Backend | None = None,
     band: bool = False,
-    gpu_budget_bytes: int | None = None,
-    gpu_budget_fraction: float | None = None,
+    budget: Budget | int | str | None = None,
 ) -> pd.DataFrame:
     """Run every model x policy x oversubscription ratio and tabulate them, one row per run.
 
@@ -183,9 +183,9 @@ def compare(
     knobs and the backend's own check of each model (``check_case``; on the simulator an input batch
     larger than the host memory available) raise too unless ``keep_going`` (then that model's runs are
     recorded as refused or failed). ``backend_instance``: a backend object to run on instead of a new
-    ``backend``. ``gpu_budget_bytes`` / ``gpu_budget_fraction``: the GPU budget of the runs under a scheduled
-    policy (``layer-ahead``; without one, on the simulator, each ratio's simulated capacity); the other
-    policies run without a scheduler.
+    ``backend``. ``budget`` (a :class:`~um_lab.schedule.config.Budget`, bytes, ``"8GiB"`` or ``"0.5x"``): the GPU
+    budget of the runs under a scheduled policy (``layer-ahead``; without one, on the simulator, each ratio's
+    simulated capacity); the other policies run without a scheduler.
     ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
     ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
     ranking_flips: the run's place among its cell's policies changes inside the band).
@@ -226,7 +226,7 @@ def compare(
                                      model_kwargs=dict(model) if isinstance(model, dict) else {},
                                      capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
              for label, model in model_items for ratio in ratio_list}
-    budget_spec = RunSpec(gpu_budget_bytes=gpu_budget_bytes, gpu_budget_fraction=gpu_budget_fraction)  # checked now
+    budget_spec = RunSpec(budget=cast(Any, budget))  # checked now (a SpecError naming the budget)
     cases = _check_cases(model_items, specs, kind, keep_going)
     cells = []  # (label, model, ratio, policy, spec), in the order they run
     for label, model in model_items:
@@ -234,8 +234,7 @@ def compare(
             for policy in policy_objs:
                 spec = dataclasses.replace(specs[(label, ratio)], policy=policy.name)
                 if is_scheduled(policy):
-                    spec = dataclasses.replace(spec, gpu_budget_bytes=budget_spec.gpu_budget_bytes,
-                                               gpu_budget_fraction=budget_spec.gpu_budget_fraction)
+                    spec = dataclasses.replace(spec, budget=budget_spec.budget)
                 cells.append((label, model, ratio, policy, spec))
     out = resolve_out_dir(out_dir)
     if out.exists() and not out.is_dir():

@@ -11,12 +11,13 @@ import dataclasses
 import enum
 import math
 import numbers
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from um_lab.backend import AUTO, backend_names, valid_backend_names
-from um_lab.errors import SpecError
+from um_lab.errors import BudgetError, SpecError
+from um_lab.schedule.config import Budget
+from um_lab.units import positive_ratio, size_bytes, whole_bytes  # noqa: F401 - one check each, importable here
 
 
 class DataType(enum.StrEnum):
@@ -63,10 +64,9 @@ class RunSpec:
     capacity_bytes: int | None = None  #: simulated GPU capacity; None = the profile's card
     oversubscription_ratio: float | None = None  #: alternative to capacity_bytes (sim only)
     seed: int = 0
-    #: a GPU budget for the layer-ahead scheduler (issue 13): GPU-resident managed bytes stay <= it
-    gpu_budget_bytes: int | None = None
-    #: the budget as a fraction of the run's footprint, in (0, 1] (0.5: footprint/budget = 2)
-    gpu_budget_fraction: float | None = None
+    #: a GPU budget for the layer-ahead scheduler: GPU-resident managed bytes stay <= it (a
+    #: :class:`~um_lab.schedule.config.Budget`, or what it takes: bytes, ``"8GiB"``, ``"0.5x"`` of the footprint)
+    budget: Budget | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "policy", "backend"):
@@ -93,22 +93,22 @@ class RunSpec:
                 f"({self.capacity_bytes / 2**30:.2f} GiB) sets the simulated GPU's size, and so does "
                 f"oversubscription_ratio={self.oversubscription_ratio:g} (the model's footprint / ratio)",
                 "capacity_bytes")
-        if self.gpu_budget_bytes is not None:
-            object.__setattr__(self, "gpu_budget_bytes", whole_bytes("gpu_budget_bytes", self.gpu_budget_bytes))
-        if self.gpu_budget_fraction is not None:
-            object.__setattr__(self, "gpu_budget_fraction", budget_fraction(self.gpu_budget_fraction))
-            if self.gpu_budget_bytes is not None:
-                raise SpecError("give gpu_budget_bytes or gpu_budget_fraction, not both", "gpu_budget_fraction")
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            try:
+                object.__setattr__(self, "budget", Budget(self.budget))
+            except BudgetError as e:
+                raise SpecError(f"budget: {e}", "budget") from None
 
     @property
     def has_budget(self) -> bool:
         """True when a GPU budget is given (bytes or a fraction of the footprint)."""
-        return self.gpu_budget_bytes is not None or self.gpu_budget_fraction is not None
+        return self.budget is not None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["model_kwargs"] = dict(self.model_kwargs)
+        d["budget"] = None if self.budget is None else self.budget.to_dict()
         return d
 
     @classmethod
@@ -118,10 +118,16 @@ class RunSpec:
         ``recorded=True`` reads a spec a run already ran with: its backend need not be registered in
         this process (a plugin's run folder reads back without the plugin)."""
         known = {f.name for f in dataclasses.fields(cls)}
-        extra = set(data) - known
+        fields = dict(data)
+        if recorded:  # a run folder written when the budget was two fields
+            nbytes, fraction = fields.pop("gpu_budget_bytes", None), fields.pop("gpu_budget_fraction", None)
+            if fields.get("budget") is None and (nbytes is not None or fraction is not None):
+                fields["budget"] = {"size": nbytes if nbytes is not None else fraction}
+        extra = set(fields) - known
         if extra:
             raise SpecError(f"unknown RunSpec fields: {sorted(extra)}")
-        fields = dict(data)
+        if isinstance(fields.get("budget"), Mapping):
+            fields["budget"] = Budget.from_dict(fields["budget"])
         late: dict[str, Any] = {}
         if recorded:  # rules newer than a recorded spec (a minimum capacity, not both sizes) do not unread it
             for name in ("capacity_bytes", "oversubscription_ratio"):
@@ -139,27 +145,6 @@ class RunSpec:
         return spec
 
 
-def whole_bytes(name: str, value: Any) -> int:
-    """``value`` as a whole number of bytes > 0 (``1e9`` and NumPy integers are accepted), else
-    :class:`SpecError` naming ``name``: the one check of a capacity in bytes (:class:`RunSpec`,
-    :func:`um_lab.sizing.size_for_ratio`, the simulator's capacity)."""
-    whole = isinstance(value, numbers.Integral) or (
-        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
-    if isinstance(value, bool) or not whole or value <= 0:
-        raise SpecError(f"{name} must be > 0 and a whole number of bytes, got {value!r}", name)
-    return int(value)
-
-
-def positive_ratio(name: str, value: Any) -> float:
-    """``value`` as a finite number > 0 (an oversubscription ratio), else :class:`SpecError` naming ``name``:
-    the one check of a ratio (:class:`RunSpec`, :func:`um_lab.sizing.size_for_ratio`, the simulator)."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or not float(value) > 0):
-        raise SpecError(f"{name} must be > 0 and finite, got {value!r}", name)
-    return float(value)
-
-
-#: The smallest simulated GPU: one 2 MiB chunk (the simulator's unit of residency).
 MIN_CAPACITY_BYTES = 2 << 20
 #: The largest simulated GPU um_lab takes: 1 PiB (a capacity above it is a typo, not a GPU).
 MAX_CAPACITY_BYTES = 1 << 50
@@ -190,57 +175,6 @@ def ratio_value(name: str, value: Any) -> float:
                         f"{1 / MIN_RATIO:g} times the model's footprint (no oversubscription to study); give a "
                         f"ratio >= {MIN_RATIO:g}, or none for the profile's card", name)
     return ratio
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
-
-
-def size_bytes(text: str, field: str | None = None) -> int:
-    """``"8GiB"`` -> 8589934592; ``"1.5GB"`` and ``"1.5e9"`` -> 1500000000; plain numbers are bytes.
-    Anything else, or a size <= 0, raises :class:`SpecError` (naming ``field``)."""
-    match = _SIZE.fullmatch(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise SpecError(f"not a size: {text!r} (examples: 8GiB, 512MiB, 1.5GB, 1e9, 1048576)", field)
-    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(number):
-        raise SpecError(f"size too large: {text!r}", field)
-    value = int(number)
-    if value <= 0:
-        raise SpecError(f"size must be > 0: {text!r}", field)
-    return value
-
-
-def budget_from_text(text: str) -> tuple[int | None, float | None]:
-    """A GPU budget as a user writes it: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of
-    the run's footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)``; else :class:`SpecError`."""
-    stripped = text.strip()
-    if stripped.lower().endswith("x"):
-        try:
-            fraction = float(stripped[:-1])
-        except ValueError:
-            raise SpecError(f"not a budget: {text!r} (a size such as 8GiB, or a fraction of the footprint such "
-                            "as 0.5x)", "gpu_budget_fraction") from None
-        try:
-            return None, budget_fraction(fraction)
-        except SpecError:
-            raise SpecError(f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget "
-                            "= 2)", "gpu_budget_fraction") from None
-    try:
-        return size_bytes(text, "gpu_budget_bytes"), None
-    except SpecError as e:
-        raise SpecError(f"{e}; a budget is a size or a fraction of the footprint such as 0.5x",
-                        "gpu_budget_bytes") from None
-
-
-def budget_fraction(value: Any) -> float:
-    """``value`` as a GPU budget's fraction of the footprint, finite in (0, 1], else :class:`SpecError`."""
-    fraction = positive_ratio("gpu_budget_fraction", value)
-    if fraction > 1:
-        raise SpecError(f"gpu_budget_fraction is the budget / footprint, in (0, 1]; got {value!r} (a budget at "
-                        "or above the footprint constrains nothing)", "gpu_budget_fraction")
-    return fraction
 
 
 def _check_int(spec: RunSpec, name: str, minimum: int | None) -> None:

@@ -396,7 +396,7 @@ def test_the_runner_stages_activations_under_the_policy_layer_ahead_staged(tmp_p
     from um_lab import RunSpec, run
 
     spec = RunSpec(model="mlp", model_kwargs={"width": 2048, "depth": 4, "batch_size": 512}, backend="cuda",
-                   policy="layer-ahead-staged", steps=4, warmup_steps=1, gpu_budget_fraction=0.5)
+                   policy="layer-ahead-staged", steps=4, warmup_steps=1, budget=0.5)
     result = run(spec, out_dir=tmp_path)
     records = list(result.records())
     b = records[-1].extra["budget"]

@@ -14,9 +14,9 @@ from um_lab.cuda.allocator import default_cap
 from um_lab.cuda.session import Session
 from um_lab.errors import CudaUnavailableError
 from um_lab.models import ModelCase
-from um_lab.policy import Policy, stages_activations
+from um_lab.policy import Policy
 from um_lab.schedule.config import Budget
-from um_lab.schedule.request import resolve_budget, uses_budget
+from um_lab.schedule.request import lookahead, resolve_budget, stages, uses_budget
 from um_lab.sizing import check_fits, estimate_memory
 from um_lab.types import RunSpec, StepRecord
 
@@ -29,9 +29,8 @@ class CudaBackend(BackendBase):
     ``allow_oversubscription=True`` is passed (meant for one's own machine only); a run whose estimated
     memory does not fit under it is refused by :meth:`preflight` before anything is allocated.
     ``telemetry`` (default ``"auto"``: on when CUPTI can be used, else each record says why not) is
-    passed to the :class:`Session`. A run with a GPU budget (``RunSpec.gpu_budget_bytes`` or
-    ``gpu_budget_fraction``, or the policy ``layer-ahead`` with one of them) trains under the layer-ahead
-    scheduler (``Session(gpu_budget_bytes=...)``, ``budget_lookahead`` positions ahead); each record's
+    passed to the :class:`Session`. A run with a GPU budget (``RunSpec.budget``, or the policy ``layer-ahead`` with
+    one) trains under the layer-ahead scheduler (``Session(budget=...)``, its lookahead positions ahead); each record's
     ``extra["budget"]`` holds the scheduler's numbers.
     """
 
@@ -39,9 +38,8 @@ class CudaBackend(BackendBase):
     simulates_capacity = False  # real memory: size the model instead (um_lab.sizing.size_for_ratio)
 
     def __init__(self, *, cap_bytes: int | None = None, allow_oversubscription: bool = False,
-                 telemetry: bool | str = "auto", budget_lookahead: int = 2) -> None:
+                 telemetry: bool | str = "auto") -> None:
         self.cap_bytes = cap_bytes
-        self.budget_lookahead = budget_lookahead
         self.allow_oversubscription = allow_oversubscription
         self.telemetry = telemetry
 
@@ -81,13 +79,13 @@ class CudaBackend(BackendBase):
         checked: dict[str, Any] = {"estimate": estimate.to_dict(), "cap_bytes": cap}
         budget = self.budget_for(spec, case, policy, footprint=estimate.total_bytes, cap=cap)
         if budget is not None:
-            checked["gpu_budget_bytes"] = budget
+            checked["budget_bytes"] = budget
         return checked
 
     def budget_for(self, spec: RunSpec, case: ModelCase, policy: Policy, *, footprint: int | None = None,
                    cap: int | None = None) -> int | None:
-        """The run's GPU budget in bytes (None: no scheduler): ``gpu_budget_bytes``, or
-        ``gpu_budget_fraction`` of the estimated footprint (:func:`um_lab.sizing.estimate_memory`;
+        """The run's GPU budget in bytes (None: no scheduler): ``RunSpec.budget`` in bytes, or
+        its fraction of the estimated footprint (:func:`um_lab.sizing.estimate_memory`;
         ``footprint`` and ``cap`` when the caller has them already). ``layer-ahead`` without one, or a
         budget above the safety cap, raises :class:`~um_lab.errors.BudgetError` before anything is
         allocated."""
@@ -116,8 +114,8 @@ class CudaBackend(BackendBase):
         batch = case.batch(spec.seed)
         lab = Session(policy, cap_bytes=self.cap_bytes, allow_oversubscription=self.allow_oversubscription,
                       evacuate_on_close=False, telemetry=self.telemetry,
-                      budget=None if budget is None else Budget(budget, lookahead=self.budget_lookahead,
-                                                                stage_activations=stages_activations(policy)))
+                      budget=None if budget is None else Budget(budget, lookahead=lookahead(spec),
+                                                                stage_activations=stages(spec, policy)))
         lab.open()
         try:
             model = lab.place(model)

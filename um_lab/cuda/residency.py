@@ -56,8 +56,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from um_lab.types import DATA_TYPES, DataType
+from um_lab.units import BLOCK
 
-BLOCK = 2 << 20  #: residency granularity: the UM driver's VA block
 NEVER = np.iinfo(np.int64).min
 Record = tuple[int, int, int, int, int, int]  #: (kind, value, address, start_ns, end_ns, flags)
 

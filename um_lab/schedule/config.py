@@ -10,10 +10,42 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from um_lab.errors import BudgetError, SpecError
-from um_lab.types import budget_fraction, budget_from_text
+from um_lab.units import positive_ratio, size_bytes
+
+
+def budget_from_text(text: str) -> tuple[int | None, float | None]:
+    """A GPU budget as a user writes it: a size (``8GiB``, ``1.5e9``) -> ``(bytes, None)``, or a fraction of
+    the run's footprint (``0.5x``, in (0, 1]) -> ``(None, 0.5)``; else :class:`SpecError`."""
+    stripped = text.strip()
+    if stripped.lower().endswith("x"):
+        try:
+            fraction = float(stripped[:-1])
+        except ValueError:
+            raise SpecError(f"not a budget: {text!r} (a size such as 8GiB, or a fraction of the footprint such "
+                            "as 0.5x)", "gpu_budget_fraction") from None
+        try:
+            return None, budget_fraction(fraction)
+        except SpecError:
+            raise SpecError(f"a budget fraction is budget / footprint, in (0, 1]: {text!r} (0.5x: footprint/budget "
+                            "= 2)", "gpu_budget_fraction") from None
+    try:
+        return size_bytes(text, "gpu_budget_bytes"), None
+    except SpecError as e:
+        raise SpecError(f"{e}; a budget is a size or a fraction of the footprint such as 0.5x",
+                        "gpu_budget_bytes") from None
+
+
+def budget_fraction(value: Any) -> float:
+    """``value`` as a GPU budget's fraction of the footprint, finite in (0, 1], else :class:`SpecError`."""
+    fraction = positive_ratio("gpu_budget_fraction", value)
+    if fraction > 1:
+        raise SpecError(f"gpu_budget_fraction is the budget / footprint, in (0, 1]; got {value!r} (a budget at "
+                        "or above the footprint constrains nothing)", "gpu_budget_fraction")
+    return fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +108,15 @@ class Budget:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (what a run's folder records)."""
         return {"size": self.size, "lookahead": self.lookahead, "stage_activations": self.stage_activations}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Budget:
+        """Inverse of :meth:`to_dict` (unknown keys raise :class:`~um_lab.errors.BudgetError`)."""
+        unknown = sorted(set(data) - {"size", "lookahead", "stage_activations"})
+        if unknown or "size" not in data:
+            raise BudgetError(f"a budget is {{size, lookahead, stage_activations}}, got {dict(data)!r}")
+        return cls(data["size"], lookahead=data.get("lookahead", 2),
+                   stage_activations=data.get("stage_activations", False))
 
 
 def as_budget(value: Budget | int | str | None) -> Budget | None:

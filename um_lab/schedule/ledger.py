@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from um_lab.errors import BudgetError, BudgetTooSmall
+from um_lab.units import BLOCK  # noqa: F401 - the ledger's unit, importable here too
 
-BLOCK = 2 << 20  #: the UM driver's VA block: the ledger's unit
 GPU = "gpu"
 HOST = "host"
 

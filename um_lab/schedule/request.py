@@ -1,7 +1,7 @@
 """Which runs train under a GPU budget, and how many bytes it is: one answer for every backend.
 
-A run uses the layer-ahead scheduler when its spec gives a budget (``RunSpec.gpu_budget_bytes``, or
-``gpu_budget_fraction`` of the footprint) or its policy is the scheduled policy ``layer-ahead``
+A run uses the layer-ahead scheduler when its spec gives a budget (``RunSpec.budget``: bytes, or a
+fraction of the footprint) or its policy is the scheduled policy ``layer-ahead``
 (:data:`um_lab.policy.SCHEDULED`). :func:`resolve_budget` turns that into bytes, checked before anything
 is allocated: a budget above the limit the backend gives (the safety cap on a GPU, the simulated capacity
 on the simulator) or below one 2 MiB block raises :class:`~um_lab.errors.BudgetError`.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from um_lab.errors import BudgetError, gib
-from um_lab.policy import Advice, Policy, is_scheduled
+from um_lab.policy import Advice, Policy, is_scheduled, stages_activations
 from um_lab.schedule.ledger import BLOCK
 from um_lab.types import DataType, RunSpec
 
@@ -22,26 +22,36 @@ def uses_budget(spec: RunSpec, policy: Policy | str) -> bool:
     return spec.has_budget or is_scheduled(policy)
 
 
+def stages(spec: RunSpec, policy: Policy | str) -> bool:
+    """True when the run's saved activations are staged through pinned host memory: its budget says so
+    (``Budget(..., stage_activations=True)``) or its policy is ``layer-ahead-staged``."""
+    return uses_budget(spec, policy) and (
+        (spec.budget is not None and spec.budget.stage_activations) or stages_activations(policy))
+
+
+def lookahead(spec: RunSpec) -> int:
+    """How many positions ahead the run's scheduler prefetches (its budget's, else the default)."""
+    return spec.budget.lookahead if spec.budget is not None else 2
+
+
 def resolve_budget(spec: RunSpec, policy: Policy | str, footprint_bytes: int, *, default_bytes: int | None,
                    limit_bytes: int | None, limit_name: str) -> int | None:
     """The run's budget in bytes (None: no scheduler).
 
-    ``gpu_budget_bytes`` as given; ``gpu_budget_fraction`` times ``footprint_bytes``; else, for
+    ``spec.budget`` in bytes as given, or its fraction times ``footprint_bytes``; else, for
     ``layer-ahead``, ``default_bytes`` (the simulator's capacity; None on a GPU, where a budget must be
     given). Raises :class:`BudgetError` when no budget can be found, or when it is below one 2 MiB block
     or above ``limit_bytes`` (``limit_name`` says what that limit is)."""
     if not uses_budget(spec, policy):
         return None
-    if spec.gpu_budget_bytes is not None:
-        budget = int(spec.gpu_budget_bytes)
-    elif spec.gpu_budget_fraction is not None:
-        budget = int(spec.gpu_budget_fraction * footprint_bytes)
+    if spec.budget is not None:
+        budget = spec.budget.resolve(footprint_bytes)
     elif default_bytes is not None:
         budget = int(default_bytes)
     else:
         raise BudgetError("the layer-ahead scheduler needs a GPU budget here: give one in bytes "
-                          "(RunSpec.gpu_budget_bytes, --budget 8GiB) or as a fraction of the footprint "
-                          "(gpu_budget_fraction, --budget 0.5x)")
+                          "(RunSpec(budget='8GiB'), --budget 8GiB) or as a fraction of the footprint "
+                          "(RunSpec(budget='0.5x'), --budget 0.5x)")
     if budget < BLOCK:
         raise BudgetError(f"a GPU budget of {budget} B is below one 2 MiB block ({BLOCK} B): nothing could "
                           "be resident; give a larger budget")

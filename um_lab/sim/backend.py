@@ -22,8 +22,8 @@ from um_lab.backend_base import BackendBase
 from um_lab.errors import BudgetError, HostMemoryRefused, PolicyError, SpecError
 from um_lab.models import ModelCase
 from um_lab.models import check_case as check_model_case
-from um_lab.policy import Policy, get_policy, stages_activations
-from um_lab.schedule.request import resolve_budget, uses_budget
+from um_lab.policy import Policy, get_policy
+from um_lab.schedule.request import resolve_budget, stages, uses_budget
 from um_lab.sim.access import OpBlocks, expand, page_mask
 from um_lab.sim.placement import BLOCK, Placement, place
 from um_lab.sim.profile import Profile, load_profile, profile_sha256
@@ -159,9 +159,9 @@ class SimBackend(BackendBase):
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
         budget = self._budget(spec, prepared, policy, capacity)
         assert budget is not None
-        simulate = simulate_staged if stages_activations(policy) else simulate_budget  # the model run() uses
+        simulate = simulate_staged if stages(spec, policy) else simulate_budget  # the model run() uses
         simulate(prepared.trace, prepared.placement.final, self.profile, budget)
-        return {"gpu_budget_bytes": budget, "footprint_bytes": prepared.footprint_bytes, "capacity_bytes": capacity}
+        return {"budget_bytes": budget, "footprint_bytes": prepared.footprint_bytes, "capacity_bytes": capacity}
 
     def run(self, spec: RunSpec, case: ModelCase,
             policy: Policy | str | Mapping[str, Any]) -> Iterator[StepRecord]:
@@ -172,7 +172,7 @@ class SimBackend(BackendBase):
         prepared = self.prepare(case)
         capacity = self.capacity_for(spec, prepared.footprint_bytes)
         budget = self._budget(spec, prepared, policy, capacity)
-        if budget is not None and stages_activations(policy):  # saved activations staged too (sim.staged)
+        if budget is not None and stages(spec, policy):  # saved activations staged too (sim.staged)
             from um_lab.sim.staged import staged_records
 
             return staged_records(prepared.trace, prepared.placement.final, self.profile, spec.steps,

@@ -20,8 +20,8 @@ import numpy as np
 
 from um_lab.sim.trace import StepTrace
 from um_lab.types import DATA_TYPES
+from um_lab.units import BLOCK
 
-BLOCK = 2 << 20  #: UVM VA block and GPU root chunk (2 MiB)
 BIG_PAGE = 64 << 10  #: big page: the residency unit tracked inside a block (64 KiB)
 PAGES_PER_BLOCK = BLOCK // BIG_PAGE  #: 32: one bit each in a uint32 mask
 SMALL_REQUEST = 1 << 20  #: <= 1 MiB: small pool

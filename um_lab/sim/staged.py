@@ -1,5 +1,5 @@
 """The layer-ahead scheduler with saved activations staged through pinned host memory, on the simulator
-(``Session(gpu_budget_bytes=B, budget_stage_activations=True)``, :mod:`um_lab.schedule.live.stage`).
+(``Session(budget=Budget(B, stage_activations=True))``, :mod:`um_lab.schedule.live.stage`).
 
 **What is staged.** A storage of the intermediate-results type of at least
 :data:`~um_lab.schedule.live.stage.MIN_STAGE_BYTES` that a forward op writes and a backward op reads: what

@@ -1,4 +1,4 @@
-"""What a :class:`~um_lab.cuda.session.Session` with ``gpu_budget_bytes`` adds: hooks, the scheduler's
+"""What a :class:`~um_lab.cuda.session.Session` with a budget adds: hooks, the scheduler's
 executor, and the budgeted training step.
 
 The budgeted step differs from the plain one in three ways: hooks record the order of use and drive

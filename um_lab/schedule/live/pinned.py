@@ -3,10 +3,11 @@ CUDA, or synchronous CPU copies in tests) and the pinned host memory they land i
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 import torch
+
+from um_lab import units
 
 #: pinned host memory is allocated in chunks of this size (a tensor larger than a chunk gets its own)
 ARENA_CHUNK_BYTES = 256 << 20
@@ -152,12 +153,5 @@ class PinnedArena:
 
 
 def available_host_bytes() -> int:
-    """Host memory available now (``MemAvailable`` of /proc/meminfo; elsewhere the free pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    """Host memory this process can still use (:func:`um_lab.units.available_host_bytes`; 0 if unknown)."""
+    return units.available_host_bytes() or 0

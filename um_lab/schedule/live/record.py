@@ -345,7 +345,7 @@ def check_chunkable(optimizer: torch.optim.Optimizer) -> None:
         raise UnsupportedOptimizer(
             f"a GPU budget steps the optimizer one layer at a time, which is known to equal one full step only "
             f"for {names}; got {type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those, "
-            "or train without gpu_budget_bytes.")
+            "or train without a budget.")
 
 
 def step_optimizer_in_chunks(optimizer: torch.optim.Optimizer, chunks: Sequence[tuple[str, list[nn.Parameter]]],
