@@ -6,7 +6,7 @@
 Runs :func:`um_lab.paper.run_grid` over :func:`um_lab.paper.mappings` (the candidate options per paper
 group, ``um_lab.paper.GROUP_OPTIONS``), prints the best mapping per (model, ratio) and the top of the
 ranking by geometric-mean speed-up over ``um-default``, and writes bench/results/paper_three_types.json
-(date, machine, profile name and SHA-256, um_lab version and git commit, options, every row, the
+(date, machine, profile name and SHA-256, um_lab version, options, every row, the
 choice). A model that cannot be built here (ResNet without torchvision) is skipped with a note;
 ``--merge`` keeps the other models' rows of an existing JSON made with the same profile, so a machine
 with torchvision can add ResNet later (``--models resnet50 --merge``); ``--rechoose`` only recomputes
@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,18 +50,6 @@ RATIOS = (0.8, 1.25, 1.5, 2.0)
 def machine() -> str:
     """A short description of this machine."""
     return f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
-def git_commit() -> str | None:
-    """HEAD of this checkout (with ``+dirty`` when um_lab's sources differ from it), or None."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "um_lab"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def buildable(backend: SimBackend, name: str, knobs: dict) -> str | None:
@@ -224,7 +211,6 @@ def main(argv: list[str] | None = None) -> dict:
         "profile_sha256": profile_hash,
         "sim_source_sha256": paper.sim_source_sha256(),
         "um_lab_version": um_lab.__version__,
-        "git_commit": git_commit(),
         "paper": paper.PAPER,
         "models": models,
         "skipped_models": skipped,

@@ -143,7 +143,7 @@ def test_preset_is_the_mapping_its_provenance_names():
     preset = presets["paper-3type"]
     for dtype in DataType:
         assert preset[dtype] == chosen.policy()[dtype], dtype
-    assert "simulat" in preset.description and paper.PRESET_PROVENANCE["profile_sha256"][:12] in preset.description
+    assert "simulat" in preset.description and paper.PRESET_PROVENANCE["date"][:10] in preset.description
 
 
 def test_committed_results_chose_the_preset_and_match_the_current_profile():
@@ -156,7 +156,7 @@ def test_committed_results_chose_the_preset_and_match_the_current_profile():
     assert results["profile_sha256"] == profile_sha256(prov["profile"]), (
         "the simulator profile changed since the paper experiment ran: run bench/paper_three_types.py again")
     assert results["choice"]["best_overall"]["mapping"] == prov["mapping"]
-    assert results["date"] == prov["date"] and results["git_commit"] == prov["git_commit"]
+    assert results["date"] == prov["date"] and "git_commit" not in results
     # the stored rows re-derive the stored choice
     assert paper.choose(results["table"]).best["mapping"] == results["choice"]["best_overall"]["name"]
 

@@ -76,13 +76,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "3860e0fe87e784d59ebf78e32a5de8e194148f73191fb48187efb80e25234a6c",
-    "sim_source_sha256": "acc609895af162f62317854664695e30e6488b841f25d3826348ab2bb38adc68",
-    "date": "2026-12-02T06:27:26+00:00",
-    # 2-core dev VM, all three models in one run (torch 2.14.1 + torchvision 0.29.1 in a side venv), re-run in
-    # session 12 when the profile gained the scheduler's side-stream rates (which this experiment does not use:
-    # every row and the choice came out identical); the commit is the tree's HEAD when it ran
-    "git_commit": "e44753884a17f9105e79660306414bb5303ddddb",
+    "profile_sha256": "3a1fe41744f3354262f4f7aba9b0cef5c9b1980babb6ca90d313762bb137bca5",
+    "sim_source_sha256": "8855c9cb30268de23db96e9563c4258d66b107f318b8aaf346a0b2555ca302de",
+    # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
+    "date": "2026-12-05T08:37:35+00:00",
     "um_lab_version": "0.1.0",
 }
 

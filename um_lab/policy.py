@@ -331,8 +331,8 @@ presets: dict[str, Policy] = {
             input_data=_GPU_PINNED,
             description=(
                 "Choi & Lee (2021)'s three types as chosen by this project's simulator experiment"
-                " (notebooks/03_paper_three_types, bench/paper_three_types.py, run 2026-12-02 with the h200"
-                " profile sha256 3860e0fe87e7, um_lab 0.1.0 at 36a37aa): model parameters no advice,"
+                " (notebooks/03_paper_three_types, bench/paper_three_types.py, run 2026-12-05 with the packaged"
+                " h200 profile): model parameters no advice,"
                 " intermediate results preferred on and mapped by the GPU and prefetched to it before use,"
                 " input data preferred on and mapped by the GPU. Best of 252 mappings on GPT-2-medium,"
                 " BERT-large and ResNet-50 at oversubscription 0.8-2.0: 1.29x geometric-mean speed-up over"
