@@ -1,4 +1,4 @@
-"""Issue 11: bad input gets a clear, typed error (a ``UmLabError``) before anything is run or allocated.
+"""Bad input gets a clear, typed error (a ``UmLabError``) before anything is run or allocated.
 
 Model knobs, run specs and sizes, the simulator's host memory, ``compare``'s up-front checks, ``um-lab
 show`` on a comparison folder, and the CLI's sizes, ratios, ``--out`` and policy files. No torchvision.

@@ -1,6 +1,6 @@
 """Every documented install line installs: extras that exist, whose version constraints can hold together.
 
-Issue 11: environment.yml combined the cuda12 extra (cuda-bindings < 13) with telemetry (cupti-python 13.0.x, which
+environment.yml once combined the cuda12 extra (cuda-bindings < 13) with telemetry (cupti-python 13.0.x, which
 requires cuda-bindings 13) and left out the dev extra that the README's test command needs. pyproject.toml is the one
 source of truth for versions. These tests read every ``pip install`` line in README.md, docs/*.md, environment.yml
 (its pip section and its comments) and .ci/run, and check them against it:

@@ -1,4 +1,4 @@
-"""Hardening of runs (issue 11): SIGTERM and interpreter exit, runs left running, damaged run folders,
+"""Hardening of runs: SIGTERM and interpreter exit, runs left running, damaged run folders,
 run names that would escape ``out_dir``.
 
 The process-level tests start real subprocesses running a tiny model on the simulator and end them

@@ -1,4 +1,4 @@
-"""Simulated step time against the oversubscription ratio (issue 10): more oversubscription must not run
+"""Simulated step time against the oversubscription ratio: more oversubscription must not run
 faster, except where the UM driver itself would, and then the reason is checked.
 
 Step times are steady-state means: under least-recently-migrated-in eviction the driver state can cycle

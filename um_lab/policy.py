@@ -358,7 +358,7 @@ LAYER_AHEAD_STAGED = "layer-ahead-staged"
 SCHEDULED: dict[str, Policy] = {
     LAYER_AHEAD: Policy(
         LAYER_AHEAD, {},
-        "The layer-ahead scheduler (issue 13): module hooks learn the order of use in the first step, then each "
+        "The layer-ahead scheduler: module hooks learn the order of use in the first step, then each "
         "layer's data is prefetched to the GPU a few layers ahead and data done with is pushed to the host, "
         "keeping GPU-resident managed bytes under a budget (on the simulator by default its capacity; on a GPU "
         "--budget SIZE or a fraction of the footprint such as 0.5x). No advice."),
@@ -368,8 +368,8 @@ SCHEDULED: dict[str, Policy] = {
         "the tensors forward saves for backward are copied to the host at the link's rate (~52 GB/s on the H200, "
         "where managed prefetch to the host ran at 8-16) and back a window ahead of backward; the "
         "intermediate-results pool stays resident (plain device memory) and the scheduler moves parameters, "
-        "gradients and optimizer state around it. On the H200, GPT-2-large at half its footprint: 1.2 s a step "
-        "(session 17), where managed prefetch alone took 7.8 s (session 13). Budget as for layer-ahead. No advice."),
+        "gradients and optimizer state around it. On the H200, GPT-2-large at half its footprint: about 1.0 s a "
+        "step (2026-12-03), where managed prefetch alone took 7.8 s. Budget as for layer-ahead. No advice."),
 }
 
 

@@ -1,4 +1,4 @@
-"""The layer-ahead scheduler (issue 13) on the simulator: its plan on a traced step, and its step time.
+"""The layer-ahead scheduler on the simulator: its plan on a traced step, and its step time.
 
 **Order.** The real scheduler plans on positions its module hooks record (one layer in one phase). A
 :class:`~um_lab.sim.trace.StepTrace` has kernel ops, not modules, so :func:`derive_order` groups ops into

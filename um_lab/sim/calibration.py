@@ -48,7 +48,7 @@ from um_lab.types import RunSpec
 
 #: Step-time targets measured on the H200 (``training_steps`` of h200-probe.json; torch 2.11, fp32).
 #: The MLP's um-default step measured again on 2026-12-01 (bench/results/step_detail.json): 9.98 ms. The
-#: 8.55 ms below came from an earlier single-pool prototype; um_lab's own per-step host work (issue 12)
+#: 8.55 ms below came from an earlier single-pool prototype; um_lab's own per-step host work
 #: is now part of the host model (``cpu_step_us``), so fits that use it take today's figure.
 MLP_NOW_MS = 9.978
 H200_TARGETS: list[dict[str, Any]] = [

@@ -13,7 +13,7 @@ live intermediate bytes with each staged storage counted only from its allocatio
 and from its first backward use to its free, plus two windows: when backward starts, up to a window of copies out
 is still in flight (their device blocks held until they end) and a window of copies back is brought ahead
 (:data:`WINDOWS_IN_FLIGHT`; with one window the simulated pool was 1.6-2.4 GiB under the measured one on every
-GPT-2 row of session 19, about one window of 2 GiB). The scheduler's plan
+GPT-2 row measured on the H200 on 2026-12-03, about one window of 2 GiB). The scheduler's plan
 moves the other types on :func:`um_lab.sim.budget.derive_order`'s positions without their intermediate
 ranges, under B less that pool and the optimizer's temporaries.
 

@@ -23,7 +23,7 @@ step) run on the compute stream as the real backend issues them (or a copy strea
 ``SimBackend(prefetch_stream="copy")``), migrate regardless of the preferred location, and may evict.
 Remote accesses run at the host-link bandwidth, overlapping the kernel's own compute.
 
-Eviction order and the oversubscription ratio (issue 10; ``tests/test_sim_monotone.py``). Least-recently-
+Eviction order and the oversubscription ratio (``tests/test_sim_monotone.py``). Least-recently-
 migrated-in is first-in-first-out, and hits do not refresh a chunk. Two consequences the driver shares:
 
 * Belady's anomaly: FIFO is not a stack algorithm (a larger memory need not hold a superset of what a smaller
