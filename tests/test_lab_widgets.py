@@ -306,6 +306,11 @@ def test_compare_view_runs_policies_by_ratios_and_shows_figures_and_a_readable_t
     assert all(v.endswith(" ms") and len(v[:-3].split(".")[-1]) == 2 for v in table["median ms"])
     bars, overlay = view.figures()
     assert {t.name for t in bars.data} == {"um-default", "gpu-first"} and len(overlay.data) == 4
+    # small multiples: a panel per (model, ratio), a line per policy, each policy once in the legend
+    assert [a.text for a in overlay.layout.annotations] == ["mlp @ 0.8x", "mlp @ 1.5x"]
+    assert sorted(t.name for t in overlay.data if t.showlegend is not False) == ["gpu-first", "um-default"]
+    assert overlay.layout.yaxis.rangemode == overlay.layout.yaxis2.rangemode == "tozero"
+    assert list(table.columns).index("remote (read over the link)") == list(table.columns).index("migrated") + 1
     # on the simulator the uncertainty band is on by default: a column, error bars and the flip marker
     assert all(b.endswith("x") and "–" in b for b in table["speed-up band"])
     assert set(table["ranking flips in band"]) <= {"yes", ""}
@@ -515,3 +520,48 @@ def test_a_registered_backend_is_in_the_compare_dropdown_without_the_simulators_
     assert view.band.disabled is False
     with pytest.raises(ValueError, match="unknown backend 'tpu'; valid: cuda, sim, third, auto"):
         CompareView(backend="tpu")
+
+
+def test_one_dashboard_per_run_and_a_model_switch_clears_the_last_models_plots(tmp_path):
+    from um_lab.widgets.figures import NO_DATA_YET
+
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=3, warmup_steps=0, out_dir=tmp_path)
+    notes = lambda: [a for a in lab.dashboard.widget.layout.annotations[5:]]  # noqa: E731
+    assert all(n.visible and n.text == NO_DATA_YET for n in notes()), "an empty panel says so"
+    assert lab.dashboard.widget.layout.yaxis2.range == (0, 1)  # not plotly's negative default
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete" and lab.static_output.outputs
+    assert lab._live.layout.display == "none", "the static figure replaces the live one: one dashboard"
+    assert not any(n.visible for n in notes()[:3])
+    assert lab.dashboard.widget.layout.yaxis2.autorange is True
+    assert lab.dashboard.widget.layout.yaxis2.rangemode == "tozero"
+    path = lab.active.path
+    lab.workload.model.value = "gpt2-small"
+    assert lab.static_output.outputs == () and lab._live.layout.display is None
+    assert lab.dashboard.count == 0 and len(_trace(lab.dashboard.widget, "step time").x) == 0
+    assert all(n.visible and n.text == NO_DATA_YET for n in notes())
+    assert "gpt2-small" in lab.status.value and str(path) in lab.status.value  # the mlp run stays on disk
+    assert lab.result.path == path
+    lab.workload.model.value = "mlp"
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete" and len(_trace(lab.dashboard.widget, "step time").x) == 3
+    lab.workload.wait_estimate()
+
+
+def test_a_model_switch_during_a_run_keeps_that_runs_dashboard(tmp_path):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=500, warmup_steps=0, pace_s=0.02,
+              out_dir=tmp_path)
+    lab.run()
+    _wait(lambda: len(_trace(lab.dashboard.widget, "step time").x) >= 2)
+    lab.workload.model.value = "gpt2-small"
+    assert lab.dashboard.count >= 2, "the running run's plots stay"
+    lab.stop()
+    assert lab.wait(30) and lab.state == "stopped" and lab.static_output.outputs
+    lab.workload.wait_estimate()
+
+
+def test_compare_view_lists_the_picked_models_first_so_they_are_in_view():
+    view = CompareView(models={"gpt2-small": TINY_GPT2, "mlp": TINY_MLP}, policies=["gpu-first"], ratios=[1.5])
+    assert list(view.models.options[:2]) == ["gpt2-small", "mlp"]
+    assert list(view.models.value) == ["gpt2-small", "mlp"] and view.models.rows >= 2
+    assert len(set(view.models.options)) == len(view.models.options)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import numbers
 import os
 import re
 import signal
@@ -155,15 +156,32 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _say_summary(summary: dict[str, Any]) -> None:
-    """One line per summary value: floats to 3 decimals, a value not measured (None, NaN) as ``—``."""
+def summary_line(key: str, value: Any) -> str:
+    """One summary value as the CLI prints it: bytes in B/KiB/MiB/GiB/TiB (never a raw byte count), times
+    as ``12.345 ms``, counts with thousands separators, other floats to 3 decimals, a value not measured
+    (None, NaN) as ``—``."""
     from um_lab.summary import NOT_MEASURED
+    from um_lab.units import format_bytes
 
+    if value is None or (isinstance(value, float) and value != value):
+        text = NOT_MEASURED
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        text = str(value)
+    elif key.endswith("_bytes"):
+        text = format_bytes(float(value))
+    elif key.endswith("_ms"):
+        text = f"{float(value):,.3f} ms"
+    elif isinstance(value, numbers.Integral):
+        text = f"{int(value):,}"
+    else:
+        text = f"{float(value):.3f}"
+    return f"  {key:18s} {text}"
+
+
+def _say_summary(summary: dict[str, Any]) -> None:
+    """One line per summary value (see :func:`summary_line`)."""
     for key, value in summary.items():
-        if value is None or (isinstance(value, float) and value != value):
-            _say(f"  {key:18s} {NOT_MEASURED}")
-        else:
-            _say(f"  {key:18s} {value:.3f}" if isinstance(value, float) else f"  {key:18s} {value}")
+        _say(summary_line(key, value))
 
 
 def _announce_backend(requested: str) -> str:
@@ -232,8 +250,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = active.summary()
     _say(f"status: {active.status}")
     _say_summary({key: summary[key] for key in ("steps", "median_ms", "mean_ms", "p90_ms", "migrated_bytes",
-                                                "gpu_page_faults", "evictions", "peak_live_bytes",
-                                                "oversubscription", "last_loss")})
+                                                "remote_bytes", "gpu_page_faults", "evictions",
+                                                "peak_live_bytes", "oversubscription", "last_loss")})
     _say(f"log: {active.path}")
     return EXIT_OK
 
@@ -411,10 +429,12 @@ def _show_sweep(path: Path) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     """``um-lab models``."""
-    from um_lab.models import describe_models
+    from um_lab.models import buildable_models, describe_models, model_needs
 
+    buildable = set(buildable_models())
     for name, knobs in describe_models().items():
-        _say(f"{name:12s} {knobs}")
+        missing = "" if name in buildable else f"  [not here: {model_needs(name)}]"
+        _say(f"{name:12s} {knobs}{missing}")
     return EXIT_OK
 
 

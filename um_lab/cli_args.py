@@ -204,7 +204,8 @@ def table_cell(column: str, value: Any) -> str:
     """One cell of a printed table, by its column: ``*_bytes`` in B/KiB/MiB/GiB/TiB, ``*_ms`` as ``12.345 ms``,
     speed-ups as ``2.333x``, counts with thousands separators, ratios as numbers or ``none``, a value not
     measured as ``—`` (never ``NaN``, never a raw byte count)."""
-    from um_lab.summary import NOT_MEASURED, human_bytes
+    from um_lab.summary import NOT_MEASURED
+    from um_lab.units import format_bytes
 
     if column == "ratio":
         return ratio_text(value)
@@ -217,7 +218,7 @@ def table_cell(column: str, value: Any) -> str:
     except (TypeError, ValueError):
         return str(value)
     if column.endswith("_bytes"):
-        return human_bytes(number)
+        return format_bytes(number)
     if column.endswith("_ms"):
         return f"{number:,.3f} ms"
     if column.startswith("speedup"):

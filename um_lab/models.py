@@ -66,6 +66,17 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+def install_hint(module: str) -> str:
+    """The command that installs ``module`` and keeps this torch: on a CPU build (``torch.version.cuda`` is
+    None) torchvision from PyTorch's CPU index (PyPI's would replace the CPU torch with a CUDA build) and
+    transformers alone; on a CUDA build, the ``models`` extra."""
+    if torch.version.cuda is not None:
+        return "pip install 'um_lab[models]'"
+    if module == "torchvision":
+        return "pip install torchvision --index-url https://download.pytorch.org/whl/cpu"
+    return f"pip install {module}"
+
+
 def _require(module: str, model_name: str) -> Any:
     """Import an optional dependency, or say which model needs it and how to install it."""
     import importlib
@@ -75,7 +86,7 @@ def _require(module: str, model_name: str) -> Any:
     except ImportError as e:
         raise ImportError(
             f"model {model_name!r} needs {module}, which is not importable here ({e}). "
-            f"Install it with `pip install 'um_lab[models]'` (a {module} build that matches your torch)."
+            f"Install it with `{install_hint(module)}` (a {module} build that matches this torch)."
         ) from e
 
 
@@ -519,6 +530,44 @@ def describe_models() -> dict[str, str]:
                  ("<config fields>" if p.kind is p.VAR_KEYWORD else p.name) for p in params]
         out[name] = ", ".join(knobs)
     return out
+
+
+#: the optional library each built-in family needs (the MLP and registered models need none)
+_NEEDS_MODULE: dict[Callable[..., ModelCase], str] = {
+    resnet: "torchvision", vit: "torchvision", gpt2: "transformers", bert: "transformers"}
+_IMPORTABLE: dict[str, bool] = {}  #: module -> whether it imports here (asked once per process)
+
+
+def module_importable(module: str) -> bool:
+    """True when ``module`` is installed (``importlib.util.find_spec``) and imports (a torchvision built for
+    another torch does not); asked once per process."""
+    if module not in _IMPORTABLE:
+        import importlib
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(module) is not None and importlib.import_module(module) is not None
+        except Exception:  # noqa: BLE001 - installed but broken (e.g. built for another torch): not buildable
+            found = False
+        _IMPORTABLE[module] = found
+    return _IMPORTABLE[module]
+
+
+def model_needs(name: str) -> str | None:
+    """What zoo model ``name`` needs that this install lacks, with the command that adds it (keeping a CPU
+    torch CPU), e.g. ``"needs torchvision: pip install torchvision --index-url ..."``; None when it can be
+    built here."""
+    base = _ZOO_BASE.get(name) if name in ZOO and ZOO[name] is _ZOO_DEFAULT.get(name) else None
+    module = _NEEDS_MODULE.get(base) if base is not None else None
+    if module is None or module_importable(module):
+        return None
+    return f"needs {module}: {install_hint(module)}"
+
+
+def buildable_models() -> list[str]:
+    """The zoo names this install can build, in zoo order: ResNet and ViT only where torchvision imports,
+    GPT-2 and BERT only where transformers does; the MLP and registered models always."""
+    return [name for name in ZOO if model_needs(name) is None]
 
 
 def case_for_spec(spec: Any) -> ModelCase:

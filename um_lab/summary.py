@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from um_lab.sizing import format_bytes
 from um_lab.types import DATA_TYPES, StepRecord
+from um_lab.units import format_bytes
 
 
 def _sum_per_type(values: Mapping[str, int] | None) -> int | None:
@@ -22,6 +22,10 @@ def _sum_per_type(values: Mapping[str, int] | None) -> int | None:
 
 def summarize(records: Iterable[StepRecord]) -> dict[str, Any]:
     """Median, mean and p90 step time, traffic and fault totals over the non-warm-up records.
+
+    ``migrated_bytes`` (host to GPU plus GPU to host) is followed by ``remote_bytes``: bytes the GPU read
+    over the link without migrating them (zero-copy: data kept in host memory), which migrate nothing
+    and fault nothing, yet may be most of the traffic.
 
     Streams (keeps only the step times). A quantity no record measured is ``None``, never 0.
     """
@@ -61,6 +65,7 @@ def summarize(records: Iterable[StepRecord]) -> dict[str, Any]:
         "mean_ms": float(arr.mean()) if len(arr) else math.nan,
         "p90_ms": float(np.percentile(arr, 90)) if len(arr) else math.nan,
         "migrated_bytes": migrated,
+        "remote_bytes": totals.pop("remote_bytes"),  # read over the link: next to what was migrated
         **totals,
         "peak_live_bytes": peak_live,
         "gpu_capacity_bytes": capacity,
@@ -131,7 +136,7 @@ def _missing(value: Any) -> bool:
 def format_value(key: str, value: Any) -> str:
     """One summary/table value as text, by what its key names.
 
-    ``*_ms``: 2 decimals and ``ms``; ``speedup*``: 2 decimals and ``x``; ``*_bytes``: KiB/MiB/GiB;
+    ``*_ms``: 2 decimals and ``ms``; ``speedup*``: 2 decimals and ``x``; ``*_bytes``: KiB/MiB/GiB/TiB;
     ratios: 2 decimals; counts: whole numbers with thousands separators; other numbers: 4 significant
     digits. An unmeasured value (None or NaN) is ``—``, never ``nan`` (a ``ratio`` of None is ``none``:
     no ratio was asked, the profile's whole card, as ``um-lab compare --ratios none`` names it; a missing
@@ -167,8 +172,9 @@ def format_summary(summary: Mapping[str, Any]) -> dict[str, str]:
 
 def readable_table(table: pd.DataFrame, keep_paths: bool = False) -> pd.DataFrame:
     """A copy of a ``compare()`` table for reading: times in ms with 2 decimals, speed-ups as ``1.23x``,
-    bytes in KiB/MiB/GiB, unmeasured values as ``—``, a ratio of None as ``none`` (never ``NaN``).
-    ``run_dir`` is dropped unless ``keep_paths``."""
+    bytes in KiB/MiB/GiB/TiB, unmeasured values as ``—``, a ratio of None as ``none`` (never ``NaN``).
+    Columns keep their order (a ``compare()`` table has ``remote_bytes``, read over the link and never
+    migrated, right after ``migrated_bytes``). ``run_dir`` is dropped unless ``keep_paths``."""
     readable = table.drop(columns=[] if keep_paths else [c for c in ("run_dir",) if c in table.columns])
     readable = readable.astype(object)
     for column in readable.columns:

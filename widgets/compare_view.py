@@ -40,12 +40,16 @@ from um_lab.widgets._checks import (
 )
 from um_lab.widgets._html import html_text
 from um_lab.widgets._waiting import wait_for
-from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_overlay
-from um_lab.widgets.workload import backend_choices
+from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_panels
+from um_lab.widgets.workload import backend_choices, model_choices
 
+#: the readable table's columns: remote bytes (read over the link, never migrated) next to the migrated ones,
+#: so a policy that migrates nothing and faults nothing is not read as moving nothing
 _TABLE_COLUMNS = {"model": "model", "policy": "policy", "ratio": "ratio", "median_ms": "median ms",
                   "p90_ms": "p90 ms", f"speedup_vs_{BASELINE_POLICY}": "speed-up", "migrated_bytes": "migrated",
-                  "gpu_page_faults": "faults", "evictions": "evictions", "remote_bytes": "remote", "status": "status"}
+                  "remote_bytes": "remote (read over the link)", "gpu_page_faults": "faults",
+                  "evictions": "evictions", "status": "status"}
+MODEL_ROWS = 6  #: rows of the models list (the models picked are listed first, so they are in view)
 
 
 def parse_ratios(text: str) -> list[float | None]:
@@ -81,6 +85,13 @@ def ratio_text(ratio: float | None) -> str:
         return "none"
     short = f"{ratio:g}"
     return short if float(short) == ratio else repr(float(ratio))
+
+
+def model_list(picked: Sequence[str] = ()) -> list[str]:
+    """The models list's options: the models picked first (in view without scrolling), then the others this
+    install can build, in zoo order (no ResNet or ViT without torchvision)."""
+    picked = [name for name in picked if name in ZOO]
+    return [*picked, *(name for name in model_choices() if name not in picked)]
 
 
 def reports_band(backend: str) -> bool:
@@ -166,7 +177,8 @@ class CompareView:
         warmup_steps = whole_number("warmup_steps", warmup_steps, 0)
         out_dir_value(out_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
-        self.models = w.SelectMultiple(options=list(ZOO), value=names, description="models", rows=5)
+        self.models = w.SelectMultiple(options=model_list(names), value=names, description="models",
+                                       rows=MODEL_ROWS)
         self.policies = w.SelectMultiple(options=list(named_policies()), value=list(policies), description="policies",
                                          rows=7)
         self.ratios = w.Text(value=", ".join(ratio_text(r) for r in ratios),
@@ -188,8 +200,8 @@ class CompareView:
         self.status = w.HTML("pick policies and ratios, then press Compare")
         self.output = w.Output()
         for name, control in (("models", self.models), ("policies", self.policies), ("ratios", self.ratios),
-                              ("run", self.run_button), ("stop", self.stop_button), ("status", self.status),
-                              ("progress", self.progress)):
+                              ("steps", self.steps), ("output", self.output), ("run", self.run_button),
+                              ("stop", self.stop_button), ("status", self.status), ("progress", self.progress)):
             control.add_class(f"um-lab-compare-{name}")
         self.run_button.on_click(lambda _b: self.run())
         self.log_scale.observe(lambda _c: self._show(), names="value")
@@ -315,8 +327,9 @@ class CompareView:
             if not isinstance(row.run_dir, str):  # refused before it started: nothing to draw
                 continue
             ratio = "card" if pd.isna(row.ratio) else f"{row.ratio:g}x"
-            runs.append((f"{row.model} {row.policy} @ {ratio}", load(row.run_dir).records()))
-        overlay = step_time_overlay(runs)
+            runs.append((f"{row.model} @ {ratio}", str(row.policy), load(row.run_dir).records()))
+        # one small panel per (model, ratio), one line per policy in the same colour in every panel
+        overlay = step_time_panels(runs)
         if self.log_scale.value:
             overlay.update_yaxes(type="log")
         return bars, overlay

@@ -33,8 +33,7 @@ from um_lab.widgets.figures import (
     dashboard_figure,
     dashboard_figure_from_rows,
     dashboard_row,
-    residency_title,
-    series_from_rows,
+    dashboard_series,
 )
 
 
@@ -63,6 +62,8 @@ class LiveDashboard:
         self.max_share = max_share
         self.max_points = max_points
         self.widget: Any = go.FigureWidget(dashboard_figure((), title))
+        #: the layout the figure shows now (units, titles, empty-panel notes and ranges; see dashboard_series)
+        self._layout: dict[str, Any] = dashboard_series(np.empty((0, len(DASHBOARD_TRACES) + 1)))[1]
         self.count = 0  #: records fed since the last reset
         self.last: StepRecord | None = None  #: the newest record drawn
         self.redraws = 0  #: how many times the figure was redrawn (for tests and the overhead benchmark)
@@ -209,16 +210,18 @@ class LiveDashboard:
             if count == self._drawn_count:
                 return
             self._drawn_count = count
-            series = series_from_rows(self._rows_to_draw())
+            series, layout = dashboard_series(self._rows_to_draw(), [self.last] if self.last is not None else [])
             fig = self.widget
             # one restyle message for every trace; plotly_restyle skips the per-property validators, which
             # cost most of a batch_update's time (the arrays are float64 built here)
             fig.plotly_restyle({"x": [series[name][0] for name in DASHBOARD_TRACES],
                                 "y": [series[name][1] for name in DASHBOARD_TRACES]},
                                list(range(len(DASHBOARD_TRACES))))
-            title = residency_title([self.last] if self.last is not None else [])
-            if fig.layout.annotations[0].text != title:
-                fig.layout.annotations[0].text = title
+            # the layout changes rarely (the first step, a unit, a reset): one relayout message then
+            changed = {key: value for key, value in layout.items() if self._layout.get(key) != value}
+            if changed:
+                fig.plotly_relayout(changed)
+                self._layout = layout
             self.redraws += 1
             self.draw_seconds += time.perf_counter() - started
         if self.on_draw is not None:

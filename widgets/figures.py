@@ -132,6 +132,9 @@ def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
     fig.update_layout(barmode="group", xaxis_title="model @ oversubscription ratio",
                       yaxis_title=metric.replace("_", " "), legend_title="policy",
                       title=f"{metric.replace('_', ' ')} by policy")
+    fig.update_yaxes(rangemode="tozero")
+    if frame.empty:
+        empty_note(fig, "no runs to draw")
     return fig
 
 
@@ -163,6 +166,10 @@ def residency_figure(records: Iterable[StepRecord], field: str = "live_bytes") -
                             stackgroup=f"run{k}", mode="lines", line={"color": palette[i % len(palette)]})
     fig.update_layout(xaxis_title="step", yaxis_title=f"{field.replace('_', ' ')} (GiB)",
                       legend_title="data type")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_xaxes(rangemode="nonnegative")
+    if not records:
+        empty_note(fig)
     unmeasured = [r for r in records if getattr(r, field) is None]
     if unmeasured:
         for r in unmeasured:
@@ -188,10 +195,11 @@ def display_bundle(fig: Any, text: str = "") -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ dashboard
 
+REMOTE_TRACE = "remote (read over the link)"  #: bytes the GPU read in host memory, never migrated
 #: the dashboard's trace names, in the order :func:`dashboard_figure` adds them
 DASHBOARD_TRACES: tuple[str, ...] = (*[t.value for t in DATA_TYPES], "GPU capacity", "step time",
                                      "oversubscription", "page faults", "migrated to GPU", "migrated to host",
-                                     "remote access")
+                                     REMOTE_TRACE)
 _GIB = 2**30
 _MIB = 2**20
 
@@ -252,6 +260,80 @@ def series_from_rows(rows: np.ndarray, max_points: int | None = None) -> dict[st
     return out
 
 
+#: the dashboard's panels: (x axis, y axis, the traces drawn in it), in subplot order (the subplot titles
+#: are ``layout.annotations[0:5]`` in this order, the empty-state notes ``layout.annotations[5:10]``)
+DASHBOARD_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("xaxis", "yaxis", (*_TYPE_NAMES, "GPU capacity")),
+    ("xaxis2", "yaxis2", ("step time",)),
+    ("xaxis3", "yaxis3", ("oversubscription",)),
+    ("xaxis4", "yaxis4", ("page faults",)),
+    ("xaxis5", "yaxis5", ("migrated to GPU", "migrated to host", REMOTE_TRACE)),
+)
+NO_DATA_YET = "no data yet"  #: what an empty panel says before the first step
+NOT_MEASURED_HERE = "not measured in this run"  #: what a panel says whose quantity no step measured
+_EMPTY_NOTE_FIRST = 5  # index of the first empty-state note in layout.annotations
+_TRAFFIC_TITLE = "migrated / remote per step"  #: remote: read over the link (the legend says so)
+_UNITS = (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40))
+
+
+def byte_unit(largest_bytes: float, smallest: str = "MiB") -> tuple[str, float]:
+    """``(unit, bytes per unit)`` to show values up to ``largest_bytes``: the largest binary unit of which it
+    is at least one (never below ``smallest``), so an axis reads ``3.7 TiB``, not ``3,700,000 MiB``."""
+    names = [name for name, _ in _UNITS]
+    chosen = _UNITS[names.index(smallest)]
+    for unit in _UNITS[names.index(smallest):]:
+        if largest_bytes >= unit[1]:
+            chosen = unit
+    return chosen
+
+
+def _nanmax(values: np.ndarray) -> float:
+    values = values[~np.isnan(values)]
+    return float(values.max()) if values.size else 0.0
+
+
+def dashboard_series(rows: np.ndarray, last: Iterable[StepRecord] = (), max_points: int | None = None
+                     ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, Any]]:
+    """What the dashboard draws for :func:`dashboard_row` rows: ``(series, layout)``.
+
+    ``series`` is :func:`series_from_rows` with the residency and traffic panels in a readable unit (MiB,
+    GiB or TiB, by their largest value). ``layout`` holds flat plotly relayout keys for the rest: the
+    residency title (``last``, the newest record, names the source), each panel's unit, and for each
+    panel with nothing to draw an explicit range from zero and a note (:data:`NO_DATA_YET` before the
+    first step, :data:`NOT_MEASURED_HERE` once steps arrived without that quantity) instead of plotly's
+    negative default range; panels with data autorange from zero (their axes' ``rangemode``).
+    """
+    rows = np.asarray(rows, dtype=float).reshape(-1, len(DASHBOARD_TRACES) + 1)
+    series = series_from_rows(rows, max_points)
+    n_types = len(_TYPE_NAMES)
+    resident_gib = max(_nanmax(np.nansum(rows[:, 1:1 + n_types], axis=1)) if len(rows) else 0.0,
+                       _nanmax(rows[:, 1 + n_types]))
+    traffic_mib = _nanmax(rows[:, -3:])
+    res_unit, res_size = byte_unit(resident_gib * _GIB)
+    traffic_unit, traffic_size = byte_unit(traffic_mib * _MIB)
+    for names, scale in (((*_TYPE_NAMES, "GPU capacity"), _GIB / res_size),
+                         (DASHBOARD_PANELS[4][2], _MIB / traffic_size)):
+        if scale != 1.0:
+            for name in names:
+                x, y = series[name]
+                series[name] = (x, y * scale)
+    layout: dict[str, Any] = {
+        "annotations[0].text": residency_title(last),
+        "annotations[4].text": f"{_TRAFFIC_TITLE} ({traffic_unit})",
+        "yaxis.title.text": res_unit, "yaxis5.title.text": traffic_unit,
+    }
+    for k, (xaxis, yaxis, names) in enumerate(DASHBOARD_PANELS):
+        empty = all(len(series[name][0]) == 0 for name in names)
+        note = f"annotations[{_EMPTY_NOTE_FIRST + k}]"
+        layout[f"{note}.visible"] = empty
+        layout[f"{note}.text"] = NO_DATA_YET if not len(rows) else NOT_MEASURED_HERE
+        for axis in (xaxis, yaxis):
+            layout[f"{axis}.autorange"] = not empty
+            if empty:
+                layout[f"{axis}.range"] = [0, 1]
+    return series, layout
+
+
 def dashboard_figure(records: Iterable[StepRecord] = (), title: str = "", max_points: int | None = None) -> Any:
     """The run dashboard as a static figure: residency per type (stacked) against the GPU capacity, step
     time, oversubscription ratio, page faults, and migrated / remote bytes per step.
@@ -270,38 +352,63 @@ def dashboard_figure(records: Iterable[StepRecord] = (), title: str = "", max_po
 def dashboard_figure_from_rows(rows: np.ndarray, last: list[StepRecord], title: str = "",
                                max_points: int | None = None) -> Any:
     """:func:`dashboard_figure` from :func:`dashboard_row` rows; ``last`` (the newest record, or none) names
-    the residency source."""
+    the residency source.
+
+    Read at a glance: every y axis starts at zero (a steady 320 ms step is a flat line at 320 on a 0–350 ms
+    axis, not noise filling the panel), byte panels are in MiB, GiB or TiB, an empty panel says so, and
+    the residency and traffic panels each have their own legend (the other panels' titles name their one
+    line).
+    """
     _plotly()  # a clear ImportError when plotly is missing
     import plotly.colors
     from plotly.subplots import make_subplots
 
-    source = residency_source(last)
     fig = make_subplots(rows=3, cols=2, specs=[[{"colspan": 2}, None], [{}, {}], [{}, {}]],
                         vertical_spacing=0.11, horizontal_spacing=0.1,
-                        subplot_titles=(_RESIDENCY_TITLES[source], "step time (ms)",
+                        subplot_titles=(_RESIDENCY_TITLES["pending"], "step time (ms)",
                                         "oversubscription (live / capacity)", "GPU page faults per step",
-                                        "migrated and remote MiB per step"))
-    series = series_from_rows(rows, max_points)
+                                        _TRAFFIC_TITLE))
+    for subplot_title in fig.layout.annotations:  # the two columns' titles side by side must not run together
+        subplot_title.font.size = 14
+    series, layout = dashboard_series(rows, last, max_points)
     palette = plotly.colors.DEFAULT_PLOTLY_COLORS
     for i, dtype in enumerate(DATA_TYPES):
         x, y = series[dtype.value]
         fig.add_scatter(x=x, y=y, name=dtype.value, stackgroup="residency", mode="lines",
-                        line={"color": palette[i % len(palette)]}, legendgroup="types", row=1, col=1)
+                        line={"color": palette[i % len(palette)]}, legendgroup="types", legend="legend",
+                        row=1, col=1)
     x, y = series["GPU capacity"]
     fig.add_scatter(x=x, y=y, name="GPU capacity", mode="lines", line={"color": "black", "dash": "dash"},
-                    row=1, col=1)
+                    legend="legend", row=1, col=1)
+    hover = {"step time": "%{y:,.2f} ms", "oversubscription": "%{y:.2f}x", "page faults": "%{y:,.0f} faults"}
     for name, row, col, colour in (("step time", 2, 1, "#1f77b4"), ("oversubscription", 2, 2, "#9467bd"),
                                    ("page faults", 3, 1, "#d62728"), ("migrated to GPU", 3, 2, "#2ca02c"),
-                                   ("migrated to host", 3, 2, "#ff7f0e"), ("remote access", 3, 2, "#8c564b")):
+                                   ("migrated to host", 3, 2, "#ff7f0e"), (REMOTE_TRACE, 3, 2, "#8c564b")):
         x, y = series[name]
-        fig.add_scatter(x=x, y=y, name=name, mode="lines+markers", marker={"size": 4},
-                        line={"color": colour}, row=row, col=col)
-    fig.update_yaxes(title_text="GiB", row=1, col=1)
+        single = name in hover  # the panel's title names its one line: no legend entry
+        fig.add_scatter(x=x, y=y, name=name, mode="lines+markers", marker={"size": 4}, line={"color": colour},
+                        showlegend=not single, legend="legend2",
+                        hovertemplate=f"step %{{x}}<br>{hover[name]}<extra></extra>" if single else None,
+                        row=row, col=col)
+    fig.update_yaxes(rangemode="tozero")  # counts and times from zero, never zoomed into the noise
+    fig.update_xaxes(rangemode="nonnegative")
+    fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_yaxes(title_text="ratio", row=2, col=2)
+    fig.update_yaxes(title_text="faults", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=2)
     fig.add_hline(y=1.0, line={"color": "grey", "dash": "dot"}, row=2, col=2)
-    fig.update_layout(height=720, title=plotly_text(title) or None, legend={"orientation": "v"},
+    for xaxis, yaxis, _names in DASHBOARD_PANELS:  # the empty-state notes, one per panel (shown by layout)
+        fig.add_annotation(text=NO_DATA_YET, xref=f"{xaxis.replace('axis', '')} domain",
+                           yref=f"{yaxis.replace('axis', '')} domain", x=0.5, y=0.5, showarrow=False,
+                           font={"color": "grey", "size": 14})
+    top = fig.layout.yaxis.domain[1]
+    traffic_top = fig.layout.yaxis5.domain[1]
+    fig.update_layout(height=720, title=plotly_text(title) or None,
+                      legend={"x": 1.02, "y": top, "yanchor": "top", "title": {"text": "data type"}},
+                      legend2={"x": 1.02, "y": traffic_top, "yanchor": "top", "title": {"text": "traffic"}},
                       margin={"l": 60, "r": 20, "t": 70 if title else 40, "b": 40})
+    fig.plotly_relayout(layout)
     return fig
 
 
@@ -342,17 +449,121 @@ def speedup_figure(table: pd.DataFrame, baseline: str = "um-default", log_scale:
                       yaxis_title="median step time (ms)", legend_title="policy", title=title)
     if log_scale:
         fig.update_yaxes(type="log")
+    else:
+        fig.update_yaxes(rangemode="tozero")
+        if frame.empty:
+            empty_note(fig, "no runs to draw")
     return fig
 
 
-def step_time_overlay(runs: Iterable[tuple[str, Iterable[StepRecord]]]) -> Any:
-    """Step time per step, one line per run: ``runs`` is ``[(label, records), ...]`` (warm-up steps dashed)."""
+MAX_LINES = 8  #: step-time lines drawn in one panel; the others are drawn as one line, their median
+MAX_PANELS = 12  #: (model, ratio) panels drawn by :func:`step_time_panels`; a note counts the others
+
+
+def empty_note(fig: Any, text: str = NO_DATA_YET, xref: str = "x domain", yref: str = "y domain") -> Any:
+    """Mark an empty plot: ``text`` in its middle and its axes from 0 to 1 (plotly's default range for no
+    data is negative). Returns ``fig``."""
+    fig.add_annotation(text=text, xref=xref, yref=yref, x=0.5, y=0.5, showarrow=False,
+                       font={"color": "grey", "size": 14})
+    fig.update_xaxes(range=[0, 1], autorange=False)
+    fig.update_yaxes(range=[0, 1], autorange=False)
+    return fig
+
+
+def _step_times(records: Iterable[StepRecord]) -> tuple[list[int], list[float]]:
+    steps, times = [], []
+    for r in records:
+        steps.append(r.step)
+        times.append(float(r.wall_ms))
+    return steps, times
+
+
+def _capped(lines: list[tuple[str, list[int], list[float]]], max_lines: int
+            ) -> tuple[list[tuple[str, list[int], list[float]]], tuple[str, list[int], list[float]] | None]:
+    """At most ``max_lines`` lines: the first ``max_lines - 1`` as given, the rest as one line of their
+    per-step median (named with how many it stands for); no grouping when they fit."""
+    if len(lines) <= max_lines:
+        return lines, None
+    keep, rest = lines[:max_lines - 1], lines[max_lines - 1:]
+    by_step: dict[int, list[float]] = {}
+    for _, steps, times in rest:
+        for step, ms in zip(steps, times, strict=True):
+            by_step.setdefault(step, []).append(ms)
+    steps = sorted(by_step)
+    return keep, (f"median of {len(rest)} other runs", steps, [float(np.median(by_step[s])) for s in steps])
+
+
+def step_time_overlay(runs: Iterable[tuple[str, Iterable[StepRecord]]], max_lines: int = MAX_LINES) -> Any:
+    """Step time per step, one line per run: ``runs`` is ``[(label, records), ...]``. At most ``max_lines``
+    lines: past that, the first ``max_lines - 1`` runs and one line for the median of the others (48
+    lines with one legend cannot be read). The y axis starts at zero."""
     go = _plotly()
     fig = go.Figure()
-    for label, records in runs:
-        records = list(records)
-        fig.add_scatter(x=[r.step for r in records], y=[r.wall_ms for r in records], name=plotly_text(label),
-                        mode="lines+markers", marker={"size": 4})
+    lines = [(label, *_step_times(records)) for label, records in runs]
+    shown, grouped = _capped(lines, max_lines)
+    for label, steps, times in shown:
+        fig.add_scatter(x=steps, y=times, name=plotly_text(label), mode="lines+markers", marker={"size": 4},
+                        hovertemplate="step %{x}<br>%{y:,.2f} ms")
+    if grouped is not None:
+        label, steps, times = grouped
+        fig.add_scatter(x=steps, y=times, name=label, mode="lines", line={"color": "grey", "dash": "dash"},
+                        hovertemplate="step %{x}<br>%{y:,.2f} ms")
     fig.update_layout(xaxis_title="step", yaxis_title="step time (ms)", legend_title="run",
                       title="Step time per step")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_xaxes(rangemode="nonnegative")
+    if not lines:
+        empty_note(fig, "no runs to draw")
+    return fig
+
+
+def step_time_panels(runs: Iterable[tuple[str, str, Iterable[StepRecord]]], max_lines: int = MAX_LINES,
+                     max_panels: int = MAX_PANELS, columns: int = 3) -> Any:
+    """Step time per step as small multiples: ``runs`` is ``[(panel, line, records), ...]``, e.g.
+    ``("mlp @ 1.5x", "gpu-first", records)``. One panel per ``panel`` label (at most ``max_panels``; a note
+    counts the others), one line per ``line`` label in the same colour in every panel and one legend entry
+    each, at most ``max_lines`` lines a panel (the others as their median). Every y axis starts at zero."""
+    _plotly()
+    import plotly.colors
+    from plotly.subplots import make_subplots
+
+    panels: dict[str, list[tuple[str, list[int], list[float]]]] = {}
+    for panel, line, records in runs:
+        panels.setdefault(panel, []).append((line, *_step_times(records)))
+    if not panels:
+        fig = step_time_overlay([])
+        fig.update_layout(title="Step time per step")
+        return fig
+    labels = list(panels)[:max_panels]
+    cols = max(1, min(columns, len(labels)))
+    n_rows = -(-len(labels) // cols)
+    fig = make_subplots(rows=n_rows, cols=cols, subplot_titles=[plotly_text(label) for label in labels],
+                        vertical_spacing=min(0.12, 0.3 / n_rows), horizontal_spacing=0.06)
+    palette = plotly.colors.qualitative.Plotly
+    colours: dict[str, str] = {}
+    in_legend: set[str] = set()
+    for k, label in enumerate(labels):
+        shown, grouped = _capped(panels[label], max_lines)
+        row, col = k // cols + 1, k % cols + 1
+        for line, steps, times in shown:
+            colour = colours.setdefault(line, palette[len(colours) % len(palette)])
+            fig.add_scatter(x=steps, y=times, name=plotly_text(line), legendgroup=line,
+                            showlegend=line not in in_legend, mode="lines+markers", marker={"size": 4},
+                            line={"color": colour}, row=row, col=col,
+                            hovertemplate=f"{plotly_text(label)}<br>step %{{x}}<br>%{{y:,.2f}} ms")
+            in_legend.add(line)
+        if grouped is not None:
+            name, steps, times = grouped
+            fig.add_scatter(x=steps, y=times, name=name, legendgroup="others", showlegend="others" not in in_legend,
+                            mode="lines", line={"color": "grey", "dash": "dash"}, row=row, col=col)
+            in_legend.add("others")
+    title = "Step time per step: a panel per model @ ratio, a line per policy"
+    if len(panels) > len(labels):
+        title += f"<br><sup>the first {len(labels)} of {len(panels)} panels; the table has every run</sup>"
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_xaxes(rangemode="nonnegative")
+    fig.update_yaxes(title_text="ms", col=1)
+    fig.update_xaxes(title_text="step", row=n_rows)
+    fig.update_layout(title=title, legend_title="policy", height=120 + 240 * n_rows,
+                      margin={"l": 60, "r": 20, "t": 90, "b": 40})
     return fig

@@ -112,6 +112,7 @@ class Lab:
         self.dashboard.on_draw = self._drawn
         live = w.Box([self.dashboard.widget])
         live.add_class("um-lab-live")
+        self._live = live  # hidden once a run's static figure is shown: one dashboard per run
         self.static_output = w.Output()
         self.static_output.add_class("um-lab-static")
         self.run_button.on_click(lambda _b: self.run())
@@ -128,6 +129,7 @@ class Lab:
         self._stop = threading.Event()
         self._ended = threading.Event()  # set by the watcher once the panel shows the run's end
         self._ended.set()
+        self.workload.model.observe(lambda _c: self._model_switched(), names="value")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -207,7 +209,8 @@ class Lab:
             return None  # the last run (if any) stays on show, and lab.result still is that run
         self._stop.clear()
         self._ended.clear()
-        self.static_output.clear_output()
+        self.static_output.outputs = ()
+        self._live.layout.display = None  # the live dashboard, in place of the last run's static figure
         self.dashboard.reset()
         self.active = active
         total = spec.warmup_steps + spec.steps
@@ -275,7 +278,25 @@ class Lab:
         self.progress.bar_style = "success" if active.status == "complete" else "warning"
         if self.dashboard.count:
             self.static_output.outputs = (display_bundle(self.static_figure()),)
+            self._live.layout.display = "none"  # the static figure shows this run now: one dashboard, not two
         self._say(f"{text}. Run folder: {active.path}", _END_COLOURS.get(active.status, "#000"))
+
+    def _model_switched(self) -> None:
+        """Another model was picked: the last model's plots go (its run stays on disk: ``lab.result``), so
+        nothing on show belongs to a model other than the one picked. A run going keeps its dashboard."""
+        if not self._ended.is_set():
+            return
+        self.static_output.outputs = ()
+        self._live.layout.display = None
+        self.dashboard.reset()
+        self.progress.value, self.progress.bar_style = 0, ""
+        model = self.workload.model.value
+        if self.active is not None:
+            spec = self.active.spec
+            self._say(f"idle: press Run for {model} (the last run, {spec.model} under {spec.policy}, is in "
+                      f"{self.active.path})")
+        else:
+            self._say(f"idle: press Run for {model}")
 
     def _drawn(self, steps: int) -> None:
         self.progress.value = steps

@@ -73,6 +73,29 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
             f"{basis}</small>")
 
 
+def model_choices(*given: str) -> list[str]:
+    """The models a dropdown offers: those this install can build (:func:`um_lab.models.buildable_models`;
+    no ResNet or ViT without torchvision), plus any of ``given`` (the model asked for by name), in zoo order."""
+    offered = set(models.buildable_models()) | set(given)
+    return [name for name in models.ZOO if name in offered]
+
+
+def missing_models_html() -> str:
+    """A short note naming the zoo models this install cannot build and the command that adds each missing
+    library (keeping a CPU torch CPU); empty when every model can be built."""
+    missing: dict[str, list[str]] = {}
+    for name in models.ZOO:
+        needs = models.model_needs(name)
+        if needs is not None:
+            missing.setdefault(needs, []).append(name)
+    notes = []
+    for needs, names in missing.items():
+        what, _, command = needs.partition(": ")
+        notes.append(f"<div><small>not offered here: {html_text(', '.join(names))} ({html_text(what)}: "
+                     f"<code>{html_text(command)}</code>)</small></div>")
+    return "".join(notes)
+
+
 def backend_choices() -> list[str]:
     """What a backend dropdown offers: ``auto``, then every registered backend (a third one included)."""
     return [AUTO, *backend_names()]
@@ -104,8 +127,11 @@ class WorkloadPicker:
         self.last_footprint: int | None = None
         #: (model, knobs) the last estimate and footprint were made for (None: none made yet)
         self.last_sized: tuple[str, dict[str, Any]] | None = None
-        self.model = w.Dropdown(options=list(models.ZOO), value=model, description="model")
+        # only what this install can build (the model asked for by name too: its estimate says what it lacks)
+        self.model = w.Dropdown(options=model_choices(model), value=model, description="model")
         self.model.add_class("um-lab-model")
+        self.model_note = w.HTML(missing_models_html())
+        self.model_note.add_class("um-lab-model-note")
         self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
         self.knobs: dict[str, Any] = {}
         self.backend = w.Dropdown(options=choices, value=backend, description="backend",
@@ -129,8 +155,8 @@ class WorkloadPicker:
         self.model.observe(lambda _c: self._model_changed(), names="value")
         for control in (self.backend, self.capacity_mode, self.capacity_value):
             control.observe(lambda _c: self._settings_changed(), names="value")
-        self.widget = w.VBox([w.HBox([self.model, self.backend]), self.knob_box, self.capacity_box,
-                              self.cap_note, self.estimate])
+        self.widget = w.VBox([w.HBox([self.model, self.backend]), self.model_note, self.knob_box,
+                              self.capacity_box, self.cap_note, self.estimate])
         self._build_knobs(dict(model_kwargs or {}))
         self._settings_changed()
 

@@ -3,13 +3,16 @@
 Opens ``notebooks/01_quickstart.ipynb`` (its CI parameters plus a per-step pace) in a test-only JupyterLab,
 runs all cells from the Run menu, picks a preset and a long run in the panel, clicks Run and checks that the live
 dashboard's traces are drawn and gain points, that Stop stops the run (on screen and on disk), and that a
-short run completes with its last state drawn and a static figure. Screenshots go to the test's tmp dir,
-and ``lab.png`` / ``lab-stopped.png`` also to ``$UM_LAB_SCREENSHOTS`` when set (the README's picture).
+short run completes with its last state drawn and a static figure; that the dashboard's y axes start at zero,
+that picking another model clears the plots, and that a comparison stopped in the page shows its own runs,
+never the previous comparison's. Screenshots go to the test's tmp dir, and ``lab.png`` / ``lab-stopped.png`` /
+``compare-stopped.png`` also to ``$UM_LAB_SCREENSHOTS`` when set (the README's picture).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Container
 from pathlib import Path
@@ -25,6 +28,8 @@ LONG_STEPS = 400  #: the Run that gets stopped (typed into the steps field): far
 PACE_S = 0.2  #: seconds the panel waits after each simulated step (so the run can be watched)
 SHORT_STEPS = 3  #: the Run that completes by itself
 PREFERRED_PRESETS = ("prefetch-all", "gpu-first", "paper-3type")
+NEW_RATIOS = ("0.9", "1.1", "1.3")  #: the comparison made in the page (the notebook's own used others)
+COMPARE_STEPS = 5000  #: steps per run of that comparison: long enough to press Stop while it runs
 
 # Kernel status, execution prompts and error outputs of the open notebook.
 NOTEBOOK_STATE_JS = """() => {
@@ -54,6 +59,30 @@ PLOTS_JS = """(selector) => {
             size: (line ? (line.getAttribute('d') || '').length : 0) + g.querySelectorAll('path.point').length};
   }),
 }));
+}"""
+
+
+# The y-axis ranges plotly drew for the first graph under `selector` (null for an axis it does not have).
+Y_RANGES_JS = """(selector) => {
+  const gd = document.querySelector(selector + ' .js-plotly-plot');
+  const layout = gd && gd._fullLayout;
+  if (!layout) return null;
+  return ['yaxis', 'yaxis2', 'yaxis3', 'yaxis4', 'yaxis5'].map(a => layout[a] ? [...layout[a].range] : null);
+}"""
+
+# Every graph under `selector`: its category labels (x values that are text) and its annotations' texts.
+LABELS_JS = """(selector) => [...document.querySelectorAll(selector + ' .js-plotly-plot')].map(gd => ({
+  x: (gd.data || []).flatMap(t => Array.isArray(t.x) ? t.x.filter(v => typeof v === 'string') : []),
+  notes: ((gd.layout && gd.layout.annotations) || []).map(a => String(a.text || '')),
+  traces: (gd.data || []).length,
+}))"""
+
+
+# A readable table's column headers and its ratio column.
+TABLE_JS = """(table) => {
+  const heads = [...table.querySelectorAll('thead th')].map(h => h.textContent.trim());
+  const at = heads.indexOf('ratio');
+  return {heads, ratios: [...table.querySelectorAll('tbody tr')].map(r => r.children[at].textContent.trim())};
 }"""
 
 
@@ -188,6 +217,9 @@ def test_quickstart_lab_in_chromium(jupyter_lab: JupyterLab, page: Any, tmp_path
                        describe=lambda: f"first {first}, now {step_time(page)}, status {status_text(page)!r}")
     assert later[1] > first[1], f"the drawn step-time trace did not grow: {first} -> {later}"
     assert "running" in status_text(page).lower(), status_text(page)
+    # every y axis of the live dashboard starts at zero: a steady step time is a line, not noise filling the panel
+    ranges = page.evaluate(Y_RANGES_JS, ".um-lab-live")
+    assert ranges and all(r is not None and r[0] == 0 and r[1] > 0 for r in ranges), f"y ranges: {ranges}"
     live = panel_screenshot(page, shots / "lab.png")
 
     # -- Stop: the status says stopped, the traces stop growing, the run on disk stopped early
@@ -233,7 +265,60 @@ def test_quickstart_lab_in_chromium(jupyter_lab: JupyterLab, page: Any, tmp_path
     assert "error" not in status_text(page).lower(), status_text(page)
     panel_screenshot(page, shots / "lab-complete.png")
 
-    published = publish_screenshots({"lab.png": live, "lab-stopped.png": stopped_shot})
+    # -- another model: the last model's plots go (live and static), the panels say there is no data yet
+    model = page.locator(".um-lab-model select").first
+    other = next(o for o in model.evaluate("s => [...s.options].map(o => o.value)") if o != model.input_value())
+    model.select_option(other)
+
+    def cleared() -> bool:
+        live_notes = texts(page, ".um-lab-live .annotation-text")
+        return (step_time(page)[0] == 0 and page.locator(".um-lab-static .js-plotly-plot").count() == 0
+                and page.locator(".um-lab-live .js-plotly-plot").first.is_visible()
+                and live_notes.count("no data yet") == 5)
+
+    wait_until(cleared, 30, f"switching the model to {other!r} to clear the dashboard",
+               describe=lambda: f"trace {step_time(page)}, notes {texts(page, '.um-lab-live .annotation-text')}, "
+                                f"static plots {page.locator('.um-lab-static .js-plotly-plot').count()}")
+    assert other in status_text(page), status_text(page)
+    assert all(r[0] == 0 for r in page.evaluate(Y_RANGES_JS, ".um-lab-live")), "an empty panel's range is 0..1"
+    timings["model switched"] = time.monotonic() - t0
+
+    # -- CompareView: a new comparison clears the last one's figures at once; Stop shows only the new runs
+    compare = page.locator(".um-lab-compare").first
+    compare.scroll_into_view_if_needed()
+    wait_until(lambda: len(page.evaluate(LABELS_JS, ".um-lab-compare-output")) >= 2, 30,
+               "the notebook's comparison figures in the view")
+    before_labels = " ".join(x for plot in page.evaluate(LABELS_JS, ".um-lab-compare-output") for x in plot["x"])
+    ratios = page.locator(".um-lab-compare-ratios input").first
+    ratios.fill(", ".join(NEW_RATIOS))
+    ratios.press("Tab")
+    compare_steps = page.locator(".um-lab-compare-steps input").first
+    compare_steps.fill(str(COMPARE_STEPS))
+    compare_steps.press("Tab")
+    page.locator(".um-lab-compare-run").first.click()
+    compare_status = lambda: page.locator(".um-lab-compare-status").first.inner_text().strip()  # noqa: E731
+    wait_until(lambda: "running" in compare_status(), 60, "the comparison to start",
+               describe=lambda: f"status: {compare_status()!r}")
+    assert page.evaluate(LABELS_JS, ".um-lab-compare-output") == [], "the last comparison's figures are still shown"
+    wait_until(lambda: re.search(r"running ([2-9]|\d\d)/", compare_status()), 120,
+               "the comparison's first run to finish", describe=lambda: f"status: {compare_status()!r}")
+    page.locator(".um-lab-compare-stop").first.click()
+    wait_until(lambda: "stopped after" in compare_status(), 120, "the comparison to stop",
+               describe=lambda: f"status: {compare_status()!r}")
+    plots = wait_until(lambda: len(p := page.evaluate(LABELS_JS, ".um-lab-compare-output")) == 2 and p, 30,
+                       "the stopped comparison's figures", describe=lambda: compare_status())
+    shown = [label for plot in plots for label in plot["x"] + plot["notes"] if " @ " in label]
+    assert shown and all(any(f"@ {r}x" in label for r in NEW_RATIOS) for label in shown), \
+        f"a figure after Stop shows runs not of this comparison: {shown} (before: {before_labels})"
+    table = page.locator(".um-lab-compare-output table").first.evaluate(TABLE_JS)
+    assert table["ratios"] and set(table["ratios"]) <= {f"{float(r):.2f}" for r in NEW_RATIOS}, table
+    assert any(h.startswith("remote") for h in table["heads"]), table  # read over the link, next to migrated
+    compare_shot = shots / "compare-stopped.png"
+    compare.screenshot(path=str(compare_shot))
+    timings["compare stopped"] = time.monotonic() - t0
+
+    published = publish_screenshots({"lab.png": live, "lab-stopped.png": stopped_shot,
+                                     "compare-stopped.png": compare_shot})
     print(f"browser test timings (s from opening the page): {timings}; screenshots: {shots} {published}")
 
 
