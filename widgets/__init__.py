@@ -6,16 +6,17 @@ figures. ipywidgets and plotly are imported when a name is first used (``pip ins
     from um_lab.widgets import Lab, CompareView
     Lab()            # pick a model, set advice per data type, Run, watch
     CompareView()    # policies x ratios x models, side by side
+    TimelineView()   # inside one step: two policies on one time axis, Play walks through it
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AdviceGrid", "CompareView", "Lab", "LiveDashboard", "WorkloadPicker"]
+__all__ = ["AdviceGrid", "CompareView", "Lab", "LiveDashboard", "TimelineView", "WorkloadPicker", "timeline_figure"]
 
 _WHERE = {"AdviceGrid": "advice_grid", "CompareView": "compare_view", "Lab": "lab", "LiveDashboard": "dashboard",
-          "WorkloadPicker": "workload"}
+          "TimelineView": "timeline", "WorkloadPicker": "workload", "timeline_figure": "timeline"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,8 @@ prefetches it waits for. The step ends when the GPU and the copy engine are done
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from um_lab.sim.access import OpBlocks
@@ -18,10 +20,18 @@ from um_lab.sim.trace import KIND_H2D_COPY, StepTrace
 from um_lab.sim.uvm import PAGE, PREFETCH_PHASE, PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
 from um_lab.types import DATA_TYPES
 
+#: An optional observer of one simulated step (:mod:`um_lab.sim.timeline`), called as ``recorder(kind, index,
+#: start_us, end_us)``: after each op (kind :data:`REC_OP`, the op's index, its GPU start and end), after each
+#: explicit prefetch (:data:`REC_PREFETCH_GPU` / :data:`REC_PREFETCH_HOST`, the data type's index in
+#: ``DATA_TYPES``, its copy's start and end). It reads the driver model's counters itself; it must not change them.
+StepRecorder = Callable[[str, int, float, float], None]
+REC_OP, REC_PREFETCH_GPU, REC_PREFETCH_HOST = "op", "prefetch-to-gpu", "prefetch-to-host"
+
 
 def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, base_us: np.ndarray,
              rm_write_us: np.ndarray, prefetch_stream: str = "compute",
-             host_us: np.ndarray | None = None, op_us: np.ndarray | None = None) -> StepStats:
+             host_us: np.ndarray | None = None, op_us: np.ndarray | None = None,
+             recorder: StepRecorder | None = None) -> StepStats:
     """Simulate one step: walk the ops, servicing faults, remote accesses and prefetches.
 
     ``base_us``: each op's resident GPU time (:func:`um_lab.sim.roofline.op_times_us`);
@@ -31,6 +41,7 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
     bytes still count. The forward phase's prefetches are issued after it, inside the timed step, so their host
     calls, evictions and copies are on the step's clocks (and they find the fresh batch already written).
     ``op_us``, if given (one float per op), receives each op's GPU time, waits for prefetches excluded.
+    ``recorder``, if given, observes each op and prefetch (:data:`StepRecorder`); None (the default) costs nothing.
     """
     if prefetch_stream not in PREFETCH_STREAMS:
         raise ValueError(f"prefetch_stream must be one of {PREFETCH_STREAMS}, got {prefetch_stream!r}")
@@ -78,6 +89,8 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
                         copy_clock = start
                     if not on_copy_stream:
                         now_gpu = max(now_gpu, copy_clock)
+                    if recorder is not None:
+                        recorder(REC_PREFETCH_GPU, ti, start, copy_clock)
         now_cpu += host[i]
         start = now_gpu if now_gpu > now_cpu else now_cpu
         p0, p1 = ptr[i], ptr[i + 1]
@@ -101,12 +114,17 @@ def run_step(model: UvmModel, trace: StepTrace, layout: Layout, ob: OpBlocks, ba
         now_gpu = start + (base if base > remote_us else remote_us) + fault_us + rm_write_us[i]
         if op_us is not None:
             op_us[i] = now_gpu - start
+        if recorder is not None:
+            recorder(REC_OP, i, start, now_gpu)
         if i == 0 and batch_copy:  # the batch copy precedes the timed step and its first prefetches
             now_gpu = now_cpu = copy_clock = 0.0
     end = max(now_gpu, copy_clock)
     for ti, t in enumerate(DATA_TYPES):
         if a.prefetch_to_cpu[ti]:
+            begin = end
             end += model.prefetch_to_cpu(type_blocks[ti]) + layout.segment_count[t.value] * p.prefetch_call_us
+            if recorder is not None:
+                recorder(REC_PREFETCH_HOST, ti, begin, end)
     return StepStats(
         wall_us=end, htod=model.htod.copy(), dtoh=model.dtoh.copy(), resident=model.resident_by_type(),
         faults=model.faults, evictions=model.evictions, remote_bytes=model.remote_bytes,
