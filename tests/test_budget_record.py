@@ -334,3 +334,19 @@ def test_other_optimizers_are_refused_by_name_before_anything_steps(make):
         step_optimizer_in_chunks(optimizer, optimizer_chunks([model], optimizer))
     assert isinstance(info.value, BudgetError) and type(optimizer).__name__ in str(info.value)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_steps_budget_numbers_read_back_typed_from_its_record():
+    from um_lab.schedule.stats import BudgetStats
+    from um_lab.types import StepRecord
+
+    numbers = {"budget_bytes": 64 << 20, "max_resident_ledger": 60 << 20, "prefetched_bytes": 5 << 20,
+               "followed_plan": True, "staging": {"staged_bytes": 3 << 20, "tail_kept_bytes": 1 << 20},
+               "plan": {"moves": 4}}
+    blank = {"live_bytes": {}, "cap_bytes": 1 << 30, "gpu_capacity_bytes": 1 << 30}
+    record = StepRecord(step=3, wall_ms=1.0, extra={"budget": numbers}, **blank)
+    stats = record.budget
+    assert isinstance(stats, BudgetStats) and stats.followed_plan and stats.prefetched_bytes == 5 << 20
+    assert stats.staged_bytes == 3 << 20 and stats.tail_kept_bytes == 1 << 20 and stats.extra == {"plan": {"moves": 4}}
+    assert BudgetStats.from_dict(stats.to_dict()) == stats  # the run log's JSON round trip
+    assert StepRecord(step=0, wall_ms=1.0, **blank).budget is None

@@ -11,9 +11,10 @@ from um_lab.schedule.live.control import REPLAN_UNFORESEEN_FRACTION, plan_outdat
 from um_lab.schedule.live.executor import BudgetExecutor
 from um_lab.schedule.live.streams import RecordingStreams
 from um_lab.schedule.order import Access, Order
+from um_lab.schedule.stats import BudgetStats
 
 B = 64 * BLOCK
-FOLLOWED = {"followed_plan": True, "unforeseen_bytes": 0}
+FOLLOWED = BudgetStats(followed_plan=True, unforeseen_bytes=0)
 
 
 def moved(order, shift):
@@ -32,16 +33,16 @@ def test_no_plan_or_another_order_of_positions_needs_a_plan():
 
 def test_the_same_ranges_keep_the_plan_whatever_the_step_reports():
     order = layered_order(layers=3)
-    assert not plan_outdated(order, layered_order(layers=3), {"followed_plan": False}, B)
+    assert not plan_outdated(order, layered_order(layers=3), BudgetStats(followed_plan=False), B)
 
 
 def test_moved_ranges_keep_a_followed_plan_until_the_unforeseen_bytes_pass_the_threshold():
     order = layered_order(layers=3)
     shifted = moved(order, BLOCK)
     limit = int(REPLAN_UNFORESEEN_FRACTION * B)
-    assert not plan_outdated(order, shifted, {"followed_plan": True, "unforeseen_bytes": limit}, B)
-    assert plan_outdated(order, shifted, {"followed_plan": True, "unforeseen_bytes": limit + 1}, B)
-    assert plan_outdated(order, shifted, {"followed_plan": False, "unforeseen_bytes": 0}, B)
+    assert not plan_outdated(order, shifted, BudgetStats(followed_plan=True, unforeseen_bytes=limit), B)
+    assert plan_outdated(order, shifted, BudgetStats(followed_plan=True, unforeseen_bytes=limit + 1), B)
+    assert plan_outdated(order, shifted, BudgetStats(followed_plan=False, unforeseen_bytes=0), B)
 
 
 def test_the_executor_counts_what_a_followed_plan_did_not_foresee():
@@ -102,11 +103,11 @@ def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
     control.executor.refresh_segments()
 
     def step(o, unforeseen):
-        replanned, reason = control._replan(o, {"followed_plan": True, "unforeseen_bytes": unforeseen})
+        replanned, reason = control._replan(o, BudgetStats(followed_plan=True, unforeseen_bytes=unforeseen))
         assert replanned == bool(reason)
         return reason
 
-    assert control._replan(order, {"followed_plan": False}) == (True, "no plan")
+    assert control._replan(order, BudgetStats(followed_plan=False)) == (True, "no plan")
     assert step(shifted, 10 * limit) == "unforeseen"
     assert step(order, 4 * limit) == "unforeseen"  # the new plan missed far less: worth trying again
     assert step(shifted, 4 * limit) == ""  # ...but this one missed as much as before: tolerated
@@ -120,6 +121,6 @@ def test_a_re_plan_that_foresees_no_better_is_not_repeated_every_step():
     assert control._tolerated_unforeseen == 0
     assert step(shifted, 2 * limit) == "unforeseen"  # ...so twice the threshold re-plans again
     fewer = layered_order(layers=2)
-    assert control._replan(fewer, {"followed_plan": True, "unforeseen_bytes": 0}) == (True, "positions changed")
+    assert control._replan(fewer, BudgetStats(followed_plan=True)) == (True, "positions changed")
     assert control._tolerated_unforeseen == 0
     control.close()

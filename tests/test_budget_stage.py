@@ -16,6 +16,7 @@ from um_lab.schedule.config import Budget
 from um_lab.schedule.live.pinned import CpuCopyOps, PinnedArena, available_host_bytes
 from um_lab.schedule.live.stage import ActivationStager, StaleSavedTensor
 from um_lab.schedule.live.tail import TailSizer
+from um_lab.schedule.stats import BudgetStats
 from um_lab.types import DataType
 
 MiB = 1 << 20
@@ -473,24 +474,25 @@ def test_the_kept_tail_grows_in_rounds_while_a_steps_peak_leaves_room_beyond_the
 
     with sized_by_hand() as (tail, stager, executor, line, eligible):
         third = eligible // 3
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == \
+        assert tail.keep_more(BudgetStats(followed_plan=True, max_resident_ledger=line - third)) == \
             (True, "partial staging")
         assert stager.keep_tail_bytes == third and executor.expected_growth == third
         # the next step's peak is the same: the pool has not grown yet, so the room is the announced growth's
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == (False, "")
+        assert tail.keep_more(BudgetStats(followed_plan=True, max_resident_ledger=line - third)) == (False, "")
         assert stager.keep_tail_bytes == third and executor.expected_growth == third
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": 0}) == (False, ""), "sized: done"
+        assert tail.keep_more(BudgetStats(followed_plan=True, max_resident_ledger=0)) == (False, ""), "sized: done"
     with sized_by_hand() as (tail, stager, executor, line, eligible):
         for n in (1, 2, 3):  # each step's peak leaves room for what is announced and a third of the saves more
-            step = {"followed_plan": True, "max_resident_ledger": line - n * third}
+            step = BudgetStats(followed_plan=True, max_resident_ledger=line - n * third)
             assert tail.keep_more(step) == (True, "partial staging")
             assert stager.keep_tail_bytes == n * third and executor.expected_growth == n * third
         assert stager.keep_tail_bytes <= eligible
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": 0}) == (False, "")  # 3 rounds
+        done = BudgetStats(followed_plan=True, max_resident_ledger=0)
+        assert tail.keep_more(done) == (False, "")  # 3 rounds
         assert executor.plan.budget_bytes <= budget - executor.fixed_reserve - executor.expected_growth
         full = {"followed_plan": True, "max_resident_ledger": budget}
     with sized_by_hand() as (tail, stager, *_):
-        assert tail.keep_more(full) == (False, "") and stager.keep_tail_bytes == 0  # a step that left no room
+        assert tail.keep_more(BudgetStats.from_dict(full)) == (False, "") and stager.keep_tail_bytes == 0  # no room
 
 
 @contextlib.contextmanager
@@ -513,31 +515,32 @@ def test_growth_announced_for_the_tail_and_not_come_is_given_back_after_quiet_st
 
     with tail_sized_by_hand(env, monkeypatch) as (tail, stager, executor, line):
         third = stager.eligible_bytes // 3
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third})[0]
+        assert tail.keep_more(BudgetStats(followed_plan=True, max_resident_ledger=line - third))[0]
         assert executor.expected_growth == third
         quiet = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
         # off (the default): the growth stays announced however long it does not come
         for _ in range(2 * tail_module.SETTLE_STEPS):
-            assert tail.settle_growth(quiet) == (False, "")
+            assert tail.settle_growth(BudgetStats.from_dict(quiet)) == (False, "")
         assert executor.expected_growth == third
         tail.settle = True
         for _ in range(tail_module.SETTLE_STEPS - 1):
-            assert tail.settle_growth(quiet) == (False, "")
-        assert tail.settle_growth({**quiet, "followed_plan": False}) == (False, "")  # the count restarts
+            assert tail.settle_growth(BudgetStats.from_dict(quiet)) == (False, "")
+        assert tail.settle_growth(BudgetStats.from_dict({**quiet, "followed_plan": False})) == (False, "")  # restarts
         for _ in range(tail_module.SETTLE_STEPS - 1):
-            assert tail.settle_growth(quiet) == (False, "")
-        assert tail.settle_growth(quiet) == (True, "partial staging: announced growth not needed")
+            assert tail.settle_growth(BudgetStats.from_dict(quiet)) == (False, "")
+        settled = tail.settle_growth(BudgetStats.from_dict(quiet))
+        assert settled == (True, "partial staging: announced growth not needed")
         assert executor.expected_growth == 0 and stager.keep_tail_bytes == third  # the room is back in the plan:
         assert executor.plan.budget_bytes == executor.ledger.budget_bytes - executor.fixed_reserve
-        assert tail.settle_growth(quiet) == (False, ""), "nothing outstanding: nothing to give back"
+        assert tail.settle_growth(BudgetStats.from_dict(quiet)) == (False, ""), "nothing outstanding to give back"
         # the room given back: the next round keeps more, and announces it in full
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third}) == \
+        assert tail.keep_more(BudgetStats(followed_plan=True, max_resident_ledger=line - third)) == \
             (True, "partial staging")
         assert stager.keep_tail_bytes == 2 * third and executor.expected_growth == third
         # a step that did not keep the tail it was sized for counts for nothing
         short = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}  # ran before
         for _ in range(2 * tail_module.SETTLE_STEPS):
-            assert tail.settle_growth(short) == (False, "")
+            assert tail.settle_growth(BudgetStats.from_dict(short)) == (False, "")
         assert executor.expected_growth == third
 
 
@@ -569,24 +572,25 @@ def test_settling_counts_the_pools_growth_first_and_restarts_after_a_replan_or_a
     with tail_sized_by_hand(env, monkeypatch) as (tail, stager, executor, line):
         tail.settle = True
         third = stager.eligible_bytes // 3
-        assert tail.keep_more({"followed_plan": True, "max_resident_ledger": line - third})[0]
-        quiet = {"followed_plan": True, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
+        assert tail.keep_more(BudgetStats(followed_plan=True, max_resident_ledger=line - third))[0]
+        quiet = {"followed_plan": True, "max_resident_ledger": executor.ledger.budget_bytes,  # no room left
+                 "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third}}
         steps = tail_module.SETTLE_STEPS
         for _ in range(steps - 1):
-            assert tail.after_step(quiet) == (False, "")
-        assert tail.after_step(quiet, replanned=True) == (False, "")  # a re-planned step: the count restarts
+            assert tail.after_step(BudgetStats.from_dict(quiet)) == (False, "")
+        assert tail.after_step(BudgetStats.from_dict(quiet), replanned=True) == (False, "")  # re-planned: restarts
         short = {**quiet, "staging": {"keep_tail_bytes": third, "tail_kept_bytes": third // 2}}
         for _ in range(steps - 1):
-            assert tail.after_step(quiet) == (False, "")
-        assert tail.after_step(short) == (False, "")  # half the tail kept: not a quiet step either
+            assert tail.after_step(BudgetStats.from_dict(quiet)) == (False, "")
+        assert tail.after_step(BudgetStats.from_dict(short)) == (False, "")  # half the tail kept: not quiet either
         # the pool grows by half the announcement between two steps: only the other half may be given back
         fixed = [executor.ledger.fixed_bytes]
         monkeypatch.setattr(Ledger, "fixed_bytes", property(lambda self: fixed[0]))
         fixed[0] += third // 2
-        tail.after_step(quiet, replanned=True)  # (the session re-plans when its fixed pool grows)
+        tail.after_step(BudgetStats.from_dict(quiet), replanned=True)  # (the session re-plans when its pool grows)
         executor.set_order(executor.plan_order)  # the plan now holds the grown pool (and used that much growth)
         announced_before = executor.expected_growth
         for _ in range(steps):
-            replanned, reason = tail.after_step(quiet)
+            replanned, reason = tail.after_step(BudgetStats.from_dict(quiet))
         assert (replanned, reason) == (True, "partial staging: announced growth not needed")
         assert announced_before == third - third // 2 and executor.expected_growth == 0

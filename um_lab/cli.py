@@ -87,7 +87,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="calibration profile, for backends that take one (sim's: a packaged name such as "
                         "h200, or a profile JSON)")
-    p.add_argument("--budget", type=parse_budget, default=(None, None), metavar="SIZE|Fx",
+    p.add_argument("--budget", type=parse_budget, default=None, metavar="SIZE|Fx",
                    help="train under the layer-ahead scheduler with GPU-resident managed bytes at most this: a "
                         "size (8GiB) or a fraction of the footprint (0.5x: footprint/budget = 2); on compare it "
                         "applies to the layer-ahead runs. Policy layer-ahead without it: on sim the simulated "
@@ -232,8 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
                    warmup_steps=args.warmup, batch_size=args.batch_size,
                    model_kwargs=model_kwargs, capacity_bytes=args.capacity,
-                   oversubscription_ratio=args.ratio, seed=args.seed, gpu_budget_bytes=args.budget[0],
-                   gpu_budget_fraction=args.budget[1])
+                   oversubscription_ratio=args.ratio, seed=args.seed, budget=args.budget)
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")
@@ -314,8 +313,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                         warmup_steps=args.warmup, batch_size=args.batch_size,
                         model_kwargs=model_kwargs, capacity_bytes=args.capacity,
                         seed=args.seed, out_dir=args.out, progress=not args.no_progress,
-                        keep_going=args.keep_going, gpu_budget_bytes=args.budget[0],
-                        gpu_budget_fraction=args.budget[1])
+                        keep_going=args.keep_going, budget=args.budget)
     except BaseException as e:
         partial = getattr(e, "compare_table", None)
         if partial is not None:  # the runs made before it stopped: shown and exported, then the error

@@ -17,6 +17,7 @@ from typing import Any
 from um_lab.backend import AUTO, backend_names, valid_backend_names
 from um_lab.errors import BudgetError, SpecError
 from um_lab.schedule.config import Budget
+from um_lab.schedule.stats import BudgetStats
 from um_lab.units import positive_ratio, size_bytes, whole_bytes  # noqa: F401 - one check each, importable here
 
 
@@ -224,6 +225,12 @@ class StepRecord:
         if self.gpu_capacity_bytes <= 0:
             return math.inf
         return self.live_total / self.gpu_capacity_bytes
+
+    @property
+    def budget(self) -> BudgetStats | None:
+        """The layer-ahead scheduler's numbers of this step, typed (None: no budget)."""
+        numbers = self.extra.get("budget")
+        return BudgetStats.from_dict(numbers) if isinstance(numbers, Mapping) else None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (includes the derived ``oversubscription_ratio``)."""

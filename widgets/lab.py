@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from um_lab.backend import backend_class, backend_options, get_backend
-from um_lab.errors import SpecError
+from um_lab.errors import BudgetError, SpecError
 from um_lab.policy import Policy
 from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
 from um_lab.runread import LoadedRun, iter_records
-from um_lab.types import RunSpec, StepRecord, budget_from_text
+from um_lab.schedule.config import Budget
+from um_lab.types import RunSpec, StepRecord
 from um_lab.widgets._checks import (
     capacity_bytes_of,
     model_kwargs_value,
@@ -76,8 +77,8 @@ class Lab:
         budget = text_value("budget", budget)
         if budget.strip():
             try:
-                budget_from_text(budget)
-            except SpecError as e:
+                Budget(budget)
+            except (SpecError, BudgetError) as e:
                 raise SpecError(f"budget: {e}", "budget") from None
         if not isinstance(telemetry, (bool, str)):
             raise SpecError(f"telemetry must be True, False or a mode name (str), got {telemetry!r}", "telemetry")
@@ -145,22 +146,20 @@ class Lab:
         """The :class:`RunSpec` the panel's controls describe."""
         backend = self.workload.resolved_backend
         capacity, ratio = self.workload.sim_capacity() if self.workload.simulates_capacity else (None, None)
-        budget_bytes, budget_fraction = self._budget_field()
         return RunSpec(model=self.workload.model.value, policy=self.policy.name, backend=backend,
                        steps=int(self.steps.value), warmup_steps=int(self.warmup.value),
                        model_kwargs=self.workload.model_kwargs(), capacity_bytes=capacity,
-                       oversubscription_ratio=ratio, gpu_budget_bytes=budget_bytes,
-                       gpu_budget_fraction=budget_fraction)
+                       oversubscription_ratio=ratio, budget=self._budget_field())
 
-    def _budget_field(self) -> tuple[int | None, float | None]:
-        """The budget field as (bytes, fraction of the footprint); empty: no budget (SpecError when bad)."""
+    def _budget_field(self) -> Budget | None:
+        """The budget field as a :class:`~um_lab.schedule.config.Budget`; empty: none (SpecError when bad)."""
         text = str(self.budget.value).strip()
         if not text:
-            return None, None
+            return None
         try:
-            return budget_from_text(text)
-        except SpecError as e:
-            raise SpecError(f"GPU budget: {e}", e.field or "gpu_budget_bytes") from None
+            return Budget(text)
+        except (SpecError, BudgetError) as e:
+            raise SpecError(f"GPU budget: {e}", "budget") from None
 
     def _check_capacity(self, spec: RunSpec) -> None:
         """Refuse a simulated capacity the backend refuses for this model (a ratio leaving less than one

@@ -11,7 +11,7 @@ planned for the next one when it changed (``extra["budget"]["replanned"]``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -45,6 +45,7 @@ from um_lab.schedule.live.stage import ActivationStager
 from um_lab.schedule.live.streams import StreamOps
 from um_lab.schedule.live.tail import TailSizer
 from um_lab.schedule.order import Order
+from um_lab.schedule.stats import BudgetStats
 from um_lab.segments import Runtime, Segment
 from um_lab.types import DataType
 
@@ -318,9 +319,10 @@ class BudgetControl:
         if copies is not None:
             extra["remote_copies"] = copies
         t0 = time.perf_counter()
-        extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, extra)
+        numbers = BudgetStats.from_dict(extra)
+        extra["replanned"], extra["replan_reason"] = self._replan(recorder.order, numbers)
         if self.tail is not None:
-            sized = self.tail.after_step(extra, replanned=extra["replanned"])
+            sized = self.tail.after_step(numbers, replanned=extra["replanned"])
             if sized[0]:
                 extra["replanned"], extra["replan_reason"] = sized
         reserved, why = self._reserve_copy_slots(optimizer)  # also right after a re-plan that made state remote
@@ -402,7 +404,7 @@ class BudgetControl:
                                                  max_bytes=max(1, self.budget_bytes // OPTIMIZER_CHUNK_DIVISOR))
         return self._chunks[key]
 
-    def _replan(self, order: Order, step: dict[str, Any]) -> tuple[bool, str]:
+    def _replan(self, order: Order, step: BudgetStats) -> tuple[bool, str]:
         """Plan on ``order`` when the plan is out of date (:func:`plan_outdated`) or its discards wait for new
         gradient addresses; returns whether it did and why ("" when the plan is kept). A budget too small for
         the new plan is raised at the start of the next step, before anything runs.
@@ -412,9 +414,9 @@ class BudgetControl:
         ResNet-50), that amount is tolerated from then on: re-planning every step cost 0.3-0.6 s of host
         time per ResNet-50 step on the H200 and gained nothing."""
         self.last_order = order
-        unforeseen = int(step.get("unforeseen_bytes", 0))
+        unforeseen = step.unforeseen_bytes
         replanned_for = self._replanned_for_unforeseen
-        if self._steps_under_plan == 0 and replanned_for is not None and step.get("followed_plan", False):
+        if self._steps_under_plan == 0 and replanned_for is not None and step.followed_plan:
             # the first step under a plan made for unforeseen ranges: did the new plan help?
             self._tolerated_unforeseen = unforeseen if unforeseen >= replanned_for / 2 else 0
         self._steps_under_plan += 1
@@ -450,9 +452,9 @@ class BudgetControl:
 REPLAN_UNFORESEEN_FRACTION = 0.02
 
 
-def plan_outdated(planned: Order | None, order: Order, step: Mapping[str, Any], budget_bytes: int, *,
+def plan_outdated(planned: Order | None, order: Order, step: BudgetStats, budget_bytes: int, *,
                   tolerated_unforeseen: int = 0) -> str:
-    """Why the step just run (``order``, its ``extra["budget"]`` numbers ``step``) needs a new plan, or ""
+    """Why the step just run (``order``, its numbers ``step``) needs a new plan, or ""
     when it does not: ``"no plan"`` yet, ``"positions changed"`` (another order of positions), ``"left the
     plan"``, or ``"unforeseen"``: the plan failed to foresee more than ``REPLAN_UNFORESEEN_FRACTION`` of B
     beyond ``tolerated_unforeseen``. Ranges that merely moved a little (the caching allocator handing out
@@ -465,7 +467,7 @@ def plan_outdated(planned: Order | None, order: Order, step: Mapping[str, Any], 
         return "positions changed"
     if all(sorted(a.spans()) == sorted(b.spans()) for a, b in zip(planned.positions, order.positions, strict=True)):
         return ""
-    if not step.get("followed_plan", False):
+    if not step.followed_plan:
         return "left the plan"
     limit = REPLAN_UNFORESEEN_FRACTION * budget_bytes + tolerated_unforeseen
-    return "unforeseen" if step.get("unforeseen_bytes", 0) > limit else ""
+    return "unforeseen" if step.unforeseen_bytes > limit else ""

@@ -16,12 +16,10 @@ grew 0.6-1.6 GiB less than announced, and the step's ledger peak was 3.7-4.5 of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from um_lab.errors import BudgetTooSmall
 from um_lab.schedule.live.executor import BudgetExecutor
 from um_lab.schedule.live.stage import TAIL_ROUNDS, ActivationStager, tail_bytes
+from um_lab.schedule.stats import BudgetStats
 
 #: steps in a row that must run the whole kept tail, its announced growth outstanding and the fixed pool not
 #: growing, before :meth:`TailSizer.settle_growth` gives that growth back
@@ -47,8 +45,8 @@ class TailSizer:
         self._settled = 0  # times announced growth was given back (at most SETTLE_LIMIT)
         self._fixed_seen = 0  # the fixed pool's bytes at the last step's end
 
-    def after_step(self, step: Mapping[str, Any], replanned: bool = False) -> tuple[bool, str]:
-        """After each step (its ``extra["budget"]``; ``replanned``: the step's plan was already made again): the
+    def after_step(self, step: BudgetStats, replanned: bool = False) -> tuple[bool, str]:
+        """After each step (its numbers; ``replanned``: the step's plan was already made again): the
         pool's growth counts against the tail's announced growth first; then, when nothing re-planned, give back
         growth that is not coming, else size the tail one round more. Returns (replanned, reason)."""
         fixed = self.executor.ledger.fixed_bytes
@@ -60,13 +58,13 @@ class TailSizer:
         settled = self.settle_growth(step)
         return settled if settled[0] else self.keep_more(step)
 
-    def keep_more(self, step: Mapping[str, Any]) -> tuple[bool, str]:
+    def keep_more(self, step: BudgetStats) -> tuple[bool, str]:
         """One round: the room is the smaller of what the plan leaves and what the step's ledger peak left, less the
         announced growth that has not come yet. Up to :data:`~um_lab.schedule.live.stage.TAIL_ROUNDS` rounds, until the
         room is under the minimum or the tail holds every save. Returns (replanned, reason)."""
         executor, stager, plan = self.executor, self.stager, self.executor.plan
         if not 0 <= self._rounds < TAIL_ROUNDS or plan is None or executor.plan_order is None \
-                or not step.get("followed_plan", False):
+                or not step.followed_plan:
             return False, ""
         self._rounds += 1
         budget = executor.ledger.budget_bytes
@@ -74,7 +72,7 @@ class TailSizer:
         announced = executor.expected_growth  # the plan left room for it; what has come of it is in ``grown``
         room = min(plan.budget_bytes - plan.max_resident - max(0, grown - announced),
                    budget - executor.fixed_reserve - max(0, announced - grown)
-                   - int(step.get("max_resident_ledger", budget)))
+                   - step.max_resident_ledger)
         more = min(tail_bytes(room, budget), stager.eligible_bytes - stager.keep_tail_bytes)
         if more <= 0:
             self._rounds = -1
@@ -91,7 +89,7 @@ class TailSizer:
         self._announced += more
         return True, "partial staging"
 
-    def settle_growth(self, step: Mapping[str, Any]) -> tuple[bool, str]:
+    def settle_growth(self, step: BudgetStats) -> tuple[bool, str]:
         """With :attr:`settle` on: the growth announced for the tail that is still outstanding after
         :data:`SETTLE_STEPS` steps in a row that followed the plan, kept the whole tail and did not grow the fixed
         pool is not coming (the pool's cached blocks held the kept saves). It is given back to the plan (planned
@@ -101,11 +99,10 @@ class TailSizer:
         if not self.settle or plan is None or executor.plan_order is None or self._settled >= SETTLE_LIMIT:
             return False, ""
         outstanding = min(self._announced, executor.expected_growth)
-        staging = step.get("staging") or {}
-        quiet = (outstanding > 0 and bool(step.get("followed_plan", False))
+        quiet = (outstanding > 0 and step.followed_plan
                  and executor.ledger.fixed_bytes <= plan.fixed_bytes
-                 and staging.get("keep_tail_bytes") == stager.keep_tail_bytes > 0
-                 and staging.get("tail_kept_bytes", 0) >= KEPT_FRACTION * stager.keep_tail_bytes)
+                 and step.keep_tail_bytes == stager.keep_tail_bytes > 0
+                 and step.tail_kept_bytes >= KEPT_FRACTION * stager.keep_tail_bytes)
         self._quiet_steps = self._quiet_steps + 1 if quiet else 0
         if self._quiet_steps < SETTLE_STEPS:
             return False, ""
