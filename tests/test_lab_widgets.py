@@ -190,11 +190,11 @@ def test_engine_errors_show_in_the_panel_not_as_tracebacks(tmp_path):
     assert lab.run() is None and lab.state == "error"
     assert "ratio 10000.0" in lab.status.value and "below one 2 MiB chunk" in lab.status.value
     assert not any(tmp_path.iterdir())
-    # before the estimate is done, the run's own check fails it: a failure inside the run ends it as failed
+    # before the estimate is done, the run's own pre-flight refuses it, before its folder exists too
     lab.workload.last_sized = None
     lab.run(wait=True, timeout=60)
-    assert lab.state == "failed" and "below one 2 MiB chunk" in lab.status.value
-    assert lab.run_button.disabled is False
+    assert lab.state == "error" and "below one 2 MiB chunk" in lab.status.value
+    assert not any(tmp_path.iterdir()) and lab.run_button.disabled is False
 
 
 def test_advice_grid_presets_custom_edits_three_type_view_and_notes():
