@@ -565,3 +565,12 @@ def test_compare_view_lists_the_picked_models_first_so_they_are_in_view():
     assert list(view.models.options[:2]) == ["gpt2-small", "mlp"]
     assert list(view.models.value) == ["gpt2-small", "mlp"] and view.models.rows >= 2
     assert len(set(view.models.options)) == len(view.models.options)
+
+
+def test_the_inside_a_step_tab_simulates_the_panels_workload_when_opened(tmp_path):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=1.5, out_dir=tmp_path)
+    assert lab.tabs.titles == ("per step", "inside a step") and lab.timeline.timelines == (None, None)  # not yet
+    lab.tabs.selected_index = 1
+    a, b = lab.timeline.timelines
+    assert a.model == "mlp" and a.policy != b.policy and a.wall_us > 0 and a.capacity_bytes > 0
+    assert not any(tmp_path.iterdir())  # the timeline writes no run folder

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from um_lab.backend import backend_class, backend_options, get_backend
-from um_lab.errors import BudgetError, SpecError
+from um_lab.errors import BudgetError, SpecError, UmLabError
 from um_lab.policy import Policy
 from um_lab.runlog import default_out_dir
 from um_lab.runner import Run
@@ -41,6 +41,7 @@ from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
 from um_lab.widgets.figures import dashboard_figure, display_bundle
+from um_lab.widgets.timeline import TimelineView
 from um_lab.widgets.workload import WorkloadPicker
 
 _END_COLOURS = {"complete": "#080", "stopped": "#a60", "interrupted": "#a60", "failed": "#c00", "error": "#c00"}
@@ -118,11 +119,18 @@ class Lab:
         self.static_output.add_class("um-lab-static")
         self.run_button.on_click(lambda _b: self.run())
         self.stop_button.on_click(lambda _b: self.stop())
+        #: inside one step, on the simulator: resident bytes per type kernel by kernel, two policies side by side
+        self.timeline = TimelineView(model=str(self.workload.model.value), model_kwargs=self._timeline_kwargs(),
+                                     ratio=None, simulate_now=False)
+        self.tabs = w.Tab([w.VBox([live, self.static_output]), self.timeline.widget])
+        self.tabs.titles = ("per step", "inside a step")
+        self.tabs.add_class("um-lab-tabs")
+        self.tabs.observe(lambda change: self._tab_opened(change["new"]), names="selected_index")
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>um_lab</h3>"), self.workload.widget,
             w.HTML("<b>Advice per data type</b>"), self.advice.widget,
             w.HBox([self.steps, self.warmup, self.pace, self.budget]),
-            w.HBox([self.run_button, self.stop_button, self.progress]), self.status, live, self.static_output])
+            w.HBox([self.run_button, self.stop_button, self.progress]), self.status, self.tabs])
         self.widget.add_class("um-lab")
         self.active: Run | None = None
         self.state = "idle"  #: idle, running, complete, stopped, interrupted, failed or error (refused to start)
@@ -134,6 +142,24 @@ class Lab:
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _timeline_kwargs(self) -> dict[str, Any]:
+        try:
+            return dict(self.workload.model_kwargs())
+        except UmLabError:  # a knob typed out of range: the timeline waits for a valid one
+            return {}
+
+    def _tab_opened(self, index: int | None) -> None:
+        """The step timeline tab simulates the panel's workload when it is opened (not before: it costs a trace)."""
+        if index != 1:
+            return
+        try:
+            capacity, ratio = self.workload.sim_capacity()
+        except UmLabError as e:
+            self.timeline.status.value = f"<span style='color:#b00'>{html_text(e)}</span>"
+            return
+        self.timeline.set_workload(model=str(self.workload.model.value), model_kwargs=self._timeline_kwargs(),
+                                   ratio=ratio, capacity_bytes=capacity)
 
     # -- what would run ----------------------------------------------------------------------------
 
