@@ -70,6 +70,12 @@ Y_RANGES_JS = """(selector) => {
   return ['yaxis', 'yaxis2', 'yaxis3', 'yaxis4', 'yaxis5'].map(a => layout[a] ? [...layout[a].range] : null);
 }"""
 
+# The trace names of the first graph under `selector` (None while it is not drawn).
+TRACE_NAMES_JS = """(selector) => {
+  const gd = document.querySelector(selector + ' .js-plotly-plot');
+  return gd && gd.data && gd.data.length ? gd.data.map(t => String(t.name || '')) : null;
+}"""
+
 # Every graph under `selector`: its category labels (x values that are text) and its annotations' texts.
 LABELS_JS = """(selector) => [...document.querySelectorAll(selector + ' .js-plotly-plot')].map(gd => ({
   x: (gd.data || []).flatMap(t => Array.isArray(t.x) ? t.x.filter(v => typeof v === 'string') : []),
@@ -265,6 +271,27 @@ def test_quickstart_lab_in_chromium(jupyter_lab: JupyterLab, page: Any, tmp_path
     assert "error" not in status_text(page).lower(), status_text(page)
     panel_screenshot(page, shots / "lab-complete.png")
 
+    # -- inside a step: the timeline tab simulates the panel's workload, two policies on one time axis; Play walks
+    tab = page.locator(".um-lab-tabs .lm-TabBar-tab", has_text="inside a step").first
+    tab.click()
+    timeline = page.locator(".um-lab-timeline").first
+    traces = wait_until(lambda: (names := page.evaluate(TRACE_NAMES_JS, ".um-lab-timeline")) and names, 120,
+                        "the step timeline to be drawn", describe=lambda: status_text(page))
+    titles = " ".join(texts(page, ".um-lab-timeline .gtitle, .um-lab-timeline .annotation-text"))
+    assert sum(t in titles for t in ("um-default", "prefetch-all", choice)) >= 2, f"two policies: {titles!r}"
+    assert any("param" in n for n in traces) and any("act" in n for n in traces), traces
+    ranges = page.evaluate(Y_RANGES_JS, ".um-lab-timeline")
+    assert ranges and ranges[0] and ranges[0][0] == 0, f"the timeline's resident bytes from zero: {ranges}"
+    slider = timeline.locator(".widget-slider .noUi-handle, .widget-slider input").first
+    before_t = timeline.locator(".widget-html").last.inner_text()
+    timeline.locator(".widget-play button").first.click()  # Play
+    readout = lambda: timeline.locator(".widget-html").last.inner_text()  # noqa: E731
+    wait_until(lambda: readout() != before_t, 30, "Play to move the timeline's cursor", describe=readout)
+    assert slider.count() >= 1
+    timeline_shot = panel_screenshot(page, shots / "timeline.png")
+    timings["timeline"] = time.monotonic() - t0
+    page.locator(".um-lab-tabs .lm-TabBar-tab", has_text="per step").first.click()
+
     # -- another model: the last model's plots go (live and static), the panels say there is no data yet
     model = page.locator(".um-lab-model select").first
     other = next(o for o in model.evaluate("s => [...s.options].map(o => o.value)") if o != model.input_value())
@@ -318,7 +345,7 @@ def test_quickstart_lab_in_chromium(jupyter_lab: JupyterLab, page: Any, tmp_path
     timings["compare stopped"] = time.monotonic() - t0
 
     published = publish_screenshots({"lab.png": live, "lab-stopped.png": stopped_shot,
-                                     "compare-stopped.png": compare_shot})
+                                     "compare-stopped.png": compare_shot, "timeline.png": timeline_shot})
     print(f"browser test timings (s from opening the page): {timings}; screenshots: {shots} {published}")
 
 
