@@ -336,3 +336,13 @@ def test_plotly_titles_names_and_labels_show_user_text_literally():
     board = dashboard_figure([record], title=f"t {PAYLOAD}")
     assert "<img" not in board.layout.title.text and "&lt;img" in board.layout.title.text
     assert display_bundle(board)["data"]["text/plain"] == f"<plotly figure: t {PAYLOAD}>"  # plain text: as given
+
+
+def test_lab_refuses_a_ratio_and_a_capacity_given_together():
+    from um_lab.errors import SpecError
+    from um_lab.widgets import Lab
+
+    with pytest.raises(SpecError, match="ratio=2.0 and capacity_gib=8"):
+        Lab(model="mlp", backend="sim", ratio=2.0, capacity_gib=8)
+    lab = Lab(model="mlp", backend="sim", capacity_gib=8)  # the default ratio gives way to a capacity given
+    assert lab.workload.capacity_mode.value == "capacity GiB"

@@ -47,6 +47,16 @@ from um_lab.widgets.workload import WorkloadPicker
 _END_COLOURS = {"complete": "#080", "stopped": "#a60", "interrupted": "#a60", "failed": "#c00", "error": "#c00"}
 
 
+class _Default:
+    """The ratio a panel starts with when none is given (told apart from a ratio the user gave)."""
+
+    def __repr__(self) -> str:
+        return "1.5"
+
+
+DEFAULT_RATIO = _Default()
+
+
 class Lab:
     """The lab panel (ipywidgets). Display it as a cell's last expression; drive it by hand or from code.
 
@@ -60,7 +70,7 @@ class Lab:
     """
 
     def __init__(self, model: str = "mlp", policy: Policy | str = "um-default", backend: str = "auto",
-                 steps: int = 20, warmup_steps: int = 2, ratio: float | None = 1.5,
+                 steps: int = 20, warmup_steps: int = 2, ratio: float | None | _Default = DEFAULT_RATIO,
                  capacity_gib: float | None = None, model_kwargs: dict[str, Any] | None = None,
                  pace_s: float = 0.0, out_dir: str | os.PathLike[str] | None = None,
                  telemetry: bool | str = "auto", budget: str = "") -> None:
@@ -71,7 +81,10 @@ class Lab:
         steps = whole_number("steps", steps, 1)
         warmup_steps = whole_number("warmup_steps", warmup_steps, 0)
         pace_s = real_number("pace_s", pace_s, 0.0)
-        ratio = optional_positive("ratio", ratio)
+        if capacity_gib is not None and not isinstance(ratio, _Default) and ratio is not None:
+            raise SpecError(f"give ratio or capacity_gib, not both: ratio={ratio!r} and capacity_gib={capacity_gib!r} "
+                            "both set the simulated GPU's size", "capacity_gib")
+        ratio = optional_positive("ratio", 1.5 if isinstance(ratio, _Default) else ratio)
         capacity_gib = optional_positive("capacity_gib", capacity_gib)
         if capacity_gib is not None:
             capacity_bytes_of("capacity_gib", capacity_gib)
