@@ -273,7 +273,10 @@ def custom(
 ) -> ModelCase:
     """Wrap your own model as a :class:`ModelCase`.
 
-    ``model``: an ``nn.Module`` (each run trains a deep copy, so runs stay independent) or a factory.
+    ``model``: an ``nn.Module`` (each run trains a deep copy, so runs stay independent) or a factory. The
+    simulator traces either at any size: it builds the model with its large tensors on the meta device and its
+    small ones real (a constructor may compute with them), so a factory costs no memory (a module given here
+    already holds its own); a step it cannot trace raises :class:`~um_lab.sim.trace.TraceError`, naming the op.
     ``make_batch``: ``f(generator) -> tuple of CPU tensors``, ``f() -> tuple``, or a fixed tuple.
     ``loss_fn(model, *batch) -> scalar``; default: cross entropy of ``model(x)`` against ``y``.
     ``make_optimizer(params)``; default: AdamW(lr=1e-5).

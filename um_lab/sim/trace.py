@@ -1,7 +1,10 @@
 """Capture one training step (forward, backward, optimizer step) without allocating its memory.
 
-The model, optimizer and batch live in a :class:`~torch._subclasses.fake_tensor.FakeTensorMode`: every
-tensor has shapes, strides and a storage identity but no data, so a GPT-2-XL step traces on a laptop.
+The model is built outside fake mode (:func:`build_outside_fake`): a tensor its constructor makes stays real while it
+is small (its values are there to read, e.g. drop-path rates from ``torch.linspace(...).tolist()``) and lives on
+the meta device when it is large. Its parameters and buffers then become fake tensors
+(:class:`~torch._subclasses.fake_tensor.FakeTensorMode`), and so do the optimizer and the batch: every tensor has
+shapes, strides and a storage identity but no data, so a GPT-2-XL step traces on a laptop.
 A :class:`~torch.utils._python_dispatch.TorchDispatchMode` records each ATen op that would launch a GPU
 kernel: the storages it reads and writes (byte ranges), FLOPs, HBM bytes, and the points where storages
 are allocated and freed. Storages are classified exactly as the real backend routes them to pools:
@@ -17,15 +20,22 @@ The trace runs on the CPU, so CUDA kernel choices are emulated where they change
 dot-product attention becomes the fused memory-efficient kernel (the H200 runs fp32 attention with it)
 and dropout becomes ``native_dropout`` (a bool mask, as on CUDA). Adam-style optimizers use the
 ``foreach`` implementation, the CUDA default.
+
+Ops whose output size depends on tensor values (``nonzero``, boolean-mask indexing, ``torch.where(mask)``,
+``masked_select``, ``unique``; ``bincount`` with a ``minlength``) are sized as if every element were selected (an
+upper bound: what a mask that keeps every element, such as a label or padding mask, really selects).
+An op that needs a value (``.item()``, ``.tolist()``, ``if tensor:``) or has no fake kernel raises
+:class:`TraceError`, naming the op and the module that ran it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,9 +43,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from um_lab.errors import ModelConfigError
 from um_lab.models import ModelCase, check_optimizer
 from um_lab.sim.ops import (
     KNOWN_GENERIC,
@@ -44,7 +55,6 @@ from um_lab.sim.ops import (
     CudaKernelChoices,
     ask_for_sdpa,
     conv_workspace,
-    data_free_init,
     extent_bytes,
     is_causal_attention,
     read_fields,
@@ -283,6 +293,10 @@ class _Recorder(TorchDispatchMode):
             at = 7 if name.endswith("_backward") else 4
             if kwargs.get("is_causal", args[at] if len(args) > at else False):
                 flops *= 0.5
+        elif name == "aten._grouped_mm":  # one GEMM per group (experts): rows of A against their group's B
+            kind = KIND_MATMUL
+            a, b, o = args[0], args[1], outs[0]
+            flops = 2.0 * o.numel() * a.shape[-1] / (o.shape[0] if a.dim() == 2 and b.dim() == 2 else 1)
         elif packet in flop_registry:
             kind = KIND_CONV if "conv" in name else KIND_ATTENTION if "attention" in name else KIND_MATMUL
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
@@ -304,6 +318,223 @@ class _Recorder(TorchDispatchMode):
             nbytes += t.numel() * t.element_size()
             self.acc.append((len(self.ops), idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0, 0.0, 0.0))
         self.ops.append(("um_lab.input_h2d", PHASE_FWD, 0.0, nbytes, KIND_H2D_COPY))
+
+
+class TraceError(ModelConfigError):
+    """A model's training step cannot be traced on fake tensors: ``op`` (an ATen op) needs tensor values the
+    trace does not have, or has no fake kernel. ``module`` names where it ran (its path in the model and its
+    class; the class alone while the model is being built), ``phase`` when (``build``, ``forward``,
+    ``backward``, ``optimizer step``); ``model`` is the case's name."""
+
+    def __init__(self, model: str, op: str, module: str | None, phase: str, reason: str) -> None:
+        self.model, self.op, self.module, self.phase, self.reason = model, op, module, phase, reason
+        where = f" in {module}" if module else ""
+        super().__init__(f"model {model!r} cannot be traced: {op} ({phase}{where}) {reason}", "model")
+
+    def __reduce__(self):
+        return (type(self), (self.model, self.op, self.module, self.phase, self.reason))
+
+
+#: A tensor a model's constructor makes with at most this many elements is real (its values can be read,
+#: e.g. drop-path rates from ``torch.linspace(0, rate, depth).tolist()`` or a relative-position index); a
+#: larger one lives on the meta device (no memory).
+SMALL_REAL_NUMEL = 1 << 16
+
+
+class _ValuesNeeded(Exception):
+    """Raised inside a build or a step for an op that needs the values of a tensor that has none."""
+
+    def __init__(self, op: str, reason: str) -> None:
+        self.op, self.reason = op, reason
+        super().__init__(f"{op} {reason}")
+
+
+def _op_name(func: Any) -> str:
+    return str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+
+
+class _SmallRealBuild(TorchDispatchMode):
+    """Runs a model's constructor: each op first runs on meta copies of its inputs (sizes only); when its
+    inputs are real and its outputs small (:data:`SMALL_REAL_NUMEL`) it runs for real, else its meta outputs
+    stand (a large tensor, or one computed from one). Reading the values of a meta tensor raises
+    :class:`_ValuesNeeded`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in flat)
+        meta_flat = [t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t for t in flat]
+        meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
+        if "device" in {a.name for a in func._schema.arguments}:  # a factory: size it on meta
+            meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
+        try:
+            out = func(*meta_args, **meta_kwargs)
+        except Exception as e:  # noqa: BLE001 - no meta kernel, or the op reads values
+            if on_meta:
+                raise _ValuesNeeded(_op_name(func), f"reads the values of a tensor the model's constructor made "
+                                                    f"too large to keep (more than {SMALL_REAL_NUMEL} elements: it "
+                                                    f"has none; {type(e).__name__})") from e
+            return func(*args, **kwargs)
+        if on_meta:
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs or sum(t.numel() for t in outs) <= SMALL_REAL_NUMEL:
+            return func(*args, **kwargs)  # small: real values
+        return out
+
+
+def build_outside_fake(case: ModelCase) -> torch.nn.Module:
+    """``case``'s model built outside fake mode: small tensors real, large ones on the meta device (see
+    :class:`_SmallRealBuild`). A constructor that needs the values of a large tensor raises
+    :class:`TraceError` naming the op and the module class being built."""
+    try:
+        with _SmallRealBuild():
+            model = case.build_model()
+    except _ValuesNeeded as e:
+        raise TraceError(case.name, e.op, _module_at(e.__traceback__, {}), "build", e.reason) from None
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(case.name, "build_model", None, "build",
+                         f"returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _to_fake(model: torch.nn.Module, fake: FakeTensorMode) -> None:
+    """Replace ``model``'s parameters, buffers and tensor attributes by fake tensors of the same shapes,
+    strides and dtypes (in place; a tensor held in two places stays one tensor)."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive; its fake)
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in memo:
+            return memo[id(t)][1]
+        if t.is_meta:
+            with fake:
+                data = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+        else:
+            data = fake.from_tensor(t.detach())
+        hit: torch.Tensor
+        if isinstance(t, torch.nn.Parameter):
+            hit = torch.nn.Parameter(data, requires_grad=t.requires_grad)
+            hit.__dict__.update({k: v for k, v in vars(t).items() if k != "_is_param"})
+        else:
+            hit = data.requires_grad_(t.requires_grad) if t.requires_grad else data
+        memo[id(t)] = (t, hit)
+        return hit
+
+    for module in model.modules():
+        stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for store in stores:
+            for name, t in list(store.items()):
+                if t is not None:
+                    store[name] = convert(t)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                module.__dict__[name] = convert(value)
+
+
+def _fake_model(case: ModelCase, fake: FakeTensorMode) -> torch.nn.Module:
+    model = build_outside_fake(case)
+    _to_fake(model, fake)
+    return model
+
+
+class _DataDependentOps(TorchDispatchMode):
+    """Sizes the ops whose output size depends on values (see the module's notes) as if every element were
+    selected; sits between the recorder (which records the op as called) and the fake mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        if name == "aten.nonzero":
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._unsafe_index_put") and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            indices = []  # tensors, or None for a dim not indexed
+            for i in args[1]:  # a mask indexes with the positions it selects (each of its dims)
+                if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                    indices += [torch.empty((i.numel(),), dtype=torch.long, device=i.device)] * i.dim()
+                else:
+                    indices.append(i)
+            return func(args[0], indices, *args[2:], **kwargs)
+        if name == "aten.masked_select":
+            shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+            return torch.empty((int(np.prod(shape)),), dtype=args[0].dtype, device=args[0].device)
+        if name in ("aten._unique2", "aten._unique"):  # torch.unique without dim: at most numel values
+            x = args[0]
+            values = torch.empty((x.numel(),), dtype=x.dtype, device=x.device)
+            inverse = torch.empty(x.shape, dtype=torch.long, device=x.device)
+            if name == "aten._unique":
+                return values, inverse
+            return values, inverse, torch.empty((x.numel(),), dtype=torch.long, device=x.device)
+        if name == "aten.bincount":
+            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            if minlength > 0:  # values assumed below minlength (a count per class or expert)
+                weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
+                dtype = torch.long if weights is None else torch.promote_types(weights.dtype, torch.float)
+                return torch.empty((int(minlength),), dtype=dtype, device=args[0].device)
+        if name == "aten._grouped_mm" and args[0].dtype not in (torch.bfloat16, torch.float16):
+            # the fake kernel takes 16-bit inputs only; the CPU and CUDA kernels take fp32 too (a mixture of
+            # experts in fp32: Hugging Face's default experts implementation). Its shapes, in the input's dtype.
+            half = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                    for a in args]
+            out = func(*half, **{**kwargs, "out_dtype": None})
+            return torch.empty_strided(out.shape, out.stride(), dtype=kwargs.get("out_dtype") or args[0].dtype,
+                                       device=out.device)
+        try:
+            return func(*args, **kwargs)
+        except _FAKE_LIMITS as e:
+            raise _ValuesNeeded(name, _why(e)) from e
+
+
+def _why(e: Exception) -> str:
+    from torch._subclasses import fake_tensor as ft
+
+    if isinstance(e, ft.DataDependentOutputException):
+        return ("reads tensor values (.item(), .tolist(), a tensor used as a Python bool or int), which a fake "
+                "trace has none of")
+    if isinstance(e, ft.DynamicOutputShapeException):
+        return "has an output size that depends on tensor values, and no size rule in the tracer"
+    return f"has no fake-tensor kernel ({type(e).__name__})"
+
+
+def _fake_limits() -> tuple[type[Exception], ...]:
+    from torch._subclasses import fake_tensor as ft
+
+    return (ft.DataDependentOutputException, ft.DynamicOutputShapeException, ft.UnsupportedOperatorException)
+
+
+_FAKE_LIMITS = _fake_limits()
+
+
+def _module_at(tb: Any, names: dict[int, str]) -> str | None:
+    """The innermost module whose method is on the traceback ``tb``: its path in the model (``names``: id of
+    a module -> its name) and class, or its class alone."""
+    found = None
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, torch.nn.Module):
+            found = obj
+        tb = tb.tb_next
+    if found is None:
+        return None
+    name = names.get(id(found))
+    cls = type(found).__qualname__.rsplit("<locals>.", 1)[-1]
+    return f"{name or '<model>'} ({cls})" if name is not None else cls
+
+
+@contextlib.contextmanager
+def _explained(case: ModelCase, model: torch.nn.Module, phase_box: dict[str, Any]) -> Iterator[None]:
+    """Turn an op the trace cannot run into a :class:`TraceError` naming it, the module and the phase."""
+    try:
+        yield
+    except _ValuesNeeded as e:
+        names = {id(m): n for n, m in model.named_modules()}
+        raise TraceError(case.name, e.op, _module_at(e.__traceback__, names), phase_box["name"], e.reason) from None
+    except _FAKE_LIMITS as e:
+        names = {id(m): n for n, m in model.named_modules()}
+        func = getattr(e, "func", None)
+        raise TraceError(case.name, _op_name(func) if func is not None else type(e).__name__,
+                         _module_at(e.__traceback__, names), phase_box["name"], _why(e)) from None
 
 
 def case_key(case: ModelCase, seed: int = 0) -> str:
@@ -335,17 +566,18 @@ def case_fingerprint(case: ModelCase, seed: int = 0) -> str:
     the code of its ``forward``, settings) and parameters and buffers (names, shapes, dtypes, which train),
     the optimizer (class, hyper-parameters, parameter groups), the batch's shapes and dtypes, the loss
     function's code and captured values, and ``seed``. The model, optimizer and batch are built on fake
-    tensors (no memory); an optimizer whose ``step()`` needs a closure is refused here
-    (:class:`~um_lab.errors.OptimizerNeedsClosure`)."""
+    tensors (no memory; the model built by :func:`build_outside_fake`); an optimizer whose ``step()`` needs a closure is
+    refused here (:class:`~um_lab.errors.OptimizerNeedsClosure`)."""
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.random.fork_rng(devices=[]), fake, data_free_init():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = case.build_model()
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = case.make_optimizer(params)
-        check_optimizer(case, optimizer)
-        batch = case.batch(seed)
+        model = _fake_model(case, fake)
+        with fake:
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = case.make_optimizer(params)
+            check_optimizer(case, optimizer)
+            batch = case.batch(seed)
     index = {id(p): i for i, p in enumerate(params)}
     groups = [(sorted((str(k), _value_text(v)) for k, v in group.items() if k != "params"),
                [index.get(id(p), -1) for p in group.get("params", ())])
@@ -467,12 +699,14 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
     """Trace one steady-state training step of ``case`` without allocating its memory.
 
     A first step (untraced) creates the optimizer state and the gradients (kept with
-    ``zero_grad(set_to_none=False)``, as the real backend does); the second step is recorded.
+    ``zero_grad(set_to_none=False)``, as the real backend does); the second step is recorded. The model is
+    built by :func:`build_outside_fake`; an op the trace cannot run raises :class:`TraceError`.
     """
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     torch.manual_seed(seed)
-    with fake, data_free_init():
-        model = case.build_model()
+    model = _fake_model(case, fake)
+    phase_box = {"phase": 0, "name": "forward"}
+    with fake:
         model.train()
         ask_for_sdpa(model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -482,14 +716,15 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
             if "foreach" in group and not group.get("fused"):
                 group["foreach"] = True
         batch = tuple(fake.from_tensor(b) for b in case.batch(seed))
-    with fake, CudaKernelChoices():
+    with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps():
+        phase_box["name"] = "forward"
         loss = case.loss_fn(model, *batch)
+        phase_box["name"] = "backward"
         loss.backward()
+        phase_box["name"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         del loss
-
-    phase_box = {"phase": 0}
 
     def classify_new() -> DataType:
         return DataType.OPTIM if phase_box["phase"] == PHASE_OPT else DataType.ACT
@@ -505,13 +740,16 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
             if isinstance(v, torch.Tensor):
                 rec.register(v, DataType.OPTIM, -1, False)
     rec.record_input_copy(batch)
-    with fake, CudaKernelChoices(), rec:
+    with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(), rec:
         rec.phase = phase_box["phase"] = PHASE_FWD
+        phase_box["name"] = "forward"
         loss = case.loss_fn(model, *batch)
         rec.phase = phase_box["phase"] = PHASE_BWD
+        phase_box["name"] = "backward"
         loss.backward()
         del loss
         rec.phase = phase_box["phase"] = PHASE_OPT
+        phase_box["name"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         rec._collect_frees()
