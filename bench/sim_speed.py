@@ -266,6 +266,82 @@ def run_corpus(out: Path, small: bool = False, library: str | None = None) -> di
     return result
 
 
+#: corpus models (none in um_lab's zoo) whose memory estimate is checked against a native training step on a GPU
+ESTIMATE_MODELS = ("timm/efficientnet_b0", "timm/convnext_tiny", "timm/vit_base_patch16_224", "timm/densenet121",
+                   "timm/swin_tiny_patch4_window7_224", "torchvision/mobilenet_v3_large", "torchvision/regnet_y_800mf",
+                   "torchvision/resnext50_32x4d", "torchvision/vgg11_bn", "transformers/qwen2.5-0.5b",
+                   "transformers/pythia-410m", "transformers/t5-base", "transformers/bart-base",
+                   "transformers/deit-base-patch16-224")
+ESTIMATE_BAR = 0.10  #: each model's estimate within 10% of the GPU's peak allocated bytes
+
+
+def predict_estimates(out: Path) -> dict:
+    """The simulator's memory estimate of each of :data:`ESTIMATE_MODELS` (before any GPU measures it): the
+    panel's estimate (each data type's own peak, summed: what um_lab's one-pool-per-type backend holds) and
+    the peak of everything live at once over the traced step (what one caching allocator holds)."""
+    from um_lab.sim.trace import cached_trace
+    from um_lab.sizing import estimate_memory
+
+    rows = []
+    for name in ESTIMATE_MODELS:
+        case, info = corpus_case(name)
+        estimate = estimate_memory(case)
+        peak = cached_trace(case).peak_bytes()
+        rows.append({"name": name, **info, "per_type_bytes": estimate.bytes_per_type,
+                     "estimate_bytes": estimate.total_bytes, "estimate_method": estimate.method,
+                     "peak_live_bytes": peak, "measured_bytes": None})
+        print(f"{name:44s} estimate {estimate.total_bytes / 2**30:7.2f} GiB  peak live {peak / 2**30:7.2f} GiB",
+              flush=True)
+    result = {"machine": machine(), "predicted": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "bar": ESTIMATE_BAR, "optimizer": "the case's (AdamW), fp32", "rows": rows,
+              "measured": None, "device": None}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "estimate_vs_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def measure_estimates(out: Path) -> dict:
+    """On a CUDA GPU: each predicted model trained natively (one warm-up step, then a step whose peak is read:
+    ``torch.cuda.max_memory_allocated``, gradients zeroed in place as um_lab's session keeps them); the error of
+    each prediction against it."""
+    path = out / "estimate_vs_gpu.json"
+    result = json.loads(path.read_text())
+    device = torch.device("cuda")
+    free, _ = torch.cuda.mem_get_info()
+    for row in result["rows"]:
+        if row["estimate_bytes"] > 0.6 * free:  # never near the card's free memory
+            row["measured_bytes"], row["skipped"] = None, "too large for the free memory here"
+            continue
+        case, _ = corpus_case(row["name"])
+        torch.manual_seed(0)
+        model = case.build_model().to(device)
+        optimizer = case.make_optimizer(list(model.parameters()))
+        batch = [t.to(device) for t in case.make_batch(torch.Generator().manual_seed(0))]
+        for i in range(2):
+            if i == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            optimizer.zero_grad(set_to_none=False)
+            case.loss_fn(model, *batch).backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        row["measured_bytes"] = int(torch.cuda.max_memory_allocated())
+        row["estimate_error"] = round(row["estimate_bytes"] / row["measured_bytes"] - 1, 4)
+        row["peak_live_error"] = round(row["peak_live_bytes"] / row["measured_bytes"] - 1, 4)
+        print(f"{row['name']:44s} measured {row['measured_bytes'] / 2**30:7.2f} GiB  estimate "
+              f"{row['estimate_error']:+.1%}  peak live {row['peak_live_error']:+.1%}", flush=True)
+        del model, optimizer, batch
+        torch.cuda.empty_cache()
+    measured = [r for r in result["rows"] if r.get("measured_bytes")]
+    result.update(measured=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                  device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                  within_bar={"estimate": sum(abs(r["estimate_error"]) <= ESTIMATE_BAR for r in measured),
+                              "peak_live": sum(abs(r["peak_live_error"]) <= ESTIMATE_BAR for r in measured),
+                              "of": len(measured)})
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the table, write the JSON; returns the result dict."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -274,9 +350,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", action="store_true", help="trace the corpus instead (trace_corpus.json)")
     ap.add_argument("--small", action="store_true", help="the corpus at small sizes")
     ap.add_argument("--library", choices=LIBRARIES, help="only this library's part of the corpus")
+    ap.add_argument("--estimates", choices=("predict", "measure"),
+                    help="memory estimates of corpus models: predict (any CPU), then measure (a CUDA GPU)")
     args = ap.parse_args(argv)
     if args.corpus:
         return run_corpus(Path(args.out), args.small, args.library)
+    if args.estimates:
+        return (predict_estimates if args.estimates == "predict" else measure_estimates)(Path(args.out))
     pols = policies()
     assert len(pols) == 8
 
