@@ -13,7 +13,7 @@ left out): ``mean`` (total time / steps: what a user waits; the bar is on it) an
     python bench/dashboard_overhead.py --config cuda-small      # GPU: short steps (GPT-2-small, 4 layers)
 
 Prints a table and merges its row (one per config and kernel/no-kernel) into
-bench/results/dashboard_overhead.json: ``{"date", "rows": [{"config", "backend", "device", "off_ms",
+bench/results/dashboard_overhead.json: ``{"date", "rows": [{"config", "backend", "device", "date", "off_ms",
 "on_ms", "on_over_off", "pair_ratios", ...}]}``. Bar: on/off <= 1.02.
 """
 
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
            "median_on_over_off": round(result["on_median_ms"] / result["off_median_ms"], 4),
            "pair_ratios": result["pair_ratios"], "pair_ratio_median": statistics.median(result["pair_ratios"]),
            "redraws_per_on_run": [r["redraws"] for r in result["runs"] if r["mode"] == "on"],
-           "python": platform.python_version(), "seconds": round(time.time() - started, 1)}
+           "python": platform.python_version(), "seconds": round(time.time() - started, 1),
+           "date": datetime.date.today().isoformat()}
     print(f"{'config':10s} {'device':32s} {'off ms':>10s} {'on ms':>10s} {'on/off':>8s} {'median on/off':>14s}")
     print(f"{row['config']:10s} {row['device'][:32]:32s} {row['off_ms']:10.4f} {row['on_ms']:10.4f} "
           f"{row['on_over_off']:8.4f} {row['median_on_over_off']:14.4f}   (bar: on/off <= 1.02)")
