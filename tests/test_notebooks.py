@@ -1,10 +1,30 @@
-"""Every notebook executes headless (nbclient, a real kernel) on the simulator with its CI parameters, and an
-HTML export of the executed quick start keeps its plots."""
+"""The notebooks are committed executed, small and readable without a kernel; each one executes headless
+(nbclient, a real kernel) on the simulator with its CI parameters, and an HTML export of the executed quick start
+keeps its plots.
 
+The committed outputs come from :func:`publish`, run from the repository's root::
+
+    python tests/test_notebooks.py                  # every notebook; or name some: 01_quickstart 04_um_basics
+
+Each notebook runs on the simulator (or on the GPU where one is) with the values in its metadata
+``um_lab.committed_parameters`` (smaller than its parameters cell's, so that it ends in minutes on a laptop; a
+markdown cell after the parameters cell says which), then :func:`slim` keeps what GitHub, nbconvert and the
+documentation site show (PNG figures, tables, text) and drops what only a live kernel shows (plotly JSON, widget
+views, saved widget state).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
 import json
 import os
 import re
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,31 +33,46 @@ nbclient = pytest.importorskip("nbclient")
 
 from um_lab.widgets.figures import static_images_available  # noqa: E402
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = ["01_quickstart", "02_compare_policies", "03_paper_three_types", "04_um_basics", "05_sim_vs_gpu"]
+MAX_BYTES = 2 * 2**20  #: the most a committed notebook may weigh
+PLOTLY = "application/vnd.plotly.v1+json"
+WIDGET = "application/vnd.jupyter.widget-view+json"
+KERNEL_ONLY = (PLOTLY, WIDGET)  #: what only a live kernel (or saved widget state) shows: never committed
+WIDGET_TEXT = "[an interactive panel: it shows when the notebook runs in JupyterLab]"  #: a widget, as committed
+PROGRESS_BARS = ("FloatProgress(", "IntProgress(")  #: what a progress bar's repr holds
+NOTE_TAG = "committed-parameters"  #: the markdown cell that says which values made the committed outputs
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTLY_JS = ("window.PlotlyConfig", "Plotly.newPlot", "* plotly.js v")  #: plotly.js inlined in an HTML output
 
 
-def with_ci_parameters(nb, overrides=None):
-    """A copy of ``nb`` with a cell assigning its CI parameters (and ``overrides``) after the parameters cell."""
+def parameters_index(nb: Any) -> int:
+    return next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+
+
+def with_ci_parameters(nb, overrides=None, key="ci_parameters"):
+    """A copy of ``nb`` with a cell assigning the values of its metadata ``um_lab.<key>`` (and ``overrides``)
+    after the parameters cell, and without a committed-parameters note."""
     nb = nbformat.from_dict(json.loads(json.dumps(nb)))
-    values = {**nb.metadata.get("um_lab", {}).get("ci_parameters", {}), **(overrides or {})}
-    index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells = [c for c in nb.cells if NOTE_TAG not in c.metadata.get("tags", [])]
+    values = {**nb.metadata.get("um_lab", {}).get(key, {}), **(overrides or {})}
     source = "# injected by the CI test\n" + "\n".join(f"{k} = {v!r}" for k, v in values.items())
     cell = nbformat.v4.new_code_cell(source)
     cell.metadata["tags"] = ["injected-parameters"]
-    nb.cells.insert(index + 1, cell)
+    nb.cells.insert(parameters_index(nb) + 1, cell)
     return nb
 
 
-def execute(path, workdir, overrides=None):
-    """Execute the notebook at ``path`` in ``workdir`` with its CI parameters; returns the executed notebook."""
-    nb = with_ci_parameters(nbformat.read(path, as_version=4), overrides)
+def execute(path, workdir, overrides=None, key="ci_parameters", timeout=300):
+    """Execute the notebook at ``path`` in ``workdir`` with its ``key`` parameters (runs go to ``workdir/runs``);
+    returns the executed notebook, with the injected parameters cell."""
+    nb = with_ci_parameters(nbformat.read(path, as_version=4), overrides, key)
     env_runs = workdir / "runs"
     old = os.environ.get("UM_LAB_RUNS_DIR")
     os.environ["UM_LAB_RUNS_DIR"] = str(env_runs)
     try:
-        client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+        client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                                          resources={"metadata": {"path": str(workdir)}})
         client.execute()
     finally:
@@ -48,32 +83,226 @@ def execute(path, workdir, overrides=None):
     return nb
 
 
+def _figure_title(figure: dict[str, Any]) -> str:
+    title = figure.get("layout", {}).get("title", "")
+    text = title.get("text", "") if isinstance(title, dict) else str(title)
+    return re.sub(r"<[^>]+>", " ", text).strip() or "untitled"
+
+
+def _relative(text: str, workdir: Path | None) -> str:
+    """``text`` with this machine's folders (the execution folder, the checkout) written relative."""
+    for folder in [workdir, ROOT]:
+        if folder is not None:
+            text = text.replace(str(folder) + os.sep, "").replace(str(folder), ".")
+    return text
+
+
+def slim(nb, workdir: Path | None = None):
+    """A copy of the executed ``nb`` as committed: figures as their PNG (plotly JSON and inlined plotly.js
+    dropped; a figure without a PNG is an error), widget views as their text, no saved widget state, no timing
+    metadata, this machine's folders written relative (``workdir``: where it executed)."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.outputs:
+            if out.output_type in ("display_data", "execute_result"):
+                data = out.data
+                if PLOTLY in data:
+                    if "image/png" not in data:
+                        raise ValueError(f"a figure without its PNG ({_figure_title(data[PLOTLY])!r}): install "
+                                         "kaleido and Chromium, and leave UM_LAB_STATIC_IMAGES unset")
+                    data["text/plain"] = f"<plotly figure: {_figure_title(data[PLOTLY])}>"
+                    data.pop("text/html", None)  # the inlined-plotly.js fallback
+                if WIDGET in data:  # its text is the widget's repr: a long nesting of boxes
+                    if any(bar in data.get("text/plain", "") for bar in PROGRESS_BARS):
+                        continue  # a progress bar (tqdm's): nothing to see once the cell has run
+                    data["text/plain"] = WIDGET_TEXT
+                if any(marker in data.get("text/html", "") for marker in PLOTLY_JS):
+                    data.pop("text/html")  # plotly.js itself (an HTML fallback's loader): megabytes
+                for mime in KERNEL_ONLY:
+                    data.pop(mime, None)
+                    out.metadata.pop(mime, None)
+                if not data:
+                    continue
+                for mime, value in data.items():
+                    if isinstance(value, str) and not mime.startswith("image/"):
+                        data[mime] = _relative(value, workdir)
+            elif out.output_type == "stream":
+                out.text = _relative(out.text, workdir)
+            kept.append(out)
+        cell.outputs = kept
+    return nb
+
+
+def publish(path: Path, timeout: float = 900) -> float:
+    """Execute the notebook at ``path`` with its committed parameters, slim it and write it back in place;
+    returns the seconds it took. The values used are stated in a markdown cell after the parameters cell
+    (the injected code cell that set them is not kept: opening the notebook runs with its own defaults)."""
+    if not static_images_available():
+        raise SystemExit("figures need kaleido and a Chrome or Chromium here (a committed notebook shows PNGs)")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="um-lab-notebook-") as tmp:
+        workdir = Path(tmp).resolve()
+        nb = slim(execute(path, workdir, key="committed_parameters", timeout=int(timeout)), workdir)
+    index = parameters_index(nb) + 1
+    assert "injected-parameters" in nb.cells[index].metadata.get("tags", [])
+    values = nb.metadata.get("um_lab", {}).get("committed_parameters", {})
+    if values:
+        note = nbformat.v4.new_markdown_cell(
+            "The outputs saved with this notebook were made with smaller values than the defaults above, so that "
+            "it runs in minutes on a laptop (`python tests/test_notebooks.py` makes them again); run it for the "
+            "full-size results:\n\n```python\n" + "\n".join(f"{k} = {v!r}" for k, v in values.items()) + "\n```")
+        note.id = NOTE_TAG
+        note.metadata["tags"] = [NOTE_TAG]
+        nb.cells[index] = note
+    else:
+        del nb.cells[index]
+    count = 0
+    for cell in nb.cells:  # numbered as if the notebook ran as it is saved
+        if cell.cell_type == "code" and cell.execution_count is not None:
+            count += 1
+            cell.execution_count = count
+            for out in cell.outputs:
+                if out.output_type == "execute_result":
+                    out.execution_count = count
+    nbformat.validate(nb)
+    nbformat.write(nb, path)
+    return time.monotonic() - start
+
+
+def outputs(nb: Any) -> list[Any]:
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+
+
+def pngs(nb: Any) -> list[bytes]:
+    return [base64.b64decode(o.data["image/png"]) for o in outputs(nb) if "image/png" in o.get("data", {})]
+
+
+def kernel_only_left(nb: Any) -> list[str]:
+    """What in ``nb`` only a live kernel shows (an empty list for a committed notebook)."""
+    found = [f"metadata: {key}" for key in ("widgets",) if key in nb.metadata]
+    for o in outputs(nb):
+        found += [mime for mime in o.get("data", {}) if mime in KERNEL_ONLY]
+        found += ["inlined plotly.js" for v in o.get("data", {}).values()
+                  if isinstance(v, str) and any(marker in v for marker in PLOTLY_JS)]
+    return found
+
+
+# ------------------------------------------------------------------------------------ committed copies
+
+
 def test_the_five_notebooks_are_there():
     assert [p.stem for p in NOTEBOOKS] == EXPECTED
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_committed_clean_with_ids_and_a_parameters_cell(path):
+def test_notebook_has_ids_and_a_parameters_cell(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert all(c.get("id") for c in nb.cells), "every cell has an id"
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code), "committed without outputs"
     assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
-    ci = nb.metadata["um_lab"]["ci_parameters"]
     params = next(c for c in code if "parameters" in c.metadata.get("tags", []))
-    assert all(f"{name} =" in params.source for name in ci), "CI values override names of the parameters cell"
+    for key in ("ci_parameters", "committed_parameters"):
+        values = nb.metadata["um_lab"][key]
+        assert all(f"{name} =" in params.source for name in values), f"{key} override names of the parameters cell"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes_on_the_simulator(path, tmp_path):
+def test_notebook_is_committed_executed_small_and_readable_without_a_kernel(path):
+    assert path.stat().st_size < MAX_BYTES, f"{path.name}: {path.stat().st_size / 2**20:.2f} MiB"
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), "every code cell executed"
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "executed top to bottom"
+    assert sum(bool(c.outputs) for c in code) >= len(code) // 2, "it shows its results"
+    assert not [o for o in outputs(nb) if o.output_type == "error"]
+    assert not kernel_only_left(nb), "plotly JSON, widget views and widget state stay out of the file"
+    assert not any("execution" in c.metadata for c in nb.cells), "no timing metadata"
+    images = pngs(nb)
+    assert images and all(p[:8] == PNG_MAGIC for p in images), "figures are PNGs that GitHub shows"
+    text = json.dumps(outputs(nb))
+    assert str(ROOT) not in text and "/tmp/" not in text, "no folder of the machine that executed it"
+    assert nbformat.writes(nb) + "\n" == path.read_text(), "written as Jupyter writes it: a save changes nothing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_outputs_say_which_values_made_them(path):
+    nb = nbformat.read(path, as_version=4)
+    values = nb.metadata["um_lab"]["committed_parameters"]
+    notes = [i for i, c in enumerate(nb.cells) if NOTE_TAG in c.metadata.get("tags", [])]
+    if not values:
+        assert not notes
+        return
+    assert notes == [parameters_index(nb) + 1] and nb.cells[notes[0]].cell_type == "markdown"
+    assert all(f"{k} = {v!r}" in nb.cells[notes[0]].source for k, v in values.items())
+
+
+def test_um_basics_says_its_outputs_are_simulated_and_how_to_run_it_on_a_gpu():
+    nb = nbformat.read(ROOT / "notebooks" / "04_um_basics.ipynb", as_version=4)
+    first = nb.cells[0].source
+    assert "simulator" in first and "outputs" in first and "GPU" in first and "um-lab lab" in first
+    assert "This notebook uses the simulator" in json.dumps(outputs(nb)), "the committed run says so itself"
+
+
+def test_sim_vs_gpu_shows_the_h200_measurements():
+    nb = nbformat.read(ROOT / "notebooks" / "05_sim_vs_gpu.ipynb", as_version=4)
+    text = json.dumps(outputs(nb))
+    assert "NO FIDELITY RESULTS" not in text and "H200" in text and len(pngs(nb)) >= 1
+
+
+def test_slim_keeps_what_static_viewers_show_and_drops_the_rest(tmp_path):
+    png = base64.b64encode(PNG_MAGIC + b"rest").decode()
+    figure = {PLOTLY: {"data": [{"y": list(range(5000))}], "layout": {"title": {"text": "<b>residency</b>"}}},
+              "image/png": png, "text/plain": "Figure({'data': [...]})"}
+    nb = nbformat.v4.new_notebook(metadata={"widgets": {"application/vnd.jupyter.widget-state+json": {}}})
+    cell = nbformat.v4.new_code_cell("x", execution_count=1, outputs=[
+        nbformat.v4.new_output("display_data", data=figure),
+        nbformat.v4.new_output("display_data", data={WIDGET: {"model_id": "m"}, "text/plain": "Lab(gpt2-small)"}),
+        nbformat.v4.new_output("display_data", data={WIDGET: {"model_id": "n"}}),
+        nbformat.v4.new_output("display_data", data={WIDGET: {"model_id": "p"},
+                                                      "text/plain": "HBox(children=(HTML(value=''), FloatProgress("}),
+        nbformat.v4.new_output("display_data", data={"text/html": "<script>window.PlotlyConfig = {};</script>"}),
+        nbformat.v4.new_output("stream", name="stdout", text=f"runs go to {tmp_path}/runs/lab-1 from {ROOT}/bench"),
+    ])
+    cell.metadata["execution"] = {"iopub.status.busy": "now"}
+    nb.cells.append(cell)
+    out = slim(nb, tmp_path)
+    assert "widgets" not in out.metadata and "execution" not in out.cells[0].metadata
+    first, second, third, stream = out.cells[0].outputs
+    assert dict(first.data) == {"image/png": png, "text/plain": "<plotly figure: residency>"}
+    assert dict(second.data) == dict(third.data) == {"text/plain": WIDGET_TEXT}, "a widget: a line saying so"
+    assert stream.text == "runs go to runs/lab-1 from bench"
+    assert not kernel_only_left(out) and PLOTLY in nb.cells[0].outputs[0].data, "the input is left as it was"
+    del nb.cells[0].outputs[0].data["image/png"]
+    with pytest.raises(ValueError, match="without its PNG"):
+        slim(nb)
+
+
+# ------------------------------------------------------------------------------------ executing them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes_on_the_simulator_and_slims_below_the_limit(path, tmp_path):
     nb = execute(path, tmp_path)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [o for o in outputs(nb) if o.output_type == "error"]
     assert not errors
-    stderr = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                     if o.output_type == "stream" and o.name == "stderr")
+    stderr = "".join(o.get("text", "") for o in outputs(nb) if o.output_type == "stream" and o.name == "stderr")
     assert "Traceback" not in stderr and "loss_type" not in stderr, stderr[-2000:]
     assert not (tmp_path / "notebooks").exists()
+    if not static_images_available():
+        if os.environ.get("UM_LAB_BROWSER_REQUIRED") == "1":
+            pytest.fail("kaleido and a Chromium are required here: without them GitHub shows no plots")
+        return
+    slimmed = slim(nb, tmp_path)
+    assert len(nbformat.writes(slimmed).encode()) < MAX_BYTES and not kernel_only_left(slimmed)
+    committed = nbformat.read(path, as_version=4)
+    assert len(pngs(slimmed)) == len(pngs(committed)), "as many figures as the committed copy shows"
 
 
 def test_quickstart_runs_are_logged_and_its_html_export_keeps_the_plots(tmp_path):
@@ -84,10 +313,9 @@ def test_quickstart_runs_are_logged_and_its_html_export_keeps_the_plots(tmp_path
     assert lab_runs and all(statuses[n] == "complete" for n in lab_runs), statuses
     compared = [p for p in (tmp_path / "runs").glob("compare-*/*/status.json")]
     assert len(compared) >= 3 and all(json.loads(p.read_text())["status"] == "complete" for p in compared)
-    figure_outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                      if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    figure_outputs = [o for o in outputs(nb) if PLOTLY in o.get("data", {})]
     assert len(figure_outputs) >= 3, "static dashboard, bars and overlay are cell outputs"
-    titles = json.dumps([o["data"]["application/vnd.plotly.v1+json"]["layout"] for o in figure_outputs])
+    titles = json.dumps([o["data"][PLOTLY]["layout"] for o in figure_outputs])
     assert "GPU-resident bytes per data type" in titles, "the static dashboard (not only the comparison) is kept"
     html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
     assert "speed-up vs um-default" in html, "the readable comparison table is in the export"
@@ -95,8 +323,19 @@ def test_quickstart_runs_are_logged_and_its_html_export_keeps_the_plots(tmp_path
         assert all("image/png" in o["data"] and "text/html" not in o["data"] for o in figure_outputs)
         images = len(re.findall(r'<img [^>]*src="data:image/png;base64,', html))
         assert images >= 3, f"the export should show every figure as an image, found {images}"
+        slim_html, _ = nbconvert.HTMLExporter().from_notebook_node(slim(nb, tmp_path))
+        assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', slim_html)) == images
     else:
         if os.environ.get("UM_LAB_BROWSER_REQUIRED") == "1":
             pytest.fail("kaleido and a Chromium are required here: without them GitHub shows no plots")
         plots = html.count('class="plotly-graph-div"')
         assert plots >= 3 and "Plotly.newPlot" in html, f"the export should keep every figure, found {plots}"
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:]
+    for nb_path in NOTEBOOKS:
+        if names and nb_path.stem not in names:
+            continue
+        seconds = publish(nb_path)
+        print(f"{nb_path.name}: {seconds:.0f} s, {nb_path.stat().st_size / 2**10:.0f} KiB", flush=True)

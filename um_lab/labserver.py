@@ -1,5 +1,6 @@
 """The Jupyter server behind ``um-lab lab``: its command line, its environment (where notebook runs go),
-and running it so that stopping ``um-lab lab`` stops the server and its kernels."""
+its save hook (running the checkout's notebooks leaves them as committed), and running it so that stopping
+``um-lab lab`` stops the server and its kernels."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from um_lab.cli_args import CliError
 
@@ -27,6 +29,14 @@ def default_notebooks_dir() -> Path:
     return beside if beside.is_dir() else Path.cwd() / "notebooks"
 
 
+def checkout_notebooks() -> Path | None:
+    """The ``notebooks/`` folder of the source checkout um_lab is imported from; None for an installed um_lab."""
+    import um_lab
+
+    beside = Path(um_lab.__file__).resolve().parent.parent / "notebooks"
+    return beside if beside.is_dir() else None
+
+
 LOCAL_IP = "127.0.0.1"
 JUPYTER_DEFAULT_PORT = 8888
 
@@ -37,6 +47,9 @@ PORT_RETRY_NAMES = ("ServerApp.port_retries", "port-retries", "NotebookApp.port_
 ROOT_DIR_NAMES = ("ServerApp.root_dir", "notebook-dir", "ServerApp.notebook_dir", "NotebookApp.notebook_dir")
 TOKEN_NAMES = ("IdentityProvider.token", "ServerApp.token", "NotebookApp.token")
 PASSWORD_NAMES = ("ServerApp.password", "NotebookApp.password", "PasswordIdentityProvider.hashed_password")
+PRE_SAVE_HOOK_NAMES = tuple(f"{manager}.pre_save_hook" for manager in (
+    "ContentsManager", "FileContentsManager", "AsyncFileContentsManager", "LargeFileManager", "AsyncLargeFileManager"))
+SAVE_HOOK = "um_lab.labserver.keep_committed_outputs"  #: what ``um-lab lab`` gives Jupyter as its pre-save hook
 
 
 def jupyter_setting(extra: Sequence[str], names: Sequence[str]) -> str | None:
@@ -121,8 +134,9 @@ def check_port_free(port: int, ip: str | None = None) -> None:
 
 def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = False,
                 extra: Sequence[str] = ()) -> list[str]:
-    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on;
-    ``extra`` arguments come last, as given. A setting they give (the address, the root folder) is not
+    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on, and, where it
+    serves the checkout's notebooks, saving them through :func:`keep_committed_outputs`; ``extra`` arguments
+    come last, as given. A setting they give (the address, the root folder) is not
     given by us too (Jupyter refuses two values of one setting); a port that is named (``port``, or in
     ``extra``) is kept: Jupyter stops rather than moving to another one (``port_retries=0``)."""
     cmd = [sys.executable, "-m", "jupyterlab"]
@@ -134,9 +148,74 @@ def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = Fal
         cmd.append(f"--ServerApp.port={port}")
     if named_port(port, extra) is not None and jupyter_setting(extra, PORT_RETRY_NAMES) is None:
         cmd.append("--ServerApp.port_retries=0")
+    if serves_checkout_notebooks(notebooks) and jupyter_setting(extra, PRE_SAVE_HOOK_NAMES) is None:
+        cmd.append(f"--ContentsManager.pre_save_hook={SAVE_HOOK}")
     if no_browser:
         cmd.append("--no-browser")
     return [*cmd, *extra]
+
+
+def serves_checkout_notebooks(notebooks: Path) -> bool:
+    """True when the folder Jupyter serves holds the checkout's ``notebooks/`` or lies inside it."""
+    committed = checkout_notebooks()
+    if committed is None:
+        return False
+    served = Path(notebooks).resolve()
+    return committed.is_relative_to(served) or served.is_relative_to(committed)
+
+
+def _saved_notebook(path: str, contents_manager: Any) -> dict[str, Any] | None:
+    """The notebook now on disk at the API path ``path`` of ``contents_manager``; None when there is none."""
+    import nbformat
+
+    root = getattr(contents_manager, "root_dir", None)
+    if root is None:
+        return None
+    os_path = Path(root, *[part for part in str(path).split("/") if part])
+    try:
+        return dict(nbformat.read(os_path, as_version=4))
+    except Exception:  # no file yet (a new notebook), or one Jupyter could not read either: keep nothing of it
+        return None
+
+
+def keep_committed_outputs(model: dict[str, Any], path: str = "", contents_manager: Any = None,
+                           **kwargs: Any) -> None:
+    """Jupyter's pre-save hook (``ContentsManager.pre_save_hook``) of ``um-lab lab`` on the checkout's notebooks:
+    running a notebook and saving it leaves the file as it was.
+
+    A notebook is saved without what running it made: a code cell whose source differs from the file on disk
+    (or is new) is saved without outputs or execution count; a cell whose source is unchanged is saved exactly
+    as on disk (the committed outputs stay); the notebook's metadata stays as on disk (a new notebook's loses
+    its saved widget state). So edits to the code and text are saved, and a notebook only run is written back
+    byte for byte. Other files pass unchanged."""
+    content = model.get("content")
+    if model.get("type") != "notebook" or not isinstance(content, dict):
+        return
+    on_disk = _saved_notebook(path, contents_manager) or {}
+    disk_cells = {(c.get("id"), c.get("cell_type"), c.get("source")): c for c in on_disk.get("cells", [])}
+    cells = []
+    for cell in content.get("cells", []):
+        same = disk_cells.get((cell.get("id"), cell.get("cell_type"), _text(cell.get("source", ""))))
+        if same is not None:
+            cells.append(same)
+            continue
+        cell = dict(cell)
+        if cell.get("cell_type") == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+            cell["metadata"] = {k: v for k, v in dict(cell.get("metadata", {})).items() if k != "execution"}
+        cells.append(cell)
+    if on_disk:
+        metadata = on_disk.get("metadata", {})
+        versions = {"nbformat": on_disk.get("nbformat"), "nbformat_minor": on_disk.get("nbformat_minor")}
+    else:
+        metadata = {k: v for k, v in dict(content.get("metadata", {})).items() if k != "widgets"}
+        versions = {}
+    model["content"] = {**content, **{k: v for k, v in versions.items() if v is not None},
+                        "metadata": metadata, "cells": cells}
+
+
+def _text(source: str | list[str]) -> str:
+    return source if isinstance(source, str) else "".join(source)
 
 
 def lab_banner(notebooks: Path, port: int | None, extra: Sequence[str] = ()) -> list[str]:
@@ -153,7 +232,11 @@ def lab_banner(notebooks: Path, port: int | None, extra: Sequence[str] = ()) -> 
         port_text = f"port {JUPYTER_DEFAULT_PORT} (or the next free one if it is taken meanwhile: see the URL)"
     login = ("AUTHENTICATION OFF: no token, no password" if auth_off(extra)
              else "open the URL with the token it prints")
-    return [f"starting JupyterLab on {notebooks} ({where}; {port_text}; {login})"]
+    lines = [f"starting JupyterLab on {notebooks} ({where}; {port_text}; {login})"]
+    if serves_checkout_notebooks(notebooks) and jupyter_setting(extra, PRE_SAVE_HOOK_NAMES) is None:
+        lines.append("notebooks are saved with your edits but without new outputs: unchanged cells keep their "
+                     "committed outputs (File > Download or Export keeps a run's outputs)")
+    return lines
 
 
 def lab_warnings(extra: Sequence[str]) -> list[str]:
