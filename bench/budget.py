@@ -63,7 +63,6 @@ from um_lab.cuda.session import Session  # noqa: E402
 from um_lab.cuda.telemetry import Telemetry  # noqa: E402
 from um_lab.models import ModelCase, custom, get_model  # noqa: E402
 from um_lab.schedule.config import Budget  # noqa: E402
-from um_lab.schedule.live.free import STAT_KEYS as FREE_STAT_KEYS  # noqa: E402
 from um_lab.types import DataType  # noqa: E402
 
 LINK_BYTES_PER_S = 47e9  #: managed prefetch host->GPU measured on the H200 (DESIGN.md)
@@ -143,20 +142,18 @@ def host_advice(advice: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RowOptions:
-    """One budget row's session options (each a ``--flag on off`` of the script, the session's keyword beside it):
-    how moves are issued (``issue``), discarding dead gradients (``discard``), batched calls (``batch_calls``),
-    the pools' advice (``advice``), staged activations (``stage``),
-    discarding free blocks (``free``), the intermediate pool in device memory (``device_act``; None: the session's
-    default), optimizer state left remote (``remote``), partial staging (``partial``) and remote state copied for
-    its chunk's step (``copies``, experimental: off in place, the session's default), and growth announced for
-    partial staging's kept tail given back when it does not come (``settle``, experimental, off)."""
+    """One budget row's session options (each a ``--flag on off`` of the script): how moves are issued (``issue``),
+    discarding dead gradients (``discard``), batched calls (``batch_calls``), the pools' advice (``advice``),
+    staged activations (``stage``), the intermediate pool in device memory (``device_act``; None: the session's
+    default), optimizer state left remote (``remote``), partial staging (``partial``), remote state copied for
+    its chunk's step (``copies``) and growth announced for partial staging's kept tail given back when it does
+    not come (``settle``); the experimental ones through :func:`um_lab.experimental.options`."""
 
     issue: str = "thread"
     discard: bool = False
     batch_calls: bool = False
     advice: str = "host"
     stage: bool = False
-    free: bool = False
     device_act: bool | None = None
     remote: bool = True
     partial: bool = False
@@ -166,7 +163,7 @@ class RowOptions:
     def row_fields(self) -> dict[str, Any]:
         """The row's columns for these options (as the results files name them)."""
         return {"issue": self.issue, "discard": self.discard, "batch_calls": self.batch_calls, "advice": self.advice,
-                "stage_activations": self.stage, "discard_free": self.free,
+                "stage_activations": self.stage,
                 "device_activations": self.stage if self.device_act is None else self.device_act,
                 "remote_optimizer": self.remote, "partial_staging": self.partial, "remote_copies": self.copies,
                 "settle_tail_growth": self.settle}
@@ -180,14 +177,14 @@ def on_word(flag: bool) -> str:
 def option_grid(issues: tuple[str, ...] = ("thread",), discards: tuple[bool, ...] = (False,),
                 batches: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
-                frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
+                device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
                 copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,)) -> list[RowOptions]:
     """Every combination of the choices, in the script's order; the staging choices (device pool, partial staging)
     only with staging on, the copies only with staging and remote state on, settling only with partial staging."""
-    return [RowOptions(i, d, b, a, st, f, da, ro, pa, co, se)
+    return [RowOptions(i, d, b, a, st, da, ro, pa, co, se)
             for i in issues for d in discards for b in batches for a in advices for st in stages
-            for f in frees for da in (device_acts if st else (None,)) for ro in remotes
+            for da in (device_acts if st else (None,)) for ro in remotes
             for pa in (partials if st else (False,)) for co in (copies_opts if st and ro else (False,))
             for se in (settles if st and pa else (False,))]
 
@@ -208,7 +205,7 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
     # flushed at each step's end, after the session waited for the step's moves: the residency of that point
     o = options
     with experimental.options(host_advice=host_advice(o.advice), budget_issue=o.issue, discard_gradients=o.discard,
-                              batch_calls=o.batch_calls, discard_free=o.free,
+                              batch_calls=o.batch_calls,
                               device_activations=o.device_act if o.stage else None, remote_optimizer=o.remote,
                               partial_staging=o.partial and o.stage, copy_remote_state=o.copies,
                               settle_tail_growth=o.settle):
@@ -328,7 +325,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 discards: tuple[bool, ...] = (True,), time_moves: bool = False,
                 batches: tuple[bool, ...] = (False,),
                 advices: tuple[str, ...] = ("host",), stages: tuple[bool, ...] = (False,),
-                frees: tuple[bool, ...] = (False,), device_acts: tuple[bool | None, ...] = (None,),
+                device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
                 copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,), repeat: int = 0,
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
@@ -340,7 +337,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
     footprint = int(fit["peak_bytes"])
     say(f"{name}: footprint {footprint / GiB:.2f} GiB, fit step {fit_ms:.1f} ms")
     rows = []
-    grid = option_grid(issues, discards, batches, advices, stages, frees, device_acts, remotes, partials,
+    grid = option_grid(issues, discards, batches, advices, stages, device_acts, remotes, partials,
                        copies_opts, settles)
     for ratio, options in ((r, o) for r in ratios for o in grid):
         budget = int(footprint / ratio)
@@ -406,7 +403,6 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                                    for r in out["records"]],
             "gpu_page_faults_all": [r.gpu_page_faults for r in out["records"]],
             "batch_calls": out["batch_calls"],
-            **({k: statistics.median(b.get(k, 0) for b in budgets) for k in FREE_STAT_KEYS} if options.free else {}),
             "run_s": time.perf_counter() - t0,
         })
         if time_moves:
@@ -431,8 +427,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"remote optimizer {on_word(o.remote)} ({remote_bytes / GiB:.2f} GiB), "
             f"partial staging {on_word(o.partial)} ({row.get('tail_kept_bytes', 0) / GiB:.2f} GiB kept), "
             f"remote copies {on_word(o.copies)} ({row['remote_copied_bytes'] / GiB:.2f} GiB), "
-            f"settle tail growth {on_word(o.settle)}, "
-            f"free discards {on_word(o.free)}): "
+            f"settle tail growth {on_word(o.settle)}): "
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
@@ -572,8 +567,6 @@ def main(argv: list[str] | None = None) -> int:
            "come is given back to the plan (BudgetControl.settle_tail_growth, experimental)")
     on_off(ap, "--partial-stage", "off", "Session(budget_partial_staging=...) with --stage on: forward's last saves "
            "kept on the GPU where the plan leaves room")
-    on_off(ap, "--discard-free", "off", "discard and populate, not copy, blocks the caching allocator holds no tensor "
-           "in (Session(budget_discard_free=...))")
     ap.add_argument("--advice", nargs="+", choices=ADVICE_CHOICES, default=["host"],
                     help="host (the default, Session(budget_host_advice=True)): unadvised pools prefer the host and "
                          "are mapped for the GPU, so only the scheduler's prefetches make data resident; none: no "
@@ -630,7 +623,6 @@ def main(argv: list[str] | None = None) -> int:
                     tuple(d == "on" for d in args.discard), args.time_moves, tuple(b == "on" for b in args.batch_calls),
                     tuple(args.advice),
                     tuple(st == "on" for st in args.stage),
-                    tuple(f == "on" for f in args.discard_free),
                     tuple(None if d == "auto" else d == "on" for d in args.device_act),
                     remotes=tuple(r == "on" for r in args.remote_optim),
                     partials=tuple(p == "on" for p in args.partial_stage),

@@ -292,7 +292,8 @@ def predict_estimates(out: Path) -> dict:
                      "peak_live_bytes": peak, "measured_bytes": None})
         print(f"{name:44s} estimate {estimate.total_bytes / 2**30:7.2f} GiB  peak live {peak / 2**30:7.2f} GiB",
               flush=True)
-    result = {"machine": machine(), "predicted": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    result = {"machine": machine(), "date": now, "predicted": now,
               "bar": ESTIMATE_BAR, "optimizer": "the case's (AdamW), fp32", "rows": rows,
               "measured": None, "device": None}
     out.mkdir(parents=True, exist_ok=True)
@@ -333,7 +334,8 @@ def measure_estimates(out: Path) -> dict:
         del model, optimizer, batch
         torch.cuda.empty_cache()
     measured = [r for r in result["rows"] if r.get("measured_bytes")]
-    result.update(measured=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    result.update(date=now, measured=now,
                   device=torch.cuda.get_device_name(0), torch=torch.__version__,
                   within_bar={"estimate": sum(abs(r["estimate_error"]) <= ESTIMATE_BAR for r in measured),
                               "peak_live": sum(abs(r["peak_live_error"]) <= ESTIMATE_BAR for r in measured),

@@ -15,6 +15,7 @@ from um_lab.schedule.live.executor import BudgetExecutor
 from um_lab.schedule.live.streams import RecordingStreams
 from um_lab.schedule.order import Order, Position
 from um_lab.schedule.plan import make_plan
+from um_lab.schedule.stats import BudgetStats
 from um_lab.types import DataType
 
 BASE = 1 << 40
@@ -227,7 +228,7 @@ def test_a_session_re_plans_once_the_fixed_pool_outgrew_the_plan():
                             generation=world.generation, fixed_types=[DataType.ACT])
     control.executor.refresh_segments()
     control.executor.set_order(order)
-    followed = {"followed_plan": True, "unforeseen_bytes": 0}
+    followed = BudgetStats(followed_plan=True, unforeseen_bytes=0)
     assert control._replan(order, followed) == (False, "")
     world.add(BASE + (1 << 36), 2 * BLOCK, DataType.ACT)
     control.executor.refresh_segments()

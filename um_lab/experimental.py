@@ -37,8 +37,7 @@ class Options:
     ``cudaMemPrefetchBatchAsync``; CUDA 13+); ``host_advice`` (unadvised pools prefer the host, read
     remotely until prefetched);
     ``device_activations`` (the intermediate-results pool in plain device memory when activations are
-    staged; None: as staging); ``discard_free`` (discard blocks the caching allocator holds nothing in
-    instead of copying them; CUDA 13+); ``remote_optimizer`` (optimizer state the plan would move in and
+    staged; None: as staging); ``remote_optimizer`` (optimizer state the plan would move in and
     out again is updated in host memory over the link); ``partial_staging`` (forward's last saves stay on
     the GPU where the plan leaves room); ``settle_tail_growth`` (give back growth announced for those saves
     that does not come); ``copy_remote_state`` (remote optimizer state copied to device slots for its
@@ -52,7 +51,6 @@ class Options:
     batch_calls: bool = False
     host_advice: bool = True
     device_activations: bool | None = None
-    discard_free: bool = False
     remote_optimizer: bool = True
     partial_staging: bool = False
     settle_tail_growth: bool = False

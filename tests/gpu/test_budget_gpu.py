@@ -316,40 +316,6 @@ def _assert_cupti_residency_under_b(fraction: float = 0.5, **session_kw):
     return records
 
 
-def test_free_block_discards_train_bit_for_bit_like_a_budget_run_without_them():
-    """budget_discard_free: blocks the caching allocator holds no tensor in are discarded and populated in
-    compute order instead of copied. If one ever held live data, training would differ from the same budget
-    run without them; it must match bit for bit, move fewer bytes over the link and keep the ledger under B."""
-    from um_lab.cuda.driver import can_discard
-
-    if not can_discard():
-        pytest.skip("cudaMemDiscardBatchAsync needs CUDA 13+")
-    _, _, footprint = _train(None, steps=2)
-    budget = footprint // 2
-    plain, plain_params, _ = _train(budget, steps=6)
-    records, params, _ = _train(budget, steps=6, discard_free=True)
-    for r in records[2:]:
-        b = r.extra["budget"]
-        assert b["followed_plan"] and b["max_resident_ledger"] <= budget + b["touched_bytes"], b
-        assert b["free_queries"] > 0 and b["free_discard_bytes"] + b["free_populate_bytes"] > 0, b
-    for p, q in zip(plain[2:], records[2:], strict=True):
-        a, b = p.extra["budget"], q.extra["budget"]
-        assert b["prefetched_bytes"] + b["evicted_bytes"] < a["prefetched_bytes"] + a["evicted_bytes"], (a, b)
-    for a, p in zip(plain_params, params, strict=True):
-        assert torch.equal(a, p)
-    assert [r.loss for r in records] == [r.loss for r in plain]
-
-
-def test_free_block_discards_keep_cupti_residency_under_b_at_each_step_end():
-    """The ordered discards drop pages for real: CUPTI-measured residency at each step's end stays under B
-    (plus the 2 MiB-block rounding of CUPTI's records)."""
-    from um_lab.cuda.driver import can_discard
-
-    if not can_discard():
-        pytest.skip("cudaMemDiscardBatchAsync needs CUDA 13+")
-    _assert_cupti_residency_under_b(discard_free=True)
-
-
 def test_what_the_ledger_counts_resident_reads_at_device_speed():
     """With host advice, a kernel's first write to a pool page lands in host memory (the preferred location) and is
     mapped remotely: the ledger must not count it resident until a prefetch moved it. A GPU run once found optimizer

@@ -113,9 +113,6 @@ class Session(Listenable):
             raise InputError("the experimental device_activations option keeps the intermediate-results pool in "
                              "device memory, which the scheduler cannot move: it needs "
                              "Budget(..., stage_activations=True)", "device_activations")
-        if options.discard_free and self.gpu_budget_bytes is None:
-            raise InputError("the experimental discard_free option changes the budget scheduler's moves: it needs "
-                             "a budget", "discard_free")
         self._budget: BudgetControl | None = None
         if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0):
             raise InputError(f"cap_bytes must be a non-negative int or None, got {cap_bytes!r}", "cap_bytes")
@@ -499,20 +496,13 @@ class Session(Listenable):
 
         can_discard = getattr(runtime, "can_discard", None)
         discard = options.discard_gradients and callable(can_discard) and bool(can_discard())
-        free_ranges = None
-        if options.discard_free and self._real and device is not None:
-            if callable(can_discard) and bool(can_discard()):
-                free_ranges = _free_ranges_of(pools, device)
-            else:
-                warnings.warn("the experimental discard_free option needs cudaMemDiscardBatchAsync (CUDA 13+): it "
-                              "stays off", RuntimeWarning, stacklevel=3)
         can_batch = getattr(runtime, "can_prefetch_batch", None)
         batch_calls = options.batch_calls and callable(can_batch) and bool(can_batch())
         control = BudgetControl(budget, runtime, index, streams, source.segments, lookahead=self.budget_lookahead,
                              cover_unknown=not self._real, generation=source.generation if self._real else None,
                              keep_tensor=self._is_device if self._real else None, issue=options.budget_issue,
                              thread_init=select_device if self._real else None, discard_gradients=discard,
-                             batch_calls=batch_calls, free_ranges=free_ranges,
+                             batch_calls=batch_calls,
                              stager=new_stager(source, self.device if self._real else None, window_for_budget(budget))
                              if self.budget_stage_activations else None,
                              fixed_types=self._budget_resident_types(),
@@ -629,10 +619,3 @@ def _check_loss(loss: Any) -> None:
         )
 
 
-def _free_ranges_of(pools: ManagedPools, device: torch.device) -> Callable[[], list[tuple[int, int]]]:
-    """What the caching allocator has free now in the pools whose blocks may be discarded when free (managed
-    ones only: not a pool of plain device memory)."""
-    from um_lab.schedule.live.free import inactive_ranges
-
-    pool_ids = [pools.pool_id(t) for t in (DataType.ACT, DataType.INPUT, DataType.GRAD) if t not in pools.device_types]
-    return lambda: inactive_ranges(pool_ids, int(torch.cuda.current_stream(device).cuda_stream))

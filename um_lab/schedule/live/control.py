@@ -59,7 +59,6 @@ class BudgetControl:
                  keep_tensor: Callable[[torch.Tensor], bool] | None = None, issue: str = "thread",
                  thread_init: Callable[[], None] | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False,
-                 free_ranges: Callable[[], Iterable[Span]] | None = None,
                  stager: ActivationStager | None = None, fixed_types: Iterable[DataType] = (),
                  host_written_types: Iterable[DataType] = (), remote_optimizer: bool = False,
                  partial_staging: bool = False, link_costs: LinkCosts | None = None) -> None:
@@ -69,7 +68,7 @@ class BudgetControl:
         self.executor = BudgetExecutor(budget_bytes, runtime, device, streams, segments, lookahead=lookahead,
                                        cover_unknown=cover_unknown, generation=generation, mover=mover,
                                        discard_gradients=discard_gradients, batch_calls=batch_calls,
-                                       free_ranges=free_ranges, fixed_types=fixed_types,
+                                       fixed_types=fixed_types,
                                        host_written_types=host_written_types, remote_optimizer=remote_optimizer)
         self.keep_tensor = keep_tensor
         self.stager = stager

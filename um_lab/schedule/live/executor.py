@@ -37,8 +37,6 @@ from typing import Any
 
 from um_lab.errors import BudgetTooSmall
 from um_lab.schedule.ledger import BLOCK, Ledger, Move, Span, blocks_of_span
-from um_lab.schedule.live.free import STAT_KEYS as FREE_STAT_KEYS
-from um_lab.schedule.live.free import FreeRanges, split_free
 from um_lab.schedule.live.mover import DISCARD, POPULATE, InlineMover, MoveBatch, MoveClock, ThreadMover
 from um_lab.schedule.live.streams import StreamOps
 from um_lab.schedule.order import Order, Position
@@ -63,7 +61,6 @@ class BudgetExecutor:
                  cover_unknown: bool = False, generation: Callable[[], int] | None = None,
                  mover: InlineMover | ThreadMover | None = None, discard_gradients: bool = False,
                  batch_calls: bool = False,
-                 free_ranges: Callable[[], Iterable[Span]] | None = None,
                  fixed_types: Iterable[DataType] = (), host_written_types: Iterable[DataType] = (),
                  remote_optimizer: bool = False) -> None:
         self.ledger = Ledger(budget_bytes)
@@ -76,10 +73,6 @@ class BudgetExecutor:
         #: data types whose pools prefer the host: a kernel's write to a non-resident page lands in host memory
         #: (mapped remotely), so only the scheduler's prefetches make their blocks resident
         self.host_written_types = frozenset(host_written_types)
-        #: the ranges the allocator has free now: moves of wholly free blocks become ordered discards and
-        #: populates (:mod:`um_lab.schedule.live.free`)
-        self.free_ranges = free_ranges
-        self._free_discarded: set[int] = set()  # blocks discarded as free and not brought back since
         #: consecutive prefetches to one location go in one cudaMemPrefetchBatchAsync (runtimes that have it)
         self.batch_calls = batch_calls
         #: plan discards of dead gradient blocks (the caller re-zeroes gradients before they are read)
@@ -276,8 +269,6 @@ class BudgetExecutor:
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
                       "unforeseen_bytes": 0, "realign_bytes": 0, "host_waits": 0, "skipped_ahead": 0,
                       "host_wait_ms": 0.0, "executor_ms": 0.0}
-        if self.free_ranges is not None:
-            self.stats.update(dict.fromkeys(FREE_STAT_KEYS, 0))
         self.following_plan = self.plan is not None and self._scheduler is not None
         if self.residency_unknown:  # a move failed: the ledger may be wrong, so start from nothing resident
             moves = self.ledger.evict_everything()
@@ -495,8 +486,6 @@ class BudgetExecutor:
         if not self.cover_unknown and self._generation is not None and self._generation() != self._seen_generation:
             self.refresh_segments()
         segments = None if self.cover_unknown else self._live_segments()
-        if self.free_ranges is not None and any(m.kind in ("evict", "prefetch", "populate") for m in moves):
-            moves = self._issue_free(moves, segments)
         codes = self.runtime.codes
         compute_event = self.streams.record_compute() if any(m.kind in ("evict", "discard") for m in moves) else None
         targets: set[int] = set()
@@ -533,38 +522,6 @@ class BudgetExecutor:
                 self._pending[t] = batch
             elif t < index:
                 self._next_pending[t] = batch
-
-    def _issue_free(self, moves: list[Move], segments: tuple[int | None, list[int], list[int]] | None) -> list[Move]:
-        """Carry out the moves of blocks the allocator has free now as ordered discards and populates; the
-        moves left for the side stream are returned."""
-        assert self.free_ranges is not None
-        began = time.perf_counter()
-        free = FreeRanges(self.free_ranges())
-        stats = self.stats  # between steps (placing, inputs) it holds no counters yet
-        stats["free_query_ms"] = stats.get("free_query_ms", 0.0) + (time.perf_counter() - began) * 1e3
-        stats["free_queries"] = stats.get("free_queries", 0) + 1
-        side, ordered, turned = split_free(moves, self.ledger, free, self._free_discarded)
-        for key, nbytes in turned.items():
-            stats[key] = stats.get(key, 0) + nbytes
-        calls = [c for c in ordered if segments is None or _inside(segments, c[0], c[1])]
-        if calls:
-            runtime, device = self.runtime, self.device
-
-            def issue(stream: int) -> None:
-                for ptr, nbytes, kind in calls:
-                    if kind == "discard":
-                        runtime.discard(ptr, nbytes, stream)  # type: ignore[attr-defined]  # can_discard
-                    else:
-                        runtime.discard_and_prefetch(ptr, nbytes, device, stream)  # type: ignore[attr-defined]
-
-            try:
-                self.mover.drain()  # every earlier move is on the side stream, which the ordered calls wait for
-                self.streams.run_ordered(issue)
-            except BaseException:  # the ledger holds moves that did not all happen
-                self.residency_unknown = True
-                raise
-            stats["ordered_calls"] = stats.get("ordered_calls", 0) + len(calls)
-        return side
 
     def close(self) -> None:
         """Stop the mover after it issued what it holds, then wait for the side stream's transfers: after
