@@ -21,9 +21,11 @@ import hashlib
 import itertools
 import json
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -31,6 +33,10 @@ import pandas as pd
 from um_lab.errors import UmLabError
 from um_lab.policy import Advice, Policy, presets
 from um_lab.types import RunSpec
+
+if TYPE_CHECKING:
+    from um_lab.sim.backend import SimBackend
+    from um_lab.sim.profile import Profile
 
 PAPER = ("Choi & Lee, Efficient Use of GPU Memory for Large-Scale Deep Learning Model Training, "
          "Applied Sciences 11(21):10377, 2021")
@@ -175,6 +181,7 @@ def run_grid(
     warmup_steps: int = 2,
     backend: Any = None,
     progress: bool | Any = False,
+    executor: Executor | None = None,
 ) -> pd.DataFrame:
     """Simulate every model x ratio x mapping; one row each, with ``speedup`` and ``time_saved`` against
     the all-``none`` mapping (= ``um-default``, added when missing).
@@ -182,11 +189,21 @@ def run_grid(
     ``models``: ``{zoo name: knobs}``. ``backend``: a :class:`~um_lab.sim.SimBackend` (default: the h200
     profile). No run folders are written. Columns: model, ratio, mapping, the three groups, median_ms,
     speedup, time_saved, htod_bytes, dtoh_bytes, gpu_page_faults, evictions, remote_bytes (per step).
+    ``executor``: any :class:`concurrent.futures.Executor` (local processes, a Dask ``Client.get_executor()``,
+    Ray's executor) that runs the simulations, one picklable task each, on workers that build a simulator of
+    the backend's profile and prefetch stream (so ``backend`` must be a plain ``SimBackend``); the table is
+    the same, in the same order, as without it (the default: one after another in this process). The
+    executor is left running; the progress bar counts runs as they finish.
     """
     from um_lab.models import get_model
     from um_lab.sim.backend import SimBackend
-    from um_lab.summary import summarize
 
+    if executor is not None and not isinstance(executor, Executor):
+        raise PaperExperimentError(f"executor must be a concurrent.futures.Executor (e.g. a Dask "
+                                   f"Client.get_executor()) or None, got {type(executor).__name__}")
+    if executor is not None and backend is not None and type(backend) is not SimBackend:
+        raise PaperExperimentError(f"executor: a {type(backend).__name__} cannot be rebuilt in a worker; give a "
+                                   "SimBackend (its profile and prefetch stream are sent), or leave executor=None")
     grid = list(dict.fromkeys(grid))
     if PaperMapping() not in grid:
         grid.insert(0, PaperMapping())
@@ -194,30 +211,92 @@ def run_grid(
         raise PaperExperimentError("run_grid needs at least one model and one ratio")
     backend = backend if backend is not None else SimBackend()
     cases = {name: get_model(name, **dict(knobs)) for name, knobs in models.items()}
-    policies = [m.policy() for m in grid]
-    bar = _bar(progress, len(cases) * len(ratios) * len(grid))
-    rows = []
+    tasks = [_GridTask(name, dict(models[name]), RunSpec(model=name, backend="sim", steps=steps,
+                                                         warmup_steps=warmup_steps, oversubscription_ratio=ratio),
+                       mapping) for name in cases for ratio in ratios for mapping in grid]
+    bar = _bar(progress, len(tasks))
     try:
-        for name, case in cases.items():
-            for ratio in ratios:
-                spec = RunSpec(model=name, backend="sim", steps=steps, warmup_steps=warmup_steps,
-                               oversubscription_ratio=ratio)
+        if executor is None:
+            summaries = []
+            policies = {m: m.policy() for m in grid}
+            for task in tasks:
+                if bar is not None and task.mapping == grid[0]:
+                    bar.set_postfix_str(f"{task.model} ratio={task.spec.oversubscription_ratio}")
+                summaries.append(_grid_summary(backend, cases[task.model], task.spec, policies[task.mapping]))
                 if bar is not None:
-                    bar.set_postfix_str(f"{name} ratio={ratio}")
-                for mapping, policy in zip(grid, policies, strict=True):
-                    s = summarize(backend.run(spec, case, policy))
-                    n = max(s["steps"], 1)
-                    rows.append({"model": name, "ratio": ratio, "mapping": mapping.name,
-                                 **dict(zip(GROUPS, mapping.options, strict=True)), "median_ms": s["median_ms"],
-                                 **{k: (s[k] or 0) / n for k in ("htod_bytes", "dtoh_bytes", "gpu_page_faults",
-                                                                 "evictions", "remote_bytes")},
-                                 "live_gib": s["peak_live_bytes"] / 2**30})
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
+        else:
+            summaries = _run_on(executor, tasks, backend.profile, backend.prefetch_stream, bar)
     finally:
         if bar is not None and progress is True:
             bar.close()
+    rows = []
+    for task, s in zip(tasks, summaries, strict=True):
+        n = max(s["steps"], 1)
+        rows.append({"model": task.model, "ratio": task.spec.oversubscription_ratio, "mapping": task.mapping.name,
+                     **dict(zip(GROUPS, task.mapping.options, strict=True)), "median_ms": s["median_ms"],
+                     **{k: (s[k] or 0) / n for k in ("htod_bytes", "dtoh_bytes", "gpu_page_faults",
+                                                     "evictions", "remote_bytes")},
+                     "live_gib": s["peak_live_bytes"] / 2**30})
     return add_speedup(pd.DataFrame(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GridTask:
+    """One simulation of the grid (picklable, for an executor's worker): a zoo model by name and knobs."""
+
+    model: str
+    knobs: dict[str, Any]
+    spec: RunSpec
+    mapping: PaperMapping
+
+
+def _grid_summary(backend: Any, case: Any, spec: RunSpec, policy: Policy) -> dict[str, Any]:
+    """The run's summary (:func:`um_lab.summary.summarize` of its records)."""
+    from um_lab.summary import summarize
+
+    return summarize(backend.run(spec, case, policy))
+
+
+_WORKER_SIMS: list[tuple[Profile, str, SimBackend]] = []  #: a worker's simulators (kept: they cache traces)
+_WORKER_LOCK = threading.Lock()
+
+
+def _grid_task_in_worker(task: _GridTask, profile: Profile, prefetch_stream: str) -> dict[str, Any]:
+    """An executor's task: :func:`_grid_summary` on the worker's simulator of ``profile`` (built once per
+    worker process and profile)."""
+    from um_lab.models import get_model
+    from um_lab.sim.backend import SimBackend
+
+    with _WORKER_LOCK:
+        found = [sim for p, stream, sim in _WORKER_SIMS if p == profile and stream == prefetch_stream]
+        if found:
+            backend = found[0]
+        else:
+            backend = SimBackend(profile, prefetch_stream)
+            _WORKER_SIMS[:] = [*_WORKER_SIMS[-3:], (profile, prefetch_stream, backend)]
+    return _grid_summary(backend, get_model(task.model, **task.knobs), task.spec, task.mapping.policy())
+
+
+def _run_on(executor: Executor, tasks: Sequence[_GridTask], profile: Profile, prefetch_stream: str,
+            bar: Any) -> list[dict[str, Any]]:
+    """Every task's summary, in the tasks' order, from ``executor``; the first error cancels the tasks not
+    started and is raised."""
+    futures: list[Future[dict[str, Any]]] = []
+    try:
+        futures = [executor.submit(_grid_task_in_worker, task, profile, prefetch_stream) for task in tasks]
+        remaining = set(futures)
+        while remaining:
+            done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()  # an error is raised as soon as it comes
+                if bar is not None:
+                    bar.update(1)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+    return [future.result() for future in futures]
 
 
 def _bar(progress: bool | Any, total: int) -> Any:

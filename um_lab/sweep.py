@@ -1,20 +1,25 @@
 """Policy comparisons: run every model x policy x oversubscription ratio and tabulate them.
 
-``from um_lab.sweep import compare`` (it runs each configuration through :class:`um_lab.runner.Run`).
+``from um_lab.sweep import compare`` (it runs each configuration through :class:`um_lab.runner.Run`), in this
+process one after another, or on any :class:`concurrent.futures.Executor` (``executor=``: local processes, a
+Dask ``Client.get_executor()``, Ray's executor).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from pathlib import Path
 from typing import Any, cast
 
 import pandas as pd
 
-from um_lab.backend import backend_class, backend_names, get_backend
+from um_lab.backend import backend_class, backend_names, get_backend, resolve_backend_name
 from um_lab.backend_base import Backend
 from um_lab.errors import ModelConfigError, OutputExistsError, PolicyError, SpecError
 from um_lab.models import ModelCase, case_for_spec, check_case
@@ -166,6 +171,7 @@ def compare(
     backend_instance: Backend | None = None,
     band: bool = False,
     budget: Budget | int | str | None = None,
+    executor: Executor | None = None,
 ) -> pd.DataFrame:
     """Run every model x policy x oversubscription ratio and tabulate them, one row per run.
 
@@ -196,11 +202,22 @@ def compare(
     size each ratio gives each model. A run that still fails (or Ctrl-C) ends the comparison, but the table
     of the runs made (the one that failed included) is written to ``summary.csv`` first, and the exception
     raised carries it as ``compare_table`` (and a note saying where it is).
+    ``executor``: a :class:`concurrent.futures.Executor` (e.g. ``ProcessPoolExecutor(4)``, a Dask
+    ``Client.get_executor()``) that runs the runs, each in a worker with a backend of its own, instead of one
+    after another in this process (the default). Everything is checked here first, as without it; each run
+    then goes to the executor as a picklable task and writes its folder under the comparison folder (on a
+    cluster, give an ``out_dir`` that every worker sees), and the table lists the rows in the same order, with
+    the same numbers on the simulator. Only the simulator runs in a worker: with an executor a ``cuda`` run
+    (or ``auto`` on a GPU) and a ``backend_instance`` are refused (:class:`~um_lab.errors.SpecError` naming
+    ``executor``), and a :class:`ModelCase` must be picklable by the executor (a zoo name always is). A run
+    that fails without ``keep_going`` cancels the runs not started yet; the table then holds every run that
+    finished, in order. The progress bar counts runs as they finish.
     Columns: model, policy, ratio, backend, steps, median_ms, mean_ms, p90_ms, speedup_vs_<baseline>,
     migrated_bytes, htod_bytes, dtoh_bytes, gpu_page_faults, evictions, remote_bytes, ..., status, run_dir.
     """
-    from um_lab.runner import Run  # runner imports sizing and the backends: only when comparing
-
+    if executor is not None and not isinstance(executor, Executor):
+        raise SpecError(f"executor must be a concurrent.futures.Executor (e.g. ProcessPoolExecutor(), a Dask "
+                        f"Client.get_executor()) or None, got {type(executor).__name__}", "executor")
     model_items = _normalise_models(models, model_kwargs)
     _checked_batch_size(batch_size, model_items)
     policy_objs = _checked_policies(policies, baseline)
@@ -218,6 +235,8 @@ def compare(
     if band and not kind.reports_uncertainty_band:
         raise ValueError(f"backend {kind.name!r} reports no uncertainty band (the simulator does: profile constants' "
                          "ranges); use backend='sim'")
+    if executor is not None:
+        _check_executor_backend(backend, backend_instance)
     if backend_instance is None:
         kind.check_available()
     spec_backend = backend_name if backend_name in backend_names() else backend
@@ -248,42 +267,14 @@ def compare(
     sweep_dir = prepare_run_dir(out, f"compare-{timestamp()}-{uuid.uuid4().hex[:6]}")
 
     bar = _progress_bar(progress, len(cells))
-    rows: list[dict[str, Any]] = []
-    stopped: BaseException | None = None  # what ended the comparison early (without keep_going)
+    tasks = [_CellTask(spec, model if isinstance(model, ModelCase) else None, policy, sweep_dir, checked[index],
+                       band, {"model": label, "policy": policy.name, "ratio": ratio, "backend": backend_name})
+             for index, (label, model, ratio, policy, spec) in enumerate(cells)]
     try:
-        for index, (label, model, ratio, policy, spec) in enumerate(cells):
-            if bar is not None:
-                bar.set_postfix_str(f"{label} {policy.name} ratio={ratio}")
-            case = model if isinstance(model, ModelCase) else None
-            row: dict[str, Any] = {"model": label, "policy": policy.name, "ratio": ratio,
-                                   "backend": backend_name}
-            try:
-                active = Run(spec, case, policy, sweep_dir, backend=shared_backend, preflight=checked[index])
-            except Exception as e:  # refused before any step (bad size, over the safety cap)
-                rows.append({**row, **summarize(()), "status": "refused", "error": _error_text(e),
-                             "run_dir": None})
-                if not keep_going:
-                    stopped = e
-                    break
-                if bar is not None:
-                    bar.update(1)
-                continue
-            try:
-                for _ in active:
-                    pass
-            except BaseException as e:  # the row is kept, then it is raised again
-                row["error"] = _error_text(e)
-                if not keep_going or not isinstance(e, Exception):
-                    stopped = e
-            if band and active.status == "complete":
-                row["band_fast_ms"], row["band_slow_ms"] = _band_ms(spec, active.case, policy, shared_backend)
-            rows.append({**row, **active.summary(), "status": active.status, "run_dir": str(active.path)})
-            if bar is not None:
-                bar.update(1)
-            if stopped is not None:
-                break
-    except BaseException as e:  # e.g. Ctrl-C between runs: the finished runs' table is written
-        stopped = e
+        if executor is None:
+            rows, stopped = _run_here(tasks, shared_backend, keep_going, bar)
+        else:
+            rows, stopped = _run_on(executor, tasks, backend_name, keep_going, bar)
     finally:
         if bar is not None and progress is True:
             bar.close()
@@ -296,6 +287,158 @@ def compare(
         stopped.add_note(f"the comparison stopped after {len(rows)} of {len(cells)} runs ({complete} complete); "
                          f"their table is in {sweep_dir / 'summary.csv'}")
     raise stopped
+
+
+@dataclasses.dataclass(frozen=True)
+class _CellTask:
+    """One run of a comparison: what its :class:`~um_lab.runner.Run` is built from, and its row's keys.
+    Picklable (a spec, a policy, a path), so an executor can send it to a worker."""
+
+    spec: RunSpec
+    case: ModelCase | None  #: the caller's ModelCase; None: the zoo model the spec names
+    policy: Policy
+    sweep_dir: Path  #: the comparison folder; the run's folder goes under it
+    preflight: Any  #: the pre-flight result checked before the first run (True: the run checks it)
+    band: bool
+    row: dict[str, Any]  #: model, policy, ratio, backend
+
+
+def _run_cell(task: _CellTask, backend: Backend) -> tuple[dict[str, Any], BaseException | None]:
+    """Run one cell on ``backend``: its row (status ``refused`` when the run could not start) and the error
+    that refused or ended it (None when it completed). An error outside the run (the band's) is raised."""
+    from um_lab.runner import Run  # runner imports sizing and the backends: only when comparing
+
+    row = dict(task.row)
+    try:
+        active = Run(task.spec, task.case, task.policy, task.sweep_dir, backend=backend, preflight=task.preflight)
+    except Exception as e:  # refused before any step (bad size, over the safety cap)
+        return {**row, **summarize(()), "status": "refused", "error": _error_text(e), "run_dir": None}, e
+    error: BaseException | None = None
+    try:
+        for _ in active:
+            pass
+    except BaseException as e:  # the row is kept; the caller raises it again
+        row["error"] = _error_text(e)
+        error = e
+    if task.band and active.status == "complete":
+        row["band_fast_ms"], row["band_slow_ms"] = _band_ms(task.spec, active.case, task.policy, backend)
+    return {**row, **active.summary(), "status": active.status, "run_dir": str(active.path)}, error
+
+
+def _stops(error: BaseException | None, keep_going: bool) -> bool:
+    """Whether a run's error ends the comparison: any without ``keep_going``, else only one that is not an
+    ``Exception`` (Ctrl-C)."""
+    return error is not None and (not keep_going or not isinstance(error, Exception))
+
+
+def _run_here(tasks: Sequence[_CellTask], backend: Backend, keep_going: bool,
+              bar: Any) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """The cells one after another in this process, on ``backend``, until one stops the comparison: the rows
+    of the runs made and what stopped it (None when every cell ran)."""
+    rows: list[dict[str, Any]] = []
+    try:
+        for task in tasks:
+            if bar is not None:
+                bar.set_postfix_str(f"{task.row['model']} {task.row['policy']} ratio={task.row['ratio']}")
+            row, error = _run_cell(task, backend)
+            rows.append(row)
+            stop = _stops(error, keep_going)
+            if bar is not None and not (stop and row["status"] == "refused"):
+                bar.update(1)
+            if stop:
+                return rows, error
+    except BaseException as e:  # e.g. Ctrl-C between runs: the finished runs' table is written
+        return rows, e
+    return rows, None
+
+
+_WORKER_BACKENDS: dict[str, Backend] = {}  #: backend name -> the one a worker process runs its cells on
+_WORKER_LOCK = threading.Lock()
+
+
+def _run_cell_in_worker(task: _CellTask, backend_name: str) -> tuple[dict[str, Any], BaseException | None]:
+    """An executor's task: one cell on the worker's own ``backend_name`` backend (built once per worker
+    process, so the simulator's traces are kept between its cells). The error comes back as a value, made
+    picklable when it is not."""
+    with _WORKER_LOCK:
+        if backend_name not in _WORKER_BACKENDS:
+            _WORKER_BACKENDS[backend_name] = get_backend(backend_name)
+        backend = _WORKER_BACKENDS[backend_name]
+    row, error = _run_cell(task, backend)
+    if error is not None:
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            error = RuntimeError(f"{_error_text(error)} (raised in a worker; this error could not be sent back)")
+    return row, error
+
+
+def _run_on(executor: Executor, tasks: Sequence[_CellTask], backend_name: str, keep_going: bool,
+            bar: Any) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """The cells as tasks on ``executor``: the rows of the runs that finished, in the cells' order, and what
+    stopped the comparison (the first run in that order whose error stops it, an error of the executor's own
+    such as a task it could not send, or Ctrl-C; None when every cell ran). Once one stops it, the runs not
+    started are cancelled; those already running are waited for when the executor cannot cancel them."""
+    sweep_dir = tasks[0].sweep_dir if tasks else Path()
+    absolute = [dataclasses.replace(t, sweep_dir=Path(os.path.abspath(t.sweep_dir))) for t in tasks]
+    outcomes: list[tuple[dict[str, Any] | None, BaseException | None] | None] = [None] * len(tasks)
+    interrupted: BaseException | None = None
+    futures: dict[Future[Any], int] = {}
+    try:
+        for index, task in enumerate(absolute):
+            futures[executor.submit(_run_cell_in_worker, task, backend_name)] = index
+        remaining = set(futures)
+        while remaining:
+            done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+            stop = False
+            for future in done:
+                index = futures[future]
+                if future.cancelled():
+                    continue
+                try:
+                    row, error = future.result()
+                    if row["run_dir"] is not None:  # as the serial comparison names it
+                        row["run_dir"] = str(sweep_dir / Path(row["run_dir"]).name)
+                    outcomes[index] = (row, error)
+                    stop = stop or _stops(error, keep_going)
+                except Exception as e:  # not a run's error: the executor's, or one outside the run
+                    if tasks[index].case is not None and "pickl" in f"{type(e).__name__} {e}".lower():
+                        e.add_note(f"the executor could not send {tasks[index].row['model']} to a worker: with an "
+                                   "executor, a ModelCase must be picklable by it (built from top-level "
+                                   "functions); a zoo model given by name always is")
+                    outcomes[index] = (None, e)
+                    stop = True
+                if bar is not None:
+                    bar.set_postfix_str(f"{tasks[index].row['model']} {tasks[index].row['policy']} "
+                                        f"ratio={tasks[index].row['ratio']}")
+                    bar.update(1)
+            if stop:  # those it cannot cancel (already running) are waited for
+                remaining = {f for f in remaining if not f.cancel()}
+    except BaseException as e:  # e.g. Ctrl-C while waiting: the finished runs' table is written
+        interrupted = e
+        for future in futures:
+            future.cancel()
+    rows = [row for outcome in outcomes if outcome is not None and (row := outcome[0]) is not None]
+    if interrupted is not None:
+        return rows, interrupted
+    for outcome in outcomes:
+        if outcome is not None and (outcome[0] is None or _stops(outcome[1], keep_going)):
+            return rows, outcome[1]
+    return rows, None
+
+
+def _check_executor_backend(backend: str, backend_instance: Backend | None) -> None:
+    """With an executor, each worker builds its own backend by name: only the simulator's can be (a GPU stays
+    with the process that holds it), and a backend object cannot be sent."""
+    if backend_instance is not None:
+        raise SpecError("a backend_instance cannot be sent to an executor's workers (each builds its own "
+                        "backend): give backend='sim', or leave executor=None to run on this instance",
+                        "executor")
+    resolved = resolve_backend_name(backend)
+    if resolved != "sim":
+        shown = f"{backend!r} (here {resolved!r})" if backend != resolved else repr(resolved)
+        raise SpecError(f"backend {shown} cannot run on an executor: only the simulator (backend='sim') runs in "
+                        "a worker; leave executor=None to run here", "executor")
 
 
 def _error_text(e: BaseException) -> str:

@@ -19,7 +19,9 @@ The search is a coordinate descent over them, made cheap by:
 2. **Checking the merge where it matters.** At the result, every other member of each chosen class is
    simulated on the model itself; one that behaves differently splits its class and the descent goes on.
 3. **Caching** every evaluation by its effective advice (each option replaced by its class's member).
-4. **Worker processes** forked after the model is traced and placed, so they share the prepared case.
+4. **Worker processes** forked after the model is traced and placed, so they share the prepared case; or
+   any :class:`concurrent.futures.Executor` given as ``executor`` (a Dask ``Client.get_executor()``, Ray's
+   executor), whose workers trace and place the workloads once each.
 5. **A good start and an early stop.** The descent starts from the best preset, sweeps the largest
    coordinate first, drops from later sweeps a class more than ``prune_factor`` times slower than the
    best of its sweep, and stops after a sweep that brings no improvement (and a check that holds).
@@ -32,9 +34,10 @@ import hashlib
 import json
 import math
 import multiprocessing
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 from typing import Any, NamedTuple
 
 import pandas as pd
@@ -129,6 +132,7 @@ class _Recipe(NamedTuple):
 
 _WORKLOADS: dict[str, tuple[SimBackend, Any]] = {}  #: workload -> (backend, case); inherited by forked workers
 _RECIPE: list[_Recipe] = []
+_BUILD_LOCK = threading.Lock()  #: an executor's worker may run tasks on several threads
 
 
 def _build_workloads(recipe: _Recipe) -> None:
@@ -146,8 +150,21 @@ def _build_workloads(recipe: _Recipe) -> None:
 
 def _simulate(job: _Job) -> tuple[float, str]:
     """Median measured step time (ms) and a digest of every step's record (the step trace)."""
-    backend, case = _WORKLOADS[job.workload]
-    recipe = _RECIPE[0]
+    return _simulate_on(_WORKLOADS[job.workload], _RECIPE[0], job)
+
+
+def _simulate_with(recipe: _Recipe, job: _Job) -> tuple[float, str]:
+    """:func:`_simulate` as an executor's task: the worker builds the workloads of ``recipe`` first (once,
+    while its tasks keep the same recipe)."""
+    with _BUILD_LOCK:
+        _build_workloads(recipe)
+        workload = _WORKLOADS[job.workload]
+    return _simulate_on(workload, recipe, job)
+
+
+def _simulate_on(workload: tuple[SimBackend, Any], recipe: _Recipe, job: _Job) -> tuple[float, str]:
+    """:func:`_simulate` on the given (backend, case)."""
+    backend, case = workload
     policy = Policy("candidate", {t: OPTIONS[i] for t, i in zip(DATA_TYPES, job.options, strict=True)})
     spec = RunSpec(model=case.name, backend="sim", steps=recipe.steps, warmup_steps=recipe.warmup_steps,
                    capacity_bytes=job.capacity)
@@ -162,19 +179,25 @@ class _OutOfTime(Exception):
 
 
 class _Evaluator:
-    """Runs jobs (in worker processes when ``workers`` > 1), caching every result by its job."""
+    """Runs jobs (on the caller's ``executor``, else in worker processes of its own when ``workers`` > 1),
+    caching every result by its job, in the order the jobs were asked (however they finish)."""
 
-    def __init__(self, recipe: _Recipe, workers: int, deadline: float, bar: Any) -> None:
+    def __init__(self, recipe: _Recipe, workers: int, deadline: float, bar: Any,
+                 executor: Executor | None = None) -> None:
         self.cache: dict[_Job, tuple[float, str]] = {}
-        self.deadline, self.bar, self.pool = deadline, bar, None
-        if workers > 1:  # forked workers inherit the prepared workloads; spawned ones prepare their own
-            start = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        self.recipe = recipe
+        self.deadline, self.bar = deadline, bar
+        self.pool: Executor | None = executor
+        self.owned = False  #: the pool is this evaluator's (shut down by close()), not the caller's
+        if executor is None and workers > 1:  # forked workers inherit the prepared workloads; spawned ones
+            start = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"  # prepare theirs
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(start),
                                             initializer=_build_workloads, initargs=(recipe,))
+            self.owned = True
 
     def close(self) -> None:
-        """Stop the worker processes."""
-        if self.pool is not None:
+        """Stop the worker processes of its own (a caller's executor is left running)."""
+        if self.pool is not None and self.owned:
             self.pool.shutdown(cancel_futures=True)
 
     def count(self, workload: str) -> int:
@@ -191,17 +214,28 @@ class _Evaluator:
             self.bar.refresh()
         if self.pool is None:
             for job in todo:
-                self._store(job, _simulate(job))
+                self.cache[job] = _simulate(job)
+                if self.bar is not None:
+                    self.bar.update(1)
         else:
-            futures = {self.pool.submit(_simulate, job): job for job in todo}
-            for future in as_completed(futures):
-                self._store(futures[future], future.result())
+            futures: dict[Future[tuple[float, str]], _Job] = {}
+            try:
+                for job in todo:
+                    if self.owned:  # its workers hold the workloads already
+                        futures[self.pool.submit(_simulate, job)] = job
+                    else:
+                        futures[self.pool.submit(_simulate_with, self.recipe, job)] = job
+                for future in as_completed(futures):
+                    future.result()  # an error is raised as soon as it comes
+                    if self.bar is not None:
+                        self.bar.update(1)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+            for future, job in futures.items():  # stored in the jobs' order: the ranking breaks ties by it
+                self.cache[job] = future.result()
         return [self.cache[j] for j in jobs]
-
-    def _store(self, job: _Job, result: tuple[float, str]) -> None:
-        self.cache[job] = result
-        if self.bar is not None:
-            self.bar.update(1)
 
 
 def _complexity(cand: Sequence[int]) -> int:
@@ -320,8 +354,15 @@ def _probe(ev: _Evaluator, space: str, capacities: Sequence[int]) -> tuple[list[
 
 
 def _check(model: str, ratio: float | None, capacity: int | None, model_kwargs: Mapping[str, Any] | None,
-           space: str, numbers: Mapping[str, Any], profile: str | Profile) -> tuple[Profile, dict[str, Any]]:
+           space: str, numbers: Mapping[str, Any], profile: str | Profile,
+           executor: Executor | None = None) -> tuple[Profile, dict[str, Any]]:
     """Validate every argument before any work; returns the profile and the model's knobs."""
+    if executor is not None and not isinstance(executor, Executor):
+        raise SearchError(f"executor must be a concurrent.futures.Executor (e.g. a Dask Client.get_executor()) or "
+                          f"None, got {type(executor).__name__}")
+    if executor is not None and numbers["workers"] is not None:
+        raise SearchError(f"give workers={numbers['workers']!r} (processes of the search's own) or an executor, "
+                          "not both")
     if not isinstance(model, str) or model not in ZOO:
         raise SearchError(f"unknown model {model!r}; valid: {', '.join(ZOO)}")
     if (ratio is None) == (capacity is None):
@@ -335,6 +376,8 @@ def _check(model: str, ratio: float | None, capacity: int | None, model_kwargs: 
         raise SearchError(f"unknown space {space!r}; valid: {', '.join(SPACES)}")
     for name, low in (("workers", 1), ("steps", 1), ("warmup_steps", 0)):
         value = numbers[name]
+        if name == "workers" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SearchError(f"{name} must be an integer >= {low}, got {value!r}")
     for name, low in (("budget_s", 0), ("prune_factor", 1)):
@@ -362,20 +405,25 @@ def _seeds(coords: dict[str, tuple[DataType, ...]]) -> list[tuple[int, ...]]:
 
 
 def search_policy(model: str, ratio: float | None = None, capacity: int | None = None, *,
-                  model_kwargs: Mapping[str, Any] | None = None, space: str = "five-type", workers: int = 2,
+                  model_kwargs: Mapping[str, Any] | None = None, space: str = "five-type", workers: int | None = None,
                   budget_s: float | None = None, profile: str | Profile = "h200", steps: int = 4,
-                  warmup_steps: int = 2, prune_factor: float | None = 2.0, progress: bool = True) -> SearchResult:
+                  warmup_steps: int = 2, prune_factor: float | None = 2.0, progress: bool = True,
+                  executor: Executor | None = None) -> SearchResult:
     """Find the best per-type advice for ``model`` (a zoo name with ``model_kwargs``) on the simulator.
 
     Give ``ratio`` (footprint / GPU capacity) or ``capacity`` (simulated GPU bytes). Each candidate runs
     ``warmup_steps`` + ``steps`` steps and is scored by its median measured step, as
-    :func:`um_lab.paper.run_grid` does. ``workers`` processes simulate in parallel; ``budget_s`` stops the
+    :func:`um_lab.paper.run_grid` does. ``workers`` processes of the search's own simulate in parallel
+    (default 2; 1: in this process); or give ``executor``, any :class:`concurrent.futures.Executor` (a Dask
+    ``Client.get_executor()`` spreads the simulations over a cluster; it is left running), instead of
+    ``workers``: each simulation is a picklable task whose worker traces the workloads once. The result is
+    the same either way (only ``seconds`` differs). ``budget_s`` stops the
     descent (checked between batches) with the best so far and ``complete=False``; ``prune_factor=None``
     keeps every option class in every sweep. Bad input raises :class:`SearchError` before any work.
     """
     numbers = {"workers": workers, "steps": steps, "warmup_steps": warmup_steps, "budget_s": budget_s,
                "prune_factor": prune_factor}
-    prof, knobs = _check(model, ratio, capacity, model_kwargs, space, numbers, profile)
+    prof, knobs = _check(model, ratio, capacity, model_kwargs, space, numbers, profile, executor)
     start = time.perf_counter()
     recipe = _Recipe(prof, (model, knobs), steps, warmup_steps)
     _build_workloads(recipe)
@@ -391,7 +439,8 @@ def search_policy(model: str, ratio: float | None = None, capacity: int | None =
     size = [sum(target.placement.final.segment_bytes[t.value] for t in types) for types in coords.values()]
     order = sorted(range(len(coords)), key=lambda ci: -size[ci])
     bar = tqdm(total=0, desc=f"policy search {model} {ratio:.2f}x", unit="sim") if progress else None
-    ev = _Evaluator(recipe, workers, start + budget_s if budget_s is not None else math.inf, bar)
+    ev = _Evaluator(recipe, 2 if workers is None else workers,
+                    start + budget_s if budget_s is not None else math.inf, bar, executor)
     try:
         descent = _Descent(ev, coords, *_probe(ev, space, probe_caps), cap, prune_factor)
         baseline_ms = descent.run([(0,) * len(coords), *_seeds(coords)], timed=False)[0][0]
