@@ -35,7 +35,8 @@ from um_lab.widgets.figures import static_images_available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = ["01_quickstart", "02_compare_policies", "03_paper_three_types", "04_um_basics", "05_sim_vs_gpu"]
+EXPECTED = ["01_quickstart", "02_compare_policies", "03_paper_three_types", "04_um_basics", "05_sim_vs_gpu",
+            "06_fit_in_less_memory"]
 MAX_BYTES = 2 * 2**20  #: the most a committed notebook may weigh
 PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -195,7 +196,7 @@ def kernel_only_left(nb: Any) -> list[str]:
 # ------------------------------------------------------------------------------------ committed copies
 
 
-def test_the_five_notebooks_are_there():
+def test_the_notebooks_are_there():
     assert [p.stem for p in NOTEBOOKS] == EXPECTED
 
 
