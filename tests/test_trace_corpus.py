@@ -114,6 +114,9 @@ def test_an_op_that_cannot_be_traced_raises_the_typed_error_naming_the_op_and_mo
     assert "'branchy'" in text and "aten._local_scalar_dense" in text and "body.1 (Gate)" in text
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is TraceError and str(again) == text and again.module == error.module
+    # Dask's workers pickle an exception with its traceback and context (tblib): it must carry none of
+    # torch's op objects, which do not pickle
+    assert error.__context__ is None and error.__cause__ is None
 
 
 def test_data_dependent_ops_of_a_training_step_are_sized_as_if_every_element_were_selected():

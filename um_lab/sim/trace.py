@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +62,8 @@ from um_lab.sim.ops import (
     remote_reads,
 )
 from um_lab.types import DATA_TYPES, DataType
+
+T = TypeVar("T")
 
 PHASES: tuple[str, ...] = ("fwd", "bwd", "opt")  #: ``op_phase`` values, in the order of policy.STEP_PHASES
 PHASE_FWD, PHASE_BWD, PHASE_OPT = range(3)
@@ -335,6 +338,21 @@ class TraceError(ModelConfigError):
         return (type(self), (self.model, self.op, self.module, self.phase, self.reason))
 
 
+def _context_free(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, whose :class:`TraceError` leaves without the fake-tensor error it replaced: that one holds
+    torch's op objects, which do not pickle, and a Dask worker pickles an error with its context."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except TraceError as e:
+            e.__context__ = None
+            raise
+
+    return wrapper
+
+
 #: A tensor a model's constructor makes with at most this many elements is real (its values can be read,
 #: e.g. drop-path rates from ``torch.linspace(0, rate, depth).tolist()`` or a relative-position index); a
 #: larger one lives on the meta device (no memory).
@@ -383,6 +401,7 @@ class _SmallRealBuild(TorchDispatchMode):
         return out
 
 
+@_context_free
 def build_outside_fake(case: ModelCase) -> torch.nn.Module:
     """``case``'s model built outside fake mode: small tensors real, large ones on the meta device (see
     :class:`_SmallRealBuild`). A constructor that needs the values of a large tensor raises
@@ -695,6 +714,7 @@ def _has_contents(cell: Any) -> bool:
     return True
 
 
+@_context_free
 def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
     """Trace one steady-state training step of ``case`` without allocating its memory.
 
