@@ -510,6 +510,11 @@ def check_case(case: ModelCase) -> ModelCase:
         raise ModelTypeError(f"a model case must be a ModelCase (get_model(...) or custom(...)), got "
                              f"{type(case).__name__}", "case")
     model = _meta_model(case)
+    if model is not None and case.info.get("recompute", "none") not in ("none", 0):
+        from um_lab.training import recompute_layers
+
+        recompute = case.info["recompute"]
+        recompute_layers(model, tuple(recompute) if isinstance(recompute, list) else recompute, repr(case.name))
     params = [p for p in model.parameters() if p.requires_grad] if model is not None else \
         [nn.Parameter(torch.empty(1, device="meta"))]
     try:
@@ -582,4 +587,6 @@ def case_for_spec(spec: Any) -> ModelCase:
             raise ModelConfigError(f"batch_size={spec.batch_size!r} and model_kwargs batch_size={given!r} disagree: "
                                    "give the batch size once", "batch_size")
         kwargs["batch_size"] = spec.batch_size
-    return get_model(spec.model, **kwargs)
+    from um_lab.training import with_training
+
+    return with_training(get_model(spec.model, **kwargs), spec.precision, spec.recompute)

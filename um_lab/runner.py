@@ -55,6 +55,7 @@ from um_lab.runlog import (
 )
 from um_lab.runread import LoadedRun, RunLogWarning, iter_records, load
 from um_lab.summary import summarize
+from um_lab.training import with_training
 from um_lab.types import RunSpec, StepRecord
 
 
@@ -114,7 +115,8 @@ class Run(RunFolderWriter, Listenable):
             name = check_run_name(name)  # before anything is created
         spec = spec or RunSpec()
         self.policy = check_preset_name(get_policy(policy if policy is not None else spec.policy))
-        self.case = check_case(case if case is not None else case_for_spec(spec))  # built on meta: a knob the
+        self.case = check_case(with_training(case, spec.precision, spec.recompute) if case is not None
+                               else case_for_spec(spec))  # built on meta: a knob the
         # library refuses, or an optimizer that needs a closure, is refused before any folder exists
         self.spec = dataclasses.replace(spec, policy=self.policy.name,
                                         model=self.case.name if case is not None else spec.model)

@@ -27,6 +27,7 @@ from um_lab.policy import Policy, check_preset_name, get_policy, is_scheduled
 from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.schedule.config import Budget
 from um_lab.summary import summarize, with_speedup
+from um_lab.training import with_training
 from um_lab.types import RunSpec
 
 BASELINE_POLICY = "um-default"
@@ -466,7 +467,8 @@ def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, A
     for label, model in model_items:
         spec = next(s for (name, _), s in specs.items() if name == label)
         try:
-            case = check_case(model if isinstance(model, ModelCase) else case_for_spec(spec))
+            case = check_case(with_training(model, spec.precision, spec.recompute) if isinstance(model, ModelCase)
+                              else case_for_spec(spec))
             kind.check_case(case)
             cases[label] = case
         except Exception:

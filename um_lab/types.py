@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from um_lab.backend import AUTO, backend_names, valid_backend_names
@@ -51,6 +51,43 @@ PAPER_GROUPS: Mapping[str, tuple[DataType, ...]] = {
 }
 
 
+#: What a run computes in: fp32, or autocast to bf16 / fp16 with fp32 master weights (:mod:`um_lab.training`).
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+#: Which layers recompute their activations in backward, besides a number of layers or layer names.
+RECOMPUTE_NAMES = ("none", "every-layer")
+
+Recompute = str | int | tuple[str, ...]
+
+
+def check_precision(precision: object) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else :class:`~um_lab.errors.SpecError`."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}"[:200], "precision")
+    return precision
+
+
+def check_recompute(recompute: object) -> Recompute:
+    """``recompute`` in its canonical form (a list of names becomes a tuple), else
+    :class:`~um_lab.errors.SpecError` naming what was given."""
+    if isinstance(recompute, str):
+        if recompute in RECOMPUTE_NAMES:
+            return recompute
+        if recompute.isdigit():
+            return int(recompute)
+        return (recompute,)  # one layer's name
+    if isinstance(recompute, bool) or recompute is None:
+        raise SpecError(f"recompute must be 'none', 'every-layer', a number of layers or layer names; "
+                        f"got {recompute!r}", "recompute")
+    if isinstance(recompute, int):
+        if recompute < 0:
+            raise SpecError(f"recompute: a number of layers must be >= 0, got {recompute}", "recompute")
+        return recompute
+    if isinstance(recompute, Sequence) and recompute and all(isinstance(n, str) and n for n in recompute):
+        return tuple(recompute)
+    raise SpecError(f"recompute must be 'none', 'every-layer', a number of layers or a list of layer names; "
+                    f"got {recompute!r}"[:300], "recompute")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """What to run: model, batch, policy, backend, steps and (for the simulator) GPU capacity."""
@@ -68,6 +105,11 @@ class RunSpec:
     #: a GPU budget for the layer-ahead scheduler: GPU-resident managed bytes stay <= it (a
     #: :class:`~um_lab.schedule.config.Budget`, or what it takes: bytes, ``"8GiB"``, ``"0.5x"`` of the footprint)
     budget: Budget | None = None
+    #: what the step computes in: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights)
+    precision: str = "fp32"
+    #: which layers recompute their activations in backward: ``"none"``, ``"every-layer"``, the first *n*
+    #: layers, or layer names (:func:`um_lab.training.layer_names`)
+    recompute: Recompute = "none"
 
     def __post_init__(self) -> None:
         for name in ("model", "policy", "backend"):
@@ -94,6 +136,8 @@ class RunSpec:
                 f"({self.capacity_bytes / 2**30:.2f} GiB) sets the simulated GPU's size, and so does "
                 f"oversubscription_ratio={self.oversubscription_ratio:g} (the model's footprint / ratio)",
                 "capacity_bytes")
+        check_precision(self.precision)
+        object.__setattr__(self, "recompute", check_recompute(self.recompute))
         if self.budget is not None and not isinstance(self.budget, Budget):
             try:
                 object.__setattr__(self, "budget", Budget(self.budget))
@@ -110,6 +154,7 @@ class RunSpec:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["model_kwargs"] = dict(self.model_kwargs)
         d["budget"] = None if self.budget is None else self.budget.to_dict()
+        d["recompute"] = list(self.recompute) if isinstance(self.recompute, tuple) else self.recompute
         return d
 
     @classmethod

@@ -18,6 +18,7 @@ from um_lab.policy import Policy
 from um_lab.schedule.config import Budget
 from um_lab.schedule.request import lookahead, resolve_budget, stages, uses_budget
 from um_lab.sizing import check_fits, estimate_memory
+from um_lab.training import LossScaler
 from um_lab.types import RunSpec, StepRecord
 
 
@@ -120,10 +121,24 @@ class CudaBackend(BackendBase):
         try:
             model = lab.place(model)
             optimizer = lab.attach(model, case.make_optimizer(list(model.parameters())))
+            scaler = None
+            if spec.precision == "fp16":  # a dynamic loss scale; the step skips an update with infinite gradients
+                scaler = LossScaler("cuda")
+                scaler.guard(optimizer)
             for i in range(spec.warmup_steps + spec.steps):
                 inputs = lab.inputs(*batch)
                 inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-                record = lab.step(functools.partial(case.loss_fn, model, *inputs), optimizer)
+                loss_fn = functools.partial(case.loss_fn, model, *inputs)
+                if scaler is None:
+                    record = lab.step(loss_fn, optimizer)
+                else:
+                    scale = scaler.value
+                    record = lab.step(functools.partial(_scaled, scaler, loss_fn), optimizer,
+                                      before_optimizer=functools.partial(scaler.unscale, optimizer))
+                    scaler.update()
+                    if record.loss is not None:
+                        record.loss /= scale
+                    record.extra["loss_scale"], record.extra["skipped_updates"] = scale, scaler.skipped
                 record.warmup = i < spec.warmup_steps
                 record.step = i
                 del inputs
@@ -131,3 +146,7 @@ class CudaBackend(BackendBase):
         finally:
             model = optimizer = inputs = None  # type: ignore[assignment]  # noqa: F841 - drop the managed tensors first
             lab.close()
+
+
+def _scaled(scaler: LossScaler, loss_fn: Any) -> torch.Tensor:
+    return scaler.scale(loss_fn())
