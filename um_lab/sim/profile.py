@@ -30,10 +30,12 @@ MEASUREMENT_LIMIT = 64 * MIB
 #: Host costs that may be zero (a fit can find that a cost is not there).
 ZERO_ALLOWED = frozenset({"cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us",
                           "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
-                          "scheduler_d2h_GBps"})
+                          "scheduler_d2h_GBps", "matmul_16bit_tflops", "attention_16bit_tflops",
+                          "conv_16bit_tflops"})
 #: Fields a profile may leave out without a warning: an absent per-shape GEMM table is empty (``to_dict``
-#: leaves an empty one out), an absent ``source`` is no description.
-OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source"})
+#: leaves an empty one out), an absent ``source`` is no description, an absent 16-bit rate is not measured.
+OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source", "matmul_16bit_tflops", "attention_16bit_tflops",
+                             "conv_16bit_tflops"})
 #: Fields that hold whole numbers.
 INT_FIELDS = frozenset({"gpu_memory_bytes", "fault_batch_size"})
 _TEXT_FIELDS = frozenset({"name", "source"})
@@ -61,6 +63,12 @@ class Profile:
     attention_half_gflop: float = 0.05  #: attention kernel size (GFLOP) at which it reaches half its peak
     conv_tflops: float = 250.0  #: convolution peak (cuDNN allows TF32 by default)
     conv_half_gflop: float = 1.0
+    #: 16-bit (bf16 / fp16) tensor-core peaks of the same three kernel kinds; a 16-bit kernel keeps its
+    #: fp32 kind's fixed cost (``half / peak``). 0: not measured on this card, and 16-bit kernels run at
+    #: the fp32 rates (an upper bound on their time)
+    matmul_16bit_tflops: float = 0.0
+    attention_16bit_tflops: float = 0.0
+    conv_16bit_tflops: float = 0.0
     hbm_GBps: float = 3000.0  #: effective HBM bandwidth of memory-bound kernels
     #: HBM passes of a batch norm's forward / backward kernels per byte of their operands (cuDNN's kernels
     #: read their input more than once: statistics, then normalise; in the backward also the reductions)

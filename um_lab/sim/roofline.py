@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from um_lab.sim.ops import BATCH_NORM, BATCH_NORM_BWD
-from um_lab.sim.profile import Profile
+from um_lab.sim.profile import Profile, ProfileDefaultsWarning
 from um_lab.sim.trace import KIND_ATTENTION, KIND_CONV, KIND_H2D_COPY, KIND_MATMUL, PHASE_BWD, StepTrace
 
 
@@ -13,7 +15,8 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
     """GPU time of each op in microseconds with all its data in GPU memory.
 
     GEMM-like ops (GEMM, convolution, fused attention: each with its own peak) run at
-    ``peak * f / (f + f_half)`` (small GEMMs fill the GPU badly), bounded below by their HBM traffic;
+    ``peak * f / (f + f_half)`` (small GEMMs fill the GPU badly), bounded below by their HBM traffic; a
+    16-bit one (autocast) at the profile's 16-bit peak with the same fixed cost ``f_half / peak``;
     memory-bound ops move ``op_bytes`` at the HBM bandwidth (batch norms ``norm_*_hbm_passes`` times);
     the batch copy runs at the pinned host-to-device bandwidth. Every kernel adds ``kernel_us``.
     """
@@ -25,13 +28,23 @@ def op_times_us(trace: StepTrace, profile: Profile) -> np.ndarray:
             sel = np.array([name in names for name in trace.op_names], bool)
             mem_us[sel] *= passes
     t = mem_us.copy()
-    for k, tflops, half in ((KIND_MATMUL, profile.matmul_tflops, profile.matmul_half_gflop),
-                            (KIND_CONV, profile.conv_tflops, profile.conv_half_gflop),
-                            (KIND_ATTENTION, profile.attention_tflops, profile.attention_half_gflop)):
-        sel = kind == k
-        f = flops[sel]
-        rate = tflops * 1e6 * f / (f + half * 1e9)  # flop per us
-        t[sel] = np.maximum(f / np.maximum(rate, 1e-9), mem_us[sel])
+    sixteen = trace.op_16bit if trace.op_16bit is not None else np.zeros(len(kind), bool)
+    missing = [name for k, name in ((KIND_MATMUL, "matmul"), (KIND_CONV, "conv"), (KIND_ATTENTION, "attention"))
+               if getattr(profile, f"{name}_16bit_tflops") == 0 and (sixteen & (kind == k)).any()]
+    if missing:
+        warnings.warn(f"profile {profile.name!r} has no 16-bit tensor-core rate for {', '.join(missing)} kernels: "
+                      "they are costed at the fp32 rates, an upper bound on their time", ProfileDefaultsWarning,
+                      stacklevel=2)
+    for k, tflops, half, tflops_16 in (
+            (KIND_MATMUL, profile.matmul_tflops, profile.matmul_half_gflop, profile.matmul_16bit_tflops),
+            (KIND_CONV, profile.conv_tflops, profile.conv_half_gflop, profile.conv_16bit_tflops),
+            (KIND_ATTENTION, profile.attention_tflops, profile.attention_half_gflop, profile.attention_16bit_tflops)):
+        for is_16, peak in ((False, tflops), (True, tflops_16 or tflops)):
+            sel = (kind == k) & (sixteen == is_16)
+            f = flops[sel]
+            # time = (f + half) / peak: a 16-bit kernel keeps the fp32 kind's fixed cost half / peak
+            fixed_us = half * 1e9 / (tflops * 1e6)
+            t[sel] = np.maximum(f / (peak * 1e6) + fixed_us, mem_us[sel])
     copy = kind == KIND_H2D_COPY
     t[copy] = trace.op_bytes[copy] / (profile.pinned_h2d_GBps * 1e3)
     return t + profile.kernel_us

@@ -119,6 +119,9 @@ class StepTrace:
     #: per op, the host-only ops (views, metadata, allocations: no kernel) dispatched since the previous
     #: kernel op; they cost host time only (``Profile.cpu_view_op_us``). ``None``: not counted.
     op_host_only: np.ndarray | None = None
+    #: per op, True where a GEMM, convolution or attention kernel computes in a 16-bit float (autocast):
+    #: it runs on the profile's 16-bit tensor-core rates. ``None``: none does.
+    op_16bit: np.ndarray | None = None
 
     @property
     def n_ops(self) -> int:
@@ -225,7 +228,7 @@ class _Recorder(TorchDispatchMode):
             self._record(func, name, args, kwargs, out)
         except Exception as e:  # never crash a trace on accounting: a zero-cost op, its accesses dropped
             del self.acc[n_acc:], self.ops[n_ops:]
-            self.ops.append((name, self.phase, 0.0, 0.0, KIND_MEMORY))
+            self.ops.append((name, self.phase, 0.0, 0.0, KIND_MEMORY, False))
             self._warn(name, f"accounting failed ({type(e).__name__}: {e}); counted as zero-cost op")
         if len(self.ops) > n_ops:
             self.host_only_before[n_ops] = self.host_only
@@ -310,7 +313,8 @@ class _Recorder(TorchDispatchMode):
             known = torch.Tag.pointwise in func.tags or name in KNOWN_GENERIC
             if not (known or name.startswith("aten._foreach")):
                 self._warn(name, "unknown op; generic accounting (bytes of inputs and outputs)")
-        self.ops.append((name, self.phase, flops, hbm, kind))
+        half = kind != KIND_MEMORY and any(t.dtype in (torch.bfloat16, torch.float16) for t in outs[:1])
+        self.ops.append((name, self.phase, flops, hbm, kind, half))
 
     def record_input_copy(self, batch: tuple[torch.Tensor, ...]) -> None:
         """Op 0: the batch copied from host into the input pool (a write of each input storage)."""
@@ -320,7 +324,7 @@ class _Recorder(TorchDispatchMode):
             lo, hi = extent_bytes(t)
             nbytes += t.numel() * t.element_size()
             self.acc.append((len(self.ops), idx, lo, hi, ACC_WRITE_ONLY, 1.0, READ_ONCE, 1.0, 0.0, 0.0))
-        self.ops.append(("um_lab.input_h2d", PHASE_FWD, 0.0, nbytes, KIND_H2D_COPY))
+        self.ops.append(("um_lab.input_h2d", PHASE_FWD, 0.0, nbytes, KIND_H2D_COPY, False))
 
 
 class TraceError(ModelConfigError):
@@ -813,6 +817,7 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         st_persistent=persistent,
         unknown_ops=list(rec.unknown),
         op_host_only=np.array([rec.host_only_before.get(i, 0) for i in range(n)], np.int32),
+        op_16bit=np.array([o[5] for o in rec.ops], bool) if any(o[5] for o in rec.ops) else None,
     )
 
 
