@@ -163,7 +163,7 @@ class _Recorder(TorchDispatchMode):
         self.alloc: list[int] = []
         self.free: list[int] = []
         self.transient: list[int] = []  # storage indices that may die during the step
-        self.ops: list[tuple[str, int, float, float, int]] = []
+        self.ops: list[tuple[str, int, float, float, int, bool]] = []
         self.acc: list[tuple[int, int, int, int, int, float, int, float, float, float]] = []
         self.unknown: dict[str, None] = {}
         self.host_only = 0  # host-only ops since the last kernel op
