@@ -17,6 +17,14 @@ One JSON per model: ``{"date", "model", "kwargs", "device", "torch", "passes_at_
 "M", "K", "N", "count", "model_passes", "resident_ms", "remote_ms", "passes", "weight_bytes",
 "passes_over_model"}]}``; each weight GEMM is timed with CUDA events (median of ``--repeats`` after one warm-up),
 resident and with the weight remote, its passes over the weight at the profile's remote read rate.
+
+With ``--tensor-cores`` it fits instead the rates of 16-bit training kernels for the simulator's mixed-precision
+steps: for GEMM, fused attention and convolution in fp32, bf16 and fp16, a ladder of training-sized kernels
+(GPT-2 and ResNet-50 layer shapes) timed with CUDA events, fitted to the simulator's law ``time = (flop + half) /
+peak`` by least squares (plain CUDA memory, under 2 GiB); ``um_lab.sim.calibration.tensor_core_fields`` turns the
+JSON into profile fields:
+
+    python bench/gemm_shapes.py --tensor-cores --out bench/results/tensor_core_rates.json
 """
 
 from __future__ import annotations
@@ -107,15 +115,112 @@ def gemm_row(lab: Any, name: str, m: int, k: int, n: int, layout: str, repeats: 
     return row
 
 
+DTYPES = ("fp32", "bf16", "fp16")
+# (M, K, N): GPT-2 small..XL projections and MLPs at 1..8 x 1024 tokens, and small ones
+GEMMS = [(m, k, n) for m in (512, 2048, 8192) for k, n in ((768, 2304), (1024, 4096), (1600, 6400), (4096, 1024))]
+# (batch, heads, seq, head_dim)
+ATTENTION = [(b, h, s, 64) for b, h, s in ((1, 12, 512), (2, 12, 1024), (4, 16, 1024), (8, 12, 1024), (2, 25, 1024))]
+# (batch, in, out, size, kernel)
+CONVS = [(n, c, k, hw, r) for n in (16, 64) for c, k, hw, r in ((64, 64, 56, 3), (128, 128, 28, 3), (256, 1024, 14, 1),
+                                                                 (512, 512, 7, 3), (64, 256, 56, 1))]
+TENSOR_CORE_LIMIT_BYTES = 2 << 30  # the tensor-core probe's own cap on what it allocates at once
+
+
+def _time_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _checked(*shapes: tuple[int, ...], dtype: Any) -> list[Any]:
+    import torch
+
+    size = sum(torch.Size(s).numel() for s in shapes) * torch.finfo(dtype).bits // 8
+    if size > TENSOR_CORE_LIMIT_BYTES:
+        raise RuntimeError(f"{shapes}: {size} B is over this probe's cap")
+    return [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+
+
+def tensor_core_probe(dtype: Any) -> dict[str, list[tuple[float, float]]]:
+    """(flop, ms) per kernel kind."""
+    import torch
+    import torch.nn.functional as F
+
+    out: dict[str, list[tuple[float, float]]] = {"matmul": [], "attention": [], "conv": []}
+    for m, k, n in GEMMS:
+        a, b = _checked((m, k), (k, n), dtype=dtype)
+        out["matmul"].append((2.0 * m * k * n, _time_ms(lambda a=a, b=b: a @ b)))
+    for b, h, s, d in ATTENTION:
+        q, k_, v = _checked((b, h, s, d), (b, h, s, d), (b, h, s, d), dtype=dtype)
+        flop = 4.0 * b * h * s * s * d / 2  # causal: half the score matrix
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
+            out["attention"].append((flop, _time_ms(
+                lambda q=q, k_=k_, v=v: F.scaled_dot_product_attention(q, k_, v, is_causal=True))))
+    for n, c, k, hw, r in CONVS:
+        x, w = _checked((n, c, hw, hw), (k, c, r, r), dtype=dtype)
+        x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+        out["conv"].append((2.0 * n * k * hw * hw * c * r * r,
+                            _time_ms(lambda x=x, w=w, r=r: F.conv2d(x, w, padding=r // 2))))
+    return out
+
+
+def fit_peak(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Peak TFLOP/s and half-peak GFLOP of ``time = (flop + half) / peak`` by least squares."""
+    import torch
+
+    f = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    t = torch.tensor([p[1] * 1e-3 for p in points], dtype=torch.float64)
+    design = torch.stack([f, torch.ones_like(f)], 1)
+    slope, intercept = torch.linalg.lstsq(design, t[:, None]).solution[:, 0].tolist()
+    peak = 1.0 / slope
+    return {"tflops": round(peak / 1e12, 2), "half_gflop": round(max(intercept * peak, 0.0) / 1e9, 4)}
+
+
+def tensor_core_rates(out: Path | None) -> dict[str, Any]:
+    """Probe every kernel kind in every dtype, fit the law, write ``out`` (JSON); returns it."""
+    import torch
+
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": torch.cuda.get_device_name(0),
+                              "torch": torch.__version__,
+                              "law": "time = (flop + half) / peak, least squares over the kernels", "kinds": {}}
+    for name in DTYPES:
+        points = tensor_core_probe(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]))
+        for kind, pts in points.items():
+            row = {**fit_peak(pts), "points": [[p[0], round(p[1], 4)] for p in pts]}
+            result["kinds"].setdefault(kind, {})[name] = row
+            print(f"{kind:9s} {name}: {row['tflops']:7.1f} TFLOP/s peak, half at {row['half_gflop']:.3f} GFLOP",
+                  flush=True)
+        torch.cuda.empty_cache()
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", nargs="+", required=True, metavar=("NAME", "KEY=VALUE"),
-                    help="a zoo model and its keyword arguments")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--model", nargs="+", metavar=("NAME", "KEY=VALUE"), help="a zoo model and its keyword arguments")
+    mode.add_argument("--tensor-cores", action="store_true",
+                      help="fit the 16-bit (and fp32) peaks of GEMM, attention and convolution instead")
     ap.add_argument("--list", action="store_true", help="only list the shapes (no GPU)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-shapes", type=int, default=40, help="time at most this many shapes, most frequent first")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.tensor_cores:
+        tensor_core_rates(args.out)
+        return
     from um_lab.cli_args import parse_model_kwargs
     from um_lab.sim.gemm_passes import law_passes
     from um_lab.sim.profile import load_profile

@@ -52,8 +52,10 @@ from um_lab.cli_args import (
     parse_model_kwargs,
     parse_ratio,
     ratio_text,
+    recompute_arg,
 )
 from um_lab.errors import UmLabError
+from um_lab.types import PRECISIONS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  #: the reader of our output went away (``um-lab show ... | head``)
@@ -92,6 +94,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "size (8GiB) or a fraction of the footprint (0.5x: footprint/budget = 2); on compare it "
                         "applies to the layer-ahead runs. Policy layer-ahead without it: on sim the simulated "
                         "capacity; on cuda required")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="what the step computes in: fp32, or autocast to bf16 / fp16 with fp32 master weights "
+                        "(fp16 with a dynamic loss scale)")
+    p.add_argument("--recompute", default="none", metavar="none|every-layer|N|LAYER[,LAYER]",
+                   help="recompute these layers' activations in backward instead of keeping them: every layer, "
+                        "the first N, or layer names (see `um-lab models --layers MODEL`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="folder for run logs (default: $UM_LAB_RUNS_DIR if set, else runs/)")
@@ -144,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="status and summary of a run folder, or a comparison folder's table")
     p.add_argument("path", type=Path)
 
-    sub.add_parser("models", help="list the model zoo and its size knobs")
+    p = sub.add_parser("models", help="list the model zoo and its size knobs")
+    p.add_argument("--layers", metavar="MODEL", default=None,
+                   help="list MODEL's layers instead (the names --recompute takes), built on the meta device")
+    p.add_argument("--model-kw", action="append", metavar="KEY=VALUE", help="with --layers: a size knob")
     sub.add_parser("policies", help="list the policy presets and the scheduled policies")
     return parser
 
@@ -232,7 +243,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = RunSpec(model=args.model, policy=policy.name, backend=args.backend, steps=args.steps,
                    warmup_steps=args.warmup, batch_size=args.batch_size,
                    model_kwargs=model_kwargs, capacity_bytes=args.capacity,
-                   oversubscription_ratio=args.ratio, seed=args.seed, budget=args.budget)
+                   oversubscription_ratio=args.ratio, seed=args.seed, budget=args.budget,
+                   precision=args.precision, recompute=recompute_arg(args.recompute))
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")
@@ -313,7 +325,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                         warmup_steps=args.warmup, batch_size=args.batch_size,
                         model_kwargs=model_kwargs, capacity_bytes=args.capacity,
                         seed=args.seed, out_dir=args.out, progress=not args.no_progress,
-                        keep_going=args.keep_going, budget=args.budget)
+                        keep_going=args.keep_going, budget=args.budget, precision=args.precision,
+                        recompute=recompute_arg(args.recompute))
     except BaseException as e:
         partial = getattr(e, "compare_table", None)
         if partial is not None:  # the runs made before it stopped: shown and exported, then the error
@@ -427,8 +440,20 @@ def _show_sweep(path: Path) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     """``um-lab models``."""
-    from um_lab.models import buildable_models, describe_models, model_needs
+    from um_lab.models import buildable_models, describe_models, get_model, model_needs
 
+    if args.layers is not None:
+        import torch
+
+        from um_lab.training import layer_names
+
+        case = get_model(args.layers, **parse_model_kwargs(args.model_kw or []))
+        with torch.device("meta"):
+            names = layer_names(case.build_model())
+        _say(f"{case.name}: {len(names)} layers" + (" (none: --recompute has nothing to choose)" if not names else ""))
+        for name in names:
+            _say(f"  {name}")
+        return EXIT_OK
     buildable = set(buildable_models())
     for name, knobs in describe_models().items():
         missing = "" if name in buildable else f"  [not here: {model_needs(name)}]"

@@ -108,6 +108,12 @@ def parse_budget(text: str) -> Budget:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def recompute_arg(text: str) -> Any:
+    """``--recompute``: ``none``, ``every-layer``, a number of layers, or layer names separated by commas."""
+    names = [n.strip() for n in text.split(",")]
+    return names[0] if len(names) == 1 else tuple(names)
+
+
 def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
     """``["width=1024", "n_layer=2"]`` -> ``{"width": 1024, "n_layer": 2}`` (JSON values, else text)."""
     kwargs: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_
 from um_lab.schedule.config import Budget
 from um_lab.summary import summarize, with_speedup
 from um_lab.training import with_training
-from um_lab.types import RunSpec
+from um_lab.types import Recompute, RunSpec
 
 BASELINE_POLICY = "um-default"
 
@@ -173,6 +173,8 @@ def compare(
     band: bool = False,
     budget: Budget | int | str | None = None,
     executor: Executor | None = None,
+    precision: str = "fp32",
+    recompute: Recompute = "none",
 ) -> pd.DataFrame:
     """Run every model x policy x oversubscription ratio and tabulate them, one row per run.
 
@@ -193,6 +195,8 @@ def compare(
     ``backend``. ``budget`` (a :class:`~um_lab.schedule.config.Budget`, bytes, ``"8GiB"`` or ``"0.5x"``): the GPU
     budget of the runs under a scheduled policy (``layer-ahead``; without one, on the simulator, each ratio's
     simulated capacity); the other policies run without a scheduler.
+    ``precision`` and ``recompute`` (:class:`~um_lab.types.RunSpec`'s, :mod:`um_lab.training`): how every run
+    trains; a table column each when not the default.
     ``band=True`` (sim only): each run's step time also at the fast and slow ends of the profile constants'
     ranges (:mod:`um_lab.sim.band`; columns band_fast_ms, band_slow_ms, speedup_band_lo/hi, and
     ranking_flips: the run's place among its cell's policies changes inside the band).
@@ -244,8 +248,10 @@ def compare(
     specs = {(label, ratio): RunSpec(model=label, policy=baseline, backend=spec_backend, steps=steps,
                                      warmup_steps=warmup_steps, batch_size=batch_size,
                                      model_kwargs=dict(model) if isinstance(model, dict) else {},
-                                     capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed)
+                                     capacity_bytes=capacity_bytes, oversubscription_ratio=ratio, seed=seed,
+                                     precision=precision, recompute=recompute)
              for label, model in model_items for ratio in ratio_list}
+    training = _training_columns(RunSpec(precision=precision, recompute=recompute))
     budget_spec = RunSpec(budget=cast(Any, budget))  # checked now (a SpecError naming the budget)
     cases = _check_cases(model_items, specs, kind, keep_going)
     cells = []  # (label, model, ratio, policy, spec), in the order they run
@@ -269,7 +275,8 @@ def compare(
 
     bar = _progress_bar(progress, len(cells))
     tasks = [_CellTask(spec, model if isinstance(model, ModelCase) else None, policy, sweep_dir, checked[index],
-                       band, {"model": label, "policy": policy.name, "ratio": ratio, "backend": backend_name})
+                       band, {"model": label, "policy": policy.name, "ratio": ratio, "backend": backend_name,
+                              **training})
              for index, (label, model, ratio, policy, spec) in enumerate(cells)]
     try:
         if executor is None:
@@ -456,6 +463,16 @@ def _write_table(rows: list[dict[str, Any]], baseline: str, band: bool, sweep_di
     table.to_csv(sweep_dir / "summary.csv", index=False)
     table.attrs["sweep_dir"] = str(sweep_dir)
     return table
+
+
+def _training_columns(spec: RunSpec) -> dict[str, Any]:
+    """The table's precision and recompute columns, each only when not the default."""
+    columns: dict[str, Any] = {}
+    if spec.precision != "fp32":
+        columns["precision"] = spec.precision
+    if spec.recompute not in ("none", 0):
+        columns["recompute"] = ",".join(spec.recompute) if isinstance(spec.recompute, tuple) else spec.recompute
+    return columns
 
 
 def _check_cases(model_items: list[tuple[str, Any]], specs: Mapping[tuple[str, Any], RunSpec],

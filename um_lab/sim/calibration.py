@@ -219,7 +219,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
                        step_detail_path: str | Path | None = None,
                        gemm_tiles_path: str | Path | None = None,
                        gemm_shapes_paths: Iterable[str | Path] = (),
-                       scheduler_paths: Iterable[str | Path] = ()) -> Profile:
+                       scheduler_paths: Iterable[str | Path] = (),
+                       tensor_core_path: str | Path | None = None) -> Profile:
     """Make the packaged H200 profile from the probe JSON (``calibration/h200-probe.json``), when given
     the rows of a fidelity measurement marked ``"fitted"`` (the others stay held out), the UM
     primitives of ``bench/uvm_primitives.py``, which set the host-link and migration constants
@@ -232,7 +233,8 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     by layout and shape (:mod:`um_lab.sim.gemm_passes`); and ``bench/gemm_shapes.py`` results, the passes of
     models' own weight GEMMs timed alone, which replace that law at exactly those shapes; and ``bench/budget.py
     --time-moves`` results, the layer-ahead scheduler's side-stream rates in training
-    (:func:`um_lab.sim.primitives.fit_scheduler_rates`)."""
+    (:func:`um_lab.sim.primitives.fit_scheduler_rates`); and ``bench/gemm_shapes.py --tensor-cores`` results, the
+    16-bit peaks (:func:`tensor_core_fields`)."""
     probe = read_measurements(probe_path)
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
@@ -302,6 +304,11 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
         profile = profile.replace(source=profile.source + "; the scheduler's side-stream rates from bench/budget.py "
                                   "--time-moves", **scheduler_fields)
         provenance.update(scheduler_provenance)
+    if tensor_core_path is not None:
+        tc_fields, tc_provenance = tensor_core_fields(read_measurements(tensor_core_path), profile)
+        profile = profile.replace(source=profile.source + f"; 16-bit tensor-core peaks from "
+                                  f"{Path(tensor_core_path).name} (bench/gemm_shapes.py --tensor-cores)", **tc_fields)
+        provenance.update(tc_provenance)
     if out is not None:
         measured = {"bandwidth_GBps": bw, "step_ms_targets": targets,
                     "environment": {k: probe["environment"][k] for k in ("torch", "cuda", "gpu", "driver")}}
@@ -345,3 +352,23 @@ def measure_on_gpu(targets: Iterable[Mapping[str, Any]] = H200_TARGETS[:5], step
         times = [r.wall_ms for r in backend.run(spec, case, _policy(t["policy"])) if not r.warmup]
         measured.append({**t, "ms": statistics.median(times)})
     return {"bandwidth_GBps": bw, "targets": measured}
+
+
+def tensor_core_fields(rates: Mapping[str, Any], profile: Profile) -> tuple[dict[str, float], dict[str, Any]]:
+    """The 16-bit peaks (``*_16bit_tflops``) from ``bench/gemm_shapes.py --tensor-cores`` results and their
+    provenance: each kind's fitted fp32 peak in ``profile`` times the kernels' measured bf16 / fp32 speed-up
+    (isolated kernels set the ratio; the training steps already set the fp32 peak)."""
+    fields: dict[str, float] = {}
+    provenance: dict[str, Any] = {}
+    for kind in ("matmul", "attention", "conv"):
+        measured = rates.get("kinds", {}).get(kind, {})
+        if "bf16" not in measured or "fp32" not in measured:
+            continue
+        speedup = measured["bf16"]["tflops"] / measured["fp32"]["tflops"]
+        value = round(getattr(profile, f"{kind}_tflops") * speedup, 2)
+        fields[f"{kind}_16bit_tflops"] = value
+        provenance[f"{kind}_16bit_tflops"] = {
+            "value": value, "from": f"{kind} kernels alone on {rates.get('device', '?')} ({rates.get('date', '?')}): "
+            f"bf16 {measured['bf16']['tflops']} / fp32 {measured['fp32']['tflops']} TFLOP/s = {speedup:.2f}x the "
+            f"fitted fp32 peak; fp16 {measured.get('fp16', {}).get('tflops', '?')} TFLOP/s"}
+    return fields, provenance

@@ -178,9 +178,12 @@ class Profile:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with a format version (an empty per-shape GEMM table is left out, so a profile
-        without one keeps its digest)."""
+        """A JSON-ready dict with a format version (an empty per-shape GEMM table and unmeasured 16-bit rates
+        are left out, so a profile without them keeps its digest)."""
         data = {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}
+        for field in ("matmul_16bit_tflops", "attention_16bit_tflops", "conv_16bit_tflops"):
+            if not data[field]:
+                del data[field]
         if not self.gemm_shape_passes:
             del data["gemm_shape_passes"]
         else:
