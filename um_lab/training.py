@@ -184,11 +184,12 @@ class LossScaler:
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` skip the update when :meth:`unscale` found an infinite gradient."""
         step = optimizer.step
-        state = self.scaler._per_optimizer_states  # noqa: SLF001 - GradScaler keeps found_inf per optimizer
 
         @functools.wraps(step)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            found = state[id(optimizer)].get("found_inf_per_device", {})
+            # GradScaler keeps found_inf per optimizer, in a table update() replaces: read it at each step
+            states = self.scaler._per_optimizer_states  # noqa: SLF001
+            found = states[id(optimizer)].get("found_inf_per_device", {})
             if sum(v.item() for v in found.values()):
                 self.skipped += 1
                 return None
