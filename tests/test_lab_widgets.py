@@ -574,3 +574,23 @@ def test_the_inside_a_step_tab_simulates_the_panels_workload_when_opened(tmp_pat
     a, b = lab.timeline.timelines
     assert a.model == "mlp" and a.policy != b.policy and a.wall_us > 0 and a.capacity_bytes > 0
     assert not any(tmp_path.iterdir())  # the timeline writes no run folder
+
+
+def test_the_panel_runs_in_the_precision_and_recompute_it_shows(tmp_path):
+    from um_lab.models import get_model
+    from um_lab.sim import SimBackend
+    from um_lab.training import with_training
+
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=2.0, steps=1, warmup_steps=0,
+              out_dir=tmp_path)
+    lab.workload.wait_estimate()
+    lab.workload.precision.value = "bf16"
+    lab.workload.recompute.value = "every-layer"
+    lab.workload.wait_estimate()
+    expected = SimBackend().prepare(with_training(get_model("mlp", **TINY_MLP), "bf16", "every-layer"))
+    assert lab.workload.last_footprint == expected.footprint_bytes
+    spec = lab.spec()
+    assert spec.precision == "bf16" and spec.recompute == "every-layer"
+    lab.run(wait=True, timeout=60)
+    assert lab.state == "complete"
+    assert json.loads(next(tmp_path.rglob("spec.json")).read_text())["precision"] == "bf16"

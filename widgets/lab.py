@@ -188,7 +188,7 @@ class Lab:
         return RunSpec(model=self.workload.model.value, policy=self.policy.name, backend=backend,
                        steps=int(self.steps.value), warmup_steps=int(self.warmup.value),
                        model_kwargs=self.workload.model_kwargs(), capacity_bytes=capacity,
-                       oversubscription_ratio=ratio, budget=self._budget_field())
+                       oversubscription_ratio=ratio, budget=self._budget_field(), **self.workload.training())
 
     def _budget_field(self) -> Budget | None:
         """The budget field as a :class:`~um_lab.schedule.config.Budget`; empty: none (SpecError when bad)."""

@@ -19,7 +19,8 @@ from um_lab import models
 from um_lab.backend import AUTO, backend_class, backend_names, get_backend, resolve_backend_name, valid_backend_names
 from um_lab.errors import ModelConfigError, SpecError
 from um_lab.sizing import MemoryEstimate, estimate_memory, format_bytes
-from um_lab.types import DATA_TYPES, RunSpec
+from um_lab.training import with_training
+from um_lab.types import DATA_TYPES, PRECISIONS, RunSpec
 from um_lab.widgets._checks import capacity_bytes_of, model_kwargs_value, model_name, optional_positive
 from um_lab.widgets._html import html_text
 
@@ -101,6 +102,10 @@ def backend_choices() -> list[str]:
     return [AUTO, *backend_names()]
 
 
+#: what the panel's recompute dropdown offers (selected layers: ``RunSpec(recompute=[...])`` from code)
+RECOMPUTE_CHOICES = ("none", "every-layer")
+
+
 class WorkloadPicker:
     """Model dropdown, size knobs, backend and capacity controls, and the live memory estimate."""
 
@@ -134,6 +139,14 @@ class WorkloadPicker:
         self.model_note.add_class("um-lab-model-note")
         self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
         self.knobs: dict[str, Any] = {}
+        self.precision = w.Dropdown(options=PRECISIONS, value="fp32", description="precision",
+                                    tooltip="fp32, or autocast to bf16 / fp16 with fp32 master weights",
+                                    layout=w.Layout(width="200px"))
+        self.precision.add_class("um-lab-precision")
+        self.recompute = w.Dropdown(options=RECOMPUTE_CHOICES, value="none", description="recompute",
+                                    tooltip="recompute every layer's activations in backward instead of keeping them",
+                                    layout=w.Layout(width="230px"))
+        self.recompute.add_class("um-lab-recompute")
         self.backend = w.Dropdown(options=choices, value=backend, description="backend",
                                   layout=w.Layout(width="200px"))
         self.backend.add_class("um-lab-backend")
@@ -153,10 +166,13 @@ class WorkloadPicker:
         self._lock = threading.Lock()
         self._cap_bytes: int | None = None
         self.model.observe(lambda _c: self._model_changed(), names="value")
+        for control in (self.precision, self.recompute):
+            control.observe(lambda _c: self._refresh_estimate(), names="value")
         for control in (self.backend, self.capacity_mode, self.capacity_value):
             control.observe(lambda _c: self._settings_changed(), names="value")
         self.widget = w.VBox([w.HBox([self.model, self.backend]), self.model_note, self.knob_box,
-                              self.capacity_box, self.cap_note, self.estimate])
+                              w.HBox([self.precision, self.recompute]), self.capacity_box, self.cap_note,
+                              self.estimate])
         self._build_knobs(dict(model_kwargs or {}))
         self._settings_changed()
 
@@ -185,6 +201,10 @@ class WorkloadPicker:
     def model_kwargs(self) -> dict[str, Any]:
         """The knob values."""
         return {name: int(control.value) for name, control in self.knobs.items()}
+
+    def training(self) -> dict[str, str]:
+        """``{"precision", "recompute"}`` as picked, for the RunSpec."""
+        return {"precision": str(self.precision.value), "recompute": str(self.recompute.value)}
 
     def sim_capacity(self) -> tuple[int | None, float | None]:
         """``(capacity_bytes, oversubscription_ratio)`` for the RunSpec (on a backend that simulates
@@ -278,17 +298,17 @@ class WorkloadPicker:
             generation = self._generation
         self.estimate.value = "estimating…"
         name, kwargs = self.model.value, self.model_kwargs()
-        thread = threading.Thread(target=self._estimate, args=(generation, name, kwargs), daemon=True,
+        thread = threading.Thread(target=self._estimate, args=(generation, name, kwargs, self.training()), daemon=True,
                                   name="um_lab-estimate")
         _ESTIMATORS.add(thread)
         thread.start()
         if self._on_change is not None:
             self._on_change()
 
-    def _estimate(self, generation: int, name: str, kwargs: dict[str, Any]) -> None:
+    def _estimate(self, generation: int, name: str, kwargs: dict[str, Any], training: dict[str, str]) -> None:
         footprint = None
         try:
-            case = models.get_model(name, **kwargs)
+            case = with_training(models.get_model(name, **kwargs), **training)
             estimate: MemoryEstimate | None = estimate_memory(case)
             prepare = getattr(self.backend_instance(), "prepare", None) if self.simulates_capacity else None
             if callable(prepare):
