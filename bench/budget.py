@@ -24,6 +24,7 @@ own budget, filled after the measurement (``--no-sim`` leaves it null). ``fsdp2_
 (``--fsdp2``: bench/fsdp2_peer.py in a process of its own; else null).
 
     python bench/budget.py --predict             # no GPU: the simulator's rows (bench/results/budget_predicted.json)
+    python bench/budget.py --predict --peers     # no GPU: the simulator's everything-fits and checkpointing peers
 
 Safety: nothing here oversubscribes the card. ``limit`` = ``--max-managed-fraction`` (default 0.5) x the
 free GPU memory when the bench starts. Before each session ``torch.cuda.mem_get_info()`` is read again and
@@ -532,6 +533,41 @@ def predict(models: list[str], ratios: list[float], say: Callable[[str], None],
     return rows
 
 
+def predict_peers(models: list[str], ratios: list[float], say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The simulator's step and managed footprint of the peers it can run (no GPU): each model in fp32 and bf16,
+    with nothing recomputed (the everything-fits step) and with every layer recomputed (activation
+    checkpointing), and at each ratio whether the peer fits B = that precision's everything-fits footprint /
+    ratio. Without the profile's 16-bit rates a bf16 step is costed at fp32 rates (``sim_16bit_rates`` false):
+    an upper bound."""
+    from um_lab.sim.backend import SimBackend
+    from um_lab.training import with_training
+    from um_lab.types import RunSpec
+
+    sim = _SIM.setdefault("sim", SimBackend())
+    has_16bit = bool(sim.profile.matmul_16bit_tflops)
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        fits_footprint: dict[str, int] = {}
+        for precision in ("fp32", "bf16"):
+            for recompute in ("none", "every-layer"):
+                t0 = time.perf_counter()
+                case = with_training(build_case(name), precision, recompute)
+                footprint = int(sim.prepare(case).footprint_bytes)
+                spec = RunSpec(model="mlp", steps=2, warmup_steps=0, precision=precision, recompute=recompute)
+                step = [r.wall_ms for r in sim.run(spec, case, "um-default")][-1]
+                if recompute == "none":
+                    fits_footprint[precision] = footprint
+                row = {"model": name, "precision": precision, "recompute": recompute,
+                       "peer": "everything fits" if recompute == "none" else "activation checkpointing",
+                       "sim_step_ms": step, "sim_footprint_bytes": footprint, "sim_16bit_rates": has_16bit,
+                       "fits_at_ratio": {str(r): footprint <= fits_footprint[precision] / r for r in ratios},
+                       "sim_s": time.perf_counter() - t0}
+                rows.append(row)
+                say(f"{name} {precision} recompute={recompute}: {step:.1f} ms, footprint "
+                    f"{footprint / GiB:.2f} GiB, fits at {[r for r in ratios if row['fits_at_ratio'][str(r)]]}")
+    return rows
+
+
 def on_off(ap: argparse.ArgumentParser, flag: str, default: str, what: str) -> None:
     """An option taking ``on``, ``off`` or both (a row each)."""
     ap.add_argument(flag, nargs="+", choices=["on", "off"], default=[default], help=f"{what}; both: a row each")
@@ -578,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
     ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget.json")
+    ap.add_argument("--peers", action="store_true", help="with --predict: the peers' predicted rows (key 'peers')")
     ap.add_argument("--predict", action="store_true",
                     help="no GPU: the simulator's predictions only (default out: bench/results/budget_predicted.json)")
     ap.add_argument("--no-sim", action="store_true", help="measured rows without sim_step_ms")
@@ -595,6 +632,15 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.ratios, args.steps = list(QUICK_MODELS), [2.0], 4
         if args.out == ap.get_default("out"):
             args.out = ROOT / "bench" / "results" / "budget_quick.json"
+    if args.predict and args.peers:
+        out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
+        old = json.loads(out.read_text()) if out.exists() else {}
+        kept = [r for r in old.get("peers", {}).get("rows", []) if r["model"] not in args.models]
+        old["peers"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                        "device": "simulated: the h200 profile", "what": " ".join(predict_peers.__doc__.split()),
+                        "rows": kept + predict_peers(args.models, args.ratios, print)}
+        out.write_text(json.dumps(old, indent=1) + "\n")
+        return 0
     if args.predict:
         out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
         write_merged(out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},

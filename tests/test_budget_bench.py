@@ -201,3 +201,19 @@ def test_predicted_rows_simulate_the_staging_settings_they_name(bench, monkeypat
     assert partial["sim_staged_bytes"] < staged["sim_staged_bytes"] <= staged["sim_crossing_bytes"] // 2 + 1
     assert partial["sim_fixed_bytes"] > staged["sim_fixed_bytes"] and partial["sim_step_ms"] <= staged["sim_step_ms"]
     assert all(r["sim_budget_bytes"] == plain["sim_budget_bytes"] for r in rows)
+
+
+def test_predicted_peers_recompute_into_less_memory_and_say_where_they_fit(bench, monkeypatch):
+    from um_lab.models import get_model
+
+    monkeypatch.setattr(bench, "build_case", lambda name: get_model("mlp", width=512, depth=6, batch_size=2048))
+    rows = bench.predict_peers(["mlp"], [1.2, 50.0], lambda line: None)
+    assert [(r["precision"], r["recompute"]) for r in rows] == \
+        [("fp32", "none"), ("fp32", "every-layer"), ("bf16", "none"), ("bf16", "every-layer")]
+    fits, checkpointed = rows[0], rows[1]
+    assert checkpointed["sim_footprint_bytes"] < fits["sim_footprint_bytes"]
+    assert checkpointed["sim_step_ms"] > fits["sim_step_ms"]  # the forward runs again
+    assert fits["fits_at_ratio"] == {"1.2": False, "50.0": False}  # everything-fits never fits below itself
+    assert checkpointed["fits_at_ratio"]["50.0"] is False
+    assert checkpointed["fits_at_ratio"]["1.2"] == (checkpointed["sim_footprint_bytes"]
+                                                    <= fits["sim_footprint_bytes"] / 1.2)
