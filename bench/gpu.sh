@@ -12,8 +12,9 @@
 #                committed predictions                                               -> budget.json
 #   primitives   UM primitives, the GEMM tile grid, prefetch by call size
 #                                              -> uvm_primitives.json, gemm_tiles.json, uvm_call_size.json
-#   calibration  the simulator's other GPU inputs: per-op steps, convolutions in a step, the models' GEMM shapes,
-#                the scheduler's timed moves -> step_detail.json, conv_in_step.json, gemm_shapes/, scheduler_moves.json
+#   calibration  the simulator's other GPU inputs: per-op steps, 16-bit tensor-core rates, convolutions in a step,
+#                the models' GEMM shapes, the scheduler's timed moves -> step_detail.json, tensor_core_rates.json,
+#                conv_in_step.json, gemm_shapes/, scheduler_moves.json
 #   paper        the paper experiment (simulator; one process per model)         -> paper_three_types.json
 #   fidelity     the simulator against the GPU, and the newest held-out set      -> sim_fidelity.json,
 #                sim_fidelity_heldout/measured.json
@@ -178,6 +179,7 @@ suite_primitives() {
 suite_calibration() {
   stage calibration
   run step_detail 1200 python3 bench/step_detail.py --out "$OUT/step_detail.json"
+  run tensor_core_rates 300 python3 bench/gemm_shapes.py --tensor-cores --out "$OUT/tensor_core_rates.json"
   run conv_in_step 900 python3 bench/conv_in_step.py --out "$OUT/conv_in_step.json"
   mkdir -p "$OUT/gemm_shapes"
   local spec
