@@ -27,15 +27,15 @@ from um_lab.files import MIB, PROFILE_LIMIT, parse_json, read_json, read_text
 FORMAT_VERSION = 2
 #: Largest measurement file (a bench result or probe) calibration reads.
 MEASUREMENT_LIMIT = 64 * MIB
-#: Host costs that may be zero (a fit can find that a cost is not there).
+#: The 16-bit tensor-core peaks (0: not measured, 16-bit kernels costed at the fp32 rates).
+SIXTEEN_BIT_FIELDS = ("matmul_16bit_tflops", "attention_16bit_tflops", "conv_16bit_tflops")
+#: Host costs that may be zero (a fit can find that a cost is not there), and rates not measured.
 ZERO_ALLOWED = frozenset({"cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us",
                           "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
-                          "scheduler_d2h_GBps", "matmul_16bit_tflops", "attention_16bit_tflops",
-                          "conv_16bit_tflops"})
+                          "scheduler_d2h_GBps", *SIXTEEN_BIT_FIELDS})
 #: Fields a profile may leave out without a warning: an absent per-shape GEMM table is empty (``to_dict``
 #: leaves an empty one out), an absent ``source`` is no description, an absent 16-bit rate is not measured.
-OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source", "matmul_16bit_tflops", "attention_16bit_tflops",
-                             "conv_16bit_tflops"})
+OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source", *SIXTEEN_BIT_FIELDS})
 #: Fields that hold whole numbers.
 INT_FIELDS = frozenset({"gpu_memory_bytes", "fault_batch_size"})
 _TEXT_FIELDS = frozenset({"name", "source"})
@@ -181,7 +181,7 @@ class Profile:
         """A JSON-ready dict with a format version (an empty per-shape GEMM table and unmeasured 16-bit rates
         are left out, so a profile without them keeps its digest)."""
         data = {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}
-        for field in ("matmul_16bit_tflops", "attention_16bit_tflops", "conv_16bit_tflops"):
+        for field in SIXTEEN_BIT_FIELDS:
             if not data[field]:
                 del data[field]
         if not self.gemm_shape_passes:
