@@ -632,18 +632,18 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.ratios, args.steps = list(QUICK_MODELS), [2.0], 4
         if args.out == ap.get_default("out"):
             args.out = ROOT / "bench" / "results" / "budget_quick.json"
+    default_out = args.out == ap.get_default("out")
+    predicted_out = ROOT / "bench" / "results" / "budget_predicted.json" if default_out else args.out
     if args.predict and args.peers:
-        out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
-        old = json.loads(out.read_text()) if out.exists() else {}
+        old = json.loads(predicted_out.read_text()) if predicted_out.exists() else {}
         kept = [r for r in old.get("peers", {}).get("rows", []) if r["model"] not in args.models]
         old["peers"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                         "device": "simulated: the h200 profile", "what": " ".join(predict_peers.__doc__.split()),
                         "rows": kept + predict_peers(args.models, args.ratios, print)}
-        out.write_text(json.dumps(old, indent=1) + "\n")
+        predicted_out.write_text(json.dumps(old, indent=1) + "\n")
         return 0
     if args.predict:
-        out = args.out if args.out != ap.get_default("out") else ROOT / "bench" / "results" / "budget_predicted.json"
-        write_merged(out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},
+        write_merged(predicted_out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},
                      predict(args.models, args.ratios, print, tuple(
                          (st == "on", ro == "on", st == "on" and pa == "on") for st in args.stage
                          for ro in args.remote_optim for pa in (args.partial_stage if st == "on" else ["off"])),

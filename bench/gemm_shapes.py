@@ -115,7 +115,9 @@ def gemm_row(lab: Any, name: str, m: int, k: int, n: int, layout: str, repeats: 
     return row
 
 
-DTYPES = ("fp32", "bf16", "fp16")
+#: the dtypes probed, by the name precision takes, and torch's name
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TENSOR_CORE_REPEATS = 20
 # (M, K, N): GPT-2 small..XL projections and MLPs at 1..8 x 1024 tokens, and small ones
 GEMMS = [(m, k, n) for m in (512, 2048, 8192) for k, n in ((768, 2304), (1024, 4096), (1600, 6400), (4096, 1024))]
 # (batch, heads, seq, head_dim)
@@ -124,22 +126,6 @@ ATTENTION = [(b, h, s, 64) for b, h, s in ((1, 12, 512), (2, 12, 1024), (4, 16, 
 CONVS = [(n, c, k, hw, r) for n in (16, 64) for c, k, hw, r in ((64, 64, 56, 3), (128, 128, 28, 3), (256, 1024, 14, 1),
                                                                  (512, 512, 7, 3), (64, 256, 56, 1))]
 TENSOR_CORE_LIMIT_BYTES = 2 << 30  # the tensor-core probe's own cap on what it allocates at once
-
-
-def _time_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _checked(*shapes: tuple[int, ...], dtype: Any) -> list[Any]:
@@ -159,18 +145,18 @@ def tensor_core_probe(dtype: Any) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {"matmul": [], "attention": [], "conv": []}
     for m, k, n in GEMMS:
         a, b = _checked((m, k), (k, n), dtype=dtype)
-        out["matmul"].append((2.0 * m * k * n, _time_ms(lambda a=a, b=b: a @ b)))
+        out["matmul"].append((2.0 * m * k * n, median_ms(lambda a=a, b=b: a @ b, TENSOR_CORE_REPEATS)))
     for b, h, s, d in ATTENTION:
         q, k_, v = _checked((b, h, s, d), (b, h, s, d), (b, h, s, d), dtype=dtype)
         flop = 4.0 * b * h * s * s * d / 2  # causal: half the score matrix
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
-            out["attention"].append((flop, _time_ms(
-                lambda q=q, k_=k_, v=v: F.scaled_dot_product_attention(q, k_, v, is_causal=True))))
+            out["attention"].append((flop, median_ms(
+                lambda q=q, k_=k_, v=v: F.scaled_dot_product_attention(q, k_, v, is_causal=True), TENSOR_CORE_REPEATS)))
     for n, c, k, hw, r in CONVS:
         x, w = _checked((n, c, hw, hw), (k, c, r, r), dtype=dtype)
         x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
         out["conv"].append((2.0 * n * k * hw * hw * c * r * r,
-                            _time_ms(lambda x=x, w=w, r=r: F.conv2d(x, w, padding=r // 2))))
+                            median_ms(lambda x=x, w=w, r=r: F.conv2d(x, w, padding=r // 2), TENSOR_CORE_REPEATS)))
     return out
 
 
@@ -193,8 +179,8 @@ def tensor_core_rates(out: Path | None) -> dict[str, Any]:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": torch.cuda.get_device_name(0),
                               "torch": torch.__version__,
                               "law": "time = (flop + half) / peak, least squares over the kernels", "kinds": {}}
-    for name in DTYPES:
-        points = tensor_core_probe(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]))
+    for name, torch_name in DTYPES.items():
+        points = tensor_core_probe(getattr(torch, torch_name))
         for kind, pts in points.items():
             row = {**fit_peak(pts), "points": [[p[0], round(p[1], 4)] for p in pts]}
             result["kinds"].setdefault(kind, {})[name] = row
