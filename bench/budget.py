@@ -21,7 +21,8 @@ with ``gpu_page_faults_all``). With ``--telemetry`` the session synchronises the
 ``sim_step_ms``: the simulator's step (um_lab.sim.budget) at the row's
 own budget, filled after the measurement (``--no-sim`` leaves it null). ``fsdp2_step_ms``,
 ``fsdp2_peak_bytes``: the peer, PyTorch FSDP2 with CPUOffloadPolicy on the same model and batch
-(``--fsdp2``: bench/fsdp2_peer.py in a process of its own; else null).
+(``--fsdp2``: bench/peers.py in a process of its own; else null). ``--peers``: every peer of
+bench/peers.py beside the rows (``peers``; ``best_peer_ms``: the fastest whose peak reserved memory fits B).
 
     python bench/budget.py --predict             # no GPU: the simulator's rows (bench/results/budget_predicted.json)
     python bench/budget.py --predict --peers     # no GPU: the simulator's everything-fits and checkpointing peers
@@ -259,7 +260,7 @@ def fill_sim(rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
     """``sim_step_ms`` of each measured row: the simulator at the row's own budget (the measured footprint /
     ratio), and the simulator's numbers beside it (``sim`` sub-dict); a failure is recorded as ``sim_error``."""
     for row in rows:
-        if row.get("budget_bytes") is None:
+        if row.get("budget_bytes") is None or "plan" in row:  # a planned row carries the planner's prediction
             continue
         rates = row.get("move_timing") or {}
         measured_GBps = (rates.get("to_gpu", {}).get("GBps"), rates.get("to_host", {}).get("GBps"))
@@ -329,10 +330,15 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 device_acts: tuple[bool | None, ...] = (None,),
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
                 copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,), repeat: int = 0,
-                row_done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """The no-budget run and one budget run per ratio for one model: its rows. ``row_done(rows)`` hears the
+                row_done: Callable[[list[dict[str, Any]]], None] | None = None, precision: str = "fp32",
+                planned: bool = False) -> list[dict[str, Any]]:
+    """The no-budget run and one budget run per ratio for one model in ``precision``: its rows. ``planned``: each
+    row trains as the memory planner chooses at its B (um_lab.sim.planner: the layers recomputed, activations
+    staged or not; the row's ``plan``, and its predicted step as ``sim_step_ms``). ``row_done(rows)`` hears the
     rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
-    case = build_case(name)
+    from um_lab.training import with_training
+
+    case = with_training(build_case(name), precision)
     fit = run_session(case, steps, limit, telemetry=telemetry)
     fit_ms = statistics.median(r.wall_ms for r in measured(fit["records"], 2))
     footprint = int(fit["peak_bytes"])
@@ -342,12 +348,26 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                        copies_opts, settles)
     for ratio, options in ((r, o) for r in ratios for o in grid):
         budget = int(footprint / ratio)
-        row: dict[str, Any] = {"model": name, "footprint_bytes": footprint, "budget_bytes": budget, "ratio": ratio,
+        row_case, plan = case, None
+        if planned:
+            from um_lab.sim.planner import plan_memory
+
+            plan = plan_memory(build_case(name), budget, precision=precision, backend=sim_backend())
+            say(f"  planner: {plan.describe()}")
+            row_case = with_training(build_case(name), precision, plan.recompute)
+            options = dataclasses.replace(options, stage=plan.stage_activations)
+        row: dict[str, Any] = {"model": name, "precision": precision, "footprint_bytes": footprint,
+                               "budget_bytes": budget, "ratio": ratio,
                                **options.row_fields(), "repeat": repeat, "fit_step_ms": fit_ms,
-                               "fsdp2_step_ms": None, "fsdp2_peak_bytes": None, "sim_step_ms": None}
+                               "fsdp2_step_ms": None, "fsdp2_peak_bytes": None,
+                               "sim_step_ms": plan.step_ms if plan is not None else None}
+        if plan is not None:
+            row["plan"] = {"recompute": plan.recompute, "stage_activations": plan.stage_activations,
+                           "layers": plan.layers, "predicted_step_ms": plan.step_ms,
+                           "predicted_footprint_bytes": plan.footprint_bytes}
         t0 = time.perf_counter()
         try:
-            out = run_session(case, steps, limit, budget=budget, telemetry=telemetry, time_moves=time_moves,
+            out = run_session(row_case, steps, limit, budget=budget, telemetry=telemetry, time_moves=time_moves,
                               options=options)
         except (ManagedLimitExceeded, ManagedBytesLeft):
             raise  # a safety abort stops the model, not only this row
@@ -458,12 +478,11 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     waits for what), not a prediction, since the rates come from the run it is compared with. ``stage``,
     ``remote``, ``partial`` and ``copies``: the row's staging, remote optimizer state, partial staging and copies
     (:func:`um_lab.sim.staged.simulate_staged`; staged copies count twice in the crossing, as in a measured row)."""
-    from um_lab.sim.backend import SimBackend
     from um_lab.sim.budget import replay_plan, simulate_budget
     from um_lab.sim.staged import simulate_staged
     from um_lab.types import RunSpec
 
-    sim = _SIM.setdefault("sim", SimBackend())
+    sim = sim_backend()
     case = build_case(name)
     prepared = sim.prepare(case)
     budget = int(budget_bytes if budget_bytes is not None else prepared.footprint_bytes / ratio)
@@ -508,6 +527,30 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
 _SIM: dict[str, Any] = {}
 
 
+def sim_backend() -> Any:
+    """The script's one simulator (its traces and plans are cached)."""
+    from um_lab.sim.backend import SimBackend
+
+    return _SIM.setdefault("sim", SimBackend())
+
+
+def predict_planned(models: list[str], ratios: list[float], precisions: list[str],
+                    say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The memory planner's rows (no GPU): at each model's simulated footprint / ratio in each precision, what
+    it recomputes and stages and its predicted step, beside the candidates it weighed."""
+    from um_lab.sim.planner import plan_memory
+
+    rows = []
+    for name, precision, ratio in ((n, p, r) for n in models for p in precisions for r in ratios):
+        t0 = time.perf_counter()
+        plan = plan_memory(build_case(name), 1 / ratio, precision=precision, backend=sim_backend())
+        rows.append({"model": name, "precision": precision, "ratio": ratio, **plan.to_dict(),
+                     "sim_16bit_rates": bool(sim_backend().profile.matmul_16bit_tflops),
+                     "plan_s": time.perf_counter() - t0})
+        say(f"{plan.describe()} [{rows[-1]['plan_s']:.0f} s]")
+    return rows
+
+
 def predict(models: list[str], ratios: list[float], say: Callable[[str], None],
             settings: tuple[tuple[bool, bool, bool], ...] = ((False, True, False),),
             copies: bool = False) -> list[dict[str, Any]]:
@@ -539,11 +582,10 @@ def predict_peers(models: list[str], ratios: list[float], say: Callable[[str], N
     checkpointing), and at each ratio whether the peer fits B = that precision's everything-fits footprint /
     ratio. Without the profile's 16-bit rates a bf16 step is costed at fp32 rates (``sim_16bit_rates`` false):
     an upper bound."""
-    from um_lab.sim.backend import SimBackend
     from um_lab.training import with_training
     from um_lab.types import RunSpec
 
-    sim = _SIM.setdefault("sim", SimBackend())
+    sim = sim_backend()
     has_16bit = bool(sim.profile.matmul_16bit_tflops)
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -614,12 +656,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="limit on live managed bytes, as a fraction of free GPU memory at start (<= 0.9)")
     ap.add_argument("--quick", action="store_true", help="~60 s smoke run: small MLP and CNN, ratio 2, 4 steps")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget.json")
-    ap.add_argument("--peers", action="store_true", help="with --predict: the peers' predicted rows (key 'peers')")
+    ap.add_argument("--peers", action="store_true",
+                    help="every peer (bench/peers.py, each in a process of its own) beside each model's rows: their "
+                         "steps and peaks in 'peers', the fastest that fits B in best_peer_ms; with --predict: the "
+                         "peers' predicted rows (key 'peers')")
+    ap.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+                    help="the rows' precision (autocast, fp32 master weights); several: each its own fit run and rows")
+    ap.add_argument("--recompute", choices=["none", "auto"], default="none",
+                    help="auto: each row trains as the memory planner chooses at its B (what it recomputes, whether "
+                         "activations are staged); with --predict: the planner's predicted rows (key 'planned')")
     ap.add_argument("--predict", action="store_true",
                     help="no GPU: the simulator's predictions only (default out: bench/results/budget_predicted.json)")
     ap.add_argument("--no-sim", action="store_true", help="measured rows without sim_step_ms")
+    ap.add_argument("--peer-steps", type=int, default=4, help="with --peers: each peer's measured steps")
     ap.add_argument("--fsdp2", action="store_true",
-                    help="the peer: FSDP2 with CPUOffloadPolicy on the same model (bench/fsdp2_peer.py, a process "
+                    help="the peer: FSDP2 with CPUOffloadPolicy on the same model (bench/peers.py, a process "
                          "of its own) fills fsdp2_step_ms and fsdp2_peak_bytes")
     args = ap.parse_args(argv)
     # the options a row names are on by its own choice (each row records them): their warnings only cluttered logs
@@ -640,6 +691,14 @@ def main(argv: list[str] | None = None) -> int:
         old["peers"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                         "device": "simulated: the h200 profile", "what": " ".join(predict_peers.__doc__.split()),
                         "rows": kept + predict_peers(args.models, args.ratios, print)}
+        predicted_out.write_text(json.dumps(old, indent=1) + "\n")
+        return 0
+    if args.predict and args.recompute == "auto":
+        old = json.loads(predicted_out.read_text()) if predicted_out.exists() else {}
+        kept = [r for r in old.get("planned", {}).get("rows", []) if r["model"] not in args.models]
+        old["planned"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                          "device": "simulated: the h200 profile", "what": " ".join(predict_planned.__doc__.split()),
+                          "rows": kept + predict_planned(args.models, args.ratios, args.precision, print)}
         predicted_out.write_text(json.dumps(old, indent=1) + "\n")
         return 0
     if args.predict:
@@ -663,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {"device": device, "steps": args.steps, "managed_limit_bytes": limit}
     for name in args.models:
         try:
-            for repeat in range(args.repeats):
+            for repeat, precision in ((r, p) for r in range(args.repeats) for p in args.precision):
                 model_rows = bench_model(
                     name, args.ratios, args.steps, limit, args.telemetry, print, tuple(args.issue),
                     tuple(d == "on" for d in args.discard), args.time_moves, tuple(b == "on" for b in args.batch_calls),
@@ -674,13 +733,17 @@ def main(argv: list[str] | None = None) -> int:
                     partials=tuple(p == "on" for p in args.partial_stage),
                     copies_opts=tuple(c == "on" for c in args.remote_copies),
                     settles=tuple(c == "on" for c in args.settle_tail), repeat=repeat,
-                    row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header, done + so_far))
+                    row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header, done + so_far),
+                    precision=precision, planned=args.recompute == "auto")
                 if not args.no_sim:
                     fill_sim(model_rows, print)
                 rows += model_rows
                 write_merged(args.out, args.models, header, rows)  # with the simulator's columns
                 if args.fsdp2:
                     fill_fsdp2(model_rows, name, args.steps, print)
+                    write_merged(args.out, args.models, header, rows)
+                if args.peers:
+                    fill_peers(model_rows, name, precision, args.peer_steps, print)
                     write_merged(args.out, args.models, header, rows)
         except (ManagedLimitExceeded, ManagedBytesLeft) as e:
             print(f"ABORTED {name}: {e}")
@@ -691,30 +754,74 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-FSDP2_TIMEOUT_S = 240  #: the peer's process is stopped after this long (the rows keep an fsdp2_error)
+PEER_TIMEOUT_S = 300  #: a peer's process is stopped after this long (its entry keeps the error)
+
+
+def run_peer(name: str, peer: str, precision: str, steps: int) -> dict[str, Any]:
+    """One peer (bench/peers.py) in a fresh process: its JSON line, or ``{"error": ...}``."""
+    cmd = [sys.executable, str(ROOT / "bench" / "peers.py"), "--model", name, "--peer", peer,
+           "--precision", precision, "--steps", str(steps)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {PEER_TIMEOUT_S} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()
+        return {"error": tail[-1][:300] if tail else f"exit status {done.returncode}"}
+    return json.loads(lines[-1])
+
+
+def best_peer(peers: dict[str, dict[str, Any]], budget_bytes: int) -> tuple[str | None, float | None]:
+    """The fastest peer whose peak reserved GPU memory is at most ``budget_bytes``: (name, step ms)."""
+    fitting = [(p["step_ms"], name) for name, p in peers.items()
+               if p.get("step_ms") is not None and p.get("peak_reserved_bytes") is not None
+               and p["peak_reserved_bytes"] <= budget_bytes]
+    if not fitting:
+        return None, None
+    ms, name = min(fitting)
+    return name, ms
+
+
+def fill_peers(rows: list[dict], name: str, precision: str, steps: int, say: Any) -> None:
+    """Every peer of bench/peers.py on ``name`` in ``precision`` (one process each), into each row's ``peers``
+    (step, peak allocated and reserved bytes), with ``best_peer`` / ``best_peer_ms``: the fastest that fits the
+    row's B; a failure is recorded in the peer's entry, not raised."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers.py")
+    assert spec is not None and spec.loader is not None
+    names = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(names)
+    peers = {}
+    for peer in names.PEERS:
+        out = run_peer(name, peer, precision, steps)
+        peers[peer] = {k: out.get(k) for k in ("step_ms", "step_ms_all", "peak_allocated_bytes",
+                                               "peak_reserved_bytes", "error", "loss") if k in out}
+        say(f"  peer {peer} ({precision}): " + (f"step {out['step_ms']:.1f} ms, peak reserved "
+                                                 f"{out['peak_reserved_bytes'] / GiB:.2f} GiB" if "step_ms" in out
+                                                 else out["error"]))
+    for row in rows:
+        if row.get("budget_bytes") is None:
+            continue
+        row["peers"] = peers
+        row["best_peer"], row["best_peer_ms"] = best_peer(peers, row["budget_bytes"])
+        if row.get("step_ms") is not None and row["best_peer_ms"] is not None:
+            row["over_best_peer"] = row["step_ms"] / row["best_peer_ms"]
 
 
 def fill_fsdp2(rows: list[dict], name: str, steps: int, say: Any) -> None:
-    """Run the FSDP2 peer on ``name`` in a fresh process (its process group and allocator stay out of this
-    one) and put its step time and GPU peak into every row of that model; a failure is recorded, not raised."""
-    cmd = [sys.executable, str(ROOT / "bench" / "fsdp2_peer.py"), "--model", name, "--steps", str(steps)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=FSDP2_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        say(f"  fsdp2 peer: no result within {FSDP2_TIMEOUT_S} s")
+    """The FSDP2 peer alone (bench/peers.py ``fsdp2-offload``, fp32) into each row's ``fsdp2_step_ms`` and
+    ``fsdp2_peak_bytes`` (peak allocated); a failure is recorded as ``fsdp2_error``, not raised."""
+    out = run_peer(name, "fsdp2-offload", "fp32", steps)
+    if "error" in out:
+        say(f"  fsdp2 peer: {out['error']}")
         for row in rows:
-            row["fsdp2_error"] = f"no result within {FSDP2_TIMEOUT_S} s"
+            row["fsdp2_error"] = out["error"]
         return
-    if done.returncode != 0:
-        error = f"fsdp2 peer failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
-        say(f"  {error}")
-        for row in rows:
-            row["fsdp2_error"] = error
-        return
-    peer = json.loads(done.stdout.strip().splitlines()[-1])
-    say(f"  fsdp2 (CPUOffloadPolicy): step {peer['fsdp2_step_ms']:.1f} ms, GPU peak {peer['fsdp2_peak_bytes']} B")
+    say(f"  fsdp2 (CPUOffloadPolicy): step {out['step_ms']:.1f} ms, GPU peak {out['peak_allocated_bytes']} B")
     for row in rows:
-        row.update(fsdp2_step_ms=peer["fsdp2_step_ms"], fsdp2_peak_bytes=peer["fsdp2_peak_bytes"])
+        row.update(fsdp2_step_ms=out["step_ms"], fsdp2_peak_bytes=out["peak_allocated_bytes"])
 
 
 #: pinned copies between GPU memory and pinned host memory on the H200, each way (a staging probe)

@@ -14,6 +14,7 @@ from um_lab.types import DataType
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
+GiB = 1 << 30
 SCHEMA = {"model", "footprint_bytes", "budget_bytes", "ratio", "step_ms", "fit_step_ms", "crossing_bytes",
           "bound_ms", "over_bound", "max_resident_ledger", "max_resident_cupti", "fsdp2_step_ms",
           "fsdp2_peak_bytes", "sim_step_ms"}
@@ -141,17 +142,40 @@ def test_a_session_that_leaves_managed_bytes_behind_aborts_the_model(bench, monk
             bench.fake_source.free(ptr)
 
 
-def test_the_fsdp2_peer_shards_every_layer_deepest_first_and_trains_on_the_cpu():
-    spec = importlib.util.spec_from_file_location("fsdp2_peer", ROOT / "bench" / "fsdp2_peer.py")
-    fsdp2_peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fsdp2_peer)
+def _peers_module():
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "bench" / "peers.py")
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    return peers
+
+
+def test_the_fsdp2_peer_shards_every_layer_deepest_first():
+    peers = _peers_module()
     model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 2))
-    layers = fsdp2_peer.layer_modules(model)
+    layers = peers.layer_modules(model)
     assert layers[0] is model[0][0] and set(map(id, layers)) == {id(model[0]), id(model[0][0]), id(model[1])}
-    row = fsdp2_peer.run("mlp-small", steps=1)  # without CUDA: gloo, no offload, a check of the code path
+
+
+def test_every_peer_trains_the_same_model_to_the_same_loss_on_the_cpu():
+    """Without CUDA each peer runs its code path (nothing offloaded): the same seed, batch and optimizer,
+    so every peer's loss after its steps is the same; checkpointing wraps every layer."""
+    peers = _peers_module()
+    rows = {p: peers.run("mlp-small", p, steps=1) for p in peers.PEERS}
     cuda = torch.cuda.is_available()
-    assert row["units"] == 18 and row["offload"] == ("CPUOffloadPolicy" if cuda else "none")
-    assert row["fsdp2_step_ms"] > 0 and math.isfinite(row["loss"]) and (row["fsdp2_peak_bytes"] is None) != cuda
+    assert rows["fsdp2-offload"]["units"] == 18 and rows["fsdp2-offload"]["offload"] == \
+        ("CPUOffloadPolicy" if cuda else "none")
+    assert "per layer" in rows["checkpoint"]["checkpointing"]
+    for p, row in rows.items():
+        assert row["peer"] == p and row["step_ms"] > 0 and (row["peak_reserved_bytes"] is None) != cuda
+        assert row["loss"] == pytest.approx(rows["fits"]["loss"], rel=1e-4), p
+    with pytest.raises(ValueError, match="unknown peer"):
+        peers.run("mlp-small", "zero-offload", steps=1)
+
+
+def test_a_peer_in_bf16_trains_under_autocast_on_the_cpu():
+    peers = _peers_module()
+    row = peers.run("mlp-small", "checkpoint", steps=1, precision="bf16")
+    assert row["precision"] == "bf16" and math.isfinite(row["loss"])
 
 
 def test_the_committed_budget_results_follow_the_issue_schema():
@@ -217,3 +241,37 @@ def test_predicted_peers_recompute_into_less_memory_and_say_where_they_fit(bench
     assert checkpointed["fits_at_ratio"]["50.0"] is False
     assert checkpointed["fits_at_ratio"]["1.2"] == (checkpointed["sim_footprint_bytes"]
                                                     <= fits["sim_footprint_bytes"] / 1.2)
+
+
+def test_planned_rows_train_as_the_planner_chooses_and_carry_its_prediction(bench):
+    lines: list[str] = []
+    row = bench.bench_model("mlp", [2.0], 4, 1 << 40, False, lines.append, planned=True)[0]
+    plan = row["plan"]
+    assert row["precision"] == "fp32" and row["step_ms"] is not None, row.get("error")
+    assert row["sim_step_ms"] == plan["predicted_step_ms"] > 0
+    assert plan["recompute"] in ("none", "every-layer") or 0 < plan["recompute"] < plan["layers"]
+    assert row["stage_activations"] == plan["stage_activations"]
+    assert any("planner:" in line for line in lines)
+
+
+def test_the_best_peer_is_the_fastest_whose_reserved_peak_fits_the_budget(bench):
+    peers = {"fits": {"step_ms": 100.0, "peak_reserved_bytes": 40 * GiB},
+             "checkpoint": {"step_ms": 130.0, "peak_reserved_bytes": 18 * GiB},
+             "save-on-cpu": {"step_ms": 300.0, "peak_reserved_bytes": 15 * GiB},
+             "fsdp2-offload": {"error": "no result within 300 s"}}
+    assert bench.best_peer(peers, 20 * GiB) == ("checkpoint", 130.0)
+    assert bench.best_peer(peers, 16 * GiB) == ("save-on-cpu", 300.0)
+    assert bench.best_peer(peers, 10 * GiB) == (None, None)
+
+
+def test_a_budget_session_trains_a_model_that_recomputes_every_layer(bench):
+    """Recompute runs each layer's forward again inside backward: the scheduler learns that order of use too and
+    keeps its ledger under B on every step."""
+    from um_lab.training import with_training
+
+    case = with_training(bench.build_case("mlp"), "fp32", "every-layer")
+    out = bench.run_session(case, 5, 1 << 40, budget=48 * MiB)
+    budgets = [r.extra["budget"] for r in out["records"]]
+    assert all(b["max_resident_ledger"] <= 48 * MiB for b in budgets)
+    assert budgets[-1]["followed_plan"] and budgets[-1]["prefetched_bytes"] > 0
+    assert all(math.isfinite(r.loss) for r in out["records"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import shutil
 import sys
@@ -29,7 +30,7 @@ import traceback
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from um_lab import runexit
 from um_lab.backend import backend_class, get_backend, resolve_backend_name
@@ -57,6 +58,11 @@ from um_lab.runread import LoadedRun, RunLogWarning, iter_records, load
 from um_lab.summary import summarize
 from um_lab.training import with_training
 from um_lab.types import RunSpec, StepRecord
+
+if TYPE_CHECKING:
+    from um_lab.sim.planner import MemoryPlan
+
+log = logging.getLogger(__name__)
 
 
 class RunStateError(UmLabError, RuntimeError):
@@ -115,6 +121,9 @@ class Run(RunFolderWriter, Listenable):
             name = check_run_name(name)  # before anything is created
         spec = spec or RunSpec()
         self.policy = check_preset_name(get_policy(policy if policy is not None else spec.policy))
+        self.plan: MemoryPlan | None = None
+        if spec.recompute == "auto":  # the planner's choice, before anything is built
+            spec, self.plan = planned_spec(spec, case)
         self.case = check_case(with_training(case, spec.precision, spec.recompute) if case is not None
                                else case_for_spec(spec))  # built on meta: a knob the
         # library refuses, or an optimizer that needs a closure, is refused before any folder exists
@@ -147,6 +156,8 @@ class Run(RunFolderWriter, Listenable):
             raise ValueError("capacity_bytes and oversubscription_ratio are simulated (backend 'sim'); on "
                              f"{self.backend_name} size the model instead (um_lab.sizing.size_for_ratio)")
         model_info: dict[str, Any] = {"name": self.case.name, "info": jsonable(self.case.info)}
+        if self.plan is not None:
+            model_info["plan"] = self.plan.to_dict()
         type(backend).check_case(self.case)  # e.g. the simulator's host-memory check: before any folder
         if isinstance(preflight, Mapping):  # checked already (compare checks every run before the first)
             model_info["preflight"] = dict(preflight)
@@ -344,6 +355,20 @@ class Run(RunFolderWriter, Listenable):
             self._interrupted_by = (in_flight.signal_name if isinstance(in_flight, RunInterrupted)
                                     else "KeyboardInterrupt")
         self._end_as("failed", if_running=True)
+
+
+def planned_spec(spec: RunSpec, case: ModelCase | None = None) -> tuple[RunSpec, MemoryPlan]:
+    """``spec`` (``recompute="auto"``) with the memory planner's choice in place: the layers it recomputes and
+    its budget in bytes, staged or not (:func:`um_lab.sim.planner.plan_memory`), and the plan."""
+    from um_lab.sim.planner import plan_memory, planned_budget
+
+    assert spec.budget is not None  # RunSpec refuses "auto" without one
+    base = case if case is not None else case_for_spec(dataclasses.replace(spec, recompute="none", precision="fp32"))
+    plan = plan_memory(base, spec.budget, precision=spec.precision,
+                       progress=lambda line: log.info("memory planner: %s", line))
+    log.info("memory planner: %s", plan.describe())
+    return dataclasses.replace(spec, recompute=plan.recompute,
+                               budget=planned_budget(plan, spec.budget.lookahead)), plan
 
 
 def _as_given_budget(error: BudgetTooSmall, spec: RunSpec) -> BudgetTooSmall:

@@ -8,7 +8,8 @@ both see the same step.
 * ``precision``: ``"fp32"`` (the default), ``"bf16"`` or ``"fp16"`` — autocast with fp32 master weights,
   gradients and optimizer state; ``fp16`` also scales the loss (:class:`LossScaler`).
 * ``recompute``: ``"none"``, ``"every-layer"``, a number *n* (the first *n* layers: the activations kept
-  longest), or the names of the layers to recompute (see :func:`layer_names`).
+  longest), or the names of the layers to recompute (see :func:`layer_names`). A run's ``"auto"`` is
+  resolved by the memory planner (:mod:`um_lab.sim.planner`) to one of these before the case is built.
 """
 
 from __future__ import annotations
@@ -83,12 +84,19 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _planned_only(model_name: str) -> SpecError:
+    return SpecError(f"recompute='auto': the memory planner chooses {model_name}'s layers for a run with a GPU "
+                     "budget (RunSpec(recompute='auto', budget=...), um_lab.sim.planner.plan_memory)", "recompute")
+
+
 def recompute_layers(model: nn.Module, recompute: Recompute, model_name: str = "model") -> list[tuple[str, nn.Module]]:
     """The layers of ``model`` that ``recompute`` chooses (nothing changed); a name that is not a layer, or
     more layers than there are, raises :class:`~um_lab.errors.SpecError` listing the layers there are."""
     recompute = check_recompute(recompute)
     if recompute in ("none", 0):
         return []
+    if recompute == "auto":
+        raise _planned_only(model_name)
     found = layers(model)
     if not found:
         raise SpecError(f"recompute={recompute!r}: {model_name} has no repeated layers to recompute (children of "
@@ -146,6 +154,8 @@ def with_training(case: Any, precision: str = "fp32", recompute: Recompute = "no
 
     precision = check_precision(precision)
     recompute = check_recompute(recompute)
+    if recompute == "auto":
+        raise _planned_only(repr(case.name))
     if precision == "fp32" and recompute in ("none", 0):
         return case
     inner_build = case.build_model

@@ -53,8 +53,9 @@ PAPER_GROUPS: Mapping[str, tuple[DataType, ...]] = {
 
 #: What a run computes in: fp32, or autocast to bf16 / fp16 with fp32 master weights (:mod:`um_lab.training`).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-#: Which layers recompute their activations in backward, besides a number of layers or layer names.
-RECOMPUTE_NAMES = ("none", "every-layer")
+#: Which layers recompute their activations in backward, besides a number of layers or layer names
+#: (``"auto"``: the memory planner chooses, within the run's GPU budget: :mod:`um_lab.sim.planner`).
+RECOMPUTE_NAMES = ("none", "every-layer", "auto")
 
 Recompute = str | int | tuple[str, ...]
 
@@ -108,7 +109,8 @@ class RunSpec:
     #: what the step computes in: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights)
     precision: str = "fp32"
     #: which layers recompute their activations in backward: ``"none"``, ``"every-layer"``, the first *n*
-    #: layers, or layer names (:func:`um_lab.training.layer_names`)
+    #: layers, layer names (:func:`um_lab.training.layer_names`), or ``"auto"``: the memory planner chooses the
+    #: layers and whether activations are staged, for the least predicted step within ``budget``
     recompute: Recompute = "none"
 
     def __post_init__(self) -> None:
@@ -143,6 +145,9 @@ class RunSpec:
                 object.__setattr__(self, "budget", Budget(self.budget))
             except BudgetError as e:
                 raise SpecError(f"budget: {e}", "budget") from None
+        if self.recompute == "auto" and self.budget is None:
+            raise SpecError("recompute='auto' lets the memory planner choose what to recompute within a GPU budget: "
+                            "give one (budget='0.5x' of the footprint, or bytes such as '8GiB')", "recompute")
 
     @property
     def has_budget(self) -> bool:

@@ -1,0 +1,194 @@
+"""The memory planner: how a model trains inside a GPU budget at the least predicted step time.
+
+Fitting a model into a budget B trades compute for link traffic. For each candidate the planner asks the
+simulator (:mod:`um_lab.sim.budget`, :mod:`um_lab.sim.staged`) what one training step costs:
+
+* which layers recompute their activations in backward: the first *k* of the model's repeated layers
+  (their activations are kept longest), *k* from none to every layer;
+* what happens to the saved activations of the other layers: the layer-ahead scheduler moves them out and
+  back ahead of use, or they are staged through pinned host memory;
+* optimizer state the plan would move in and out is updated in host memory over the link (the scheduler's
+  default), so it never crosses twice.
+
+A candidate whose footprint fits B moves nothing: the step is the recompute's alone. The planner takes the
+candidate with the least predicted step; every candidate it weighed is kept in the plan
+(:attr:`MemoryPlan.candidates`) with its predicted step, footprint and bytes that cross the link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from um_lab.errors import BudgetError, BudgetTooSmall, SpecError, gib
+from um_lab.types import PRECISIONS, Recompute
+
+#: how many evenly spaced layer counts the coarse search weighs before it refines the smallest that fits
+GRID_POINTS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCandidate:
+    """One plan the planner weighed: the first ``recompute_layers`` layers recomputed, activations
+    ``staged`` or not, and what the simulator predicts for it (``step_ms`` None: it cannot keep B)."""
+
+    recompute_layers: int
+    staged: bool
+    footprint_bytes: int
+    step_ms: float | None
+    crossing_bytes: int = 0
+    why_not: str = ""
+
+    @property
+    def moves(self) -> bool:
+        """True when the scheduler must move data to keep B (the footprint does not fit)."""
+        return self.crossing_bytes > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's choice for one model, precision and budget (:func:`plan_memory`)."""
+
+    model: str
+    precision: str
+    budget_bytes: int
+    layers: int  #: the model's repeated layers (what recompute counts)
+    recompute: Recompute  #: ``"none"``, ``"every-layer"`` or the number of leading layers recomputed
+    stage_activations: bool
+    step_ms: float  #: the predicted step of the chosen plan
+    footprint_bytes: int  #: the chosen plan's footprint
+    crossing_bytes: int  #: what the chosen plan moves over the link per step (0: nothing moves)
+    fit_step_ms: float  #: the predicted everything-fits step (nothing recomputed, no budget)
+    fit_footprint_bytes: int
+    candidates: tuple[PlanCandidate, ...]
+
+    def describe(self) -> str:
+        """One line: what is recomputed, what moves, the predicted step against the everything-fits one."""
+        what = {"none": "nothing recomputed", "every-layer": f"every layer ({self.layers}) recomputed"}.get(
+            str(self.recompute), f"the first {self.recompute} of {self.layers} layers recomputed")
+        moves = ("activations staged through pinned host memory" if self.stage_activations
+                 else "the scheduler moves the rest") if self.crossing_bytes > 0 else "nothing moves"
+        return (f"{self.model} ({self.precision}) in {gib(self.budget_bytes)}: {what}, {moves}; predicted step "
+                f"{self.step_ms:.1f} ms ({self.step_ms / self.fit_step_ms:.2f}x the everything-fits "
+                f"{self.fit_step_ms:.1f} ms)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        d = dataclasses.asdict(self)
+        d["candidates"] = [dataclasses.asdict(c) for c in self.candidates]
+        return d
+
+
+def count_layers(case: Any) -> int:
+    """How many repeated layers ``case``'s model has (:func:`um_lab.training.layers`), built on the meta
+    device where its constructor allows, else for real."""
+    from um_lab.training import layers
+
+    try:
+        with torch.device("meta"):
+            model = case.build_model()
+    except Exception:  # a constructor that computes with tensor values
+        model = case.build_model()
+    return len(layers(model))
+
+
+_PLANS: dict[tuple[Any, ...], MemoryPlan] = {}
+_LOCK = threading.Lock()
+
+
+def plan_memory(case: Any, budget: int | float | str, *, precision: str = "fp32", backend: Any = None,
+                progress: Callable[[str], None] | None = None) -> MemoryPlan:
+    """Plan how ``case`` (a :class:`~um_lab.models.ModelCase`, nothing recomputed) trains in ``precision``
+    within ``budget``: bytes, a size such as ``"8GiB"`` or a fraction of its everything-fits footprint
+    (``"0.5x"``). ``backend``: the :class:`~um_lab.sim.backend.SimBackend` whose profile prices the
+    candidates (default: a new one on the H200 profile). ``progress`` hears one line per candidate.
+    Raises :class:`~um_lab.errors.BudgetTooSmall` when no candidate keeps B."""
+    from um_lab.schedule.config import Budget
+    from um_lab.sim.backend import SimBackend
+    from um_lab.sim.budget import simulate_budget
+    from um_lab.sim.profile import profile_sha256
+    from um_lab.sim.staged import simulate_staged
+    from um_lab.training import with_training
+    from um_lab.types import RunSpec
+
+    if precision not in PRECISIONS:
+        raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}", "precision")
+    if case.info.get("recompute") not in (None, "none", 0):
+        raise SpecError(f"the planner chooses what {case.name} recomputes: give it the case with nothing "
+                        "recomputed", "recompute")
+    config = budget if isinstance(budget, Budget) else Budget(budget)
+    sim = backend if backend is not None else SimBackend()
+    say = progress or (lambda line: None)
+    base = with_training(case, precision, "none")
+    fit = sim.prepare(base)
+    budget_bytes = config.resolve(fit.footprint_bytes)
+    key = (fit.trace.key, profile_sha256(sim.profile), budget_bytes)
+    with _LOCK:
+        hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
+    fit_step = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), base, "um-default")][-1]
+    n_layers = count_layers(case)
+    footprints: dict[int, int] = {0: fit.footprint_bytes}
+
+    def prepared(k: int) -> Any:
+        return sim.prepare(base if k == 0 else with_training(case, precision, k))
+
+    def footprint(k: int) -> int:
+        if k not in footprints:
+            footprints[k] = prepared(k).footprint_bytes
+        return footprints[k]
+
+    grid = sorted({round(n_layers * i / GRID_POINTS) for i in range(GRID_POINTS + 1)})
+    fits = [k for k in grid if footprint(k) <= budget_bytes]
+    if fits and fits[0] > 0:  # refine the least recompute that fits between two grid points
+        lo, hi = grid[grid.index(fits[0]) - 1], fits[0]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if footprint(mid) <= budget_bytes else (mid, hi)
+        fits.insert(0, hi)
+    least_fit = fits[0] if fits else None
+    weighed = [k for k in sorted(set(grid) | set(fits)) if least_fit is None or k <= least_fit]
+    candidates = []
+    for k in weighed:
+        p = prepared(k)
+        for staged in ((False,) if least_fit == k else (False, True)):
+            try:
+                if staged:
+                    s = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes)
+                    crossing = s.plan.prefetched_bytes + s.plan.evicted_bytes + 2 * s.copies.staged_bytes \
+                        + 2 * s.plan.remote_bytes
+                else:
+                    s = simulate_budget(p.trace, p.placement.final, sim.profile, budget_bytes)
+                    crossing = s.plan.prefetched_bytes + s.plan.evicted_bytes + 2 * s.plan.remote_bytes
+                c = PlanCandidate(k, staged, p.footprint_bytes, s.step.wall_us / 1e3, int(crossing))
+            except BudgetTooSmall as e:
+                c = PlanCandidate(k, staged, p.footprint_bytes, None, why_not=str(e))
+            candidates.append(c)
+            say(f"recompute {k}/{n_layers} layers, staged {'on' if staged else 'off'}: footprint "
+                f"{gib(c.footprint_bytes)}, " + (f"step {c.step_ms:.1f} ms, {gib(c.crossing_bytes)} cross"
+                                                 if c.step_ms is not None else "cannot keep the budget"))
+    feasible = [c for c in candidates if c.step_ms is not None]
+    if not feasible:
+        raise BudgetTooSmall(budget_bytes, min(c.footprint_bytes for c in candidates),
+                             f"{case.name} with any layers recomputed")
+    best = min(feasible, key=lambda c: (c.step_ms, c.recompute_layers))
+    recompute: Recompute = {0: "none", n_layers: "every-layer"}.get(best.recompute_layers, best.recompute_layers)
+    plan = MemoryPlan(case.name, precision, budget_bytes, n_layers, recompute, best.staged, float(best.step_ms or 0),
+                      best.footprint_bytes, best.crossing_bytes, fit_step, fit.footprint_bytes, tuple(candidates))
+    with _LOCK:
+        _PLANS[key] = plan
+    return plan
+
+
+def planned_budget(plan: MemoryPlan, lookahead: int = 2) -> Any:
+    """The :class:`~um_lab.schedule.config.Budget` a run under ``plan`` trains with (its bytes and staging)."""
+    from um_lab.schedule.config import Budget
+
+    if plan.budget_bytes <= 0:
+        raise BudgetError(f"a plan's budget must be positive, got {plan.budget_bytes}")
+    return Budget(plan.budget_bytes, lookahead=lookahead, stage_activations=plan.stage_activations)
