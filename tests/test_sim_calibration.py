@@ -114,7 +114,8 @@ def test_rebuilding_the_h200_profile_gives_the_packaged_file() -> None:
                                  step_detail_path=results / "step_detail.json",
                                  gemm_tiles_path=results / "gemm_tiles.json",
                                  gemm_shapes_paths=sorted((results / "gemm_shapes").glob("*.json")),
-                                 scheduler_paths=[results / "scheduler_moves.json"])
+                                 scheduler_paths=[results / "scheduler_moves.json"],
+                                 tensor_core_path=results / "tensor_core_rates.json")
     assert rebuilt.name == "h200"
     packaged = dataclasses.asdict(packaged_h200())
     for key, value in dataclasses.asdict(rebuilt).items():

@@ -25,7 +25,8 @@ elementwise rates are fitted op by op there; whole step times then fit only what
                        step_detail_path="bench/results/step_detail.json",
                        gemm_tiles_path="bench/results/gemm_tiles.json",
                        gemm_shapes_paths=sorted(Path("bench/results/gemm_shapes").glob("*.json")),
-                       scheduler_paths=[Path("bench/results/scheduler_moves.json")])
+                       scheduler_paths=[Path("bench/results/scheduler_moves.json")],
+                       tensor_core_path="bench/results/tensor_core_rates.json")
 """
 
 from __future__ import annotations
