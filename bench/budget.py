@@ -545,6 +545,7 @@ def predict_planned(models: list[str], ratios: list[float], precisions: list[str
         t0 = time.perf_counter()
         plan = plan_memory(build_case(name), 1 / ratio, precision=precision, backend=sim_backend())
         rows.append({"model": name, "precision": precision, "ratio": ratio, **plan.to_dict(),
+                     "predicted_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                      "sim_16bit_rates": bool(sim_backend().profile.matmul_16bit_tflops),
                      "plan_s": time.perf_counter() - t0})
         say(f"{plan.describe()} [{rows[-1]['plan_s']:.0f} s]")
@@ -695,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.predict and args.recompute == "auto":
         old = json.loads(predicted_out.read_text()) if predicted_out.exists() else {}
-        kept = [r for r in old.get("planned", {}).get("rows", []) if r["model"] not in args.models]
+        kept = [r for r in old.get("planned", {}).get("rows", [])
+                if r["model"] not in args.models or r["precision"] not in args.precision]
         old["planned"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                           "device": "simulated: the h200 profile", "what": " ".join(predict_planned.__doc__.split()),
                           "rows": kept + predict_planned(args.models, args.ratios, args.precision, print)}

@@ -44,8 +44,12 @@ def test_packaged_h200_profile_carries_the_measured_primitives() -> None:
     gemm_fields = {"gemm_nt_passes", "gemm_nn_passes", "gemm_small_m_ctas"}  # tests/test_sim_gemm_passes.py
     shape_fields = {"gemm_shape_files", "gemm_law_factor"}  # bench/gemm_shapes.py results: the table and its band
     scheduler_fields = {"scheduler_h2d_GBps", "scheduler_d2h_GBps"}  # bench/budget.py --time-moves rows
+    sixteen_bit = {"matmul_16bit_tflops", "attention_16bit_tflops", "conv_16bit_tflops"}  # gemm_shapes --tensor-cores
     assert set(packaged["measured"]["primitives"]) == (set(why) | conv_fields | step_fields | gemm_fields
-                                                       | shape_fields | scheduler_fields)
+                                                       | shape_fields | scheduler_fields | sixteen_bit)
+    for name in sixteen_bit:  # the 16-bit peak: the fitted fp32 peak times the measured 16-bit / fp32 ratio
+        assert getattr(p, name) > getattr(p, name.replace("_16bit", "")) and "bf16" in \
+            packaged["measured"]["primitives"][name]["from"]
     for name in scheduler_fields:  # slower than a lone prefetch in the same direction, inside the measured range
         info = packaged["measured"]["primitives"][name]
         assert "budget.py --time-moves" in info["from"] and info["range"][0] <= getattr(p, name) <= info["range"][1]

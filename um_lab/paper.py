@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "3a1fe41744f3354262f4f7aba9b0cef5c9b1980babb6ca90d313762bb137bca5",
-    "sim_source_sha256": "8855c9cb30268de23db96e9563c4258d66b107f318b8aaf346a0b2555ca302de",
+    "profile_sha256": "7395b7f2ffbd9a5d9d1a77eeb8ca7e7fa237136b3ab8e914170767388a2df2cf",
+    "sim_source_sha256": "984560aeefd5e1f930f7d6cc0e304a1366c5660cca605f85bdabc121381efffc",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-05T08:37:35+00:00",
+    "date": "2026-12-06T01:55:27+00:00",
     "um_lab_version": "0.1.0",
 }
 
