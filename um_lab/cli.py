@@ -97,9 +97,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="what the step computes in: fp32, or autocast to bf16 / fp16 with fp32 master weights "
                         "(fp16 with a dynamic loss scale)")
-    p.add_argument("--recompute", default="none", metavar="none|every-layer|N|LAYER[,LAYER]",
+    p.add_argument("--recompute", default="none", metavar="none|every-layer|auto|N|LAYER[,LAYER]",
                    help="recompute these layers' activations in backward instead of keeping them: every layer, "
-                        "the first N, or layer names (see `um-lab models --layers MODEL`)")
+                        "the first N, or layer names (see `um-lab models --layers MODEL`); auto: with --budget, "
+                        "the memory planner chooses the layers and whether activations are staged")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="folder for run logs (default: $UM_LAB_RUNS_DIR if set, else runs/)")
@@ -248,6 +249,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     active = Run(spec, policy=policy, out_dir=args.out, backend=backend)
     _say(f"run: {active.case.name} under {policy.name}, {args.warmup} warm-up + {args.steps} steps -> "
          f"{active.path}")
+    if active.plan is not None:
+        _say(f"memory planner: {active.plan.describe()}")
     bar = tqdm(total=args.warmup + args.steps, unit="step", disable=args.no_progress)
     try:
         for record in active:

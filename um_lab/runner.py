@@ -123,7 +123,7 @@ class Run(RunFolderWriter, Listenable):
         self.policy = check_preset_name(get_policy(policy if policy is not None else spec.policy))
         self.plan: MemoryPlan | None = None
         if spec.recompute == "auto":  # the planner's choice, before anything is built
-            spec, self.plan = planned_spec(spec, case)
+            spec, self.plan = planned_spec(spec, case, backend)
         self.case = check_case(with_training(case, spec.precision, spec.recompute) if case is not None
                                else case_for_spec(spec))  # built on meta: a knob the
         # library refuses, or an optimizer that needs a closure, is refused before any folder exists
@@ -357,14 +357,18 @@ class Run(RunFolderWriter, Listenable):
         self._end_as("failed", if_running=True)
 
 
-def planned_spec(spec: RunSpec, case: ModelCase | None = None) -> tuple[RunSpec, MemoryPlan]:
+def planned_spec(spec: RunSpec, case: ModelCase | None = None,
+                 backend: Backend | None = None) -> tuple[RunSpec, MemoryPlan]:
     """``spec`` (``recompute="auto"``) with the memory planner's choice in place: the layers it recomputes and
-    its budget in bytes, staged or not (:func:`um_lab.sim.planner.plan_memory`), and the plan."""
+    its budget in bytes, staged or not (:func:`um_lab.sim.planner.plan_memory`; priced by ``backend`` when it is
+    a simulator, else by the packaged profile), and the plan."""
+    from um_lab.sim.backend import SimBackend
     from um_lab.sim.planner import plan_memory, planned_budget
 
     assert spec.budget is not None  # RunSpec refuses "auto" without one
     base = case if case is not None else case_for_spec(dataclasses.replace(spec, recompute="none", precision="fp32"))
     plan = plan_memory(base, spec.budget, precision=spec.precision,
+                       backend=backend if isinstance(backend, SimBackend) else None,
                        progress=lambda line: log.info("memory planner: %s", line))
     log.info("memory planner: %s", plan.describe())
     return dataclasses.replace(spec, recompute=plan.recompute,

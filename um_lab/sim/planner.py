@@ -100,12 +100,13 @@ _PLANS: dict[tuple[Any, ...], MemoryPlan] = {}
 _LOCK = threading.Lock()
 
 
-def plan_memory(case: Any, budget: int | float | str, *, precision: str = "fp32", backend: Any = None,
+def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any = None,
                 progress: Callable[[str], None] | None = None) -> MemoryPlan:
     """Plan how ``case`` (a :class:`~um_lab.models.ModelCase`, nothing recomputed) trains in ``precision``
-    within ``budget``: bytes, a size such as ``"8GiB"`` or a fraction of its everything-fits footprint
-    (``"0.5x"``). ``backend``: the :class:`~um_lab.sim.backend.SimBackend` whose profile prices the
-    candidates (default: a new one on the H200 profile). ``progress`` hears one line per candidate.
+    within ``budget``: bytes, a size such as ``"8GiB"``, a fraction of its everything-fits footprint
+    (``"0.5x"``) or a :class:`~um_lab.schedule.config.Budget`. ``backend``: the
+    :class:`~um_lab.sim.backend.SimBackend` whose profile prices the candidates (default: a new one on the H200
+    profile). ``progress`` hears one line per candidate.
     Raises :class:`~um_lab.errors.BudgetTooSmall` when no candidate keeps B."""
     from um_lab.schedule.config import Budget
     from um_lab.sim.backend import SimBackend
@@ -159,13 +160,15 @@ def plan_memory(case: Any, budget: int | float | str, *, precision: str = "fp32"
         for staged in ((False,) if least_fit == k else (False, True)):
             try:
                 if staged:
-                    s = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes)
-                    crossing = s.plan.prefetched_bytes + s.plan.evicted_bytes + 2 * s.copies.staged_bytes \
-                        + 2 * s.plan.remote_bytes
+                    st = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes)
+                    wall_us = st.step.wall_us
+                    crossing = st.plan.prefetched_bytes + st.plan.evicted_bytes + 2 * st.copies.staged_bytes \
+                        + 2 * st.plan.remote_bytes
                 else:
-                    s = simulate_budget(p.trace, p.placement.final, sim.profile, budget_bytes)
-                    crossing = s.plan.prefetched_bytes + s.plan.evicted_bytes + 2 * s.plan.remote_bytes
-                c = PlanCandidate(k, staged, p.footprint_bytes, s.step.wall_us / 1e3, int(crossing))
+                    b = simulate_budget(p.trace, p.placement.final, sim.profile, budget_bytes)
+                    wall_us = b.step.wall_us
+                    crossing = b.plan.prefetched_bytes + b.plan.evicted_bytes + 2 * b.plan.remote_bytes
+                c = PlanCandidate(k, staged, p.footprint_bytes, wall_us / 1e3, int(crossing))
             except BudgetTooSmall as e:
                 c = PlanCandidate(k, staged, p.footprint_bytes, None, why_not=str(e))
             candidates.append(c)

@@ -1,0 +1,81 @@
+"""The memory planner (um_lab.sim.planner) on the simulator: what it recomputes and moves within a budget."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from um_lab import RunSpec, get_model, run
+from um_lab.errors import BudgetTooSmall, SpecError
+from um_lab.sim.backend import SimBackend
+from um_lab.sim.planner import plan_memory
+from um_lab.training import with_training
+
+GPT2 = {"batch_size": 4, "seq_len": 256, "n_layer": 4}
+
+
+@pytest.fixture(scope="module")
+def sim():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield SimBackend()
+
+
+@pytest.fixture(scope="module")
+def case():
+    return get_model("gpt2-small", **GPT2)
+
+
+def test_a_budget_the_model_fits_recomputes_nothing_and_moves_nothing(sim, case):
+    plan = plan_memory(case, "1.0x", backend=sim)
+    assert plan.recompute == "none" and plan.crossing_bytes == 0 and plan.layers == 4
+    assert plan.budget_bytes == plan.fit_footprint_bytes
+    assert "nothing recomputed" in plan.describe() and "nothing moves" in plan.describe()
+
+
+def test_a_tighter_budget_is_fit_by_the_candidate_with_the_least_predicted_step(sim, case):
+    plan = plan_memory(case, "0.6x", backend=sim)
+    feasible = [c for c in plan.candidates if c.step_ms is not None]
+    assert plan.step_ms == min(c.step_ms for c in feasible)
+    assert plan.budget_bytes == int(0.6 * plan.fit_footprint_bytes)
+    assert plan.recompute != "none" or plan.crossing_bytes > 0  # it had to recompute or move something
+    fitting = [c for c in plan.candidates if c.footprint_bytes <= plan.budget_bytes]
+    if fitting:  # the least recompute that fits B was found and weighed
+        least = min(c.recompute_layers for c in fitting)
+        assert all(c.footprint_bytes > plan.budget_bytes for c in plan.candidates if c.recompute_layers < least)
+    # recompute trades memory for time: more layers, less footprint
+    by_layers = sorted({c.recompute_layers: c.footprint_bytes for c in plan.candidates}.items())
+    assert [f for _, f in by_layers] == sorted((f for _, f in by_layers), reverse=True)
+    assert json.loads(json.dumps(plan.to_dict()))["candidates"]
+
+
+def test_a_budget_below_any_candidate_is_refused(sim, case):
+    with pytest.raises(BudgetTooSmall):
+        plan_memory(case, 4 << 20, backend=sim)
+
+
+def test_the_planner_wants_the_case_with_nothing_recomputed(sim, case):
+    with pytest.raises(SpecError, match="nothing recomputed"):
+        plan_memory(with_training(case, "fp32", "every-layer"), "0.5x", backend=sim)
+    with pytest.raises(SpecError, match="precision"):
+        plan_memory(case, "0.5x", precision="fp64", backend=sim)
+
+
+def test_auto_recompute_needs_a_budget_and_is_never_built_directly(case):
+    with pytest.raises(SpecError, match="budget"):
+        RunSpec(recompute="auto")
+    with pytest.raises(SpecError, match="planner"):
+        with_training(case, "fp32", "auto")
+
+
+def test_a_run_with_auto_recompute_trains_as_planned_and_keeps_the_plan(tmp_path):
+    loaded = run(RunSpec(model="gpt2-small", backend="sim", steps=2, warmup_steps=1, model_kwargs=GPT2,
+                         recompute="auto", budget="0.6x"), out_dir=tmp_path)
+    assert loaded.complete
+    plan = loaded.model["plan"]
+    assert loaded.spec.recompute == plan["recompute"] and loaded.spec.budget.bytes == plan["budget_bytes"]
+    assert loaded.spec.budget.stage_activations == plan["stage_activations"]
+    steps = [r.wall_ms for r in loaded.records() if not r.warmup]
+    assert steps[-1] == pytest.approx(plan["step_ms"], rel=1e-6)  # the simulator runs what it predicted
