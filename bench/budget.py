@@ -461,8 +461,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
 
 
 FIRST_EVICT_GBPS = 3.65  #: GPU->host prefetch of pages never host-resident before (DESIGN.md): the slow end
-#: the GPU->host rate at which the simulator reproduces both session-8 quick rows (mlp-small 65.4 ms: 6.79 GB/s,
-#: cnn-small 105.7 ms: 6.83 GB/s, at their measured budgets): fitted on those two rows, a second variant only
+#: the GPU->host rate at which the simulator reproduces both quick rows measured on the H200 (mlp-small 65.4 ms:
+#: 6.79 GB/s, cnn-small 105.7 ms: 6.83 GB/s, at their measured budgets): fitted on those two rows, a second variant
 QUICK_IMPLIED_EVICT_GBPS = 6.8
 
 
@@ -472,7 +472,7 @@ def simulate_row(name: str, ratio: float, budget_bytes: int | None = None, disca
     """The simulator's prediction for one row (um_lab.sim.budget; CPU only): B = ``budget_bytes``, else the
     simulated footprint / ``ratio``. ``sim_step_ms`` uses the profile's rates (GPU->host 18 GB/s, a page's
     later cycles); ``sim_step_ms_first_evictions`` prices every eviction at the first-time rate (3.65 GB/s),
-    ``sim_step_ms_quick_implied_rate`` at the rate fitted on the two session-8 quick rows (6.8 GB/s).
+    ``sim_step_ms_quick_implied_rate`` at the rate fitted on the two quick rows measured on the H200 (6.8 GB/s).
     ``measured_GBps`` (host->GPU, GPU->host: the side stream's rates a ``--time-moves`` run measured) adds
     ``sim_step_ms_measured_rates``, the plan replayed at those rates: a check of the model's structure (what
     waits for what), not a prediction, since the rates come from the run it is compared with. ``stage``,

@@ -270,8 +270,12 @@ def test_a_budget_session_trains_a_model_that_recomputes_every_layer(bench):
     from um_lab.training import with_training
 
     case = with_training(bench.build_case("mlp"), "fp32", "every-layer")
-    out = bench.run_session(case, 5, 1 << 40, budget=48 * MiB)
+    out = bench.run_session(case, 6, 1 << 40, budget=48 * MiB)
     budgets = [r.extra["budget"] for r in out["records"]]
-    assert all(b["max_resident_ledger"] <= 48 * MiB for b in budgets)
+    # the first step learns the order (no plan: its fresh writes are seen after the fact); every planned step
+    # leaves room for what a position writes at new addresses, the recompute's included
+    assert not budgets[0]["planned"] and all(b["followed_plan"] for b in budgets[1:])
+    assert all(b["max_resident_ledger"] <= 48 * MiB and not b["over_budget"] for b in budgets[1:]), \
+        [b["max_resident_ledger"] for b in budgets]
     assert budgets[-1]["followed_plan"] and budgets[-1]["prefetched_bytes"] > 0
     assert all(math.isfinite(r.loss) for r in out["records"])

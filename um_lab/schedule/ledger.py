@@ -344,9 +344,10 @@ class Ledger:
 
     def bring_in(self, blocks: Iterable[int], rank: Callable[[int], float], *, target: int = -1,
                  what: str = "one layer's working set", protect: Iterable[int] = (),
-                 may_evict: Callable[[int], bool] | None = None) -> list[Move] | None:
+                 may_evict: Callable[[int], bool] | None = None, headroom: int = 0) -> list[Move] | None:
         """Make ``blocks`` resident: evict victims (highest ``rank`` first, never one of ``blocks`` or
-        ``protect``) until they fit, then prefetch the missing ones.
+        ``protect``) until they fit with ``headroom`` bytes left free under the budget (as much of it as
+        ``blocks`` and ``protect`` leave), then prefetch the missing ones.
 
         Raises :class:`BudgetTooSmall` (nothing moved) when ``blocks`` plus ``protect`` exceed the budget.
         With ``may_evict`` (a look-ahead prefetch) only victims it accepts are taken; if those are not
@@ -359,7 +360,8 @@ class Ledger:
             raise BudgetTooSmall(self.budget_bytes, need_all, what)
         missing = sorted(b for b in wanted if self._blocks[b].where != GPU)
         need = self.bytes_of(missing)
-        excess = self.resident_bytes + need - self.budget_bytes
+        headroom = max(0, min(headroom, self.budget_bytes - need_all))
+        excess = self.resident_bytes + need + headroom - self.budget_bytes
         victims: list[int] = []
         if excess > 0:
             for b in self._by_rank(keep, rank):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -31,10 +31,14 @@ class Scheduler:
     """Belady evictions and look-ahead prefetches over a cyclic :class:`Order` (see the module doc)."""
 
     def __init__(self, ledger: Ledger, order: Order, lookahead: int = 2,
-                 discard_segments: Iterable[int] = (), remote_blocks: Iterable[int] = ()) -> None:
+                 discard_segments: Iterable[int] = (), remote_blocks: Iterable[int] = (),
+                 headroom: Mapping[int, int] | None = None) -> None:
         if lookahead < 0:
             raise BudgetError(f"lookahead must be >= 0, got {lookahead}")
         self.ledger = ledger
+        #: bytes to leave free under the budget while position ``i`` runs: what its kernels may write in blocks the
+        #: order does not name (fresh outputs and saves at new addresses); its moves, look-ahead included, keep it
+        self.headroom = {int(i): int(n) for i, n in (headroom or {}).items() if n > 0}
         self.order = order
         self.lookahead = lookahead
         self.n = len(order.positions)
@@ -103,14 +107,15 @@ class Scheduler:
         ledger.mark_dead(self.discard_at.get(i, ()))
         rank = self.rank(i, dead_first=True)
         phase, layer = self.order.positions[i].key
-        moves = ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}")
+        room = self.headroom.get(i, 0)
+        moves = ledger.bring_in(now, rank, target=i, what=f"{phase} of {layer or 'the model'}", headroom=room)
         assert moves is not None
         ledger.mark_live(now)
         protect = set(now)
         for d in range(1, min(self.lookahead, self.n - 1) + 1):
             j = (i + d) % self.n
             try:
-                ahead = self.ledger.bring_in(self.blocks[j], rank, target=j, protect=protect,
+                ahead = self.ledger.bring_in(self.blocks[j], rank, target=j, protect=protect, headroom=room,
                                              may_evict=lambda b, d=d: rank(b) > d)  # type: ignore[misc]
             except BudgetTooSmall:
                 break  # these positions together do not fit: stop looking ahead
@@ -236,12 +241,14 @@ def new_ledger(order: Order, budget_bytes: int, fixed_segments: Iterable[int] = 
 
 def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles: int = 6,
               discard_segments: Iterable[int] = (), fixed_segments: Iterable[int] = (),
-              remote_optimizer: bool = False, remote_blocks: Iterable[int] = ()) -> Plan:
+              remote_optimizer: bool = False, remote_blocks: Iterable[int] = (),
+              headroom: Mapping[int, int] | None = None) -> Plan:
     """Plan ``order`` under ``budget_bytes``: run the scheduler step after step (from nothing resident)
     until a step repeats the previous one's moves, and return that step's moves. Gradient blocks lying
     in ``discard_segments`` are discarded while dead (:func:`dead_gradient_blocks`); the segments starting at
     ``fixed_segments`` stay resident throughout and are never moved (a fixed part of the budget);
-    ``remote_blocks`` are never brought in (the positions that use them access them in host memory).
+    ``remote_blocks`` are never brought in (the positions that use them access them in host memory);
+    ``headroom`` (position -> bytes) is left free under the budget while that position runs (:class:`Scheduler`).
 
     ``remote_optimizer``: optimizer state that the plan would move (in for the optimizer, out again after
     it) stays in host memory instead, read and written there by the optimizer's kernels over the link:
@@ -254,7 +261,7 @@ def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles
     not fit.
     """
     remote = frozenset(remote_blocks)
-    plan = _make_plan(order, budget_bytes, lookahead, max_cycles, discard_segments, fixed_segments, remote)
+    plan = _make_plan(order, budget_bytes, lookahead, max_cycles, discard_segments, fixed_segments, remote, headroom)
     if not remote_optimizer:
         return plan
     optim = optimizer_only_blocks(order)
@@ -263,7 +270,8 @@ def make_plan(order: Order, budget_bytes: int, lookahead: int = 2, *, max_cycles
         if not moved - remote:
             break
         remote |= moved
-        plan = _make_plan(order, budget_bytes, lookahead, max_cycles, discard_segments, fixed_segments, remote)
+        plan = _make_plan(order, budget_bytes, lookahead, max_cycles, discard_segments, fixed_segments, remote,
+                          headroom)
     return plan
 
 
@@ -287,9 +295,10 @@ def optimizer_only_blocks(order: Order) -> frozenset[int]:
 
 
 def _make_plan(order: Order, budget_bytes: int, lookahead: int, max_cycles: int, discard_segments: Iterable[int],
-               fixed_segments: Iterable[int], remote: frozenset[int]) -> Plan:
+               fixed_segments: Iterable[int], remote: frozenset[int],
+               headroom: Mapping[int, int] | None = None) -> Plan:
     ledger = new_ledger(order, budget_bytes, fixed_segments)
-    scheduler = Scheduler(ledger, order, lookahead, discard_segments, remote)
+    scheduler = Scheduler(ledger, order, lookahead, discard_segments, remote, headroom)
     scheduler.check_fits()
     largest = max((scheduler.working_set(i) for i in range(scheduler.n)), default=0)
     previous: list[list[Move]] | None = None

@@ -100,6 +100,10 @@ class BudgetExecutor:
         self.stats: dict[str, float] = {}  # counts, bytes and host ms of the step so far
         self._touch_estimate: dict[tuple[int, tuple[str, str]], int] = {}  # most written outside the plan
         self._touch_now: dict[tuple[int, tuple[str, str]], int] = {}
+        #: the most a position wrote in fresh activations (outputs, saves, recomputed ones) that land on the GPU, in
+        #: the blocks they could take at any address: a plan leaves that much free while the position runs
+        self._fresh_bound: dict[tuple[int, tuple[str, str]], int] = {}
+        self._fresh_now: dict[tuple[int, tuple[str, str]], int] = {}
         self._keys: dict[int, tuple[str, str]] = {}
         self._live: tuple[int | None, list[int], list[int]] | None = None  # (generation, starts, ends)
         self.residency_unknown = False  # a move failed after the ledger applied it: evict all at the next step
@@ -207,18 +211,31 @@ class BudgetExecutor:
             expected = min(growth, self.expected_growth)
             self.expected_growth -= expected
             self.fixed_reserve = max(self.fixed_reserve, growth - expected)
+        headroom = self.write_headroom(order)
         try:  # room for the fixed pool to grow again by as much as it once did, and by what is announced
             plan = make_plan(order, ledger.budget_bytes - self.fixed_reserve - self.expected_growth, self.lookahead,
-                             discard_segments=grads, fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer)
+                             discard_segments=grads, fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer,
+                             headroom=headroom)
         except BudgetTooSmall:
             if not self.fixed_reserve:
                 raise
             plan = make_plan(order, ledger.budget_bytes, self.lookahead, discard_segments=grads,
-                             fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer)
+                             fixed_segments=set(fixed), remote_optimizer=self.remote_optimizer, headroom=headroom)
         self.plan, self.plan_order = plan, order
-        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads, plan.remote_blocks)
+        self._scheduler = Scheduler(self.ledger, order, self.lookahead, grads, plan.remote_blocks, headroom)
         self._discards_suspended = False
         return plan
+
+    def write_headroom(self, order: Order) -> dict[int, int]:
+        """Bytes a plan of ``order`` leaves free while each position runs: the most it wrote outside a plan, or in
+        fresh activations (at whatever address they come: the caching allocator may hand out others, and a
+        recompute allocates them again inside backward), whichever is more."""
+        out = {}
+        for i, key in enumerate(order.keys()):
+            room = max(self._touch_estimate.get((i, key), 0), self._fresh_bound.get((i, key), 0))
+            if room:
+                out[i] = room
+        return out
 
     def expect_fixed_growth(self, nbytes: int) -> None:
         """The fixed pool will grow by up to ``nbytes`` (saved activations kept on the GPU instead of staged):
@@ -264,6 +281,7 @@ class BudgetExecutor:
         self._pending, self._next_pending = self._next_pending, {}
         self._current = set()
         self._touch_now = {}
+        self._fresh_now = {}
         self._keys = {}
         self._skipped = {}
         self.stats = {"positions": 0, "unplanned_positions": 0, "demand_bytes": 0, "ahead_bytes": 0,
@@ -359,7 +377,8 @@ class BudgetExecutor:
             self.stats["unplanned_positions"] += 1
             moves = self.ledger.bring_in(actual, self._lru_rank, target=index,
                                          what=f"{position.phase} of {position.layer or 'the model'}") or []
-        reserve = self._touch_estimate.get((index, position.key), 0)
+        reserve = max(self._touch_estimate.get((index, position.key), 0),
+                      self._fresh_bound.get((index, position.key), 0) if self.following_plan else 0)
         if reserve:  # last step this position wrote that much outside the plan: make room before it runs
             moves += self.ledger.make_room(reserve, self._rank(index) if self.following_plan else self._lru_rank,
                                            protect=actual, target=index)
@@ -372,10 +391,18 @@ class BudgetExecutor:
     def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
         """Kernels of position ``index`` wrote ``spans``: record them resident, evict to stay under budget."""
         with self._hook_time():
-            self._touched(index, spans)
+            self._touched(index, data_type, spans)
 
-    def _touched(self, index: int, spans: list[Span]) -> None:
+    def _touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
         blocks = self.blocks(spans)
+        if data_type is DataType.ACT and DataType.ACT not in self.fixed_types:  # fresh tensors: any address next step
+            fresh = sum(_worst_blocks(n) * BLOCK for p, n in spans
+                        if not all(self.ledger.written_on_host(b) for b in self.ledger.blocks([(p, n)])))
+            if fresh:
+                key = (index, self._keys.get(index, ("", "")))
+                self._fresh_now[key] = self._fresh_now.get(key, 0) + fresh
+        if self.following_plan and self.plan is not None and self.plan.remote_blocks:
+            blocks -= self.plan.remote_blocks  # written where they are, in host memory (as in _enter)
         rank = self._rank(index) if self.following_plan else self._lru_rank
         ledger = self.ledger
         missing = ledger.bytes_of(b for b in blocks if ledger.where(b) != "gpu" and not ledger.written_on_host(b))
@@ -412,6 +439,8 @@ class BudgetExecutor:
         self._raise_mover_error()
         for key, nbytes in self._touch_now.items():  # the most any step wrote there: room only grows
             self._touch_estimate[key] = max(nbytes, self._touch_estimate.get(key, 0))
+        for key, nbytes in self._fresh_now.items():
+            self._fresh_bound[key] = max(nbytes, self._fresh_bound.get(key, 0))
         ledger = self.ledger
         timing = {"move_timing": self.clock.collect(self.streams.elapsed_ms)} if self.clock is not None else {}
         return {**timing, "budget_bytes": ledger.budget_bytes, "max_resident_ledger": ledger.max_resident,
@@ -531,6 +560,11 @@ class BudgetExecutor:
         finally:
             self.streams.synchronize_side()
         self._raise_mover_error()
+
+
+def _worst_blocks(nbytes: int) -> int:
+    """The most 2 MiB blocks ``nbytes`` contiguous bytes can touch, wherever they start."""
+    return (nbytes + BLOCK - 2) // BLOCK + 1 if nbytes > 0 else 0
 
 
 def _disjoint(spans: Iterable[Span], others: Sequence[Span]) -> list[Span]:

@@ -138,6 +138,7 @@ class StepRecorder:
         self._saved: dict[int, list[Span]] = {}  # a call's first position -> the ranges it saved for backward
         self._lock = threading.Lock()
         self.active = False
+        self._in_backward = False  # backward runs: module calls now are recomputes (activation checkpointing)
 
     # ---- install / remove ----
 
@@ -181,10 +182,16 @@ class StepRecorder:
         outside = self._saved.get(STEP_CALL)
         if outside:
             self.open_position("backward", "(step)", [(DataType.ACT, s) for s in outside])
+        # modules called in backward recompute their forward (activation checkpointing): their calls nest on a
+        # step call of their own, so each one's post-hook closes it and records its outputs at its own position
+        self._stack[:] = [_Call(STEP_CALL, "(recompute)", resumed=True)]
+        self._in_backward = True
         try:
             yield
         finally:
             self.active = False
+            self._in_backward = False
+            self._stack.clear()
 
     # ---- hooks ----
 
@@ -229,7 +236,7 @@ class StepRecorder:
             outs = list(tensors_in(output))
             self._touch(call.current, self._spans(outs))
             grad_root = next((t for t in outs if t.requires_grad and t.grad_fn is not None), None)
-            if grad_root is not None:
+            if grad_root is not None and not self._in_backward:  # a recompute's outputs get no gradient
                 grad_root.register_hook(self._backward_hook(name, module, call.first))
         return hook
 
