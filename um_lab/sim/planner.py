@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from um_lab.errors import BudgetError, BudgetTooSmall, SpecError, gib
+from um_lab.errors import BudgetTooSmall, SpecError, gib
 from um_lab.types import PRECISIONS, Recompute
 
 #: how many evenly spaced layer counts the coarse search weighs before it refines the smallest that fits
@@ -192,6 +192,4 @@ def planned_budget(plan: MemoryPlan, lookahead: int = 2) -> Any:
     """The :class:`~um_lab.schedule.config.Budget` a run under ``plan`` trains with (its bytes and staging)."""
     from um_lab.schedule.config import Budget
 
-    if plan.budget_bytes <= 0:
-        raise BudgetError(f"a plan's budget must be positive, got {plan.budget_bytes}")
     return Budget(plan.budget_bytes, lookahead=lookahead, stage_activations=plan.stage_activations)
