@@ -552,6 +552,18 @@ def predict_planned(models: list[str], ratios: list[float], precisions: list[str
     return rows
 
 
+def merge_predicted(path: Path, key: str, predictor: Callable[..., Any], keep: Callable[[dict[str, Any]], bool],
+                    rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` under ``key`` of the predictions file ``path`` (described by ``predictor``'s docstring),
+    beside that key's earlier rows that ``keep`` keeps and the file's other keys."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    kept = [r for r in old.get(key, {}).get("rows", []) if keep(r)]
+    old[key] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "device": "simulated: the h200 profile", "what": " ".join((predictor.__doc__ or "").split()),
+                "rows": kept + rows}
+    path.write_text(json.dumps(old, indent=1) + "\n")
+
+
 def predict(models: list[str], ratios: list[float], say: Callable[[str], None],
             settings: tuple[tuple[bool, bool, bool], ...] = ((False, True, False),),
             copies: bool = False) -> list[dict[str, Any]]:
@@ -687,21 +699,13 @@ def main(argv: list[str] | None = None) -> int:
     default_out = args.out == ap.get_default("out")
     predicted_out = ROOT / "bench" / "results" / "budget_predicted.json" if default_out else args.out
     if args.predict and args.peers:
-        old = json.loads(predicted_out.read_text()) if predicted_out.exists() else {}
-        kept = [r for r in old.get("peers", {}).get("rows", []) if r["model"] not in args.models]
-        old["peers"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                        "device": "simulated: the h200 profile", "what": " ".join(predict_peers.__doc__.split()),
-                        "rows": kept + predict_peers(args.models, args.ratios, print)}
-        predicted_out.write_text(json.dumps(old, indent=1) + "\n")
+        merge_predicted(predicted_out, "peers", predict_peers, lambda r: r["model"] not in args.models,
+                        predict_peers(args.models, args.ratios, print))
         return 0
     if args.predict and args.recompute == "auto":
-        old = json.loads(predicted_out.read_text()) if predicted_out.exists() else {}
-        kept = [r for r in old.get("planned", {}).get("rows", [])
-                if r["model"] not in args.models or r["precision"] not in args.precision]
-        old["planned"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                          "device": "simulated: the h200 profile", "what": " ".join(predict_planned.__doc__.split()),
-                          "rows": kept + predict_planned(args.models, args.ratios, args.precision, print)}
-        predicted_out.write_text(json.dumps(old, indent=1) + "\n")
+        merge_predicted(predicted_out, "planned", predict_planned,
+                        lambda r: r["model"] not in args.models or r["precision"] not in args.precision,
+                        predict_planned(args.models, args.ratios, args.precision, print))
         return 0
     if args.predict:
         write_merged(predicted_out, args.models, {"device": "simulated: the h200 profile (um_lab.sim.budget)"},
