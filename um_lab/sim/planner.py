@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from um_lab.errors import BudgetTooSmall, SpecError, gib
-from um_lab.types import PRECISIONS, Recompute
+from um_lab.types import Recompute, check_precision
 
 #: how many evenly spaced layer counts the coarse search weighs before it refines the smallest that fits
 GRID_POINTS = 6
@@ -42,11 +42,6 @@ class PlanCandidate:
     step_ms: float | None
     crossing_bytes: int = 0
     why_not: str = ""
-
-    @property
-    def moves(self) -> bool:
-        """True when the scheduler must move data to keep B (the footprint does not fit)."""
-        return self.crossing_bytes > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +111,7 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     from um_lab.training import with_training
     from um_lab.types import RunSpec
 
-    if precision not in PRECISIONS:
-        raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}", "precision")
+    check_precision(precision)
     if case.info.get("recompute") not in (None, "none", 0):
         raise SpecError(f"the planner chooses what {case.name} recomputes: give it the case with nothing "
                         "recomputed", "recompute")
@@ -134,15 +128,12 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
         return hit
     fit_step = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), base, "um-default")][-1]
     n_layers = count_layers(case)
-    footprints: dict[int, int] = {0: fit.footprint_bytes}
 
-    def prepared(k: int) -> Any:
+    def prepared(k: int) -> Any:  # the simulator caches each prepared case
         return sim.prepare(base if k == 0 else with_training(case, precision, k))
 
     def footprint(k: int) -> int:
-        if k not in footprints:
-            footprints[k] = prepared(k).footprint_bytes
-        return footprints[k]
+        return int(prepared(k).footprint_bytes)
 
     grid = sorted({round(n_layers * i / GRID_POINTS) for i in range(GRID_POINTS + 1)})
     fits = [k for k in grid if footprint(k) <= budget_bytes]
