@@ -411,6 +411,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "fixed_bytes_all": [r.extra["budget"].get("fixed_bytes", 0) for r in out["records"]],
             "act_pool_all": [r.extra.get("act_pool") for r in out["records"]],
             "followed_plan": all(b["followed_plan"] for b in budgets),
+            "idle_steps": sum(bool(b.get("idle")) for b in budgets),  # everything fit B: no scheduler at work
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),
             "executor_ms": statistics.median(b.get("executor_ms", 0.0) for b in budgets),
@@ -452,7 +453,7 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             f"B {budget / GiB:.2f} GiB, "
             f"step {step_ms:.1f} ms, bound {bound_ms:.1f} ms "
             f"(x{row['over_bound']:.2f}), crossing {crossing / GiB:.2f} GiB/step, ledger max "
-            f"{row['max_resident_ledger'] / GiB:.2f} GiB (fixed pool by step: "
+            f"{row['max_resident_ledger'] / GiB:.2f} GiB, idle steps {row['idle_steps']} (fixed pool by step: "
             + ", ".join(f"{f / GiB:.2f}" for f in row["fixed_bytes_all"]) + f" GiB), followed plan "
             f"{row['followed_plan']}; training thread: "
             f"{row['executor_ms']:.0f} ms in the scheduler's hooks, {row['host_wait_ms']:.0f} ms of it waiting for the "

@@ -16,8 +16,10 @@ from um_lab import BudgetError, BudgetTooSmall, InputError, UnsupportedOptimizer
 from um_lab.cuda.allocator import ManagedPools
 from um_lab.cuda.session import Session
 from um_lab.schedule.config import Budget
+from um_lab.schedule.live.control import moved_nothing
 from um_lab.schedule.live.mover import MoveBatch, ThreadMover
 from um_lab.schedule.live.streams import RecordingStreams
+from um_lab.schedule.stats import BudgetStats
 from um_lab.types import DataType
 
 MiB = 1 << 20
@@ -315,3 +317,67 @@ def test_the_optimizer_is_stepped_in_chunks_of_consecutive_layers_up_to_a_64th_o
         order = lab.budget.last_order
         assert [p.layer for p in order.positions if p.phase == "optimizer"] == ["0.0..2.0", "3.0..6"]
     assert all(not r.extra["budget"]["over_budget"] for r in records)
+
+
+
+@pytest.mark.parametrize("change, quiet", [({}, True), ({"prefetched_bytes": 1}, False), ({"evicted_bytes": 1}, False),
+                                           ({"unforeseen_bytes": 1}, False), ({"remote_bytes": 1}, False),
+                                           ({"staging": {"staged_bytes": 1}}, False), ({"followed_plan": False}, False),
+                                           ({"over_budget": True}, False), ({"replanned": True}, False)])
+def test_a_step_that_moved_nothing_under_its_plan_lets_the_scheduler_idle(change, quiet):
+    base = {"budget_bytes": 1 << 30, "max_resident_ledger": 1 << 29, "planned": True, "followed_plan": True}
+    numbers = BudgetStats.from_dict({**base, **change})
+    assert moved_nothing(numbers, replanned=change.get("replanned", False)) is quiet
+
+
+def test_an_idle_scheduler_steps_without_its_work_and_wakes_when_a_model_is_placed(env, monkeypatch):
+    """Once a step moved nothing (here: said so by hand, as the fake driver's CPU tensors move every step),
+    steps run without the scheduler's positions or moves while everything the session holds fits B; the pools
+    get the policy's own advice and those it had advised to the host come to the GPU; training is exactly as
+    without a budget; placing a model wakes it, with its advice back and a step from nothing resident."""
+    source, driver, api, runtime = env
+    model, batches = model_and_data()
+    twin = copy.deepcopy(model)
+    with make_session(env, budget=8 << 30) as lab:
+        opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
+        records, asked = [], []
+        for i, (xb, yb) in enumerate(batches):
+            if i == 2:
+                assert lab.budget.can_idle() is False
+                lab.budget._quiet = True  # a planned step that moved nothing
+                assert lab.budget.can_idle()
+                monkeypatch.setattr(lab._pools, "prefetch", lambda t, where, asked=asked: asked.append((t, where)) or 0)
+            x, y = lab.inputs(xb, yb)
+            records.append(lab.step(lambda x=x, y=y: torch.nn.functional.cross_entropy(model(x), y), opt))
+        budgets = [r.extra["budget"] for r in records]
+        assert [b.get("idle", False) for b in budgets] == [False, False, True, True, True]
+        for b in budgets[2:]:
+            assert b["prefetched_bytes"] == 0 and b["positions"] == 0 and not b["over_budget"]
+            assert b["max_resident_ledger"] == lab.budget.held_bytes() > 0
+        assert all(lab._pools.policy[t].is_default for t in DataType)  # the policy's own advice while idle
+        assert sorted(asked) == sorted((t, "gpu") for t in DataType)  # um-default advises none: all were on the host
+        big = torch.nn.Linear(64, 64)
+        opt2 = lab.attach(lab.place(big), torch.optim.AdamW(big.parameters(), lr=1e-3))
+        assert not lab.budget.idle and not lab.budget.can_idle()  # placing a model wakes it
+        assert lab._pools.policy[DataType.GRAD].preferred_location == "cpu"  # the budget's advice is back
+        x = lab.inputs(torch.randn(4, 64))
+        woke = lab.step(lambda: big(x).square().mean(), opt2).extra["budget"]
+        assert not woke.get("idle", False) and woke["positions"] > 0
+    with make_session(env) as plain:
+        expected = train(plain, twin, batches)
+    assert [r.loss for r in records] == [r.loss for r in expected]
+
+
+def test_an_idle_step_whose_pools_passed_b_wakes_the_scheduler(env, monkeypatch):
+    model, batches = model_and_data()
+    with make_session(env, budget=8 << 30) as lab:
+        opt = lab.attach(lab.place(model), torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x, y = lab.inputs(*batches[0])
+        lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt)
+        lab.budget._quiet = True
+        held = iter([MiB, 16 << 30])  # under B before the step, past it after (the pools grew during it)
+        monkeypatch.setattr(lab.budget, "held_bytes", lambda: next(held))
+        b = lab.step(lambda: torch.nn.functional.cross_entropy(model(x), y), opt).extra["budget"]
+        assert b["idle"] and b["over_budget"]
+        assert not lab.budget.idle and lab.budget.executor.residency_unknown
+        assert lab._pools.policy[DataType.GRAD].preferred_location == "cpu"

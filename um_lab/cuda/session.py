@@ -304,6 +304,8 @@ class Session(Listenable):
                 if index.data_type_of(tensor.data_ptr()) is not DataType.PARAM and self._is_device(tensor):
                     tensor.data = tensor.data.clone()
         if self._budget is not None:
+            if self._budget.idle:
+                self._wake_budget()
             self._budget.watch(self._modules)
             self._budget.settle(_module_tensors(module))
         return module
@@ -331,6 +333,8 @@ class Session(Listenable):
             self._optimizers.append(optimizer)
         self._trainable = [p for m in self._modules for p in m.parameters()]
         if self._budget is not None:
+            if self._budget.idle:
+                self._wake_budget()
             self._budget.watch(self._modules)
             self._budget.settle([p.grad for p in module.parameters() if p.grad is not None] +
                                 [v for st in optimizer.state.values() for v in st.values() if _is_tensor(v)])
@@ -354,7 +358,7 @@ class Session(Listenable):
         else:
             with pools.route(DataType.INPUT):
                 out = tuple(t.to(self.device, copy=True) if _is_tensor(t) else t for t in tensors)
-        if self._budget is not None:
+        if self._budget is not None and not self._budget.idle:
             self._budget.inputs_written(t for t in out if _is_tensor(t))
         return out[0] if len(out) == 1 else out
 
@@ -419,26 +423,22 @@ class Session(Listenable):
         timer = self._timer
         timer.start()
         budget_extra: dict[str, Any] | None = None
-        if self._budget is not None:
-            loss, budget_extra = self._budget.run_step(
+        budget = self._budget
+        if budget is not None and budget.can_idle():
+            if not budget.idle:
+                self._idle_budget()
+            loss = self._plain_step(closure, optimizer, zero_grad, before_optimizer, policy_moves=False)
+            budget_extra = budget.idle_numbers()
+            if not budget.idle:  # the pools grew past B: the scheduler plans again from the next step
+                pools.set_policy(self._pool_policy(self.policy))
+        elif budget is not None:
+            if budget.idle:
+                self._wake_budget()
+            loss, budget_extra = budget.run_step(
                 pools, closure, optimizer, zero_grad=zero_grad, before_optimizer=before_optimizer,
                 backward_thread=self.backward_thread, check_loss=_check_loss)
         else:
-            self._prefetch_phase("forward")
-            with pools.route(DataType.ACT):
-                loss = closure()
-            _check_loss(loss)
-            self._prefetch_phase("backward")
-            loss = pools.backward(loss, DataType.ACT, self.backward_thread)  # detached: graph freed
-            if before_optimizer is not None:
-                with pools.route(DataType.ACT):
-                    before_optimizer()
-            self._prefetch_phase("optimizer")
-            with pools.route(DataType.OPTIM):
-                optimizer.step()
-            if zero_grad:
-                optimizer.zero_grad(set_to_none=False)
-            self._prefetch_to_cpu_after_use()
+            loss = self._plain_step(closure, optimizer, zero_grad, before_optimizer, policy_moves=True)
         wall_ms, loss_value = timer.stop(loss)
         record = StepRecord(
             step=self.steps_done,
@@ -519,6 +519,50 @@ class Session(Listenable):
         """The scheduler's state with ``gpu_budget_bytes`` (ledger, plan, hooks); None without a budget."""
         return self._budget
 
+    def _plain_step(self, closure: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, zero_grad: bool,
+                    before_optimizer: Callable[[], object] | None, *, policy_moves: bool) -> torch.Tensor:
+        """Forward, backward and the optimizer step in the pools; ``policy_moves``: with the policy's prefetches."""
+        pools = self._require_open()
+        if policy_moves:
+            self._prefetch_phase("forward")
+        with pools.route(DataType.ACT):
+            loss = closure()
+        _check_loss(loss)
+        if policy_moves:
+            self._prefetch_phase("backward")
+        loss = pools.backward(loss, DataType.ACT, self.backward_thread)  # detached: graph freed
+        if before_optimizer is not None:
+            with pools.route(DataType.ACT):
+                before_optimizer()
+        if policy_moves:
+            self._prefetch_phase("optimizer")
+        with pools.route(DataType.OPTIM):
+            optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=False)
+        if policy_moves:
+            self._prefetch_to_cpu_after_use()
+        return loss
+
+    def _idle_budget(self) -> None:
+        """Everything the session holds fits its budget: steps run without the scheduler, and the pools it advised
+        to prefer the host get the policy's own advice and come to the GPU once (a GPU write lands there again)."""
+        pools = self._require_open()
+        assert self._budget is not None
+        self._budget.finish_moves()
+        advised = self._pool_policy(self.policy)
+        pools.set_policy(self.policy)
+        for t in DataType:
+            if advised[t] != self.policy[t]:
+                pools.prefetch(t, "gpu")
+        self._budget.start_idling()
+
+    def _wake_budget(self) -> None:
+        """The scheduler plans again (the pools grew, or a model or policy changed): its advice back."""
+        assert self._budget is not None
+        self._budget.wake()
+        self._require_open().set_policy(self._pool_policy(self.policy))
+
     def _prefetch_phase(self, phase: str) -> None:
         pools = self._require_open()
         for t in self._plan()[0][phase]:
@@ -556,6 +600,8 @@ class Session(Listenable):
         """
         pools = self._require_open()
         new, old = get_policy(policy), self.policy
+        if self._budget is not None and self._budget.idle:
+            self._budget.wake()  # the pools get the budget's advice again below
         count = pools.set_policy(self._pool_policy(new))
         self.policy = new
         if self._budget is not None:  # the ledger's host-written pools, and remote optimizer state, follow

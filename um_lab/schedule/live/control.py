@@ -96,6 +96,10 @@ class BudgetControl:
         self._steps_under_plan = 0
         self._replanned_for_unforeseen: int | None = None  # what the last re-plan for unforeseen ranges saw
         self._tolerated_unforeseen = 0  # unforeseen bytes a new plan did not reduce: no reason to re-plan
+        self._quiet = False  # the last step followed a steady plan and moved nothing
+        #: nothing to schedule: every byte the session holds fits B, so steps run without hooks or moves
+        #: (:meth:`can_idle`); the session re-advises its pools while it lasts
+        self.idle = False
 
     @property
     def partial_staging(self) -> bool:
@@ -329,9 +333,47 @@ class BudgetControl:
         if why:
             extra["replan_reason"] = f"{extra['replan_reason']}, {why}" if extra["replan_reason"] else why
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
+        self._quiet = moved_nothing(numbers, replanned=extra["replanned"]) and copies is None
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
         return loss, extra
+
+    # ---- idle: nothing to schedule ----
+
+    def can_idle(self) -> bool:
+        """True when the next step needs no scheduler: the last step followed a plan that moved nothing (or the
+        scheduler idles already), and every byte the session's pools hold fits B, so resident bytes stay under B
+        whatever the step does. Experimental options that act inside a step (discarding gradients, partial
+        staging) keep it busy."""
+        return ((self.idle or self._quiet) and self.pending_error is None and not self.executor.discard_gradients
+                and self.tail is None and self.held_bytes() <= self.budget_bytes)
+
+    def held_bytes(self) -> int:
+        """The most that could be resident now: every live segment of the session's pools (and every block
+        the ledger knows, where segments are not known)."""
+        return max(self.executor.live_bytes(), self.executor.ledger.total_bytes)
+
+    def start_idling(self) -> None:
+        """Steps run without the scheduler from now on (the session calls :meth:`idle_numbers` for them)."""
+        self.idle = True
+
+    def wake(self) -> None:
+        """Schedule again: what is resident is unknown to the ledger after idle steps, so the next step starts
+        from nothing resident and learns a plan again."""
+        self.idle = False
+        self._quiet = False
+        self.executor.residency_unknown = True
+
+    def idle_numbers(self) -> dict[str, Any]:
+        """``extra["budget"]`` of an idle step: every byte the pools hold counts as resident (an upper bound);
+        the step wakes the scheduler when they passed B."""
+        held = self.held_bytes()
+        over = held > self.budget_bytes
+        if over:
+            self.wake()
+        numbers = BudgetStats(budget_bytes=self.budget_bytes, max_resident_ledger=held, resident_at_end=held,
+                              managed_bytes=held, over_budget=over, planned=True, followed_plan=True)
+        return {**numbers.to_dict(), "idle": True, "positions": 0, "unplanned_positions": 0, "ahead_bytes": 0}
 
     def _optimizer_pool(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> DataType:
         """Where a chunk's optimizer step allocates: the optimizer-state pool while some parameter of the chunk
@@ -449,6 +491,14 @@ class BudgetControl:
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02
+
+
+def moved_nothing(numbers: BudgetStats, *, replanned: bool) -> bool:
+    """True for a step that followed its plan, kept the plan and moved no byte between the GPU and the host (no
+    prefetch, eviction, discard, staging, remote update or unforeseen range): the scheduler had nothing to do."""
+    moved = (numbers.prefetched_bytes or numbers.evicted_bytes or numbers.discarded_bytes or numbers.populated_bytes
+             or numbers.remote_bytes or numbers.staged_bytes or numbers.unforeseen_bytes)
+    return numbers.followed_plan and not replanned and not numbers.over_budget and not moved
 
 
 def plan_outdated(planned: Order | None, order: Order, step: BudgetStats, budget_bytes: int, *,

@@ -137,6 +137,10 @@ class BudgetExecutor:
                                         host_written=s.data_type in host)
         self._index = SegmentIndex(live)
 
+    def live_bytes(self) -> int:
+        """Bytes of every live segment of the session's pools now (what could be resident at most)."""
+        return sum(s.size for s in self._segments())
+
     def set_host_written_types(self, types: Iterable[DataType]) -> bool:
         """The pools' advice changed (``Session.set_policy``): ``types`` now prefer the host. Every known segment's
         flag in the ledger follows, and so does leaving optimizer state remote (only where that pool prefers the
