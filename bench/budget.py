@@ -235,6 +235,8 @@ def run_session(case: ModelCase, steps: int, limit: int, *, budget: int | None =
             batch = batch if isinstance(batch, tuple) else (batch,)
             records.append(lab.step(lambda batch=batch, model=model: case.loss_fn(model, *batch), opt))
             peak = max(peak, lab.stats()["live_total"] - base)
+            if budget is not None:
+                records[-1].extra["live_by_type"] = lab.live_bytes()
             if budget is not None and lab._pools is not None and torch.cuda.is_available():  # a diagnostic
                 records[-1].extra["act_pool"] = pool_usage(lab._pools.pool_id(DataType.ACT))
         del opt, model, batch  # nothing of the run outlives the session: close frees every segment
@@ -412,6 +414,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "act_pool_all": [r.extra.get("act_pool") for r in out["records"]],
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "idle_steps": sum(bool(b.get("idle")) for b in budgets),  # everything fit B: no scheduler at work
+            "held_bytes_all": [r.extra["budget"].get("held_bytes") for r in out["records"]],
+            "live_bytes_by_type": out["records"][-1].extra.get("live_by_type"),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),
             "executor_ms": statistics.median(b.get("executor_ms", 0.0) for b in budgets),

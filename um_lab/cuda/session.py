@@ -427,7 +427,8 @@ class Session(Listenable):
         if budget is not None and budget.can_idle():
             if not budget.idle:
                 self._idle_budget()
-            loss = self._plain_step(closure, optimizer, zero_grad, before_optimizer, policy_moves=False)
+            loss = self._plain_step(closure, optimizer, zero_grad, before_optimizer, policy_moves=False,
+                                    optimizer_step=lambda: budget.idle_optimizer_step(pools, optimizer, zero_grad))
             budget_extra = budget.idle_numbers()
             if not budget.idle:  # the pools grew past B: the scheduler plans again from the next step
                 pools.set_policy(self._pool_policy(self.policy))
@@ -520,8 +521,10 @@ class Session(Listenable):
         return self._budget
 
     def _plain_step(self, closure: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, zero_grad: bool,
-                    before_optimizer: Callable[[], object] | None, *, policy_moves: bool) -> torch.Tensor:
-        """Forward, backward and the optimizer step in the pools; ``policy_moves``: with the policy's prefetches."""
+                    before_optimizer: Callable[[], object] | None, *, policy_moves: bool,
+                    optimizer_step: Callable[[], None] | None = None) -> torch.Tensor:
+        """Forward, backward and the optimizer step in the pools (``optimizer_step`` instead of stepping and zeroing
+        the whole optimizer at once); ``policy_moves``: with the policy's prefetches."""
         pools = self._require_open()
         if policy_moves:
             self._prefetch_phase("forward")
@@ -536,10 +539,13 @@ class Session(Listenable):
                 before_optimizer()
         if policy_moves:
             self._prefetch_phase("optimizer")
-        with pools.route(DataType.OPTIM):
-            optimizer.step()
-        if zero_grad:
-            optimizer.zero_grad(set_to_none=False)
+        if optimizer_step is not None:
+            optimizer_step()
+        else:
+            with pools.route(DataType.OPTIM):
+                optimizer.step()
+            if zero_grad:
+                optimizer.zero_grad(set_to_none=False)
         if policy_moves:
             self._prefetch_to_cpu_after_use()
         return loss

@@ -334,6 +334,7 @@ class BudgetControl:
             extra["replan_reason"] = f"{extra['replan_reason']}, {why}" if extra["replan_reason"] else why
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
         self._quiet = moved_nothing(numbers, replanned=extra["replanned"]) and copies is None
+        extra["held_bytes"] = self.held_bytes()
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
         return loss, extra
@@ -364,6 +365,11 @@ class BudgetControl:
         self._quiet = False
         self.executor.residency_unknown = True
 
+    def idle_optimizer_step(self, pools: Any, optimizer: torch.optim.Optimizer, zero_grad: bool) -> None:
+        """An idle step's optimizer step: in the same chunks as a scheduled one, so its temporaries stay as small."""
+        step_optimizer_in_chunks(optimizer, self._chunks_of(optimizer), zero_grad=zero_grad,
+                                 around_chunk=lambda params: pools.route(self._optimizer_pool(optimizer, params)))
+
     def idle_numbers(self) -> dict[str, Any]:
         """``extra["budget"]`` of an idle step: every byte the pools hold counts as resident (an upper bound);
         the step wakes the scheduler when they passed B."""
@@ -373,7 +379,8 @@ class BudgetControl:
             self.wake()
         numbers = BudgetStats(budget_bytes=self.budget_bytes, max_resident_ledger=held, resident_at_end=held,
                               managed_bytes=held, over_budget=over, planned=True, followed_plan=True)
-        return {**numbers.to_dict(), "idle": True, "positions": 0, "unplanned_positions": 0, "ahead_bytes": 0}
+        return {**numbers.to_dict(), "idle": True, "held_bytes": held, "positions": 0, "unplanned_positions": 0,
+                "ahead_bytes": 0}
 
     def _optimizer_pool(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> DataType:
         """Where a chunk's optimizer step allocates: the optimizer-state pool while some parameter of the chunk
