@@ -6,11 +6,12 @@ import math
 
 import pytest
 
+from um_lab.cuda.timeline import timeline_from_records
 from um_lab.errors import InputError, ModelConfigError, PolicyError, SpecError
 from um_lab.models import get_model
 from um_lab.policy import STEP_PHASES
 from um_lab.sim.backend import SimBackend
-from um_lab.sim.timeline import MAX_STEADY_SEARCH, StepTimeline, step_timeline, timeline_from_records
+from um_lab.sim.timeline import MAX_STEADY_SEARCH, StepTimeline, step_timeline
 from um_lab.types import RunSpec
 
 GPT2_KNOBS = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 97, "batch_size": 1}
