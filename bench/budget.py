@@ -415,6 +415,8 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             "followed_plan": all(b["followed_plan"] for b in budgets),
             "idle_steps": sum(bool(b.get("idle")) for b in budgets),  # everything fit B: no scheduler at work
             "held_bytes_all": [r.extra["budget"].get("held_bytes") for r in out["records"]],
+            "realign_bytes_all": [r.extra["budget"].get("realign_bytes", 0) for r in out["records"]],
+            "host_touched_bytes_all": [r.extra["budget"].get("host_touched_bytes", 0) for r in out["records"]],
             "live_bytes_by_type": out["records"][-1].extra.get("live_by_type"),
             "host_waits": max(b.get("host_waits", 0) for b in budgets),
             "host_wait_ms": statistics.median(b.get("host_wait_ms", 0.0) for b in budgets),
