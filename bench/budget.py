@@ -306,15 +306,19 @@ def measured(records: list[Any], skip: int) -> list[Any]:
 
 
 #: a budget row's step time is the median of the steps from the second after its last re-plan (the first on a
-#: new plan makes its one-time moves: optimizer state left remote goes to the host then), at least of the last 3
+#: new plan makes its one-time moves: optimizer state left remote goes to the host then) and after the first idle
+#: step (which brings the pools to the GPU once), at least of the last 3
 SETTLE_STEPS, LEAST_MEASURED = 2, 3
 
 
 def settled_from(records: list[Any], skip: int = 2) -> int:
-    """Index of the first record a budget row measures: past ``skip`` and :data:`SETTLE_STEPS` past the last
-    step that ended in a re-plan, with at least :data:`LEAST_MEASURED` records left where there are that many."""
-    replans = [i for i, r in enumerate(records) if (r.extra.get("budget") or {}).get("replanned")]
-    start = max(skip, replans[-1] + SETTLE_STEPS if replans else 0)
+    """Index of the first record a budget row measures: past ``skip``, :data:`SETTLE_STEPS` past the last
+    step that ended in a re-plan and past the first step of the scheduler's last idle stretch, with at least
+    :data:`LEAST_MEASURED` records left where there are that many."""
+    budgets = [r.extra.get("budget") or {} for r in records]
+    replans = [i for i, b in enumerate(budgets) if b.get("replanned")]
+    idled = [i for i, b in enumerate(budgets) if b.get("idle") and not (i and budgets[i - 1].get("idle"))]
+    start = max(skip, replans[-1] + SETTLE_STEPS if replans else 0, idled[-1] + 1 if idled else 0)
     return max(0, min(start, len(records) - LEAST_MEASURED))
 
 

@@ -210,6 +210,9 @@ def test_a_budget_row_measures_from_the_second_step_after_its_last_replan_and_at
     assert bench.settled_from(records({0, 8}, 10)) == 7
     assert bench.settled_from(records(set(), 2)) == 0
     assert bench.settled_from([SimpleNamespace(extra={})] * 6) == 2  # no budget: the usual two skipped
+    idle = [SimpleNamespace(extra={"budget": {"replanned": i == 0, "idle": i >= 3}}) for i in range(8)]
+    assert bench.settled_from(idle) == 4  # the first idle step brings the pools to the GPU: not measured
+    assert bench.settled_from(idle[:6]) == 3  # still three steps measured
 
 
 def test_predicted_rows_simulate_the_staging_settings_they_name(bench, monkeypatch):
