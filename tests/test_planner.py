@@ -35,10 +35,13 @@ def test_a_budget_the_model_fits_recomputes_nothing_and_moves_nothing(sim, case)
     assert "nothing recomputed" in plan.describe() and "nothing moves" in plan.describe()
 
 
-def test_a_tighter_budget_is_fit_by_the_candidate_with_the_least_predicted_step(sim, case):
+def test_a_tighter_budget_is_fit_by_the_least_recompute_that_fits_else_the_least_predicted_step(sim, case):
     plan = plan_memory(case, "0.6x", backend=sim)
     feasible = [c for c in plan.candidates if c.step_ms is not None]
-    assert plan.step_ms == min(c.step_ms for c in feasible)
+    fits = [c for c in feasible if c.footprint_bytes <= plan.budget_bytes]
+    assert plan.step_ms == min(c.step_ms for c in (fits or feasible))
+    if fits:  # the scheduler will idle: nothing moves
+        assert plan.footprint_bytes <= plan.budget_bytes and plan.crossing_bytes == 0
     assert plan.budget_bytes == int(0.6 * plan.fit_footprint_bytes)
     assert plan.recompute != "none" or plan.crossing_bytes > 0  # it had to recompute or move something
     fitting = [c for c in plan.candidates if c.footprint_bytes <= plan.budget_bytes]
@@ -49,6 +52,13 @@ def test_a_tighter_budget_is_fit_by_the_candidate_with_the_least_predicted_step(
     by_layers = sorted({c.recompute_layers: c.footprint_bytes for c in plan.candidates}.items())
     assert [f for _, f in by_layers] == sorted((f for _, f in by_layers), reverse=True)
     assert json.loads(json.dumps(plan.to_dict()))["candidates"]
+
+
+def test_where_no_candidate_fits_the_least_predicted_step_moves_data(sim, case):
+    plan = plan_memory(case, "0.3x", backend=sim)
+    feasible = [c for c in plan.candidates if c.step_ms is not None]
+    assert all(c.footprint_bytes > plan.budget_bytes for c in plan.candidates)
+    assert plan.step_ms == min(c.step_ms for c in feasible) and plan.crossing_bytes > 0
 
 
 def test_a_budget_below_any_candidate_is_refused(sim, case):
