@@ -264,6 +264,18 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile,
                         tuple(starts), tuple(costs))
 
 
+def budget_footprint(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int) -> int:
+    """Live managed bytes of ``trace``'s step in a session with a GPU budget of ``budget_bytes``: the pools' segments
+    as without a budget, but the optimizer stepped in chunks, so its pool holds its state and the temporaries of
+    about :attr:`~um_lab.sim.profile.Profile.optimizer_cached_chunks` chunks instead of one whole step's."""
+    derived = derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR)
+    segments = layout.segment_bytes
+    optim = int(segments.get(DataType.OPTIM, 0))
+    state = trace.bytes_by_type(persistent_only=True).get(DataType.OPTIM.value, 0)
+    held = state + profile.optimizer_cached_chunks * derived.optim_scratch_bytes
+    return int(sum(segments.values()) - optim + min(optim, -(-int(held) // BLOCK) * BLOCK))
+
+
 def _type_runs(layout: Layout) -> list[Span]:
     """The layout's managed memory as runs of consecutive blocks of one data type (a prefetch call each;
     the real pools' segments may split a run further, so calls are a lower bound)."""

@@ -161,6 +161,9 @@ class Profile:
     #: to the device and back for its step (both directions at once at the staging copies' rate)
     remote_update_ms_per_GB: float = 53.0
     remote_copy_ms_per_GB: float = 20.0
+    #: under a budget the optimizer steps in chunks; its pool then keeps about this many chunks' temporaries cached
+    #: beside the state (the planner's footprint of a run that fits B, :func:`um_lab.sim.budget.budget_footprint`)
+    optimizer_cached_chunks: float = 2.6
     #: the rates at which the scheduler weighs a plan's moves (to the GPU; to the host)
     plan_prefetch_GBps: float = 47.0
     plan_evict_GBps: float = 13.0
