@@ -412,6 +412,11 @@ def test_partial_staging_keeps_the_room_the_plan_leaves_and_trains_exactly_as_wi
     batches = batches * 2  # the decision waits for a step that followed its plan with no re-plan: chances for it
     twin, third = copy.deepcopy(model), copy.deepcopy(model)
     budget = 320 * MiB  # well above the model, gradients and AdamW state (~120 MiB): room left under the plan
+    # everything fits B, so the scheduler would idle after a step (tests/test_budget_session.py); here staging is kept
+    # at work to compare partial staging against whole staging with room under the plan
+    from um_lab.schedule.live.control import BudgetControl
+
+    monkeypatch.setattr(BudgetControl, "can_idle", lambda self: False)
     with make_session(env, budget=Budget(budget, stage_activations=True),
                          partial_staging=True) as lab:
         records = train(lab, model, batches)

@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "7395b7f2ffbd9a5d9d1a77eeb8ca7e7fa237136b3ab8e914170767388a2df2cf",
-    "sim_source_sha256": "984560aeefd5e1f930f7d6cc0e304a1366c5660cca605f85bdabc121381efffc",
+    "profile_sha256": "257dcabec8644aac4ed9cc940b007d7df265004a7549c450b451c173a74ded83",
+    "sim_source_sha256": "f8324c88cfb34357ac190b95e3eeaf98c386e83bb0b3d6ec473dc84eedb23df7",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-06T01:55:27+00:00",
+    "date": "2026-12-06T04:08:23+00:00",
     "um_lab_version": "0.1.0",
 }
 

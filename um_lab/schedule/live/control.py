@@ -96,7 +96,7 @@ class BudgetControl:
         self._steps_under_plan = 0
         self._replanned_for_unforeseen: int | None = None  # what the last re-plan for unforeseen ranges saw
         self._tolerated_unforeseen = 0  # unforeseen bytes a new plan did not reduce: no reason to re-plan
-        self._quiet = False  # the last step followed a steady plan and moved nothing
+        self._stepped = False  # a step ran under the scheduler since it last woke: the pools hold what a step needs
         #: nothing to schedule: every byte the session holds fits B, so steps run without hooks or moves
         #: (:meth:`can_idle`); the session re-advises its pools while it lasts
         self.idle = False
@@ -333,7 +333,7 @@ class BudgetControl:
         if why:
             extra["replan_reason"] = f"{extra['replan_reason']}, {why}" if extra["replan_reason"] else why
         extra["replan_ms"] = (time.perf_counter() - t0) * 1e3 if extra["replanned"] else 0.0
-        self._quiet = moved_nothing(numbers, replanned=extra["replanned"]) and copies is None
+        self._stepped = True
         extra["held_bytes"] = self.held_bytes()
         if executor.plan is not None:
             extra["plan"] = executor.plan.summary()
@@ -342,11 +342,11 @@ class BudgetControl:
     # ---- idle: nothing to schedule ----
 
     def can_idle(self) -> bool:
-        """True when the next step needs no scheduler: the last step followed a plan that moved nothing (or the
-        scheduler idles already), and every byte the session's pools hold fits B, so resident bytes stay under B
-        whatever the step does. Experimental options that act inside a step (discarding gradients, partial
+        """True when the next step needs no scheduler: a step ran under it (so the pools hold what a step
+        allocates) or it idles already, and every byte the session's pools hold fits B, so resident bytes stay
+        under B whatever the step does. Experimental options that act inside a step (discarding gradients, partial
         staging) keep it busy."""
-        return ((self.idle or self._quiet) and self.pending_error is None and not self.executor.discard_gradients
+        return ((self.idle or self._stepped) and self.pending_error is None and not self.executor.discard_gradients
                 and self.tail is None and self.held_bytes() <= self.budget_bytes)
 
     def held_bytes(self) -> int:
@@ -362,7 +362,7 @@ class BudgetControl:
         """Schedule again: what is resident is unknown to the ledger after idle steps, so the next step starts
         from nothing resident and learns a plan again."""
         self.idle = False
-        self._quiet = False
+        self._stepped = False
         self.executor.residency_unknown = True
 
     def idle_optimizer_step(self, pools: Any, optimizer: torch.optim.Optimizer, zero_grad: bool) -> None:
@@ -498,14 +498,6 @@ class BudgetControl:
 
 #: a followed plan is kept until the ranges it did not foresee (brought in on demand) pass this share of B
 REPLAN_UNFORESEEN_FRACTION = 0.02
-
-
-def moved_nothing(numbers: BudgetStats, *, replanned: bool) -> bool:
-    """True for a step that followed its plan, kept the plan and moved no byte between the GPU and the host (no
-    prefetch, eviction, discard, staging, remote update or unforeseen range): the scheduler had nothing to do."""
-    moved = (numbers.prefetched_bytes or numbers.evicted_bytes or numbers.discarded_bytes or numbers.populated_bytes
-             or numbers.remote_bytes or numbers.staged_bytes or numbers.unforeseen_bytes)
-    return numbers.followed_plan and not replanned and not numbers.over_budget and not moved
 
 
 def plan_outdated(planned: Order | None, order: Order, step: BudgetStats, budget_bytes: int, *,
