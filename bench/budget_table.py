@@ -4,10 +4,13 @@ file, and print the table (markdown).
     python bench/budget_table.py RUN.json [RUN.json ...] --fsdp2 PEER.jsonl \\
         --predicted bench/results/budget_predicted.json --note "..." --out bench/results/budget.json
     python bench/budget_table.py OLD.json@gpt2-large:1.5,gpt2-xl:1.5 NEW.json ...   # some rows of a run only
+    python bench/budget_table.py PLANNED.json ... --planner --predicted bench/results/budget_predicted.json \
+        --out bench/results/budget.json       # rows of bench/budget.py --recompute auto --peers into its key planner
 
 Each row keeps its run's file (``source``). ``fsdp2_step_ms`` / ``fsdp2_peak_bytes`` come from the peer's
-line for the same model (``bench/fsdp2_peer.py``: same model and batch, its own process; ``fsdp2_source``
-names the file) where the run did not measure them itself. ``predicted_step_ms``: the pre-registered
+line for the same model (same model and batch, its own process; ``fsdp2_source``
+names the file) where the run did not measure them itself (older runs; bench/peers.py measures every peer in
+the run now). ``predicted_step_ms``: the pre-registered
 simulator prediction for the row's model and ratio, where the predictions file has one.
 """
 
@@ -116,6 +119,46 @@ def _most_specific(predictions: list[dict[str, Any]]) -> dict[str, Any]:
     return max(reversed(predictions), key=lambda p: sum(k in p for k in SETTINGS))
 
 
+#: what a planner row keeps of its run's row (the per-step lists that judge it included)
+PLANNER_FIELDS = ("model", "precision", "ratio", "advice", "footprint_bytes", "budget_bytes", "fit_step_ms", "plan",
+                  "step_ms", "step_ms_all", "measured_from_step", "crossing_bytes", "bound_ms", "over_bound",
+                  "max_resident_ledger", "over_budget_steps", "followed_plan", "idle_steps", "held_bytes_all",
+                  "peers", "best_peer", "best_peer_ms", "over_best_peer", "sim_step_ms")
+
+
+def planner_rows(runs: list[tuple[dict[str, Any], str]], predicted: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of ``bench/budget.py --recompute auto --peers`` runs (each with its file), beside the planner's
+    committed prediction for the same model, precision and ratio (``predicted["planned"]``): ``over_fit_step``,
+    ``sim_error`` (against the prediction at the measured B), ``committed_prediction`` and ``committed_error``
+    (at the simulated footprint / ratio), the run's ``device`` and ``date``."""
+    committed = {(r["model"], r["precision"], float(r["ratio"])): r["step_ms"]
+                 for r in (predicted.get("planned") or {}).get("rows", [])}
+    out = []
+    for run, source in runs:
+        for r in run["rows"]:
+            if r.get("step_ms") is None or "plan" not in r:
+                continue
+            row = {k: r.get(k) for k in PLANNER_FIELDS}
+            c = committed.get((r["model"], r["precision"], float(r["ratio"])))
+            row.update(over_fit_step=r["step_ms"] / r["fit_step_ms"], committed_prediction=c,
+                       sim_error=r["step_ms"] / r["sim_step_ms"] - 1 if r.get("sim_step_ms") else None,
+                       committed_error=r["step_ms"] / c - 1 if c else None,
+                       device=run.get("device", "?"), date=str(run.get("date", ""))[:10], source=source)
+            out.append(row)
+    return out
+
+
+def merge_planner(results: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``results`` (budget.json) with ``rows`` in its key ``planner``: a row replaces the one of the same model,
+    precision, ratio and device; the others stay."""
+    section = dict(results.get("planner") or {})
+    new = {(r["model"], r["precision"], r["ratio"], r["device"]) for r in rows}
+    kept = [r for r in section.get("rows", [])
+            if (r["model"], r["precision"], r["ratio"], r.get("device")) not in new]
+    section.update(rows=kept + rows, date=datetime.date.today().isoformat(), device="per row")
+    return {**results, "planner": section}
+
+
 def staging_cell(row: dict[str, Any]) -> str:
     """The staging column: off, on (intermediate pool managed) or on with that pool in device memory; and the
     optimizer state left in host memory (``Session(budget_remote_optimizer=True)``) where a row had some."""
@@ -167,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the rows of runs whose path relative to bench/results starts with it); may be repeated")
     ap.add_argument("--note", default="", help="what the rows are (kept in the file)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--planner", action="store_true",
+                    help="the runs are the memory planner's (--recompute auto --peers): merge them into --out's key "
+                         "planner beside the committed predictions (the first --predicted file)")
     args = ap.parse_args(argv)
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
     predictions = [(Path(f), prefix) for f, _, prefix in (spec.partition("@") for spec in args.predicted)]
@@ -175,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"no such file: {', '.join(map(str, missing))}", file=sys.stderr)
         return 2
+    if args.planner:
+        runs = [(json.loads(path.read_text()), relative(path, root)) for path in (run_spec(r)[0] for r in args.runs)]
+        predicted = json.loads(predictions[0][0].read_text()) if predictions else {}
+        results = json.loads(args.out.read_text()) if args.out.exists() else {}
+        merged = merge_planner(results, planner_rows(runs, predicted))
+        args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        for r in merged["planner"]["rows"]:
+            print(f"{r['model']} {r['precision']} at {r['ratio']}: {r['step_ms']:.1f} ms, best peer "
+                  f"{r.get('best_peer')} {r.get('best_peer_ms') or float('nan'):.1f} ms, {r.get('device')}")
+        return 0
     rows, device = load_rows(args.runs, root)
     if args.fsdp2 is not None:
         lines = [json.loads(line) for line in args.fsdp2.read_text().splitlines() if line.strip()]

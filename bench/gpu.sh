@@ -10,6 +10,8 @@
 #   dashboard    the live dashboard's overhead inside a Jupyter kernel (cuda configs) -> dashboard_overhead.json
 #   budget       the budget table's rows (BUDGET_MODELS, default all three), FSDP2 beside them, merged with the
 #                committed predictions                                               -> budget.json
+#   planner      the memory planner in fp32 and bf16 at ratios 1.5, 2, 3 against every peer in the same run
+#                (PLANNER_MODELS, default all three; one model per call where time needs it) -> budget.json, planner
 #   primitives   UM primitives, the GEMM tile grid, prefetch by call size
 #                                              -> uvm_primitives.json, gemm_tiles.json, uvm_call_size.json
 #   calibration  the simulator's other GPU inputs: per-op steps, 16-bit tensor-core rates, convolutions in a step,
@@ -51,10 +53,10 @@ if [ $# -eq 0 ]; then
   exit 2
 fi
 suites=("$@")
-[ "${suites[*]}" = all ] && suites=(tests allocator telemetry dashboard budget primitives calibration paper fidelity)
+[ "${suites[*]}" = all ] && suites=(tests allocator telemetry dashboard budget planner primitives calibration paper fidelity)
 for s in "${suites[@]}"; do
   case $s in
-    tests|allocator|telemetry|dashboard|budget|primitives|calibration|paper|fidelity) ;;
+    tests|allocator|telemetry|dashboard|budget|planner|primitives|calibration|paper|fidelity) ;;
     *) echo "unknown suite: $s (see: bash bench/gpu.sh)" >&2; exit 2 ;;
   esac
 done
@@ -167,6 +169,23 @@ suite_budget() {  # predictions first: python bench/budget.py --predict ... on a
   compgen -G "$OUT/budget/*.json" >/dev/null || return 1
   python3 bench/budget_table.py "$OUT"/budget/*.json --predicted bench/results/budget_predicted.json \
     --note "bash bench/gpu.sh budget" --out "$OUT/budget.json" | tee "$OUT/budget_table.md" | tail -n 30
+}
+
+suite_planner() {  # predictions first: python bench/budget.py --predict --recompute auto, committed before this runs
+  stage planner
+  mkdir -p "$OUT/planner"
+  local model precision
+  for model in ${PLANNER_MODELS:-gpt2-large gpt2-xl resnet50}; do
+    for precision in fp32 bf16; do
+      run "planner_${model}_$precision" 1500 python3 bench/budget.py --models "$model" --ratios 1.5 2 3 --steps 8 \
+        --recompute auto --precision "$precision" --peers --peer-steps 4 --no-sim \
+        --out "$OUT/planner/${model}_$precision.json"
+    done
+  done
+  compgen -G "$OUT/planner/*.json" >/dev/null || return 1
+  cp bench/results/budget.json "$OUT/budget.json"
+  python3 bench/budget_table.py "$OUT"/planner/*.json --planner --predicted bench/results/budget_predicted.json \
+    --out "$OUT/budget.json" | tail -n 30
 }
 
 suite_primitives() {

@@ -159,3 +159,30 @@ def test_a_rows_simulated_step_and_hand_range_each_come_from_their_most_specific
     table.add_predictions(rows, predicted)
     # the simulator's row names more settings than the hand range's: each still gives its own column
     assert (rows[0]["predicted_step_ms"], rows[0]["predicted_range_ms"]) == (708.0, [750, 1000])
+
+
+def test_planner_runs_merge_into_the_planner_key_beside_their_committed_predictions(tmp_path):
+    table = table_module()
+    row = {"model": "gpt2-large", "precision": "fp32", "ratio": 2.0, "fit_step_ms": 500.0, "step_ms": 600.0,
+           "sim_step_ms": 550.0, "plan": {"recompute": 30}, "best_peer": "checkpoint", "best_peer_ms": 700.0,
+           "peers": {"checkpoint": {"step_ms": 700.0}}, "idle_steps": 3, "internal_diagnostic": [1, 2]}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"date": "2026-12-06T03:00:00+00:00", "device": "GPU A",
+                               "rows": [row, {"model": "gpt2-large", "ratio": 2.0, "step_ms": None}]}))
+    predicted = tmp_path / "predicted.json"
+    predicted.write_text(json.dumps({"planned": {"rows": [{"model": "gpt2-large", "precision": "fp32", "ratio": 2.0,
+                                                           "step_ms": 480.0}]}}))
+    out = tmp_path / "budget.json"
+    old = {"model": "gpt2-large", "precision": "fp32", "ratio": 2.0, "device": "GPU A", "step_ms": 900.0}
+    other = {"model": "gpt2-large", "precision": "bf16", "ratio": 2.0, "device": "GPU B", "step_ms": 200.0}
+    out.write_text(json.dumps({"rows": [{"kept": True}], "planner": {"rows": [old, other]}}))
+    assert table.main([str(run), "--planner", "--predicted", str(predicted), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["rows"] == [{"kept": True}]  # the scheduler's table is untouched
+    rows = merged["planner"]["rows"]
+    assert other in rows and old not in rows and len(rows) == 2  # the same model, precision, ratio and device: replaced
+    new = rows[-1]
+    assert new["step_ms"] == 600.0 and new["device"] == "GPU A" and new["date"] == "2026-12-06"
+    assert new["over_fit_step"] == 1.2 and new["committed_prediction"] == 480.0
+    assert abs(new["committed_error"] - 0.25) < 1e-12 and abs(new["sim_error"] - (600 / 550 - 1)) < 1e-12
+    assert "internal_diagnostic" not in new and new["idle_steps"] == 3
