@@ -175,3 +175,20 @@ def test_the_cli_runs_with_precision_and_recompute_and_lists_layers(tmp_path, ca
     assert cli.main(["run", "--backend", "sim", "--model", "mlp", "--recompute", "nope",
                      "--out", str(tmp_path / "bad")]) == cli.EXIT_USAGE
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+def test_on_the_cpu_autocast_keeps_in_fp32_what_cuda_autocast_keeps_in_fp32():
+    """The simulator traces on CPU tensors; CUDA's autocast computes pow, softmax, layer_norm ... in fp32 where the
+    CPU's leaves them in bf16, so the trace runs under CudaAutocastOnCpu and keeps the GPU's dtypes (and bytes)."""
+    from um_lab.training import CudaAutocastOnCpu
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ w).pow(3).dtype == torch.bfloat16  # the CPU's own choice
+        with CudaAutocastOnCpu():
+            h = x @ w
+            assert h.dtype == torch.bfloat16  # matmuls stay 16-bit
+            assert h.pow(3).dtype == torch.float32 and torch.pow(h, 3.0).dtype == torch.float32
+            assert torch.softmax(h, -1).dtype == torch.float32 and torch.tanh(h).dtype == torch.bfloat16
+    with CudaAutocastOnCpu():  # outside autocast nothing changes
+        assert x.to(torch.bfloat16).pow(2).dtype == torch.bfloat16

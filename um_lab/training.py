@@ -132,15 +132,41 @@ def apply_recompute(model: nn.Module, recompute: Recompute, model_name: str = "m
     return [n for n, _ in chosen]
 
 
+#: Functions CUDA's autocast runs in fp32 that the CPU's autocast leaves in the 16-bit dtype (torch's autocast op
+#: lists, by function name: ``torch.pow`` and ``Tensor.pow`` alike).
+CUDA_FP32_FUNCTIONS = frozenset({
+    "pow", "__pow__", "__rpow__", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "acos",
+    "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "layer_norm", "group_norm", "softmax", "log_softmax",
+    "logsumexp", "cumsum", "cumprod", "cosine_similarity", "renorm", "dist", "pdist"})
+
+
+class CudaAutocastOnCpu(torch.overrides.TorchFunctionMode):
+    """Under the CPU's autocast, compute in fp32 what CUDA's autocast computes in fp32 (:data:`CUDA_FP32_FUNCTIONS`):
+    a model traced on CPU tensors then keeps the dtypes, and so the bytes, it has on a GPU (GPT-2's GELU raises its
+    input to the third power: fp32 on a GPU, with what follows it)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in CUDA_FP32_FUNCTIONS and torch.is_autocast_enabled("cpu"):
+            def up(x: Any) -> Any:
+                return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16) else x
+
+            args = tuple(up(a) for a in args)
+            kwargs = {k: up(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
 def autocast_loss(loss_fn: Callable[..., torch.Tensor], precision: str) -> Callable[..., torch.Tensor]:
-    """``loss_fn(model, *batch)`` under autocast in ``precision`` on the batch's device, its loss in fp32."""
+    """``loss_fn(model, *batch)`` under autocast in ``precision`` on the batch's device, its loss in fp32. On the
+    CPU (the simulator's trace) with CUDA's choice of the ops that stay in fp32 (:class:`CudaAutocastOnCpu`)."""
     dtype = AUTOCAST_DTYPES[check_precision(precision)]
     if dtype is None:
         return loss_fn
 
     def loss(model: nn.Module, *batch: Any) -> torch.Tensor:
         device = next((t.device for t in batch if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        with torch.autocast(device.type, dtype=dtype):
+        with torch.autocast(device.type, dtype=dtype), \
+                (CudaAutocastOnCpu() if device.type == "cpu" else contextlib.nullcontext()):
             out = loss_fn(model, *batch)
         return out.float()
 
