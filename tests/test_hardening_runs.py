@@ -437,6 +437,28 @@ def test_sighup_is_handled_like_sigterm_in_the_foreground(tmp_path, default_sign
     assert status["steps_completed"] == lines_of(path) >= 20
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed exception: the point
+def test_a_signal_whose_exception_a_finalizer_swallowed_still_interrupts_the_run(tmp_path, default_signals):
+    """A SIGTERM or SIGHUP that lands while Python runs a finalizer (a tensor's weak-reference callback) raises
+    RunInterrupted there, and Python ignores it; the run must still stop at the next step, interrupted by it."""
+
+    class Finalizer:
+        def __del__(self):
+            runexit._on_sigterm(signal.SIGHUP, None)  # the handler, run where the signal happened to land
+
+    active = Run(spec(steps=50), out_dir=tmp_path, backend=InstantBackend())
+    steps = []
+    with pytest.raises(runexit.RunInterrupted, match="SIGHUP"):
+        for record in active:
+            steps.append(record.step)
+            if record.step == 3:
+                Finalizer()  # dies at once: its exception is printed as ignored, not raised here
+    assert steps == [0, 1, 2, 3]
+    status = status_of(active.path)
+    assert status["status"] == "interrupted" and status["interrupted_by"] == "SIGHUP"
+    assert status["steps_completed"] == lines_of(active.path) == 5  # the step in flight was recorded
+
+
 def test_python_exiting_while_a_started_run_traces_exits_cleanly(tmp_path):
     script = ("import sys\n"
               "from um_lab.runner import Run\n"

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import traceback
@@ -292,6 +293,9 @@ class Run(RunFolderWriter, Listenable):
                 for record in records:
                     if not self._log(log, record):
                         break  # ended from outside (SIGTERM, interpreter exit): status already written
+                    if foreground and (name := runexit.signalled(self)) is not None:
+                        # the signal handler's exception was lost (raised inside a finalizer, which Python ignores)
+                        raise RunInterrupted(signal.Signals[name].value)
                     self._listeners.emit(record)
                     yield record
                     self._heartbeat()
