@@ -430,8 +430,8 @@ class Session(Listenable):
             loss = self._plain_step(closure, optimizer, zero_grad, before_optimizer, policy_moves=False,
                                     optimizer_step=lambda: budget.idle_optimizer_step(pools, optimizer, zero_grad))
             budget_extra = budget.idle_numbers()
-            if not budget.idle:  # the pools grew past B: the scheduler plans again from the next step
-                pools.set_policy(self._pool_policy(self.policy))
+            if budget_extra["over_budget"]:  # the pools grew past B: the scheduler plans again from the next step
+                self._wake_budget()
         elif budget is not None:
             if budget.idle:
                 self._wake_budget()

@@ -74,8 +74,10 @@ class MemoryPlan:
         """One line: what is recomputed, what moves, the predicted step against the everything-fits one."""
         what = {"none": "nothing recomputed", "every-layer": f"every layer ({self.layers}) recomputed"}.get(
             str(self.recompute), f"the first {self.recompute} of {self.layers} layers recomputed")
-        moves = ("activations staged through pinned host memory" if self.stage_activations
-                 else "the scheduler moves the rest") if self.crossing_bytes > 0 else "nothing moves"
+        fits = self.footprint_bytes <= self.budget_bytes * (1 - FIT_MARGIN)
+        moves = (("activations staged through pinned host memory" if self.stage_activations
+                  else "the scheduler moves the rest") if self.crossing_bytes > 0
+                 else "nothing moves, the scheduler idles" if fits else "nothing moves, the scheduler follows it")
         return (f"{self.model} ({self.precision}) in {gib(self.budget_bytes)}: {what}, {moves}; predicted step "
                 f"{self.step_ms:.1f} ms ({self.step_ms / self.fit_step_ms:.2f}x the everything-fits "
                 f"{self.fit_step_ms:.1f} ms)")

@@ -371,12 +371,10 @@ class BudgetControl:
                                  around_chunk=lambda params: pools.route(self._optimizer_pool(optimizer, params)))
 
     def idle_numbers(self) -> dict[str, Any]:
-        """``extra["budget"]`` of an idle step: every byte the pools hold counts as resident (an upper bound);
-        the step wakes the scheduler when they passed B."""
+        """``extra["budget"]`` of an idle step: every byte the pools hold counts as resident (an upper bound;
+        ``over_budget`` when they passed B, and the session then wakes the scheduler)."""
         held = self.held_bytes()
         over = held > self.budget_bytes
-        if over:
-            self.wake()
         numbers = BudgetStats(budget_bytes=self.budget_bytes, max_resident_ledger=held, resident_at_end=held,
                               managed_bytes=held, over_budget=over, planned=True, followed_plan=True)
         return {**numbers.to_dict(), "idle": True, "held_bytes": held, "positions": 0, "unplanned_positions": 0,
