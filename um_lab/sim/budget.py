@@ -268,7 +268,7 @@ def budget_footprint(trace: StepTrace, layout: Layout, profile: Profile, budget_
     """Live managed bytes of ``trace``'s step in a session with a GPU budget of ``budget_bytes``: the pools' segments
     as without a budget, but the optimizer stepped in chunks, so its pool holds its state and the temporaries of
     about :attr:`~um_lab.sim.profile.Profile.optimizer_cached_chunks` chunks instead of one whole step's."""
-    derived = derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR)
+    derived = budget_order(trace, layout, profile, budget_bytes)
     segments = layout.segment_bytes
     optim = int(segments.get(DataType.OPTIM, 0))
     state = trace.bytes_by_type(persistent_only=True).get(DataType.OPTIM.value, 0)
@@ -458,6 +458,17 @@ def memoised(key: tuple[Any, ...], compute: Callable[[], _T]) -> _T:
     return result
 
 
+def budget_order(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int) -> DerivedOrder:
+    """:func:`derive_order` with the optimizer in the chunks a session with ``budget_bytes`` steps it in (memoised
+    per trace, profile constants and chunk size: the planner's footprint and every simulation under that budget
+    share it)."""
+    from um_lab.sim.profile import profile_sha256
+
+    chunk = budget_bytes // OPTIMIZER_CHUNK_DIVISOR
+    return memoised(("order", trace.key, profile_sha256(profile), int(chunk)),
+                    lambda: derive_order(trace, layout, profile, chunk))
+
+
 def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
                     lookahead: int = 2, discard: bool = False, remote_optimizer: bool = True) -> BudgetSimulation:
     """Order, plan and steady step of ``trace`` placed by ``layout`` (the steady one) under ``budget_bytes``
@@ -466,7 +477,7 @@ def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_b
     from um_lab.sim.profile import profile_sha256
 
     def compute() -> BudgetSimulation:
-        derived = derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR)
+        derived = budget_order(trace, layout, profile, budget_bytes)
         plan = plan_budget(derived, budget_bytes, lookahead, discard, remote_optimizer)
         return BudgetSimulation(derived, plan, replay_plan(derived, plan, profile))
 

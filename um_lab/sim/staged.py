@@ -38,7 +38,7 @@ import numpy as np
 from um_lab.errors import BudgetTooSmall
 from um_lab.schedule.costs import SLOTS, LinkCosts, worth_copying
 from um_lab.schedule.ledger import BLOCK
-from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, Order, Position
+from um_lab.schedule.order import Order, Position
 from um_lab.schedule.plan import Plan, make_plan
 from um_lab.schedule.staging import MIN_STAGE_BYTES, TAIL_ROUNDS, WINDOW_BYTES, tail_bytes, window_for_budget
 from um_lab.sim.budget import (
@@ -46,7 +46,7 @@ from um_lab.sim.budget import (
     DerivedOrder,
     StageCopies,
     budget_extra,
-    derive_order,
+    budget_order,
     memoised,
     moved_by_type,
     replay_plan,
@@ -202,8 +202,7 @@ def simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_b
 def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_bytes: int,
                      lookahead: int, remote_optimizer: bool, partial: bool,
                      remote_copies: bool = False) -> StagedSimulation:
-    derived = without_intermediates(derive_order(trace, layout, profile, budget_bytes // OPTIMIZER_CHUNK_DIVISOR),
-                                    layout)
+    derived = without_intermediates(budget_order(trace, layout, profile, budget_bytes), layout)
     staged = staged_storages(trace)
     window = window_for_budget(budget_bytes)  # as the session sizes it
     uses = _uses(trace, set(int(s) for s in staged))  # one pass over the trace's accesses serves both below
