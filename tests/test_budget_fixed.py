@@ -256,11 +256,10 @@ def test_a_planned_bring_in_that_no_longer_fits_beside_a_grown_pool_is_skipped_w
     assert after["max_resident_ledger"] <= budget, after
 
 
-def test_with_staging_a_chunk_whose_state_exists_steps_in_the_resident_intermediate_pool():
-    """The optimizer's temporaries (AdamW's sqrt(v) + eps, one chunk's size) go where they are resident: in the
-    optimizer-state pool, which prefers the host under a budget, they crossed the link every step. A chunk whose
-    state is still to be created steps in the optimizer-state pool (the state must land there); without staging
-    nothing changes."""
+def test_a_chunk_whose_state_exists_steps_in_the_intermediate_pool():
+    """The optimizer's temporaries (AdamW's sqrt(v) + eps, one chunk's size) go to the intermediate-results pool,
+    empty after backward: in the optimizer-state pool they stayed cached beside the state. A chunk whose state is
+    still to be created steps in the optimizer-state pool (the state must land there), with or without staging."""
     from um_lab.schedule.live.control import BudgetControl
     from um_lab.schedule.live.stage import new_stager
 
@@ -278,7 +277,8 @@ def test_with_staging_a_chunk_whose_state_exists_steps_in_the_resident_intermedi
     opt.step()
     assert staged._optimizer_pool(opt, params) is DataType.ACT
     assert staged._optimizer_pool(opt, params + [torch.nn.Parameter(torch.ones(2))]) is DataType.OPTIM
-    assert plain._optimizer_pool(opt, params) is DataType.OPTIM
+    assert plain._optimizer_pool(opt, params) is DataType.ACT
+    assert plain._optimizer_pool(opt, params + [torch.nn.Parameter(torch.ones(2))]) is DataType.OPTIM
     staged.close()
     plain.close()
 

@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "257dcabec8644aac4ed9cc940b007d7df265004a7549c450b451c173a74ded83",
-    "sim_source_sha256": "f8324c88cfb34357ac190b95e3eeaf98c386e83bb0b3d6ec473dc84eedb23df7",
+    "profile_sha256": "7d74349426b59a73b6074ec5545765fc3ee0288c11653016efcd87216abd0840",
+    "sim_source_sha256": "fc9de0f7ff09b5918e61405384666f42290aa02a2bbe4d4a294968c75d21790d",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-06T04:08:23+00:00",
+    "date": "2026-12-06T05:51:55+00:00",
     "um_lab_version": "0.1.0",
 }
 

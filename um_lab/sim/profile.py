@@ -163,7 +163,7 @@ class Profile:
     remote_copy_ms_per_GB: float = 20.0
     #: under a budget the optimizer steps in chunks; its pool then keeps about this many chunks' temporaries cached
     #: beside the state (the planner's footprint of a run that fits B, :func:`um_lab.sim.budget.budget_footprint`)
-    optimizer_cached_chunks: float = 2.6
+    optimizer_cached_chunks: float = 1.0
     #: the rates at which the scheduler weighs a plan's moves (to the GPU; to the host)
     plan_prefetch_GBps: float = 47.0
     plan_evict_GBps: float = 13.0

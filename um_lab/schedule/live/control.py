@@ -382,11 +382,11 @@ class BudgetControl:
 
     def _optimizer_pool(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> DataType:
         """Where a chunk's optimizer step allocates: the optimizer-state pool while some parameter of the chunk
-        has no state yet (the step creates it); once all have, with staged activations, the resident
-        intermediate-results pool, where its temporaries (AdamW's ``sqrt(v) + eps`` per chunk) are resident. In
-        the optimizer-state pool, which prefers the host under a budget, they are written and read over the
-        host link every step (GPT-2-large: ~290 ms of a 1,750 ms step)."""
-        if self.stager is None or not all(optimizer.state.get(p) for p in params):
+        has no state yet (the step creates it there); once all have, the intermediate-results pool, empty between
+        backward and the next forward, whose cached blocks take the chunk's temporaries (AdamW's ``sqrt(v) + eps``).
+        In the optimizer-state pool they stayed cached beside the state, so the pools held more than the state
+        needs; with staged activations they were also written and read over the host link every step."""
+        if not all(optimizer.state.get(p) for p in params):
             return DataType.OPTIM
         return DataType.ACT
 
