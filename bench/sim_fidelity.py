@@ -29,8 +29,9 @@ Bars: median |error| <= 15%, worst <= 35%, zero-copy configurations within 25%.
 
 A held-out set (``--subset new``: :data:`NEW_HELDOUT`) is predicted first on any CPU and the predictions committed
 (``--simulate-only --subset new --out bench/results/sim_fidelity_heldout/DATE``: ``predicted.json``), then measured
-on the GPU into the same folder (``measured.json``). Each earlier set keeps its folder there, named by the date and
-time its predictions were written.
+on the GPU into the same folder (``measured.json``); ``--subset corpus`` does the same for
+:data:`CORPUS_HELDOUT`, models users bring (timm, torchvision, transformers) that are not in the zoo. Each earlier
+set keeps its folder there, named by the date and time its predictions were written.
 """
 
 from __future__ import annotations
@@ -174,6 +175,25 @@ NEW_HELDOUT = [
     ("gpt2-xl", {"batch_size": 1, "seq_len": 1024}, "offload-optimizer"),
     ("vit-h14", {"batch_size": 8}, "um-default"),
 ]
+#: A held-out set on models users bring, none of them in the zoo: the corpus of ``bench/sim_speed.py --corpus``
+#: (timm, torchvision and transformers at the sizes it traces them), built with ``custom(...)`` on both sides.
+#: Rule, stated before any of them ran: six remote-heavy rows (zero-copy parameters, remote activations, offloaded
+#: optimizer state), three under ``layer-ahead`` budgets (``budget`` is the run's, a fraction of the footprint),
+#: three plain. Predictions (``--subset corpus``, ``predicted.json`` of its folder) committed before measuring.
+CORPUS_HELDOUT = [
+    ("transformers/qwen2.5-0.5b", {}, "um-default"),
+    ("transformers/llama-3.2-1b", {}, "zero-copy-params"),
+    ("transformers/pythia-410m", {}, "act-remote"),
+    ("timm/convnext_tiny", {}, "zero-copy-params"),
+    ("timm/vit_base_patch16_224", {}, "act-remote"),
+    ("torchvision/resnext50_32x4d", {}, "offload-optimizer"),
+    ("transformers/t5-base", {}, "um-default"),
+    ("timm/efficientnet_b0", {}, "um-default"),
+    ("transformers/bart-base", {}, "offload-optimizer"),
+    ("transformers/pythia-410m", {"budget": "0.5x"}, "layer-ahead"),
+    ("transformers/qwen2.5-0.5b", {"budget": "0.6x"}, "layer-ahead"),
+    ("timm/vit_base_patch16_224", {"budget": "0.6x"}, "layer-ahead"),
+]
 #: Earlier held-out rounds, by number (their rows carry ``heldout_round``).
 HELDOUT_ROUNDS = {1: HELDOUT_ROUND1, 2: HELDOUT_ROUND2, 3: HELDOUT_ROUND3, 4: HELDOUT_ROUND4,
                   5: HELDOUT_ROUND5, 6: HELDOUT_ROUND6}
@@ -195,7 +215,7 @@ def configurations() -> list[tuple[str, dict[str, Any], str]]:
 
 def is_fitted(model: str, kwargs: dict[str, Any], policy: str) -> bool:
     """True for rows the profile was fitted on (in-sample); ResNet and held-out rows are held out."""
-    held = NEW_HELDOUT + [c for rnd in HELDOUT_ROUNDS.values() for c in rnd]
+    held = NEW_HELDOUT + CORPUS_HELDOUT + [c for rnd in HELDOUT_ROUNDS.values() for c in rnd]
     return model in FIT_MODELS and (model, kwargs, policy) not in held
 
 
@@ -204,11 +224,27 @@ def policy_named(name: str) -> Policy:
     return CUSTOM_POLICIES[name] if name in CUSTOM_POLICIES else get_policy(name)
 
 
+def _case_and_run(model: str, kwargs: dict[str, Any], replica: bool) -> tuple[Any, dict[str, Any]]:
+    """The row's model case and the run's own settings (``budget``): a corpus entry (``library/name``) through
+    ``custom(...)``, a zoo model as the simulator's replica (``replica``) or the real model."""
+    kw = dict(kwargs)
+    run = {k: kw.pop(k) for k in ("budget",) if k in kw}
+    if "/" in model:
+        from bench.sim_speed import corpus_case
+
+        return corpus_case(model)[0], run
+    if replica:
+        return model_case(model, **kw), run
+    from um_lab.models import get_model
+
+    return get_model(model, **kw), run
+
+
 def simulate(sim: SimBackend, model: str, kwargs: dict[str, Any], policy: str, capacity: int | None,
              steps: int, warmup: int) -> tuple[float, float, dict[str, Any]]:
     """Median simulated step time (ms), the ratio, and the last record's counters."""
-    case = model_case(model, **kwargs)
-    spec = RunSpec(model=model, backend="sim", steps=steps, warmup_steps=warmup, capacity_bytes=capacity)
+    case, run = _case_and_run(model, kwargs, replica=True)
+    spec = RunSpec(model=case.name, backend="sim", steps=steps, warmup_steps=warmup, capacity_bytes=capacity, **run)
     recs = list(sim.run(spec, case, policy_named(policy)))
     timed = [r for r in recs if not r.warmup]
     last = timed[-1]
@@ -221,11 +257,10 @@ def simulate(sim: SimBackend, model: str, kwargs: dict[str, Any], policy: str, c
 def measure(model: str, kwargs: dict[str, Any], policy: str, steps: int, warmup: int) -> dict[str, Any]:
     """Median measured step time on the GPU through the real backend."""
     from um_lab.backend import get_backend
-    from um_lab.models import get_model
 
     backend = get_backend("cuda", telemetry=False)  # CUPTI collection would change what is timed
-    case = get_model(model, **kwargs)
-    spec = RunSpec(model=model, backend="cuda", steps=steps, warmup_steps=warmup)
+    case, run = _case_and_run(model, kwargs, replica=False)
+    spec = RunSpec(model=case.name, backend="cuda", steps=steps, warmup_steps=warmup, **run)
     t = time.perf_counter()
     recs = list(backend.run(spec, case, policy_named(policy)))
     timed = [r for r in recs if not r.warmup]
@@ -310,7 +345,7 @@ def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
         sim_ms, ratio, counters = simulate(sim, model, kw, policy, capacity, r.get("steps", 5),
                                            r.get("warmup_steps", 3))
         row.update(simulated_ms=round(sim_ms, 3), fitted=is_fitted(model, kw, policy),
-                   new_heldout=(model, kw, policy) in NEW_HELDOUT,
+                   new_heldout=(model, kw, policy) in NEW_HELDOUT + CORPUS_HELDOUT,
                    heldout_round=next((n for n, rnd in HELDOUT_ROUNDS.items() if (model, kw, policy) in rnd),
                                       None),
                    sim={k: round(v, 4) for k, v in counters.items()})
@@ -332,9 +367,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--simulate-only", action="store_true", help="CPU only: predictions, no GPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--profile", default="h200", help="simulator profile name or JSON path")
-    ap.add_argument("--subset", choices=("all", "new"), default="all",
-                    help="'new': only the new held-out configurations (predicted.json / measured.json in --out, "
-                         "a folder bench/results/sim_fidelity_heldout/DATE)")
+    ap.add_argument("--subset", choices=("all", "new", "corpus"), default="all",
+                    help="'new': only the new held-out configurations, 'corpus': the held-out set on the corpus "
+                         "(predicted.json / measured.json in --out, a folder bench/results/sim_fidelity_heldout/DATE)")
     ap.add_argument("--measured", metavar="PATH",
                     help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
     ap.add_argument("--measured-name", help="file name for --measured's result (default sim_fidelity.json)")
@@ -352,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if measure_gpu and not torch.cuda.is_available():
         sys.exit("no CUDA GPU here: run with --simulate-only for the simulator's predictions")
 
-    configs = configurations() if args.subset == "all" else list(NEW_HELDOUT)
+    configs = {"all": configurations(), "new": list(NEW_HELDOUT), "corpus": list(CORPUS_HELDOUT)}[args.subset]
     predicted = []
     for model, kw, policy in configs:  # predictions first: they choose the step counts
         predicted.append(simulate(sim, model, kw, policy, None, 3, 1))
@@ -363,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row = {"model": model, "model_kwargs": kw, "policy": policy, "ratio": round(pred_ratio, 4),
                "measured_ms": None, "simulated_ms": round(pred_ms, 3), "error": None,
                "steps": steps, "warmup_steps": warmup, "fitted": is_fitted(model, kw, policy),
-               "new_heldout": (model, kw, policy) in NEW_HELDOUT,
+               "new_heldout": (model, kw, policy) in NEW_HELDOUT + CORPUS_HELDOUT,
                "sim": {k: round(v, 4) for k, v in counters.items()}}
         if measure_gpu:
             try:
@@ -393,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "profile": sim.profile.name, "summary": summary, "rows": rows}
     name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
-    if args.subset == "new":  # a held-out set's folder: its committed predictions, then its measurement
+    if args.subset != "all":  # a held-out set's folder: its committed predictions, then its measurement
         name = "measured.json" if measure_gpu else "predicted.json"
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / name}")
