@@ -30,9 +30,31 @@ def test_the_new_round_uses_no_fit_model_and_repeats_no_earlier_configuration() 
     assert len({_key(*c) for c in new}) == len(new)
 
 
+def _committed(folder: str) -> dict:
+    path = ROOT / "bench" / "results" / "sim_fidelity_heldout" / folder
+    if (path / "predicted.json").is_file():
+        return json.loads((path / "predicted.json").read_text())
+    return json.loads((path / "measured.json").read_text())["predictions"]
+
+
 def test_the_committed_predictions_are_the_new_round() -> None:
-    newest = max((ROOT / "bench" / "results" / "sim_fidelity_heldout").iterdir())  # folders named by date
-    predicted = json.loads((newest / "predicted.json").read_text())
+    predicted = _committed("2026-12-02T0134")
     rows = {_key(r["model"], r["model_kwargs"], r["policy"]): r for r in predicted["rows"]}
     assert set(rows) == {_key(*c) for c in sim_fidelity.NEW_HELDOUT}
+    assert all(r["simulated_ms"] > 0 and r["measured_ms"] is None for r in rows.values())
+
+
+def test_the_corpus_set_brings_models_outside_the_zoo_remote_heavy_and_under_budgets() -> None:
+    """At least 10 rows on corpus models (none a zoo model), at least 4 remote-heavy and 3 under layer-ahead
+    budgets, each predicted in the newest folder before it is measured."""
+    from um_lab.models import ZOO
+
+    corpus = sim_fidelity.CORPUS_HELDOUT
+    assert len(corpus) >= 10 and len({_key(*c) for c in corpus}) == len(corpus)
+    assert all("/" in model and model.split("/", 1)[1] not in ZOO for model, _, _ in corpus)
+    assert sum(policy in REMOTE_HEAVY for _, _, policy in corpus) >= 4
+    assert sum(policy == "layer-ahead" and "budget" in kw for _, kw, policy in corpus) >= 3
+    newest = max((ROOT / "bench" / "results" / "sim_fidelity_heldout").iterdir()).name
+    rows = {_key(r["model"], r["model_kwargs"], r["policy"]): r for r in _committed(newest)["rows"]}
+    assert set(rows) == {_key(*c) for c in corpus}
     assert all(r["simulated_ms"] > 0 and r["measured_ms"] is None for r in rows.values())

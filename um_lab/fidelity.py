@@ -7,8 +7,9 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
   them, and ResNet-50 is one of the models the per-op fits (:mod:`um_lab.sim.step_fit`) use: not a test.
 * ``held-out-1`` .. ``held-out-6`` and ``held-out-new``: the held-out checks, oldest first, each in
   ``sim_fidelity_heldout/<when its predictions were written>/``: ``predicted.json`` committed before the rows
-  were measured, ``measured.json`` the measurements (re-simulated since with later profiles for the older ones,
-  so no longer blind). ``held-out-new`` is the newest: the current true out-of-sample test.
+  were measured; once measured, ``measured.json`` holds the measurements (re-simulated since with later profiles
+  for the older ones, so no longer blind) and those predictions under ``predictions``. ``held-out-new`` is the
+  newest: the current true out-of-sample test.
 
 error = simulated / measured - 1.
 """
@@ -30,7 +31,7 @@ SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-3", "held-ou
 HELDOUT = ("2026-11-30T0756", "2026-12-01T0344", "2026-12-01T0545", "2026-12-01T0602", "2026-12-01T0959",
            "2026-12-01T2124", "2026-12-02T0134")
 FILES = ("sim_fidelity.json", *(f"sim_fidelity_heldout/{h}/measured.json" for h in HELDOUT))
-PREDICTED = tuple(f"sim_fidelity_heldout/{h}/predicted.json" for h in HELDOUT)
+PREDICTED = tuple(f"sim_fidelity_heldout/{h}/predicted.json" for h in HELDOUT)  #: a set not yet measured
 BAND = 0.15  #: the bar on the median |error|; also the band drawn around y = x
 
 
@@ -84,9 +85,10 @@ def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
         raise FidelityResultsMissing(f"no {FILES[0]} in {folder}: the fidelity results live in the source tree's "
                                      "bench/results/ (run bench/sim_fidelity.py on a GPU to make them)")
     predicted: dict[tuple[str, str, str], float] = {}
-    for name in PREDICTED:
+    for name in (*PREDICTED, *FILES[1:]):
         if (folder / name).is_file():
-            for r in json.loads((folder / name).read_text())["rows"]:
+            data = json.loads((folder / name).read_text())
+            for r in (data.get("predictions") or {}).get("rows", []) if name in FILES else data["rows"]:
                 predicted[_key(r)] = r["simulated_ms"]
     best: dict[tuple[str, str, str], dict[str, Any]] = {}
     for name in FILES:
