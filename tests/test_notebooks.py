@@ -6,6 +6,12 @@ The committed outputs come from :func:`publish`, run from the repository's root:
 
     python tests/test_notebooks.py                  # every notebook; or name some: 01_quickstart 04_um_basics
 
+A notebook executed on a machine without a browser (a GPU machine) is published from its executed copy here,
+where kaleido draws the figures' PNGs::
+
+    python tests/test_notebooks.py --execute-only OUT_DIR 04_um_basics      # on the GPU machine
+    python tests/test_notebooks.py --from OUT_DIR 04_um_basics              # here: PNGs, slim, write back
+
 Each notebook runs on the simulator (or on the GPU where one is) with the values in its metadata
 ``um_lab.committed_parameters`` (smaller than its parameters cell's, so that it ends in minutes on a laptop; a
 markdown cell after the parameters cell says which), then :func:`slim` keeps what GitHub, nbconvert and the
@@ -20,7 +26,6 @@ import copy
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,18 +95,19 @@ def _figure_title(figure: dict[str, Any]) -> str:
     return re.sub(r"<[^>]+>", " ", text).strip() or "untitled"
 
 
-def _relative(text: str, workdir: Path | None) -> str:
-    """``text`` with this machine's folders (the execution folder, the checkout) written relative."""
-    for folder in [workdir, ROOT]:
+def _relative(text: str, folders: list[Path | str | None]) -> str:
+    """``text`` with the folders where it executed (the execution folder, the checkout) written relative."""
+    for folder in [*folders, ROOT]:
         if folder is not None:
             text = text.replace(str(folder) + os.sep, "").replace(str(folder), ".")
     return text
 
 
-def slim(nb, workdir: Path | None = None):
+def slim(nb, workdir: Path | None = None, elsewhere: tuple[str, ...] = ()):
     """A copy of the executed ``nb`` as committed: figures as their PNG (plotly JSON and inlined plotly.js
     dropped; a figure without a PNG is an error), widget views as their text, no saved widget state, no timing
-    metadata, this machine's folders written relative (``workdir``: where it executed)."""
+    metadata, this machine's folders written relative (``workdir``: where it executed; ``elsewhere``: the
+    execution folder and checkout of another machine that executed it)."""
     nb = copy.deepcopy(nb)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
@@ -131,24 +137,57 @@ def slim(nb, workdir: Path | None = None):
                     continue
                 for mime, value in data.items():
                     if isinstance(value, str) and not mime.startswith("image/"):
-                        data[mime] = _relative(value, workdir)
+                        data[mime] = _relative(value, [workdir, *elsewhere])
             elif out.output_type == "stream":
-                out.text = _relative(out.text, workdir)
+                out.text = _relative(out.text, [workdir, *elsewhere])
             kept.append(out)
         cell.outputs = kept
     return nb
 
 
-def publish(path: Path, timeout: float = 900) -> float:
+def add_pngs(nb):
+    """Draw the PNG of every figure that has none (it executed where kaleido found no browser), as the export
+    renderer of :func:`um_lab.widgets.figures.keep_plots_in_exports` would have; drops the HTML fallback."""
+    import plotly.io as pio
+
+    for out in outputs(nb):
+        data = out.get("data", {})
+        if PLOTLY in data and "image/png" not in data:
+            data.update(pio.renderers["png"].to_mimebundle(dict(data[PLOTLY])))
+            data.pop("text/html", None)
+    return nb
+
+
+def execute_only(path: Path, out_dir: Path, timeout: float = 900) -> Path:
+    """Execute the notebook at ``path`` with its committed parameters on this machine (no PNGs needed) and write
+    it, unslimmed, to ``out_dir``, with where it executed in ``<name>.where.json``; :func:`publish` with
+    ``executed=out_dir`` finishes it on a machine with kaleido and a browser."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="um-lab-notebook-") as tmp:
+        workdir = Path(tmp).resolve()
+        nb = execute(path, workdir, key="committed_parameters", timeout=int(timeout))
+    nbformat.write(nb, out_dir / path.name)
+    (out_dir / f"{path.stem}.where.json").write_text(json.dumps({"workdir": str(workdir), "root": str(ROOT)}))
+    return out_dir / path.name
+
+
+def publish(path: Path, timeout: float = 900, executed: Path | None = None) -> float:
     """Execute the notebook at ``path`` with its committed parameters, slim it and write it back in place;
     returns the seconds it took. The values used are stated in a markdown cell after the parameters cell
-    (the injected code cell that set them is not kept: opening the notebook runs with its own defaults)."""
+    (the injected code cell that set them is not kept: opening the notebook runs with its own defaults).
+    ``executed``: a folder where :func:`execute_only` left it executed on another machine (a GPU's): its
+    figures get their PNGs here instead."""
     if not static_images_available():
         raise SystemExit("figures need kaleido and a Chrome or Chromium here (a committed notebook shows PNGs)")
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="um-lab-notebook-") as tmp:
-        workdir = Path(tmp).resolve()
-        nb = slim(execute(path, workdir, key="committed_parameters", timeout=int(timeout)), workdir)
+    if executed is not None:
+        where = json.loads((executed / f"{path.stem}.where.json").read_text())
+        ran = nbformat.read(executed / path.name, as_version=4)
+        nb = slim(add_pngs(ran), None, elsewhere=(where["workdir"], where["root"]))
+    else:
+        with tempfile.TemporaryDirectory(prefix="um-lab-notebook-") as tmp:
+            workdir = Path(tmp).resolve()
+            nb = slim(execute(path, workdir, key="committed_parameters", timeout=int(timeout)), workdir)
     index = parameters_index(nb) + 1
     assert "injected-parameters" in nb.cells[index].metadata.get("tags", [])
     values = nb.metadata.get("um_lab", {}).get("committed_parameters", {})
@@ -256,6 +295,22 @@ def test_sim_vs_gpu_shows_the_h200_measurements():
     assert "NO FIDELITY RESULTS" not in text and "H200" in text and len(pngs(nb)) >= 1
 
 
+def test_a_figure_executed_where_no_browser_was_gets_its_png_here():
+    if not static_images_available():
+        pytest.skip("kaleido and a Chromium draw the PNG")
+    figure = {"data": [{"type": "bar", "x": ["a", "b"], "y": [1, 3]}], "layout": {"title": {"text": "on a GPU"}}}
+    cell = nbformat.v4.new_code_cell("fig")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={PLOTLY: figure, "text/html": "<div>plotly.js</div>",
+                                                                   "text/plain": "Figure()"})]
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    slimmed = slim(add_pngs(nb), None, elsewhere=("/elsewhere/run", "/elsewhere/repo"))
+    (png,) = pngs(slimmed)
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+    data = outputs(slimmed)[0].data
+    assert "text/html" not in data and data["text/plain"] == "<plotly figure: on a GPU>"
+    assert not kernel_only_left(slimmed)
+
+
 def test_slim_keeps_what_static_viewers_show_and_drops_the_rest(tmp_path):
     png = base64.b64encode(PNG_MAGIC + b"rest").decode()
     figure = {PLOTLY: {"data": [{"y": list(range(5000))}], "layout": {"title": {"text": "<b>residency</b>"}}},
@@ -334,9 +389,21 @@ def test_quickstart_runs_are_logged_and_its_html_export_keeps_the_plots(tmp_path
 
 
 if __name__ == "__main__":
-    names = sys.argv[1:]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Execute the notebooks and write them back, slimmed, with outputs.")
+    ap.add_argument("names", nargs="*", help="notebooks by name (default: all)")
+    side = ap.add_mutually_exclusive_group()
+    side.add_argument("--execute-only", type=Path, metavar="OUT_DIR",
+                      help="execute here (a GPU machine without a browser) into OUT_DIR; nothing is written back")
+    side.add_argument("--from", dest="executed", type=Path, metavar="OUT_DIR",
+                      help="publish the copies executed elsewhere into OUT_DIR (draws their PNGs here)")
+    args = ap.parse_args()
     for nb_path in NOTEBOOKS:
-        if names and nb_path.stem not in names:
+        if args.names and nb_path.stem not in args.names:
             continue
-        seconds = publish(nb_path)
+        if args.execute_only is not None:
+            print(f"{nb_path.name}: executed into {execute_only(nb_path, args.execute_only)}", flush=True)
+            continue
+        seconds = publish(nb_path, executed=args.executed)
         print(f"{nb_path.name}: {seconds:.0f} s, {nb_path.stat().st_size / 2**10:.0f} KiB", flush=True)
