@@ -4,7 +4,7 @@ Runs inside a real Jupyter kernel (started with jupyter_client), because that is
 lives: its ``FigureWidget`` is displayed, so every redraw is serialised and sent over the kernel's
 comm channel as it would be to JupyterLab. One dashboard serves every "on" run, reset before each,
 as the lab panel reuses its own. In one kernel, ``--repeats`` pairs of runs alternate
-off/on (order flipped every pair). Each run is a :class:`um_lab.runner.Run` of the same spec on one
+off/on (order flipped every pair). Each run is a :class:`um_lab.runs.runner.Run` of the same spec on one
 shared backend; the time per step is the host wall time between consecutive records (warm-up steps
 left out): ``mean`` (total time / steps: what a user waits; the bar is on it) and ``median``.
 
@@ -46,7 +46,7 @@ def measure(config_name: str, repeats: int, steps: int | None, display_widget: b
     import numpy as np
 
     from um_lab.backend import get_backend
-    from um_lab.runner import Run
+    from um_lab.runs.runner import Run
     from um_lab.types import RunSpec
     from um_lab.widgets import LiveDashboard
 

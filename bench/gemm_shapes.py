@@ -207,7 +207,7 @@ def main() -> None:
     if args.tensor_cores:
         tensor_core_rates(args.out)
         return
-    from um_lab.cli_args import parse_model_kwargs
+    from um_lab.app.cli_args import parse_model_kwargs
     from um_lab.sim.gemm_passes import law_passes
     from um_lab.sim.profile import load_profile
     from um_lab.sim.replicas import model_case
@@ -240,8 +240,8 @@ def time_on_gpu(rows: list[dict[str, Any]], repeats: int, link_bps: float) -> No
     import torch
     from uvm_primitives import RunBudget
 
-    from um_lab.basics import gpu_lab
     from um_lab.cuda import driver
+    from um_lab.teaching.basics import gpu_lab
 
     torch.backends.cuda.matmul.allow_tf32 = False
     free, _ = driver.mem_get_info(torch.cuda.current_device())

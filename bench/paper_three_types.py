@@ -3,8 +3,8 @@
     python bench/paper_three_types.py [--models gpt2-medium bert-large resnet50] [--ratios 0.8 1.25 1.5 2]
                                       [--steps 4] [--warmup 2] [--profile h200] [--merge] [--out PATH]
 
-Runs :func:`um_lab.paper.run_grid` over :func:`um_lab.paper.mappings` (the candidate options per paper
-group, ``um_lab.paper.GROUP_OPTIONS``), prints the best mapping per (model, ratio) and the top of the
+Runs :func:`um_lab.teaching.paper.run_grid` over :func:`um_lab.teaching.paper.mappings` (the candidate options per paper
+group, ``um_lab.teaching.paper.GROUP_OPTIONS``), prints the best mapping per (model, ratio) and the top of the
 ranking by geometric-mean speed-up over ``um-default``, and writes bench/results/paper_three_types.json
 (date, machine, profile name and SHA-256, um_lab version, options, every row, the
 choice). A model that cannot be built here (ResNet without torchvision) is skipped with a note;
@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 
 import um_lab  # noqa: E402
-from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
 from um_lab.sim.backend import SimBackend  # noqa: E402
 from um_lab.sim.profile import profile_sha256  # noqa: E402
+from um_lab.teaching import paper  # noqa: E402
 
 #: Model sizes: the project's standard GPU-benchmark shapes (README), 15-35 GiB of managed data each.
 MODEL_KNOBS = {

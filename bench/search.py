@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from paper_three_types import MODEL_KNOBS  # noqa: E402  (the project's standard shapes)
 
-from um_lab import paper  # noqa: E402
 from um_lab.models import get_model  # noqa: E402
 from um_lab.policy import Policy, presets  # noqa: E402
 from um_lab.sim.backend import SimBackend  # noqa: E402
@@ -42,6 +41,7 @@ from um_lab.sim.profile import profile_sha256  # noqa: E402
 from um_lab.sim.search import OPTIONS, option_label, search_policy  # noqa: E402
 from um_lab.sim.trace import clear_trace_cache  # noqa: E402
 from um_lab.summary import summarize  # noqa: E402
+from um_lab.teaching import paper  # noqa: E402
 from um_lab.types import DATA_TYPES, RunSpec  # noqa: E402
 
 CASES = ("gpt2-medium:1.5", "bert-large:2.0")

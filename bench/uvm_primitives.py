@@ -47,8 +47,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from um_lab.basics import BasicsSafetyError, GpuLab, ManagedBudget, gpu_lab  # noqa: E402
-from um_lab.basics_sim import NO_ADVICE, ZERO_COPY  # noqa: E402
+from um_lab.teaching.basics import BasicsSafetyError, GpuLab, ManagedBudget, gpu_lab  # noqa: E402
+from um_lab.teaching.basics_sim import NO_ADVICE, ZERO_COPY  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 LINK_GBPS = 47.77  #: the h200 profile's remote read rate, the unit of effective_link_passes

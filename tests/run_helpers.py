@@ -2,8 +2,8 @@
 
 import time
 
-from um_lab.runner import Run
-from um_lab.runread import LoadedRun, load
+from um_lab.runs.runner import Run
+from um_lab.runs.runread import LoadedRun, load
 from um_lab.types import RunSpec
 
 

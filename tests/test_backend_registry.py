@@ -221,7 +221,7 @@ def test_the_built_in_backends_are_objects_with_the_whole_protocol():
 def test_the_registry_imports_no_backend_until_one_is_used():
     code = ("import sys, um_lab, um_lab.backend as b; from um_lab.types import RunSpec; RunSpec(backend='sim'); "
             "RunSpec(backend='cuda'); print(b.backend_names(), [m for m in ('um_lab.sim.backend', "
-            "'um_lab.cuda.backend', 'um_lab.runner') if m in sys.modules])")
+            "'um_lab.cuda.backend', 'um_lab.runs.runner') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "('cuda', 'sim') []"
 

@@ -17,23 +17,23 @@ import pandas as pd
 import pytest
 from test_runner import FakeBackend
 
+import um_lab.runs.sweep
 import um_lab.sim.backend
 import um_lab.sim.trace
 import um_lab.sizing
-import um_lab.sweep
-from um_lab.cli import main
-from um_lab.cli_args import parse_bytes, parse_ratio
+from um_lab.app.cli import main
+from um_lab.app.cli_args import parse_bytes, parse_ratio
 from um_lab.errors import HostMemoryRefused, ModelConfigError, PolicyError, SpecError, UmLabError
 from um_lab.models import get_model
 from um_lab.policy import Advice, Policy, presets
-from um_lab.runlog import list_runs
-from um_lab.runread import load
+from um_lab.runs.runlog import list_runs
+from um_lab.runs.runread import load
+from um_lab.runs.sweep import compare
 from um_lab.sim import SimBackend
 from um_lab.sim.backend import batch_bytes, host_bytes_to_simulate
 from um_lab.sim.placement import place
 from um_lab.sim.trace import cached_trace
 from um_lab.sizing import size_for_ratio
-from um_lab.sweep import compare
 from um_lab.types import RunSpec
 
 TINY = ["--model-kw", "width=16", "--model-kw", "depth=1", "--batch-size", "4"]
@@ -49,8 +49,8 @@ def fake_backend(monkeypatch):
         created.append(FakeBackend())
         return created[-1]
 
-    monkeypatch.setattr(um_lab.runner, "get_backend", make)
-    monkeypatch.setattr(um_lab.sweep, "get_backend", make)
+    monkeypatch.setattr(um_lab.runs.runner, "get_backend", make)
+    monkeypatch.setattr(um_lab.runs.sweep, "get_backend", make)
     return created
 
 
@@ -368,7 +368,7 @@ def test_a_bare_preset_name_always_means_the_preset(fake_backend, tmp_path, monk
 
 
 def test_run_refuses_a_batch_beyond_host_memory_before_its_folder_is_written(tmp_path, capsys):
-    from um_lab.runner import Run
+    from um_lab.runs.runner import Run
 
     with pytest.raises(HostMemoryRefused, match="input batch of mlp"):
         Run(RunSpec(model="mlp", model_kwargs={"batch_size": 10**12}, backend="sim", steps=1), out_dir=tmp_path)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from um_lab import UmLabError, basics
-from um_lab.basics import MAX_ARRAY_BYTES, BasicsSafetyError, ManagedBudget
+from um_lab import UmLabError
+from um_lab.teaching import basics
+from um_lab.teaching.basics import MAX_ARRAY_BYTES, BasicsSafetyError, ManagedBudget
 
 SIZE = 16  # MiB
 MiB = 1 << 20
@@ -133,7 +134,7 @@ def test_budget_counts_and_refuses_far_below_the_card():
 def test_fidelity_rows_fall_into_their_sets_and_match_the_committed_summaries():
     import json
 
-    from um_lab import fidelity
+    from um_lab.teaching import fidelity
 
     df = fidelity.load_fidelity()
     assert df["set"].value_counts().to_dict() == {"fitted": 12, "hand-set": 4, "held-out-1": 4, "held-out-2": 8,
@@ -168,7 +169,7 @@ def test_fidelity_rows_fall_into_their_sets_and_match_the_committed_summaries():
 def test_fidelity_missing_results_and_the_newest_file_wins(tmp_path):
     import json
 
-    from um_lab import fidelity
+    from um_lab.teaching import fidelity
 
     with pytest.raises(fidelity.FidelityResultsMissing, match="sim_fidelity.json"):
         fidelity.load_fidelity(tmp_path)

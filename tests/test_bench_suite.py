@@ -36,8 +36,8 @@ def test_nothing_in_bench_or_its_page_speaks_of_how_it_was_developed() -> None:
 
 def test_old_result_names_are_only_links_that_um_lab_still_reads() -> None:
     """The held-out fidelity sets moved to sim_fidelity_heldout/DATE/; a link under an old name stays only while
-    um_lab.fidelity reads that name."""
-    from um_lab import fidelity
+    um_lab.teaching.fidelity reads that name."""
+    from um_lab.teaching import fidelity
 
     links = sorted(p for p in RESULTS.rglob("*") if p.is_symlink())
     for link in links:

@@ -10,14 +10,14 @@ import math
 import pytest
 
 from um_lab import compare, get_model
-from um_lab.cli import main
-from um_lab.cli_args import parse_budget
+from um_lab.app.cli import main
+from um_lab.app.cli_args import parse_budget
 from um_lab.cuda.backend import CudaBackend
 from um_lab.errors import BudgetError, SpecError
 from um_lab.policy import LAYER_AHEAD, get_policy, named_policies, presets
-from um_lab.runlog import list_runs
-from um_lab.runner import Run
-from um_lab.runread import iter_records, load
+from um_lab.runs.runlog import list_runs
+from um_lab.runs.runner import Run
+from um_lab.runs.runread import iter_records, load
 from um_lab.schedule.config import Budget
 from um_lab.sim.backend import SimBackend
 from um_lab.types import RunSpec

@@ -15,14 +15,14 @@ import torch
 from test_backend_registry import THIRD_MODULE
 from test_runner import FakeBackend
 
-import um_lab.runner
-import um_lab.sweep
-from um_lab import cli, labserver
+import um_lab.runs.runner
+import um_lab.runs.sweep
+from um_lab.app import cli, labserver
+from um_lab.app.cli import main
+from um_lab.app.cli_args import format_table, parse_bytes, parse_model_kwargs, parse_ratio
 from um_lab.backend import register_backend, unregister_backend
-from um_lab.cli import main
-from um_lab.cli_args import format_table, parse_bytes, parse_model_kwargs, parse_ratio
-from um_lab.runlog import list_runs
-from um_lab.runread import iter_records, load
+from um_lab.runs.runlog import list_runs
+from um_lab.runs.runread import iter_records, load
 
 TINY = ["--model-kw", "width=16", "--model-kw", "depth=1", "--batch-size", "4"]
 REPO = Path(__file__).resolve().parent.parent
@@ -38,8 +38,8 @@ def fake_backend(monkeypatch):
         created.append(backend)
         return backend
 
-    monkeypatch.setattr(um_lab.runner, "get_backend", make)  # Run
-    monkeypatch.setattr(um_lab.sweep, "get_backend", make)  # compare
+    monkeypatch.setattr(um_lab.runs.runner, "get_backend", make)  # Run
+    monkeypatch.setattr(um_lab.runs.sweep, "get_backend", make)  # compare
     return created
 
 
@@ -188,7 +188,7 @@ def test_interrupted_run_keeps_its_steps(monkeypatch, tmp_path, capsys):
                     raise KeyboardInterrupt
                 yield record
 
-    monkeypatch.setattr(um_lab.runner, "get_backend", lambda name="auto", **kw: Interrupting())
+    monkeypatch.setattr(um_lab.runs.runner, "get_backend", lambda name="auto", **kw: Interrupting())
     rc = main(["run", "--backend", "sim", "--steps", "10", "--out", str(tmp_path), "--no-progress", *TINY])
     assert rc == 130
     assert "3 completed steps kept" in capsys.readouterr().out
@@ -296,13 +296,13 @@ def test_parsers():
 
 def test_subprocess_smoke_on_sim(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--backend", "sim", "--steps", "3",
+    done = subprocess.run([sys.executable, "-m", "um_lab.app.cli", "run", "--backend", "sim", "--steps", "3",
                            "--out", str(tmp_path), *TINY], capture_output=True, text=True, cwd=REPO, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("backend: sim\n") and "status: complete" in done.stdout
     assert load(run_dirs(tmp_path)[0]).complete
-    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--model", "nope"],
+    done = subprocess.run([sys.executable, "-m", "um_lab.app.cli", "run", "--model", "nope"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert done.returncode == 2 and "valid: mlp" in done.stderr
 
@@ -372,14 +372,14 @@ def test_an_installed_backend_is_found_by_the_cli_through_its_entry_point(tmp_pa
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: um_lab_third\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[um_lab.backends]\nthird = um_lab_third:ThirdBackend\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--backend", "third", "--steps", "2",
+    done = subprocess.run([sys.executable, "-m", "um_lab.app.cli", "run", "--backend", "third", "--steps", "2",
                            "--out", str(tmp_path / "runs"), "--no-progress", *TINY],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("backend: third\n") and "status: complete" in done.stdout
     (path,) = run_dirs(tmp_path / "runs")
     assert [r.backend for r in iter_records(path / "records.jsonl")] == ["third"] * 4  # 2 warm-up + 2
-    done = subprocess.run([sys.executable, "-m", "um_lab.cli", "run", "--backend", "tpu"],
+    done = subprocess.run([sys.executable, "-m", "um_lab.app.cli", "run", "--backend", "tpu"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 2 and "valid: cuda, sim, third, auto" in done.stderr
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from um_lab import cli, labserver
-from um_lab.cli import main
+from um_lab.app import cli, labserver
+from um_lab.app.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -94,9 +94,9 @@ FAKE_JUPYTER = textwrap.dedent("""
 
 DRIVER = textwrap.dedent("""
     import sys
-    from um_lab import cli
+    from um_lab.app import cli
     fake, out, mode, grace, notebooks = sys.argv[1:6]
-    from um_lab import labserver
+    from um_lab.app import labserver
     labserver.LAB_STOP_GRACE_S = float(grace)
     cli._has_jupyterlab = lambda: True
     labserver.lab_command = lambda nb, port=None, no_browser=False, extra=(): [sys.executable, fake, out, mode, *extra]

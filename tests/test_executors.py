@@ -8,14 +8,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from um_lab import paper
 from um_lab.errors import SpecError
 from um_lab.models import get_model
-from um_lab.paper import PaperExperimentError, run_grid
+from um_lab.runs.sweep import compare
 from um_lab.sim import search
 from um_lab.sim.backend import SimBackend
 from um_lab.sim.search import SearchError, search_policy
-from um_lab.sweep import compare
+from um_lab.teaching import paper
+from um_lab.teaching.paper import PaperExperimentError, run_grid
 
 TINY_MLP = {"width": 16, "depth": 1, "batch_size": 4}
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 2, "batch_size": 2, "seq_len": 32}

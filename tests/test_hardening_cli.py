@@ -19,16 +19,16 @@ import pandas as pd
 import pytest
 from test_runner import FakeBackend
 
-import um_lab.runner
-import um_lab.sweep
-from um_lab import cli, labserver
-from um_lab.cli import main
+import um_lab.runs.runner
+import um_lab.runs.sweep
+from um_lab.app import cli, labserver
+from um_lab.app.cli import main
 from um_lab.errors import BudgetTooSmall, InputError, ModelConfigError, OutputExistsError, SpecError, UmLabError
 from um_lab.policy import named_policies
-from um_lab.runlog import list_runs
-from um_lab.runread import load
+from um_lab.runs.runlog import list_runs
+from um_lab.runs.runread import load
+from um_lab.runs.sweep import compare, write_export
 from um_lab.summary import speedup_over, with_speedup
-from um_lab.sweep import compare, write_export
 
 REPO = Path(__file__).resolve().parent.parent
 KNOBS = ["--model-kw", "width=16", "--model-kw", "depth=1"]
@@ -54,8 +54,8 @@ def fake_backend(monkeypatch):
         created.append(Failing())
         return created[-1]
 
-    monkeypatch.setattr(um_lab.runner, "get_backend", make)
-    monkeypatch.setattr(um_lab.sweep, "get_backend", make)
+    monkeypatch.setattr(um_lab.runs.runner, "get_backend", make)
+    monkeypatch.setattr(um_lab.runs.sweep, "get_backend", make)
     make.created, make.fail = created, fail  # type: ignore[attr-defined]
     return make
 
@@ -235,7 +235,7 @@ def test_a_csv_made_while_the_comparison_ran_is_not_replaced(fake_backend, tmp_p
             csv.write_text("the other comparison's table\n")
             yield from super().run(spec, case, policy)
 
-    monkeypatch.setattr(um_lab.sweep, "get_backend", lambda name="auto", **options: Racing())
+    monkeypatch.setattr(um_lab.runs.sweep, "get_backend", lambda name="auto", **options: Racing())
     rc, err = cli_error(capsys, ["compare", "--backend", "sim", "--steps", "1", "--out", str(tmp_path / "runs"),
                                  "--csv", str(csv), "--no-progress", *TINY])
     assert rc == 1 and "was created by something else while this comparison ran" in err
@@ -326,7 +326,7 @@ def test_show_into_a_closed_pipe_exits_quietly(fake_backend, tmp_path):
     assert main(["run", "--backend", "sim", "--steps", "1", "--out", str(tmp_path), "--no-progress", *TINY]) == 0
     (run_dir,) = list_runs(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    show = subprocess.Popen([sys.executable, "-c", "import sys; from um_lab.cli import main; sys.exit(main())",
+    show = subprocess.Popen([sys.executable, "-c", "import sys; from um_lab.app.cli import main; sys.exit(main())",
                              "show", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     show.stdout.close()  # as `| head` that has read what it wanted: the next write finds no reader
     err = show.stderr.read().decode()

@@ -24,21 +24,22 @@ from pathlib import Path
 
 import pytest
 
-import um_lab.runlog
-import um_lab.runner
-from um_lab import models, runexit
+import um_lab.runs.runlog
+import um_lab.runs.runner
+from um_lab import models
+from um_lab.app.cli import main
 from um_lab.backend_base import BackendBase
-from um_lab.cli import main
 from um_lab.errors import BudgetTooSmall, FileReadError, ModelConfigError, SpecError, UmLabError
 from um_lab.files import POLICY_LIMIT, RECORD_LINE_LIMIT
 from um_lab.models import ModelCase
 from um_lab.policy import Advice, Policy, PolicyError, PolicyFileError, check_preset_name, presets
-from um_lab.runlog import RunDirError, RunNameError, list_runs
-from um_lab.runner import Run, RunStateError, run
-from um_lab.runread import NOT_CHECKABLE, RunLogError, RunLogWarning, load
+from um_lab.runs import runexit
+from um_lab.runs.runlog import RunDirError, RunNameError, list_runs
+from um_lab.runs.runner import Run, RunStateError, run
+from um_lab.runs.runread import NOT_CHECKABLE, RunLogError, RunLogWarning, load
+from um_lab.runs.sweep import compare
 from um_lab.schedule.live.stage import StaleSavedTensor
 from um_lab.sizing import size_for_ratio
-from um_lab.sweep import compare
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout_s: float =
 
 
 SIM_FOREGROUND = ("import sys\n"
-                  "from um_lab.runner import Run\n"
+                  "from um_lab.runs.runner import Run\n"
                   "from um_lab.types import RunSpec\n"
                   f"r = Run(RunSpec(model='mlp', model_kwargs={SIM_MLP!r}, backend='sim', steps=10**8,"
                   " oversubscription_ratio=1.5), out_dir=sys.argv[1])\n"
@@ -171,7 +172,7 @@ def test_run_refuses_a_custom_policy_under_a_presets_name_before_any_folder(tmp_
 def test_a_run_copied_from_another_host_reads_as_interrupted_with_its_real_count(tmp_path, capsys):
     path = finished_run(tmp_path)
     rewrite_status(path, status="running", complete=False, steps_completed=0,
-                   host=socket.gethostname() + "-elsewhere", updated_at=um_lab.runlog.now_iso())
+                   host=socket.gethostname() + "-elsewhere", updated_at=um_lab.runs.runlog.now_iso())
     loaded = load(path)
     assert loaded.state == "interrupted" and not loaded.complete and loaded.steps_text == "7/7"
     assert loaded.status["interrupted_by"] == NOT_CHECKABLE
@@ -182,7 +183,7 @@ def test_a_run_copied_from_another_host_reads_as_interrupted_with_its_real_count
 
 def test_a_live_pid_without_its_start_time_is_not_read_as_running(tmp_path):
     path = finished_run(tmp_path)
-    if um_lab.runlog.process_start_ticks(os.getpid()) is None:
+    if um_lab.runs.runlog.process_start_ticks(os.getpid()) is None:
         pytest.skip("this platform does not tell when a process started")
     rewrite_status(path, status="running", complete=False, steps_completed=0, pid=os.getppid(), pid_started=None)
     loaded = load(path)
@@ -194,7 +195,7 @@ def test_a_live_run_of_another_process_counts_the_steps_in_its_records(tmp_path)
     path = finished_run(tmp_path)
     parent = os.getppid()
     rewrite_status(path, status="running", complete=False, steps_completed=0, pid=parent,
-                   pid_started=um_lab.runlog.process_start_ticks(parent))
+                   pid_started=um_lab.runs.runlog.process_start_ticks(parent))
     loaded = load(path)
     assert loaded.state == "running" and loaded.steps_text == "7/7"  # not 0/7: the heartbeat lags
 
@@ -236,7 +237,7 @@ class _FullDisk:
 
     def __init__(self, monkeypatch, in_place: bool = True) -> None:
         self.full = False
-        real_write_file, real_rewrite = um_lab.runlog._write_file, um_lab.runlog._rewrite_in_place
+        real_write_file, real_rewrite = um_lab.runs.runlog._write_file, um_lab.runs.runlog._rewrite_in_place
         disk = self
 
         def write_file(path, data):
@@ -270,8 +271,8 @@ class _FullDisk:
                 self.f.close()
 
         real_open_log = Run._open_log
-        monkeypatch.setattr(um_lab.runlog, "_write_file", write_file)
-        monkeypatch.setattr(um_lab.runlog, "_rewrite_in_place", rewrite)
+        monkeypatch.setattr(um_lab.runs.runlog, "_write_file", write_file)
+        monkeypatch.setattr(um_lab.runs.runlog, "_rewrite_in_place", rewrite)
         monkeypatch.setattr(Run, "_open_log", lambda run: Log(real_open_log(run)))
 
 
@@ -365,7 +366,7 @@ def test_a_run_folder_that_cannot_be_written_whole_is_removed(tmp_path, monkeypa
     def fail(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(um_lab.runner, "environment_info", fail)
+    monkeypatch.setattr(um_lab.runs.runner, "environment_info", fail)
     with pytest.raises(RunDirError, match="No space left on device.*the folder was removed"):
         Run(spec(), out_dir=tmp_path, backend=InstantBackend())
     assert list(tmp_path.iterdir()) == []
@@ -461,7 +462,7 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_interrupts_the_run
 
 def test_python_exiting_while_a_started_run_traces_exits_cleanly(tmp_path):
     script = ("import sys\n"
-              "from um_lab.runner import Run\n"
+              "from um_lab.runs.runner import Run\n"
               "from um_lab.types import RunSpec\n"
               f"Run(RunSpec(model='mlp', model_kwargs={SIM_MLP!r}, backend='sim', steps=10**6,"
               " oversubscription_ratio=1.5), out_dir=sys.argv[1]).start()\n")

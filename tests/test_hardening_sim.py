@@ -148,7 +148,7 @@ def test_an_unknown_profile_name_or_wrong_type_is_a_profile_error(given):
 
 
 def test_the_cli_reports_a_bad_profile_without_a_traceback(tmp_path, capsys):
-    from um_lab.cli import main
+    from um_lab.app.cli import main
 
     path = tmp_path / "list.json"
     path.write_text("[1, 2]")
@@ -305,7 +305,7 @@ def test_a_library_error_that_quotes_no_knob_names_all_knobs_given():
 
 
 def test_the_cli_refuses_a_bad_library_knob_before_any_run_folder(tmp_path, capsys):
-    from um_lab.cli import main
+    from um_lab.app.cli import main
 
     argv = ["run", "--backend", "sim", "--model", "gpt2-small", "--steps", "1", "--out", str(tmp_path / "runs")]
     for key, value in {**TINY_GPT2, "activation_function": "bogus"}.items():

@@ -16,8 +16,8 @@ from fakes import FakePoolAPI, FakeRuntime, drain, install_fake_driver
 
 from um_lab.cuda.session import Session
 from um_lab.listeners import RecordListeners
-from um_lab.runner import Run
-from um_lab.runread import load
+from um_lab.runs.runner import Run
+from um_lab.runs.runread import load
 from um_lab.types import RunSpec, StepRecord
 
 SIM_MLP = {"width": 32, "depth": 1, "batch_size": 8}

@@ -1,14 +1,14 @@
-"""The paper experiment (um_lab.paper): grid and choice logic, the committed results, the preset's provenance."""
+"""The paper experiment (um_lab.teaching.paper): grid and choice logic, committed results, the preset's provenance."""
 
 import math
 
 import pandas as pd
 import pytest
 
-from um_lab import paper
-from um_lab.paper import GROUPS, PaperExperimentError, PaperMapping
 from um_lab.policy import presets
 from um_lab.sim.profile import profile_sha256
+from um_lab.teaching import paper
+from um_lab.teaching.paper import GROUPS, PaperExperimentError, PaperMapping
 from um_lab.types import PAPER_GROUPS, DataType
 
 # ------------------------------------------------------------------------------------ grid logic
@@ -57,7 +57,7 @@ def test_mapping_names_round_trip_and_policy_follows_the_paper_groups():
 
 def neighbourhood(center: PaperMapping) -> list[PaperMapping]:
     """``center``, the baseline, and every mapping that changes one group of ``center`` to another option
-    of :data:`um_lab.paper.GROUP_OPTIONS`: the reduced experiment the preset must still win."""
+    of :data:`um_lab.teaching.paper.GROUP_OPTIONS`: the reduced experiment the preset must still win."""
     out = [center, PaperMapping()]
     for i, group in enumerate(GROUPS):
         for option in paper.GROUP_OPTIONS[group]:

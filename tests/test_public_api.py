@@ -13,8 +13,8 @@ def test_every_public_name_resolves_and_lives_in_one_module():
     for name in um_lab.__all__:
         value = getattr(um_lab, name)
         assert value is not None, name
-    from um_lab.runner import run
-    from um_lab.sweep import compare
+    from um_lab.runs.runner import run
+    from um_lab.runs.sweep import compare
 
     assert um_lab.run is run and um_lab.compare is compare
     assert set(um_lab.__all__) <= set(dir(um_lab))
@@ -28,7 +28,7 @@ def loaded_after(imports: str, modules: tuple[str, ...]) -> list[str]:
 
 
 def test_import_um_lab_stays_light():
-    heavy = ("um_lab.sim.backend", "um_lab.runner", "transformers", "um_lab.cuda.session")
+    heavy = ("um_lab.sim.backend", "um_lab.runs.runner", "transformers", "um_lab.cuda.session")
     assert loaded_after("um_lab", heavy) == []
 
 

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 from test_runner import TINY_MLP, FakeBackend
 
-import um_lab.runner
-import um_lab.sweep
+import um_lab.runs.runner
+import um_lab.runs.sweep
 from um_lab import models
-from um_lab.cli import main, summary_line
-from um_lab.cli_args import SUMMARY_COLUMNS, format_table
+from um_lab.app.cli import main, summary_line
+from um_lab.app.cli_args import SUMMARY_COLUMNS, format_table
 from um_lab.summary import summarize
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 from um_lab.units import format_bytes
@@ -252,8 +252,8 @@ def big_traffic(monkeypatch):
     def make(name="auto", **options):
         return BigTraffic()
 
-    monkeypatch.setattr(um_lab.runner, "get_backend", make)
-    monkeypatch.setattr(um_lab.sweep, "get_backend", make)
+    monkeypatch.setattr(um_lab.runs.runner, "get_backend", make)
+    monkeypatch.setattr(um_lab.runs.sweep, "get_backend", make)
 
 
 def _without_paths(out: str, root) -> str:
@@ -282,7 +282,7 @@ def test_cli_run_show_and_compare_print_units_and_remote_bytes(big_traffic, tmp_
 
 
 def test_the_compare_views_table_has_remote_bytes_next_to_migrated(tmp_path):
-    from um_lab.sweep import compare
+    from um_lab.runs.sweep import compare
     from um_lab.widgets.compare_view import readable
 
     table = compare({"mlp": TINY_MLP}, ["gpu-first"], steps=2, warmup_steps=0, out_dir=tmp_path,

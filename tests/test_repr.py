@@ -7,9 +7,9 @@ import math
 import pytest
 from test_runner import TINY_MLP, FakeBackend, spec
 
-from um_lab.runner import run
+from um_lab.runs.runner import run
+from um_lab.runs.sweep import compare
 from um_lab.summary import NOT_MEASURED, format_summary, format_value, readable_table
-from um_lab.sweep import compare
 
 
 @pytest.mark.parametrize("key, value, text", [
@@ -61,8 +61,8 @@ def test_loaded_run_html_shows_what_ran_and_a_rounded_summary(tmp_path):
 def test_failed_run_html_shows_its_error(tmp_path):
     with pytest.raises(RuntimeError):
         run(spec(steps=5, warmup_steps=0), out_dir=tmp_path, backend=FakeBackend(fail_at=2))
-    from um_lab.runlog import list_runs
-    from um_lab.runread import load
+    from um_lab.runs.runlog import list_runs
+    from um_lab.runs.runread import load
 
     page = load(list_runs(tmp_path)[0])._repr_html_()
     assert "failed, 2/5 steps" in page and "error: RuntimeError: fake backend exploded" in page

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-import um_lab.runlog
-from um_lab import runexit
+import um_lab.runs.runlog
+from um_lab.app.cli import main
 from um_lab.backend_base import BackendBase
-from um_lab.cli import main
 from um_lab.errors import UmLabError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy
-from um_lab.runlog import RunDirError, RunNameError, list_runs
-from um_lab.runner import Run, run
-from um_lab.runread import NotARunFolderError, RunLogError, RunLogWarning, load
+from um_lab.runs import runexit
+from um_lab.runs.runlog import RunDirError, RunNameError, list_runs
+from um_lab.runs.runner import Run, run
+from um_lab.runs.runread import NotARunFolderError, RunLogError, RunLogWarning, load
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def _wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout_s: float 
 
 
 SIM_RUN = ("import sys, time\n"
-           "from um_lab.runner import Run\n"
+           "from um_lab.runs.runner import Run\n"
            "from um_lab.types import RunSpec\n"
            f"r = Run(RunSpec(model='mlp', model_kwargs={SIM_MLP!r}, backend='sim', steps=10**8,"
            " oversubscription_ratio=1.5), out_dir=sys.argv[1])\n")
@@ -127,7 +127,7 @@ def test_sigterm_ends_a_foreground_run_as_interrupted_with_its_steps(tmp_path):
 
 def test_sigterm_to_um_lab_run_exits_130_and_keeps_the_steps(tmp_path):
     kw = [a for k, v in SIM_MLP.items() if k != "batch_size" for a in ("--model-kw", f"{k}={v}")]
-    proc = subprocess.Popen([sys.executable, "-m", "um_lab.cli", "run", "--backend", "sim", "--steps",
+    proc = subprocess.Popen([sys.executable, "-m", "um_lab.app.cli", "run", "--backend", "sim", "--steps",
                              str(10**8), "--ratio", "1.5", "--batch-size", "64", "--no-progress", "--out",
                              str(tmp_path), *kw], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -256,7 +256,7 @@ def test_a_running_status_of_this_process_without_its_run_is_left_running(tmp_pa
 def test_a_live_process_counts_as_running_unless_its_pid_was_reused_or_its_status_is_stale(tmp_path):
     path = _finished_run(tmp_path)
     parent = os.getppid()  # alive while this test runs
-    started = um_lab.runlog.process_start_ticks(parent)
+    started = um_lab.runs.runlog.process_start_ticks(parent)
     _rewrite_status(path, status="running", complete=False, pid=parent, pid_started=started)
     assert load(path).state == "running"
     if started is not None:  # Linux: a pid now naming another process
@@ -272,7 +272,7 @@ def test_a_live_process_counts_as_running_unless_its_pid_was_reused_or_its_statu
 
 
 def test_status_json_is_a_heartbeat_of_the_step_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(um_lab.runlog, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(um_lab.runs.runlog, "HEARTBEAT_S", 0.0)
     on_disk = []
     active = Run(spec(), out_dir=tmp_path, backend=InstantBackend())
     active.add_listener(lambda r: on_disk.append(status_of(active.path)["steps_completed"]))
@@ -295,7 +295,7 @@ def test_exit_hook_marks_a_left_foreground_iteration_interrupted(tmp_path):
 
 
 def test_a_folder_that_becomes_unwritable_is_reported_and_retried_at_exit(tmp_path, monkeypatch):
-    monkeypatch.setattr(um_lab.runlog, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(um_lab.runs.runlog, "HEARTBEAT_S", 0.0)
     block = []
 
     def break_status_file(record):

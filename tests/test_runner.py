@@ -1,4 +1,4 @@
-"""CPU tests of um_lab.runner: runs, persistence, interruption, load, compare, memory non-growth.
+"""CPU tests of um_lab.runs.runner: runs, persistence, interruption, load, compare, memory non-growth.
 
 Runner logic is tested against a small in-test fake backend (deterministic, instant); the same paths
 are exercised on the real simulator backend (``backend="sim"``) at the end of this file.
@@ -23,11 +23,11 @@ from run_helpers import stop_in_background
 from um_lab.backend_base import BackendBase
 from um_lab.models import ModelCase, custom, mlp
 from um_lab.policy import Policy
-from um_lab.runlog import RunDirError, list_runs
-from um_lab.runner import Run, RunStateError, run
-from um_lab.runread import LoadedRun, iter_records, load
+from um_lab.runs.runlog import RunDirError, list_runs
+from um_lab.runs.runner import Run, RunStateError, run
+from um_lab.runs.runread import LoadedRun, iter_records, load
+from um_lab.runs.sweep import compare
 from um_lab.summary import summarize
-from um_lab.sweep import compare
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord
 
 TINY_MLP = {"width": 16, "depth": 1, "batch_size": 4}
@@ -251,7 +251,7 @@ def test_a_run_runs_once(tmp_path):
 
 
 def test_runs_go_to_the_default_folder_read_when_called(tmp_path, monkeypatch):
-    from um_lab.runlog import DEFAULT_OUT_DIR, default_out_dir
+    from um_lab.runs.runlog import DEFAULT_OUT_DIR, default_out_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("UM_LAB_RUNS_DIR", raising=False)
@@ -526,7 +526,7 @@ def test_killed_process_leaves_an_interrupted_run_with_its_completed_steps(tmp_p
 
     script = (
         "import sys\n"
-        "from um_lab.runner import Run\n"
+        "from um_lab.runs.runner import Run\n"
         "from um_lab.types import RunSpec\n"
         f"r = Run(RunSpec(model='mlp', model_kwargs={SIM_MLP!r}, backend='sim', steps=10**8,"
         " oversubscription_ratio=1.5), out_dir=sys.argv[1])\n"

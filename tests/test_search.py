@@ -6,12 +6,12 @@ import math
 import pytest
 
 from um_lab.models import get_model
-from um_lab.paper import GROUPS
 from um_lab.policy import presets
 from um_lab.sim import search
 from um_lab.sim.backend import SimBackend
 from um_lab.sim.search import OPTIONS, SearchError, option_label, search_policy
 from um_lab.summary import summarize
+from um_lab.teaching.paper import GROUPS
 from um_lab.types import DATA_TYPES, RunSpec
 
 TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 2, "batch_size": 2, "seq_len": 32}

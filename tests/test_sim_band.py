@@ -58,7 +58,7 @@ def test_a_ranking_that_reverses_at_one_end_is_flagged():
 
 
 def test_compare_with_a_band_on_the_simulator_and_refused_elsewhere(tmp_path):
-    from um_lab.sweep import compare
+    from um_lab.runs.sweep import compare
 
     with pytest.raises(ValueError, match="reports no uncertainty band"):
         compare(["mlp"], ["gpu-first"], [None], backend="cuda", band=True, out_dir=tmp_path)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from um_lab import cli
+from um_lab.app import cli
 from um_lab.errors import SpecError
 from um_lab.models import custom, get_model
+from um_lab.runs.sweep import compare
 from um_lab.sim.trace import trace_step
-from um_lab.sweep import compare
 from um_lab.training import LossScaler, apply_recompute, layer_names, recompute_layers, with_training
 from um_lab.types import RunSpec, check_precision, check_recompute
 

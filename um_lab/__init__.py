@@ -50,11 +50,11 @@ if not any(isinstance(f, _SourceWidgetsFinder) for f in __import__("sys").meta_p
 #: Names importable from ``um_lab`` whose modules load only when first used (torch models, the
 #: simulator, the real backend): ``name -> module``.
 _LAZY = {
-    "run": "um_lab.runner", "Run": "um_lab.runner", "RunStateError": "um_lab.runner",
-    "compare": "um_lab.sweep",
-    "load": "um_lab.runread", "LoadedRun": "um_lab.runread", "RunLogError": "um_lab.runread",
-    "NotARunFolderError": "um_lab.runread",
-    "RunDirError": "um_lab.runlog", "RunNameError": "um_lab.runlog", "list_runs": "um_lab.runlog",
+    "run": "um_lab.runs.runner", "Run": "um_lab.runs.runner", "RunStateError": "um_lab.runs.runner",
+    "compare": "um_lab.runs.sweep",
+    "load": "um_lab.runs.runread", "LoadedRun": "um_lab.runs.runread", "RunLogError": "um_lab.runs.runread",
+    "NotARunFolderError": "um_lab.runs.runread",
+    "RunDirError": "um_lab.runs.runlog", "RunNameError": "um_lab.runs.runlog", "list_runs": "um_lab.runs.runlog",
     "get_model": "um_lab.models", "custom": "um_lab.models", "ModelCase": "um_lab.models",
     "SimBackend": "um_lab.sim.backend",
     "Session": "um_lab.cuda.session",
@@ -78,12 +78,12 @@ if TYPE_CHECKING:  # the lazy names, typed for users' type checkers
     from um_lab import experimental
     from um_lab.cuda.session import Session
     from um_lab.models import custom, get_model
-    from um_lab.runlog import RunDirError, RunNameError, list_runs
-    from um_lab.runner import Run, RunStateError, run
-    from um_lab.runread import NotARunFolderError, RunLogError, load
+    from um_lab.runs.runlog import RunDirError, RunNameError, list_runs
+    from um_lab.runs.runner import Run, RunStateError, run
+    from um_lab.runs.runread import NotARunFolderError, RunLogError, load
+    from um_lab.runs.sweep import compare
     from um_lab.schedule.config import Budget
     from um_lab.sizing import SizeRefused
-    from um_lab.sweep import compare
 
 
 def __getattr__(name: str) -> Any:

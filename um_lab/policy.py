@@ -322,7 +322,7 @@ presets: dict[str, Policy] = {
             "Every type is prefetched to the GPU before the phase that uses it.",
         ),
         # Chosen by the simulator experiment; its machine-readable provenance is
-        # um_lab.paper.PRESET_PROVENANCE, the full results bench/results/paper_three_types.json.
+        # um_lab.teaching.paper.PRESET_PROVENANCE, the full results bench/results/paper_three_types.json.
         Policy.from_paper_groups(
             "paper-3type",
             model_parameters=Advice(),
@@ -391,7 +391,7 @@ def is_scheduled(policy: Policy | str) -> bool:
 def check_preset_name(policy: Policy, baseline: str | None = None) -> Policy:
     """``policy`` unless it takes the name of a named policy (a preset, or a scheduled one such as
     ``layer-ahead``) with other advice: it would be recorded, compared and read back as that preset. One rule
-    for :func:`~um_lab.runner.run` and :func:`~um_lab.sweep.compare` (``baseline``: the comparison's baseline
+    for :func:`~um_lab.runs.runner.run` and :func:`~um_lab.runs.sweep.compare` (``baseline``: the comparison's baseline
     name, said so in the error). Raises :class:`PolicyError` (field ``name``) naming the policy."""
     preset = named_policies().get(policy.name)
     if preset is not None and policy is not preset and policy.advice != preset.advice:

@@ -1,6 +1,6 @@
 """Summaries of step records: step-time statistics, traffic totals, DataFrames, speed-up columns.
 
-Re-exported by :mod:`um_lab.runner`.
+Re-exported by :mod:`um_lab.runs.runner`.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ from um_lab.backend import backend_class, resolve_backend_name, valid_backend_na
 from um_lab.errors import ModelConfigError, PolicyError, SpecError, UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import named_policies
-from um_lab.runlog import default_out_dir
-from um_lab.runread import load
+from um_lab.runs.runlog import default_out_dir
+from um_lab.runs.runread import load
+from um_lab.runs.sweep import BASELINE_POLICY, compare
 from um_lab.summary import readable_table
-from um_lab.sweep import BASELINE_POLICY, compare
 from um_lab.widgets._checks import (
     model_kwargs_value,
     model_name,

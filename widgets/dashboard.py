@@ -2,7 +2,7 @@
 
 ::
 
-    from um_lab.runner import Run
+    from um_lab.runs.runner import Run
     from um_lab.widgets import LiveDashboard
     board = LiveDashboard()
     display(board.widget)
@@ -89,7 +89,7 @@ class LiveDashboard:
     # -- feeding -----------------------------------------------------------------------------------
 
     def attach(self, run: Any) -> LiveDashboard:
-        """Follow ``run`` (a :class:`um_lab.runner.Run`) and start drawing.
+        """Follow ``run`` (a :class:`um_lab.runs.runner.Run`) and start drawing.
 
         The drawer thread reads the run's newest records (``run.tail``) before each redraw, so the
         training thread does no work for the dashboard at all; a fast run is sampled at the redraws

@@ -115,7 +115,7 @@ def _grouped(table: pd.DataFrame, needed: set[str]) -> pd.DataFrame:
     """``table`` with a ``group`` column ``"<model> @ <ratio>x"`` (``card`` for no ratio), checked for columns."""
     missing = {"model", "policy", "ratio", *needed} - set(table.columns)
     if missing:
-        raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from um_lab.sweep.compare")
+        raise ValueError(f"table lacks columns {sorted(missing)}; pass the DataFrame from um_lab.runs.sweep.compare")
     # plotly renders tags in category labels: a model's name is shown as text
     groups = [plotly_text(f"{m} @ {'card' if pd.isna(r) else f'{r:g}x'}")
               for m, r in zip(table["model"], table["ratio"], strict=True)]
@@ -123,7 +123,7 @@ def _grouped(table: pd.DataFrame, needed: set[str]) -> pd.DataFrame:
 
 
 def comparison_figure(table: pd.DataFrame, metric: str = "median_ms") -> Any:
-    """Grouped bars of ``metric`` per policy, one group per (model, ratio), from ``um_lab.sweep.compare``."""
+    """Grouped bars of ``metric`` per policy, one group per (model, ratio), from ``um_lab.runs.sweep.compare``."""
     go = _plotly()
     frame = _grouped(table, {metric})
     fig = go.Figure()
@@ -422,7 +422,7 @@ def residency_title(records: Iterable[StepRecord]) -> str:
 
 def speedup_figure(table: pd.DataFrame, baseline: str = "um-default", log_scale: bool = False) -> Any:
     """Median step time per policy, grouped by (model, ratio), each bar labelled with its speed-up against
-    ``baseline`` (from :func:`um_lab.sweep.compare`). ``log_scale`` puts step time on a log axis."""
+    ``baseline`` (from :func:`um_lab.runs.sweep.compare`). ``log_scale`` puts step time on a log axis."""
     go = _plotly()
     column = f"speedup_vs_{baseline}"
     frame = _grouped(table, {"median_ms", column})

@@ -21,9 +21,9 @@ from typing import Any
 from um_lab.backend import backend_class, backend_options, get_backend
 from um_lab.errors import BudgetError, SpecError, UmLabError
 from um_lab.policy import Policy
-from um_lab.runlog import default_out_dir
-from um_lab.runner import Run
-from um_lab.runread import LoadedRun, iter_records
+from um_lab.runs.runlog import default_out_dir
+from um_lab.runs.runner import Run
+from um_lab.runs.runread import LoadedRun, iter_records
 from um_lab.schedule.config import Budget
 from um_lab.types import RunSpec, StepRecord
 from um_lab.widgets._checks import (

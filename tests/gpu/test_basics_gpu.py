@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from um_lab import basics
-from um_lab.basics import BasicsSafetyError, ManagedBudget, gpu_lab
+from um_lab.teaching import basics
+from um_lab.teaching.basics import BasicsSafetyError, ManagedBudget, gpu_lab
 
 pytestmark = pytest.mark.gpu
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from run_helpers import stop_in_background
 
-from um_lab.runlog import list_runs
-from um_lab.runner import Run, run
-from um_lab.runread import load
+from um_lab.runs.runlog import list_runs
+from um_lab.runs.runner import Run, run
+from um_lab.runs.runread import load
+from um_lab.runs.sweep import compare
 from um_lab.sizing import SizeRefused
-from um_lab.sweep import compare
 from um_lab.types import RunSpec
 
 pytestmark = pytest.mark.gpu
@@ -102,7 +102,7 @@ def test_background_stop_on_cuda_keeps_steps_and_next_run_works(tmp_path):
 
 
 def test_cli_auto_picks_cuda_and_says_so(tmp_path, capsys):
-    from um_lab.cli import main
+    from um_lab.app.cli import main
 
     rc = main(["run", "--model", "mlp", "--model-kw", "width=256", "--model-kw", "depth=2", "--steps", "3",
                "--out", str(tmp_path), "--no-progress"])
@@ -115,7 +115,7 @@ def test_cli_auto_picks_cuda_and_says_so(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
-    from um_lab.cli import main
+    from um_lab.app.cli import main
     from um_lab.sim.profile import load_profile
 
     out = tmp_path / "profile.json"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from um_lab.runner import run
+from um_lab.runs.runner import run
 from um_lab.types import RunSpec
 
 pytestmark = pytest.mark.gpu

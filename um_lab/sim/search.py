@@ -413,7 +413,7 @@ def search_policy(model: str, ratio: float | None = None, capacity: int | None =
 
     Give ``ratio`` (footprint / GPU capacity) or ``capacity`` (simulated GPU bytes). Each candidate runs
     ``warmup_steps`` + ``steps`` steps and is scored by its median measured step, as
-    :func:`um_lab.paper.run_grid` does. ``workers`` processes of the search's own simulate in parallel
+    :func:`um_lab.teaching.paper.run_grid` does. ``workers`` processes of the search's own simulate in parallel
     (default 2; 1: in this process); or give ``executor``, any :class:`concurrent.futures.Executor` (a Dask
     ``Client.get_executor()`` spreads the simulations over a cluster; it is left running), instead of
     ``workers``: each simulation is a picklable task whose worker traces the workloads once. The result is

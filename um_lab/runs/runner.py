@@ -2,9 +2,9 @@
 
 ::
 
-    from um_lab.runner import Run, run
-    from um_lab.runread import load
-    from um_lab.sweep import compare
+    from um_lab.runs.runner import Run, run
+    from um_lab.runs.runread import load
+    from um_lab.runs.sweep import compare
     result = run(RunSpec(model="mlp", policy="gpu-first", backend="sim", steps=50))
     result.summary()["median_ms"]
     table = compare(["mlp"], ["um-default", "gpu-first"], ratios=[0.5, 1.5], backend="sim")
@@ -12,9 +12,9 @@
 
 This module runs the steps (:class:`Run`, :func:`run`) on a backend object (:mod:`um_lab.backend`: its
 pre-flight before the folder is written). The run folder's layout
-is in :mod:`um_lab.runlog`, reading it back in :mod:`um_lab.runread`, what SIGTERM and interpreter exit
-do to a run in :mod:`um_lab.runexit`, summaries in :mod:`um_lab.summary`, and policy sweeps in
-:mod:`um_lab.sweep` (``compare``). The main names are also importable from :mod:`um_lab` itself.
+is in :mod:`um_lab.runs.runlog`, reading it back in :mod:`um_lab.runs.runread`, what SIGTERM and interpreter exit
+do to a run in :mod:`um_lab.runs.runexit`, summaries in :mod:`um_lab.summary`, and policy sweeps in
+:mod:`um_lab.runs.sweep` (``compare``). The main names are also importable from :mod:`um_lab` itself.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from um_lab import runexit
 from um_lab.backend import backend_class, get_backend, resolve_backend_name
 from um_lab.backend_base import Backend
 from um_lab.errors import BudgetTooSmall, UmLabError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.models import ModelCase, case_for_spec, check_case
 from um_lab.policy import Policy, check_preset_name, get_policy
-from um_lab.runexit import RunInterrupted
-from um_lab.runlog import (
+from um_lab.runs import runexit
+from um_lab.runs.runexit import RunInterrupted
+from um_lab.runs.runlog import (
     RunDirError,
     RunFolderWriter,
     backend_note,
@@ -55,7 +55,7 @@ from um_lab.runlog import (
     timestamp,
     write_json,
 )
-from um_lab.runread import LoadedRun, RunLogWarning, iter_records, load
+from um_lab.runs.runread import LoadedRun, RunLogWarning, iter_records, load
 from um_lab.summary import summarize
 from um_lab.training import with_training
 from um_lab.types import RunSpec, StepRecord
@@ -92,17 +92,17 @@ class Run(RunFolderWriter, Listenable):
     :class:`Policy`); ``backend`` is a backend instance (default: ``get_backend(spec.backend)``).
     Records are not kept in memory unless ``keep_records=True``: the last ``tail`` records are (a
     bounded deque), and all are on disk. The folder goes under ``out_dir`` (default:
-    :func:`~um_lab.runlog.default_out_dir`, ``$UM_LAB_RUNS_DIR`` or ``runs/``), named ``name`` if given
-    (one plain folder name, else :class:`~um_lab.runlog.RunNameError`); it and its ``spec.json`` are
+    :func:`~um_lab.runs.runlog.default_out_dir`, ``$UM_LAB_RUNS_DIR`` or ``runs/``), named ``name`` if given
+    (one plain folder name, else :class:`~um_lab.runs.runlog.RunNameError`); it and its ``spec.json`` are
     written here, so an unwritable ``out_dir`` fails before anything runs. Before that, a backend named
     by ``spec`` must be able to run here (``check_available``), a backend that does not simulate
     capacity refuses ``capacity_bytes`` and ``oversubscription_ratio``, and ``preflight=True`` runs the
     backend's pre-flight (on cuda: the memory estimate against the safety cap), recorded in
     ``model.json`` (a mapping: its result, checked already).
 
-    While it runs, ``status.json`` is rewritten every :data:`~um_lab.runlog.HEARTBEAT_S` with the step
+    While it runs, ``status.json`` is rewritten every :data:`~um_lab.runs.runlog.HEARTBEAT_S` with the step
     count. SIGTERM ends a foreground run on the main thread as Ctrl-C does (``interrupted``), and a
-    run still running when the interpreter exits is marked ``interrupted`` (see :mod:`um_lab.runexit`).
+    run still running when the interpreter exits is marked ``interrupted`` (see :mod:`um_lab.runs.runexit`).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The simulator's side of the Unified Memory basics (:mod:`um_lab.basics`): one managed buffer driven
+"""The simulator's side of the Unified Memory basics (:mod:`um_lab.teaching.basics`): one managed buffer driven
 through :class:`um_lab.sim.uvm.UvmModel` with the H200 profile, step by step, reporting what the driver
 model did (faults, migrations, remote bytes, evictions) and where the data is after each step."""
 

@@ -27,7 +27,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from um_lab.basics_sim import (
+from um_lab.errors import CudaUnavailableError, UmLabError
+from um_lab.policy import Advice
+from um_lab.sim.placement import BLOCK
+from um_lab.sim.uvm import PAGE
+from um_lab.teaching.basics_sim import (
     NO_ADVICE,
     ZERO_COPY,
     MiB,
@@ -38,10 +42,6 @@ from um_lab.basics_sim import (
     sim_read_mostly,
     sim_zero_copy,
 )
-from um_lab.errors import CudaUnavailableError, UmLabError
-from um_lab.policy import Advice
-from um_lab.sim.placement import BLOCK
-from um_lab.sim.uvm import PAGE
 
 MAX_ARRAY_BYTES = 256 * MiB  #: largest managed buffer one experiment may ask for
 MAX_LIVE_BYTES = 2 << 30  #: live managed bytes of all experiments together, at most

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from um_lab import labserver
-from um_lab.cli_args import (
+from um_lab.app import labserver
+from um_lab.app.cli_args import (
     CliError,
     check_batch_size,
     check_capacity_and_ratios,
@@ -198,7 +198,7 @@ def _say_summary(summary: dict[str, Any]) -> None:
 
 def _announce_backend(requested: str) -> str:
     from um_lab.backend import resolve_backend_name
-    from um_lab.runlog import backend_note
+    from um_lab.runs.runlog import backend_note
 
     resolved = resolve_backend_name(requested)
     _say(f"backend: {backend_note(requested, resolved)}")
@@ -232,7 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``um-lab run``."""
     from tqdm.auto import tqdm
 
-    from um_lab.runner import Run
+    from um_lab.runs.runner import Run
     from um_lab.types import RunSpec
 
     model_kwargs = _model_kwargs(args)
@@ -278,7 +278,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_exports(args: argparse.Namespace) -> None:
-    from um_lab.sweep import check_export_path
+    from um_lab.runs.sweep import check_export_path
 
     if args.parquet is not None and importlib.util.find_spec("pyarrow") is None:
         raise CliError("--parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
@@ -293,7 +293,7 @@ def _check_exports(args: argparse.Namespace) -> None:
 def _export(table: Any, args: argparse.Namespace) -> bool:
     """Write the table to ``--csv`` / ``--parquet``; False when one of them could not be written (said why:
     the table is still in the comparison folder's summary.csv)."""
-    from um_lab.sweep import write_export
+    from um_lab.runs.sweep import write_export
 
     written = True
     for path, fmt in ((args.csv, "csv"), (args.parquet, "parquet")):
@@ -313,7 +313,7 @@ def _export(table: Any, args: argparse.Namespace) -> bool:
 def cmd_compare(args: argparse.Namespace) -> int:
     """``um-lab compare``. A comparison that stops early (a run failed, without --keep-going, or Ctrl-C) still
     shows and exports the table of the runs made, then reports why it stopped."""
-    from um_lab.sweep import compare
+    from um_lab.runs.sweep import compare
 
     model_kwargs = _model_kwargs(args)
     check_capacity_and_ratios(args.capacity, args.ratios, "--ratios")
@@ -398,7 +398,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """``um-lab show``: a run folder, or a comparison folder written by ``compare``."""
-    from um_lab.runread import load
+    from um_lab.runs.runread import load
 
     if not (args.path / "spec.json").is_file() and _is_sweep(args.path):
         return _show_sweep(args.path)
@@ -420,8 +420,8 @@ def _show_sweep(path: Path) -> int:
     """A comparison folder: its table (summary.csv), or each run's state while none is written yet."""
     import pandas as pd
 
-    from um_lab.runlog import list_runs
-    from um_lab.runread import load
+    from um_lab.runs.runlog import list_runs
+    from um_lab.runs.runread import load
 
     runs = list_runs(path)
     summary = path / "summary.csv"

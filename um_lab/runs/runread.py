@@ -1,6 +1,6 @@
 """Reading run folders back: records, status, and whether a ``running`` run still runs.
 
-Writing the folder is :mod:`um_lab.runlog`'s job.
+Writing the folder is :mod:`um_lab.runs.runlog`'s job.
 Reading is forgiving where the data allows it: a bad line in ``records.jsonl`` is skipped with one
 :class:`RunLogWarning` naming the file and line; a corrupt ``status.json`` (or other side file) is
 warned about and read as missing; only a corrupt ``spec.json`` raises (:class:`RunLogError`). A run
@@ -24,10 +24,10 @@ from typing import Any
 
 import pandas as pd
 
-from um_lab import runexit
 from um_lab.errors import FileReadError, UmLabError
 from um_lab.files import RECORD_LINE_LIMIT, RUN_FILE_LIMIT, check_regular, read_json
 from um_lab.policy import Policy
+from um_lab.runs import runexit
 from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summarize
 from um_lab.types import RunSpec, StepRecord
 
@@ -383,7 +383,7 @@ def _why(error: Exception) -> str:
 
 
 def load(path: str | os.PathLike[str]) -> LoadedRun:
-    """Read a run folder written by :class:`~um_lab.runner.Run` (complete or not).
+    """Read a run folder written by :class:`~um_lab.runs.runner.Run` (complete or not).
 
     Raises :class:`NotARunFolderError` without a ``spec.json``, :class:`RunLogError` for a corrupt one.
     A corrupt ``status.json``, ``policy.json``, ``model.json`` or ``environment.json`` is warned about

@@ -1,6 +1,6 @@
 """Policy comparisons: run every model x policy x oversubscription ratio and tabulate them.
 
-``from um_lab.sweep import compare`` (it runs each configuration through :class:`um_lab.runner.Run`), in this
+``from um_lab.runs.sweep import compare`` (it runs each configuration through :class:`um_lab.runs.runner.Run`), in this
 process one after another, or on any :class:`concurrent.futures.Executor` (``executor=``: local processes, a
 Dask ``Client.get_executor()``, Ray's executor).
 """
@@ -24,7 +24,7 @@ from um_lab.backend_base import Backend
 from um_lab.errors import ModelConfigError, OutputExistsError, PolicyError, SpecError
 from um_lab.models import ModelCase, case_for_spec, check_case
 from um_lab.policy import Policy, check_preset_name, get_policy, is_scheduled
-from um_lab.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
+from um_lab.runs.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.schedule.config import Budget
 from um_lab.summary import summarize, with_speedup
 from um_lab.training import with_training
@@ -103,7 +103,7 @@ def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[P
 
 
 def check_export_path(path: str | os.PathLike[str], force: bool = False) -> Path:
-    """Raise :class:`~um_lab.runlog.RunDirError` unless a table can be written to ``path`` (a file, its
+    """Raise :class:`~um_lab.runs.runlog.RunDirError` unless a table can be written to ``path`` (a file, its
     folder created if needed), and :class:`~um_lab.errors.OutputExistsError` when it exists, unless ``force``
     (then it is left as it is until the table replaces it): checked before the first run."""
     path = Path(path)
@@ -299,7 +299,7 @@ def compare(
 
 @dataclasses.dataclass(frozen=True)
 class _CellTask:
-    """One run of a comparison: what its :class:`~um_lab.runner.Run` is built from, and its row's keys.
+    """One run of a comparison: what its :class:`~um_lab.runs.runner.Run` is built from, and its row's keys.
     Picklable (a spec, a policy, a path), so an executor can send it to a worker."""
 
     spec: RunSpec
@@ -314,7 +314,7 @@ class _CellTask:
 def _run_cell(task: _CellTask, backend: Backend) -> tuple[dict[str, Any], BaseException | None]:
     """Run one cell on ``backend``: its row (status ``refused`` when the run could not start) and the error
     that refused or ended it (None when it completed). An error outside the run (the band's) is raised."""
-    from um_lab.runner import Run  # runner imports sizing and the backends: only when comparing
+    from um_lab.runs.runner import Run  # runner imports sizing and the backends: only when comparing
 
     row = dict(task.row)
     try:

@@ -1,4 +1,4 @@
-"""Parsing and checking ``um-lab``'s arguments before anything runs (used by :mod:`um_lab.cli`).
+"""Parsing and checking ``um-lab``'s arguments before anything runs (used by :mod:`um_lab.app.cli`).
 
 Sizes (``8GiB``, ``1e9``), ratios (``1.5``, ``none``), ``--model-kw KEY=VALUE``, ``--policy`` (a preset
 name always means the preset; a policy file is given with a path or a ``.json`` name and may not take a
@@ -173,7 +173,7 @@ def load_policy_arg(value: str) -> Any:
 
 def check_out_dir(out: str | None) -> None:
     """Refuse a runs folder that exists as a regular file (before anything is written)."""
-    from um_lab.runlog import resolve_out_dir
+    from um_lab.runs.runlog import resolve_out_dir
 
     path = resolve_out_dir(out)
     if path.exists() and not path.is_dir():

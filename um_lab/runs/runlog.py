@@ -1,4 +1,4 @@
-"""Run folders: their layout and writing them (reading them back: :mod:`um_lab.runread`).
+"""Run folders: their layout and writing them (reading them back: :mod:`um_lab.runs.runread`).
 
 Each run writes a folder: ``spec.json`` (the :class:`RunSpec`), ``policy.json``, ``model.json``,
 ``environment.json`` (versions, backend, and what the backend says of itself: device, calibration
@@ -8,8 +8,8 @@ profile name and SHA-256 on the simulator), ``records.jsonl`` (one
 ``stopped``, ``interrupted`` or ``failed``). A run that failed or was killed keeps every completed step and is
 never marked complete. Warm-up steps are recorded (``warmup: true``) and left out of summaries.
 
-Writing a folder is :class:`um_lab.runner.Run`'s job; :func:`list_runs` lists them and
-:mod:`um_lab.runread` (``load``, ``iter_records``) reads them back.
+Writing a folder is :class:`um_lab.runs.runner.Run`'s job; :func:`list_runs` lists them and
+:mod:`um_lab.runs.runread` (``load``, ``iter_records``) reads them back.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 
 from um_lab.backend_base import Backend
 from um_lab.errors import UmLabError
-from um_lab.runread import (
+from um_lab.runs.runread import (
     RunLogWarning,
     count_records,
     process_start_ticks,
@@ -279,7 +279,7 @@ _START_TICKS: dict[int, int | None] = {}
 
 
 def _own_start_ticks() -> int | None:
-    """This process's start time (see :func:`~um_lab.runread.process_start_ticks`), read once per pid."""
+    """This process's start time (see :func:`~um_lab.runs.runread.process_start_ticks`), read once per pid."""
     pid = os.getpid()
     if pid not in _START_TICKS:
         _START_TICKS[pid] = process_start_ticks(pid)
@@ -287,7 +287,7 @@ def _own_start_ticks() -> int | None:
 
 
 class RunFolderWriter:
-    """Writes a run's ``records.jsonl`` lines and its ``status.json`` (mixed into :class:`um_lab.runner.Run`).
+    """Writes a run's ``records.jsonl`` lines and its ``status.json`` (mixed into :class:`um_lab.runs.runner.Run`).
 
     ``status.json`` is rewritten as a heartbeat (at most every :data:`HEARTBEAT_S`, between steps) and
     once at the end, which seals the folder: nothing is written after it, so a run ended from outside

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from um_lab.cli_args import CliError
+from um_lab.app.cli_args import CliError
 
 LAB_STOP_GRACE_S = 10.0  #: seconds Jupyter gets to shut down (kernels included) before it is killed
 
@@ -49,7 +49,7 @@ TOKEN_NAMES = ("IdentityProvider.token", "ServerApp.token", "NotebookApp.token")
 PASSWORD_NAMES = ("ServerApp.password", "NotebookApp.password", "PasswordIdentityProvider.hashed_password")
 PRE_SAVE_HOOK_NAMES = tuple(f"{manager}.pre_save_hook" for manager in (
     "ContentsManager", "FileContentsManager", "AsyncFileContentsManager", "LargeFileManager", "AsyncLargeFileManager"))
-SAVE_HOOK = "um_lab.labserver.keep_committed_outputs"  #: what ``um-lab lab`` gives Jupyter as its pre-save hook
+SAVE_HOOK = "um_lab.app.labserver.keep_committed_outputs"  #: what ``um-lab lab`` gives Jupyter as its pre-save hook
 
 
 def jupyter_setting(extra: Sequence[str], names: Sequence[str]) -> str | None:
@@ -258,7 +258,7 @@ def lab_environment(start_dir: Path | None = None) -> tuple[dict[str, str], Path
     """The Jupyter server's environment and where its notebooks' runs go: ``UM_LAB_RUNS_DIR`` as set,
     else ``runs``; made absolute against ``start_dir`` (default: the current folder), since the kernels
     run in the notebook folder."""
-    from um_lab.runlog import RUNS_DIR_ENV
+    from um_lab.runs.runlog import RUNS_DIR_ENV
 
     env = dict(os.environ)
     runs = ((start_dir or Path.cwd()) / Path(env.get(RUNS_DIR_ENV, "").strip() or "runs").expanduser()).resolve()

@@ -6,7 +6,7 @@ Unified Memory. They do not say which advice went to which type. Here every comb
 of candidate options per group (:data:`GROUP_OPTIONS`) is simulated at several oversubscription
 ratios, and the mapping with the highest geometric-mean speed-up over ``um-default`` is chosen.
 
-    from um_lab.paper import mappings, run_grid, choose
+    from um_lab.teaching.paper import mappings, run_grid, choose
     table = run_grid({"gpt2-medium": {"batch_size": 8, "seq_len": 1024}}, [0.8, 1.5], mappings())
     result = choose(table)          # best per (model, ratio), ranking, best overall
 
@@ -417,14 +417,14 @@ def choose(table: pd.DataFrame) -> Choice:
 def sim_source_sha256() -> str:
     """SHA-256 over the simulator's Python sources (``um_lab/sim/*.py``), recorded for information."""
     digest = hashlib.sha256()
-    for path in sorted((Path(__file__).parent / "sim").glob("*.py")):
+    for path in sorted((Path(__file__).parent.parent / "sim").glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
 def results_path(root: str | Path | None = None) -> Path:
     """The committed results JSON (``root`` defaults to this checkout's repository root)."""
-    return Path(root if root is not None else Path(__file__).resolve().parents[1]) / RESULTS_JSON
+    return Path(root if root is not None else Path(__file__).resolve().parents[2]) / RESULTS_JSON
 
 
 def rows_to_json(table: pd.DataFrame) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """What happens to runs when their process ends: SIGTERM and interpreter exit.
 
 A run's ``status.json`` says ``running`` while steps run. So that it does not stay so when the process
-ends early (split from :mod:`um_lab.runner`, which registers its runs here):
+ends early (split from :mod:`um_lab.runs.runner`, which registers its runs here):
 
-- **SIGTERM and SIGHUP are handled like SIGINT** while a :class:`~um_lab.runner.Run` steps in the
+- **SIGTERM and SIGHUP are handled like SIGINT** while a :class:`~um_lab.runs.runner.Run` steps in the
   foreground on the main thread: :class:`RunInterrupted` (a ``KeyboardInterrupt``) is raised there, and
   the run ends ``interrupted`` with its completed steps, as on Ctrl-C. With only background runs, the
   signal marks them ``interrupted``, then terminates the process as the default action would.
@@ -21,7 +21,7 @@ ends early (split from :mod:`um_lab.runner`, which registers its runs here):
   waited for (at most :data:`EXIT_WAIT_S`): a thread still inside torch when the interpreter finalises
   would abort the process (``terminate called without an active exception``).
 
-A process killed outright (SIGKILL, power loss) writes nothing: :func:`um_lab.runread.load` reads such a
+A process killed outright (SIGKILL, power loss) writes nothing: :func:`um_lab.runs.runread.load` reads such a
 run (``running`` on disk, its process gone) as ``interrupted`` too, with its real step count (counted from
 ``records.jsonl``), ``interrupted_by`` saying that the process running it ended without closing it, and a
 ``note`` saying how that was found.
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
-class _Run(Protocol):  # what this module needs of um_lab.runner.Run
+class _Run(Protocol):  # what this module needs of um_lab.runs.runner.Run
     path: Path
 
     def current_status(self) -> dict[str, Any]: ...

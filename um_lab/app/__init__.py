@@ -1,0 +1,1 @@
+"""The command line (``um-lab``) and the lab server it starts."""
