@@ -18,8 +18,8 @@
 #                the models' GEMM shapes, the scheduler's timed moves -> step_detail.json, tensor_core_rates.json,
 #                conv_in_step.json, gemm_shapes/, scheduler_moves.json
 #   paper        the paper experiment (simulator; one process per model)         -> paper_three_types.json
-#   fidelity     the simulator against the GPU, and the newest held-out set      -> sim_fidelity.json,
-#                sim_fidelity_heldout/measured.json
+#   fidelity     the simulator against the GPU, the newest held-out set, the corpus memory estimates
+#                -> sim_fidelity.json, sim_fidelity_heldout/measured.json, estimate_vs_gpu.json
 #   all          all of the above, in that order
 #
 # Every suite builds the C shim in place first and reads the GPU's state (sanity.log). Every stage has a timeout
@@ -226,6 +226,8 @@ suite_fidelity() {  # the held-out set's predictions are committed first (bench/
   stage fidelity
   run sim_fidelity 1800 python3 bench/sim_fidelity.py --out "$OUT"
   run sim_fidelity_heldout 1200 python3 bench/sim_fidelity.py --subset new --out "$OUT/sim_fidelity_heldout"
+  mkdir -p "$OUT/estimates" && cp bench/results/estimate_vs_gpu.json "$OUT/estimates/"
+  run estimate_vs_gpu 600 python3 bench/sim_speed.py --estimates measure --out "$OUT/estimates"
 }
 
 status=0

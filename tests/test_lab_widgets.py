@@ -594,3 +594,14 @@ def test_the_panel_runs_in_the_precision_and_recompute_it_shows(tmp_path):
     lab.run(wait=True, timeout=60)
     assert lab.state == "complete"
     assert json.loads(next(tmp_path.rglob("spec.json")).read_text())["precision"] == "bf16"
+
+
+def test_the_estimate_table_shows_native_pytorchs_peak_beside_um_labs_pools():
+    from um_lab.sizing import estimate_memory
+    from widgets.workload import estimate_html
+
+    traced = estimate_memory("mlp", width=64, depth=2, batch_size=8)
+    html = estimate_html(traced, 1 << 30, "h200")
+    assert "native peak" in html and "total" in html
+    assert "native peak" not in estimate_html(estimate_memory("mlp", width=64, depth=2, batch_size=8,
+                                                              use_sim_trace=False), 1 << 30, "h200")

@@ -182,6 +182,36 @@ def test_analytic_estimate_of_mlp_is_exact_for_state():
     assert "param" in est.describe() and "analytic" in est.describe()
 
 
+def test_native_peak_is_the_traced_peak_plus_one_gemm_workspace_per_thread_that_runs_gemms():
+    """A native step's peak: everything live at once over the traced step, plus the cuBLAS workspace of the
+    forward's thread and of autograd's backward thread (both run GEMMs in an MLP); the profile sets its size."""
+    from um_lab.sim.profile import HOPPER_GEMM_WORKSPACE_BYTES, load_profile
+    from um_lab.sim.trace import cached_trace
+
+    est = estimate_memory("mlp", width=64, depth=3, batch_size=16)
+    peak = cached_trace(get_model("mlp", width=64, depth=3, batch_size=16)).peak_bytes()
+    assert est.workspace_bytes == 2 * HOPPER_GEMM_WORKSPACE_BYTES
+    assert est.native_peak_bytes == peak + 2 * HOPPER_GEMM_WORKSPACE_BYTES
+    assert peak < est.total_bytes  # each type's own peak, summed, is at least the peak of all at once
+    none = load_profile("h200").replace(gemm_workspace_bytes=0)
+    assert estimate_memory("mlp", width=64, depth=3, batch_size=16, profile=none).native_peak_bytes == peak
+    assert est.to_dict()["native_peak_bytes"] == est.native_peak_bytes
+    assert estimate_memory("mlp", width=64, depth=3, batch_size=16, use_sim_trace=False).native_peak_bytes is None
+
+
+def test_the_gemm_workspace_keeps_a_profile_digest_at_its_default_and_is_checked():
+    from um_lab.errors import ProfileError
+    from um_lab.sim.profile import Profile, load_profile, profile_sha256
+
+    base = load_profile("h200")
+    assert "gemm_workspace_bytes" not in base.to_dict()  # the default: digests of older profiles hold
+    smaller = base.replace(gemm_workspace_bytes=4 << 20)
+    assert smaller.to_dict()["gemm_workspace_bytes"] == 4 << 20 and profile_sha256(smaller) != profile_sha256(base)
+    for bad in (-1, 1.5, float("nan"), "32MiB"):
+        with pytest.raises(ProfileError, match="gemm_workspace_bytes"):
+            Profile.from_dict({**base.to_dict(), "gemm_workspace_bytes": bad})
+
+
 def test_analytic_estimate_of_a_large_model_allocates_nothing():
     est = estimate_memory("gpt2-medium", batch_size=1, seq_len=64, use_sim_trace=False)
     n_params = est.bytes_per_type["param"] / 4

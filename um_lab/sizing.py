@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from um_lab.models import Batch, ModelCase, get_model
 from um_lab.types import ratio_value, whole_bytes
 from um_lab.units import available_host_bytes, format_bytes  # noqa: F401 - importable here too
 
+if TYPE_CHECKING:
+    from um_lab.sim.profile import Profile
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
@@ -28,12 +31,19 @@ class MemoryEstimate:
     ``act`` counts the tensors autograd saves for backward (the bulk of intermediate results); the
     real peak adds short-lived temporaries and allocator rounding (2 MiB segments), so treat the total
     as a lower bound. ``method`` says where the numbers came from.
+
+    ``total_bytes`` sums each type's own peak: what um_lab's one pool per data type holds. ``native_peak_bytes``
+    (from the simulator's trace only, else None) is what one caching allocator holds at the step's peak,
+    everything live at once plus ``workspace_bytes`` (cuBLAS workspaces): native PyTorch's
+    ``torch.cuda.max_memory_allocated`` for the step.
     """
 
     model: str
     bytes_per_type: dict[str, int]
     method: str  #: "sim-trace" or "analytic"
     notes: tuple[str, ...] = ()
+    native_peak_bytes: int | None = None
+    workspace_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -52,21 +62,24 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return {"model": self.model, "bytes_per_type": dict(self.bytes_per_type), "method": self.method,
-                "total_bytes": self.total_bytes, "notes": list(self.notes)}
+                "total_bytes": self.total_bytes, "native_peak_bytes": self.native_peak_bytes,
+                "workspace_bytes": self.workspace_bytes, "notes": list(self.notes)}
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, **knobs: Any) -> MemoryEstimate:
+def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, profile: str | Profile = "h200",
+                    **knobs: Any) -> MemoryEstimate:
     """Estimate live bytes per data type for one training step of ``case`` (a case or a zoo name).
 
     Uses the simulator's trace (``um_lab.sim.trace``: each type's peak over one traced step, optimizer
     temporaries and backward temporaries included) when it is available, else (or with
     ``use_sim_trace=False``) an analytic count on the meta device (nothing is allocated): parameters
     and buffers, gradients, optimizer state (the case's optimizer stepped on meta tensors; AdamW = 2x
-    parameters), input batch, and the tensors saved for backward during a forward pass.
+    parameters), input batch, and the tensors saved for backward during a forward pass. ``profile`` (a
+    simulator profile or its name) gives the card's GEMM workspace for ``native_peak_bytes``.
     """
     if isinstance(case, str):
 
@@ -77,7 +90,7 @@ def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, **knob
     if use_sim_trace:
         input_bytes = sum(_tensor_bytes(t) for t in _meta_batch(case))
         if input_bytes <= SIM_TRACE_MAX_INPUT_BYTES:
-            traced = _sim_trace_estimate(case)
+            traced = _sim_trace_estimate(case, profile)
             if traced is not None:
                 return traced
         else:  # the trace builds the real batch on the CPU: too big here
@@ -90,7 +103,7 @@ def estimate_memory(case: ModelCase | str, *, use_sim_trace: bool = True, **knob
 SIM_TRACE_MAX_INPUT_BYTES = 1 << 30
 
 
-def _sim_trace_estimate(case: ModelCase) -> MemoryEstimate | None:
+def _sim_trace_estimate(case: ModelCase, profile: str | Profile = "h200") -> MemoryEstimate | None:
     """Peak live bytes per data type over the simulator's trace of one step (None if unavailable).
 
     Each type has its own pool on the real backend, so each type's own peak is what its pool holds.
@@ -98,9 +111,11 @@ def _sim_trace_estimate(case: ModelCase) -> MemoryEstimate | None:
     try:
         import numpy as np
 
-        from um_lab.sim.trace import cached_trace  # the simulator's FakeTensor trace (no memory used)
+        from um_lab.sim.profile import load_profile
+        from um_lab.sim.trace import KIND_MATMUL, PHASE_BWD, cached_trace  # FakeTensor trace: no memory used
         from um_lab.types import DATA_TYPES
 
+        workspace = load_profile(profile).gemm_workspace_bytes
         trace = cached_trace(case)
         n = trace.n_ops
         per_type: dict[str, int] = {}
@@ -112,11 +127,17 @@ def _sim_trace_estimate(case: ModelCase) -> MemoryEstimate | None:
             np.add.at(delta, np.clip(alloc, -1, n) + 1, nbytes)
             np.add.at(delta, np.clip(free, 0, n) + 1, -nbytes * (free <= n - 1))
             per_type[dtype.value] = int(np.cumsum(delta).max()) if n + 2 else 0
+        gemms = np.asarray(trace.op_kind) == KIND_MATMUL
+        backward = np.asarray(trace.op_phase) == PHASE_BWD
+        gemm_threads = int((gemms & ~backward).any()) + int((gemms & backward).any())
+        peak = trace.peak_bytes()
     except Exception:  # the simulator is missing or changed shape: the analytic estimate stands in
         return None
     return MemoryEstimate(case.name, per_type, "sim-trace",
                           ("peak live bytes per type over one traced step (tensors, before 2 MiB "
-                           "segment rounding)",))
+                           "segment rounding)",),
+                          native_peak_bytes=peak + gemm_threads * workspace,
+                          workspace_bytes=gemm_threads * workspace)
 
 
 def _meta_batch(case: ModelCase) -> Batch:

@@ -56,11 +56,14 @@ def model_knobs(name: str) -> dict[str, int]:
 
 def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity_label: str,
                   footprint_bytes: int | None = None) -> str:
-    """A small table: bytes per data type, total, and the ratio to the capacity. With ``footprint_bytes``
+    """A small table: bytes per data type, total, native PyTorch's peak where the simulator's trace gives it,
+    and the ratio to the capacity. With ``footprint_bytes``
     (the simulator's managed segments, what a simulated run oversubscribes) the ratio is of that."""
     cell = "<td style='padding:0 8px'>{}<br><b>{}</b></td>"
     cells = "".join(cell.format(t.value, format_bytes(estimate.bytes_per_type.get(t.value, 0))) for t in DATA_TYPES)
     cells += cell.format("total", format_bytes(estimate.total_bytes))
+    if estimate.native_peak_bytes is not None:  # what plain PyTorch would peak at: the user's comparison
+        cells += cell.format("native peak", format_bytes(estimate.native_peak_bytes))
     if footprint_bytes is not None:
         cells += cell.format("segments", format_bytes(footprint_bytes))
     if capacity_bytes:

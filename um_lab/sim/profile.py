@@ -30,15 +30,17 @@ MEASUREMENT_LIMIT = 64 * MIB
 #: The 16-bit tensor-core peaks (0: not measured, 16-bit kernels costed at the fp32 rates).
 SIXTEEN_BIT_FIELDS = ("matmul_16bit_tflops", "attention_16bit_tflops", "conv_16bit_tflops")
 #: Host costs that may be zero (a fit can find that a cost is not there), and rates not measured.
-ZERO_ALLOWED = frozenset({"cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us",
-                          "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
+ZERO_ALLOWED = frozenset({"gemm_workspace_bytes", "cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us",
+                          "cpu_foreach_tensor_us", "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
                           "scheduler_d2h_GBps", *SIXTEEN_BIT_FIELDS})
 #: Fields a profile may leave out without a warning: an absent per-shape GEMM table is empty (``to_dict``
 #: leaves an empty one out), an absent ``source`` is no description, an absent 16-bit rate is not measured.
-OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source", *SIXTEEN_BIT_FIELDS})
+OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source", "gemm_workspace_bytes", *SIXTEEN_BIT_FIELDS})
 #: Fields that hold whole numbers.
-INT_FIELDS = frozenset({"gpu_memory_bytes", "fault_batch_size"})
+INT_FIELDS = frozenset({"gpu_memory_bytes", "fault_batch_size", "gemm_workspace_bytes"})
 _TEXT_FIELDS = frozenset({"name", "source"})
+#: PyTorch's cuBLAS workspace per (thread, stream) on compute capability 9.x: 8 buffers of 4 MiB
+HOPPER_GEMM_WORKSPACE_BYTES = 8 * 4 * MIB
 
 
 class ProfileDefaultsWarning(UserWarning):
@@ -56,6 +58,10 @@ class Profile:
     name: str = "defaults"
     source: str = ""
     gpu_memory_bytes: int = 150_109_880_320  #: the card's memory (default simulated capacity)
+    #: the cuBLAS workspace PyTorch's caching allocator holds for each thread that runs GEMMs on the card (a
+    #: training step's forward and autograd's backward thread hold one each): part of a native step's peak.
+    #: PyTorch's default on compute capability 9.x, and what ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` asks for
+    gemm_workspace_bytes: int = HOPPER_GEMM_WORKSPACE_BYTES
     # compute roofline
     matmul_tflops: float = 55.0  #: fp32 GEMM / attention peak (no TF32: PyTorch's default for matmul)
     matmul_half_gflop: float = 0.05  #: GEMM size (GFLOP) at which a GEMM reaches half the peak
@@ -181,12 +187,14 @@ class Profile:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with a format version (an empty per-shape GEMM table and unmeasured 16-bit rates
-        are left out, so a profile without them keeps its digest)."""
+        """A JSON-ready dict with a format version (an empty per-shape GEMM table, unmeasured 16-bit rates and
+        the default GEMM workspace are left out, so a profile without them keeps its digest)."""
         data = {"um_lab_profile": FORMAT_VERSION, **dataclasses.asdict(self)}
         for field in SIXTEEN_BIT_FIELDS:
             if not data[field]:
                 del data[field]
+        if data["gemm_workspace_bytes"] == HOPPER_GEMM_WORKSPACE_BYTES:
+            del data["gemm_workspace_bytes"]
         if not self.gemm_shape_passes:
             del data["gemm_shape_passes"]
         else:
