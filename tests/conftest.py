@@ -30,3 +30,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def third(tmp_path, monkeypatch):
+    """A third backend (tests/test_backend_registry.py's module), registered by importing it as a user would;
+    forgotten afterwards."""
+    import importlib
+
+    from test_backend_registry import THIRD_MODULE
+
+    from um_lab.backend import backend_names, unregister_backend
+
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "um_lab_third.py").write_text(THIRD_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    module = importlib.import_module("um_lab_third")
+    try:
+        yield module
+    finally:
+        if "third" in backend_names():  # a test may have unregistered it already
+            unregister_backend("third")
+        sys.modules.pop("um_lab_third", None)

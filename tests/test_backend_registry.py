@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -64,22 +63,6 @@ class ThirdBackend(BackendBase):
 
 register_backend("third", ThirdBackend)
 '''
-
-
-@pytest.fixture
-def third(tmp_path, monkeypatch):
-    """The third backend's module, imported (which registers it); forgotten afterwards."""
-    folder = tmp_path / "plugins"
-    folder.mkdir()
-    (folder / "um_lab_third.py").write_text(THIRD_MODULE)
-    monkeypatch.syspath_prepend(str(folder))
-    module = importlib.import_module("um_lab_third")
-    try:
-        yield module
-    finally:
-        if "third" in backend_names():  # a test may have unregistered it already
-            unregister_backend("third")
-        sys.modules.pop("um_lab_third", None)
 
 
 # ---------------------------------------------------------------------------- a third backend

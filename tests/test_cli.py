@@ -43,23 +43,6 @@ def fake_backend(monkeypatch):
     return created
 
 
-@pytest.fixture
-def third(tmp_path, monkeypatch):
-    """A third backend, registered by importing its module (as a user would); forgotten afterwards."""
-    import importlib
-
-    folder = tmp_path / "plugins"
-    folder.mkdir()
-    (folder / "um_lab_third.py").write_text(THIRD_MODULE)
-    monkeypatch.syspath_prepend(str(folder))
-    module = importlib.import_module("um_lab_third")
-    try:
-        yield module
-    finally:
-        unregister_backend("third")
-        sys.modules.pop("um_lab_third", None)
-
-
 def run_dirs(out: Path) -> list[Path]:
     return list_runs(out) if out.exists() else []
 

@@ -15,14 +15,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from run_helpers import start_script, wait_for_steps
 
 import um_lab.runs.runlog
 import um_lab.runs.runner
@@ -95,24 +94,6 @@ def rewrite_status(path: Path, **changes) -> None:
     for key in [k for k, v in changes.items() if v is None]:
         del status[key]
     (path / "status.json").write_text(json.dumps(status))
-
-
-def start_script(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout_s: float = 120) -> Path:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        logs = list(out.glob("*/records.jsonl"))
-        if logs and logs[0].read_text().count("\n") >= n:
-            return logs[0].parent
-        if proc.poll() is not None:
-            raise AssertionError(f"the process ended early ({proc.returncode}): {proc.communicate()[1]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"fewer than {n} steps within {timeout_s} s")
 
 
 SIM_FOREGROUND = ("import sys\n"

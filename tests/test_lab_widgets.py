@@ -426,27 +426,6 @@ def test_compare_view_stop_ends_after_the_current_run(tmp_path):
 # ------------------------------------------------------------ a third backend: no widget edits
 
 
-@pytest.fixture
-def third(tmp_path, monkeypatch):
-    """A third backend (tests/test_backend_registry.py's), registered by importing its module."""
-    import importlib
-
-    from test_backend_registry import THIRD_MODULE
-
-    from um_lab.backend import unregister_backend
-
-    folder = tmp_path / "plugins"
-    folder.mkdir()
-    (folder / "um_lab_third.py").write_text(THIRD_MODULE)
-    monkeypatch.syspath_prepend(str(folder))
-    module = importlib.import_module("um_lab_third")
-    try:
-        yield module
-    finally:
-        unregister_backend("third")
-        sys.modules.pop("um_lab_third", None)
-
-
 def test_a_registered_backend_is_in_the_lab_dropdown_and_runs_from_the_panel(third, tmp_path):
     lab = Lab(model="mlp", model_kwargs=TINY_MLP, policy="gpu-first", backend="sim", steps=3, warmup_steps=1,
               out_dir=tmp_path)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from run_helpers import start_script, wait_for_steps
 
 import um_lab.runs.runlog
 from um_lab.app.cli import main
@@ -73,24 +74,6 @@ def lines_of(path: Path) -> int:
 # ------------------------------------------------------------------------ real processes ending
 
 
-def _start(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def _wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout_s: float = 120) -> Path:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        logs = list(out.glob("*/records.jsonl"))
-        if logs and logs[0].read_text().count("\n") >= n:
-            return logs[0].parent
-        if proc.poll() is not None:
-            raise AssertionError(f"the process ended early ({proc.returncode}): {proc.communicate()[1]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"fewer than {n} steps within {timeout_s} s")
-
-
 SIM_RUN = ("import sys, time\n"
            "from um_lab.runs.runner import Run\n"
            "from um_lab.types import RunSpec\n"
@@ -101,7 +84,7 @@ SIM_RUN = ("import sys, time\n"
 def _sigterm_after_steps(out: Path, proc: subprocess.Popen, n: int) -> tuple[Path, str, str]:
     """Wait for ``n`` recorded steps, send SIGTERM, collect the output (the process killed in any case)."""
     try:
-        path = _wait_for_steps(out, proc, n)
+        path = wait_for_steps(out, proc, n)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -119,7 +102,7 @@ def _assert_interrupted_with_its_steps(path: Path, by: str, min_steps: int) -> N
 
 
 def test_sigterm_ends_a_foreground_run_as_interrupted_with_its_steps(tmp_path):
-    proc = _start(SIM_RUN + "for _ in r: pass\n", str(tmp_path))
+    proc = start_script(SIM_RUN + "for _ in r: pass\n", str(tmp_path))
     path, _, err = _sigterm_after_steps(tmp_path, proc, 20)
     assert proc.returncode != 0 and "RunInterrupted: run interrupted by SIGTERM" in err, err
     _assert_interrupted_with_its_steps(path, "SIGTERM", 20)
@@ -138,7 +121,7 @@ def test_sigterm_to_um_lab_run_exits_130_and_keeps_the_steps(tmp_path):
 
 
 def test_sigterm_with_a_background_run_marks_it_and_still_terminates(tmp_path):
-    proc = _start(SIM_RUN + "r.start()\ntime.sleep(600)\n", str(tmp_path))
+    proc = start_script(SIM_RUN + "r.start()\ntime.sleep(600)\n", str(tmp_path))
     path, _, _ = _sigterm_after_steps(tmp_path, proc, 20)
     assert proc.returncode == -signal.SIGTERM  # terminated by the signal, as without um_lab's handler
     _assert_interrupted_with_its_steps(path, "SIGTERM", 20)
@@ -148,7 +131,7 @@ def test_a_background_run_is_marked_interrupted_when_python_exits(tmp_path):
     script = SIM_RUN + ("r.start()\n"
                         "while r.steps_completed < 20: time.sleep(0.01)\n"
                         "sys.exit(0)\n")
-    proc = _start(script, str(tmp_path))
+    proc = start_script(script, str(tmp_path))
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     (path,) = list_runs(tmp_path)

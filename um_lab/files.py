@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from um_lab.errors import FileReadError
 
@@ -113,24 +112,3 @@ def parse_json(text: str | bytes, what: str, source: str | os.PathLike[str] | No
 def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
     """Parse a regular JSON file of at most ``limit`` bytes (:class:`FileReadError` naming it otherwise)."""
     return parse_json(read_text(path, what, limit), what, source=path)
-
-
-def iter_lines(path: str | os.PathLike[str], what: str, line_limit: int = RECORD_LINE_LIMIT
-               ) -> Iterator[bytes]:
-    """The lines of a regular file (any length in all), each at most ``line_limit`` bytes; a longer line
-    raises :class:`FileReadError` naming the file and line. An absent file yields nothing."""
-    p = Path(path)
-    if not p.exists() and not p.is_symlink():
-        return
-    p = check_regular(p, what)
-    f: BinaryIO
-    with open(p, "rb") as f:
-        number = 0
-        while True:
-            raw = f.readline(line_limit + 1)
-            if not raw:
-                return
-            number += 1
-            if len(raw) > line_limit:
-                raise FileReadError(p, what, f"line {number} is longer than {line_limit:,} bytes")
-            yield raw
