@@ -210,7 +210,10 @@ def test_policy_change_mid_session_readvises_and_training_continues():
 
 def test_no_deadlock_backward_allocating_while_another_thread_frees():
     worker = Path(__file__).with_name("stress_worker.py")
-    out = subprocess.run([sys.executable, str(worker), "10000"], capture_output=True, text=True, timeout=420)
+    repo = str(Path(__file__).resolve().parents[2])  # the worker imports um_lab whether or not it is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(worker), "10000"], capture_output=True, text=True, timeout=420,
+                         env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["result"] == "ok" and result["iterations"] >= 10000
