@@ -1,14 +1,22 @@
 """Helpers shared by the runner tests on the sim and cuda backends, and by those that end real processes."""
 
+import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from um_lab.backend_base import BackendBase
+from um_lab.errors import BudgetTooSmall
+from um_lab.models import ModelCase
+from um_lab.policy import Policy
 from um_lab.runs.runner import Run
 from um_lab.runs.runread import LoadedRun, load
-from um_lab.types import RunSpec
+from um_lab.types import DATA_TYPES, RunSpec, StepRecord
+
+TINY = {"width": 16, "depth": 1, "batch_size": 4}  #: an MLP that builds and steps at once
 
 
 def stop_in_background(spec: RunSpec, out_dir, *, min_steps: int, timeout_s: float, poll_s: float) -> LoadedRun:
@@ -49,3 +57,39 @@ def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout_s: float =
         time.sleep(0.05)
     proc.kill()
     raise AssertionError(f"fewer than {n} steps within {timeout_s} s")
+
+
+class InstantBackend(BackendBase):
+    """Yields valid records at once (``delay_s`` apart); counts how often it is asked to run."""
+
+    name = "sim"
+    simulates_capacity = True
+
+    def __init__(self, delay_s: float = 0.0, budget_error: BudgetTooSmall | None = None) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+        self.budget_error = budget_error
+
+    def preflight(self, spec, case, policy):
+        if self.budget_error is not None:
+            raise self.budget_error
+        return None
+
+    def run(self, spec: RunSpec, case: ModelCase, policy: Policy) -> Iterator[StepRecord]:
+        self.calls += 1
+        for i in range(spec.warmup_steps + spec.steps):
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield StepRecord(step=i, wall_ms=10.0 + i, live_bytes={t.value: 100 for t in DATA_TYPES},
+                             cap_bytes=None, gpu_capacity_bytes=1000, backend="sim", policy=policy.name,
+                             loss=1.0, warmup=i < spec.warmup_steps, telemetry="fake")
+
+
+def spec(**kw) -> RunSpec:
+    """A five-step simulated run of the tiny MLP, with ``kw`` changed."""
+    return RunSpec(**{"model": "mlp", "model_kwargs": TINY, "backend": "sim", "steps": 5, "warmup_steps": 2, **kw})
+
+
+def status_of(path: Path) -> dict:
+    """The run folder's status.json."""
+    return json.loads((path / "status.json").read_text())

@@ -17,17 +17,15 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from run_helpers import start_script, wait_for_steps
+from run_helpers import TINY, InstantBackend, spec, start_script, status_of, wait_for_steps
 
 import um_lab.runs.runlog
 import um_lab.runs.runner
 from um_lab import models
 from um_lab.app.cli import main
-from um_lab.backend_base import BackendBase
 from um_lab.errors import BudgetTooSmall, FileReadError, ModelConfigError, SpecError, UmLabError
 from um_lab.files import POLICY_LIMIT, RECORD_LINE_LIMIT
 from um_lab.models import ModelCase
@@ -39,45 +37,10 @@ from um_lab.runs.runread import NOT_CHECKABLE, RunLogError, RunLogWarning, load
 from um_lab.runs.sweep import compare
 from um_lab.schedule.live.stage import StaleSavedTensor
 from um_lab.sizing import size_for_ratio
-from um_lab.types import DATA_TYPES, RunSpec, StepRecord
+from um_lab.types import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = {"width": 16, "depth": 1, "batch_size": 4}
 SIM_MLP = {"width": 256, "depth": 2, "batch_size": 64}
-
-
-class InstantBackend(BackendBase):
-    """Yields valid records at once (``delay_s`` apart); counts how often it is asked to run."""
-
-    name = "sim"
-    simulates_capacity = True
-
-    def __init__(self, delay_s: float = 0.0, budget_error: BudgetTooSmall | None = None) -> None:
-        self.delay_s = delay_s
-        self.calls = 0
-        self.budget_error = budget_error
-
-    def preflight(self, spec, case, policy):
-        if self.budget_error is not None:
-            raise self.budget_error
-        return None
-
-    def run(self, spec: RunSpec, case: ModelCase, policy: Policy) -> Iterator[StepRecord]:
-        self.calls += 1
-        for i in range(spec.warmup_steps + spec.steps):
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            yield StepRecord(step=i, wall_ms=10.0 + i, live_bytes={t.value: 100 for t in DATA_TYPES},
-                             cap_bytes=None, gpu_capacity_bytes=1000, backend="sim", policy=policy.name,
-                             loss=1.0, warmup=i < spec.warmup_steps, telemetry="fake")
-
-
-def spec(**kw) -> RunSpec:
-    return RunSpec(**{"model": "mlp", "model_kwargs": TINY, "backend": "sim", "steps": 5, "warmup_steps": 2, **kw})
-
-
-def status_of(path: Path) -> dict:
-    return json.loads((path / "status.json").read_text())
 
 
 def lines_of(path: Path) -> int:
