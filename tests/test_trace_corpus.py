@@ -104,6 +104,35 @@ class Branchy(nn.Module):
         return self.head(self.body(x))
 
 
+class LayerDrop(nn.Module):
+    """Skips each layer with probability ``p`` in training, as BART's and Whisper's encoders do."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:  # a random draw read as a Python bool
+                continue
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_a_step_that_reads_a_random_draw_traces_and_repeats():
+    """LayerDrop reads one random value per layer: the trace draws it for real (seeded, so two traces agree)
+    and follows the branch it picks; a layer always dropped is not in the trace."""
+    kept = trace_step(custom("layerdrop-0", lambda: LayerDrop(0.0), batch))
+    dropped = trace_step(custom("layerdrop-1", lambda: LayerDrop(1.0), batch))
+    some = [trace_step(custom("layerdrop-half", lambda: LayerDrop(0.5), batch)).op_names for _ in range(2)]
+    gemms = [sum(name in ("aten.addmm", "aten.mm") for name in t.op_names) for t in (kept, dropped)]
+    assert gemms[0] > gemms[1] >= 1  # the head's GEMMs remain when every layer is dropped
+    assert some[0] == some[1]  # seeded: the same draws every trace
+    assert len(dropped.op_names) <= len(some[0]) <= len(kept.op_names)
+
+
 def test_an_op_that_cannot_be_traced_raises_the_typed_error_naming_the_op_and_module():
     with pytest.raises(TraceError) as caught:
         trace_step(custom("branchy", Branchy, batch))

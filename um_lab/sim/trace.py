@@ -24,8 +24,9 @@ and dropout becomes ``native_dropout`` (a bool mask, as on CUDA). Adam-style opt
 Ops whose output size depends on tensor values (``nonzero``, boolean-mask indexing, ``torch.where(mask)``,
 ``masked_select``, ``unique``; ``bincount`` with a ``minlength``) are sized as if every element were selected (an
 upper bound: what a mask that keeps every element, such as a label or padding mask, really selects).
-An op that needs a value (``.item()``, ``.tolist()``, ``if tensor:``) or has no fake kernel raises
-:class:`TraceError`, naming the op and the module that ran it.
+A one-element random draw gets a real value, and so does what a step computes from it, so a step may read it
+(LayerDrop's ``if torch.rand([]) < p``). Any other op that needs a value (``.item()``, ``.tolist()``,
+``if tensor:``) or has no fake kernel raises :class:`TraceError`, naming the op and the module that ran it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -460,13 +461,72 @@ def _fake_model(case: ModelCase, fake: FakeTensorMode) -> torch.nn.Module:
     return model
 
 
+#: random draws whose single value a step may read (LayerDrop: ``if torch.rand([]) < p: skip the layer``)
+_SCALAR_DRAWS = frozenset({"aten.rand", "aten.uniform_", "aten.randn", "aten.normal_", "aten.bernoulli_",
+                           "aten.bernoulli"})
+
+
 class _DataDependentOps(TorchDispatchMode):
     """Sizes the ops whose output size depends on values (see the module's notes) as if every element were
-    selected; sits between the recorder (which records the op as called) and the fake mode."""
+    selected; sits between the recorder (which records the op as called) and the fake mode.
+
+    A one-element random draw also gets a real value (from a generator seeded per trace, so a trace is
+    repeatable), and so does each small op computed from such values and plain numbers: a step can then read
+    it (``.item()``, ``if tensor:``), as LayerDrop does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.values = WeakTensorKeyDictionary()  # fake tensor -> its real CPU value
+        self.generator = torch.Generator().manual_seed(0)
+
+    def _with_value(self, name: str, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Give ``out`` a real value where it is one random element, or a small result of valued inputs."""
+        if not isinstance(out, torch.Tensor) or out.numel() > 1:
+            return
+        with _disable_current_modes():  # real CPU tensors, outside the fake mode
+            self._compute_value(name, func, args, kwargs, out)
+
+    def _compute_value(self, name: str, func, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        if name in _SCALAR_DRAWS:
+            like = torch.empty(out.shape, dtype=out.dtype)
+            if name in ("aten.rand", "aten.uniform_"):
+                low, high = (args[1], args[2]) if name == "aten.uniform_" and len(args) > 2 else (0.0, 1.0)
+                self.values[out] = like.uniform_(low, high, generator=self.generator)
+            elif name in ("aten.randn", "aten.normal_"):
+                self.values[out] = like.normal_(generator=self.generator)
+            elif len(args) > 1 and isinstance(args[1], float):  # bernoulli(_) with a probability
+                self.values[out] = like.bernoulli_(args[1], generator=self.generator)
+            return
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if not tensors or any(t not in self.values for t in tensors):
+            return
+        real = [self.values[t] if isinstance(t, torch.Tensor) else
+                (torch.device("cpu") if isinstance(t, torch.device) else t) for t in flat]
+        real_args, real_kwargs = tree_unflatten(real, spec)
+        try:
+            value = func(*real_args, **real_kwargs)
+        except Exception:  # noqa: BLE001 - no value: reading it raises the usual TraceError
+            return
+        if isinstance(value, torch.Tensor) and value.shape == out.shape:
+            self.values[out] = value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _op_name(func)
+        if name == "aten._local_scalar_dense" and args and args[0] in self.values:
+            with _disable_current_modes():
+                return self.values[args[0]].item()
+        if self.values or name in _SCALAR_DRAWS:
+            out = self._dispatch(func, name, args, kwargs)
+            self._with_value(name, func, args, kwargs, out)
+            return out
+        return self._dispatch(func, name, args, kwargs)
+
+    def _dispatch(self, func, name: str, args: tuple, kwargs: dict) -> Any:
         if name == "aten.nonzero":
             x = args[0]
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
