@@ -251,3 +251,38 @@ def test_the_corpus_results_cover_three_libraries_and_trace_at_least_95_percent(
     for row in rows:
         assert row["traced"] or row["error"], row["name"]
     assert set(corpus_names()) == {r["name"] for r in rows}  # the results are of the corpus as defined
+
+
+def test_a_profiler_holding_the_callers_frames_does_not_change_the_trace():
+    """A sampling profiler (a Dask worker's) holds the calling thread's frames for a moment, so a tensor a
+    returning function held dies later: the trace runs in a thread of its own and records the same frees."""
+    import hashlib
+    import threading
+    import time
+
+    import numpy as np
+
+    from um_lab.models import get_model
+
+    case = get_model("gpt2-small", n_layer=2, n_embd=64, n_head=2, batch_size=2, seq_len=32)
+
+    def digest(trace) -> str:
+        return hashlib.sha1(np.concatenate([trace.st_alloc, trace.st_free, trace.st_nbytes]).tobytes()).hexdigest()
+
+    alone = digest(trace_step(case))
+    caller, stop = threading.get_ident(), threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            frame = sys._current_frames().get(caller)  # what a sampling profiler does
+            time.sleep(0.0005)
+            del frame
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        sampled = [digest(trace_step(case)) for _ in range(3)]
+    finally:
+        stop.set()
+        sampler.join()
+    assert sampled == [alone] * 3

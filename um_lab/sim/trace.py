@@ -786,6 +786,26 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
     ``zero_grad(set_to_none=False)``, as the real backend does); the second step is recorded. The model is
     built by :func:`build_outside_fake`; an op the trace cannot run raises :class:`TraceError`.
     """
+    # The trace runs in a thread of its own. The frees it records are the moments tensors die, so a sampling
+    # profiler that holds the calling thread's frames (a Dask worker's) would keep tensors alive past their
+    # last use and make two traces of one step differ.
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["trace"] = _trace_step(case, seed)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=work, name="um_lab-trace", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["trace"]
+
+
+def _trace_step(case: ModelCase, seed: int) -> StepTrace:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     torch.manual_seed(seed)
     model = _fake_model(case, fake)
