@@ -73,7 +73,7 @@ EXTRA = [
 ]
 #: Held-out configurations measured 2026-11-30 08:04 (predictions committed before measuring;
 #: bench/results/sim_fidelity_heldout/2026-11-30T0756/).
-HELDOUT_ROUND1 = [
+HELDOUT_2026_11_30T0756 = [
     ("resnet50", {"batch_size": 64}, "um-default"),
     ("resnet50", {"batch_size": 64}, "zero-copy-params"),
     ("gpt2-small", {"batch_size": 8, "seq_len": 1024}, "offload-optimizer"),
@@ -82,7 +82,7 @@ HELDOUT_ROUND1 = [
 #: Held out, measured 2026-12-01 03:53 (predictions committed before measuring;
 #: bench/results/sim_fidelity_heldout/2026-12-01T0344/: the predictions in predicted.json, the measured rows
 #: re-simulated since in measured.json).
-HELDOUT_ROUND2 = [
+HELDOUT_2026_12_01T0344 = [
     ("vit-b16", {"batch_size": 64}, "zero-copy-params"),
     ("vit-b16", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 32}, "act-remote"),
@@ -96,7 +96,7 @@ HELDOUT_ROUND2 = [
 #: measuring): the models never run before (ResNet-34, ResNet-101, ViT-L/16) under remote activations and
 #: zero-copy parameters, ResNet-101 under plain UM, BERT-large under remote activations. Blind: median
 #: 12.0%, worst +27% (bench/results/sim_fidelity_heldout/2026-12-01T0545/, predicted.json against measured.json).
-HELDOUT_ROUND3 = [
+HELDOUT_2026_12_01T0545 = [
     ("resnet101", {"batch_size": 32}, "act-remote"),
     ("resnet101", {"batch_size": 32}, "zero-copy-params"),
     ("resnet101", {"batch_size": 32}, "um-default"),
@@ -109,7 +109,7 @@ HELDOUT_ROUND3 = [
 #: Held out, measured 2026-12-01 06:04, after the k x k / 1x1 split of the convolution tile (predictions
 #: committed before measuring): every row simulated too fast, median 22.2%, worst -34%
 #: (bench/results/sim_fidelity_heldout/2026-12-01T0602/).
-HELDOUT_ROUND4 = [
+HELDOUT_2026_12_01T0602 = [
     ("resnet18", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 16}, "act-remote"),
     ("resnet152", {"batch_size": 16}, "zero-copy-params"),
@@ -128,7 +128,7 @@ HELDOUT_ROUND4 = [
 #: GEMM-heavy transformers and MLPs (-24% .. -31%) and host-bound CNN steps at small batches (-19% .. -33%).
 #: Predictions committed before measuring; blind: median 5.2%, worst +9.2%
 #: (bench/results/sim_fidelity_heldout/2026-12-01T0959/).
-HELDOUT_ROUND5 = [
+HELDOUT_2026_12_01T0959 = [
     ("resnet101", {"batch_size": 64}, "act-remote"),
     ("resnet152", {"batch_size": 64}, "zero-copy-params"),
     ("resnet18", {"batch_size": 256}, "act-remote"),
@@ -148,7 +148,7 @@ HELDOUT_ROUND5 = [
 #: bench/results/sim_fidelity_heldout/2026-12-01T2124/).
 #: The four zero-copy rows' weight GEMM shapes were timed alone (bench/results/gemm_shapes/) AFTER these steps
 #: were measured: their re-simulation is in-sample.
-HELDOUT_ROUND6 = [
+HELDOUT_2026_12_01T2124 = [
     ("vit-l16", {"batch_size": 16}, "zero-copy-params"),
     ("vit-l16", {"batch_size": 8, "image_size": 384}, "zero-copy-params"),
     ("bert-large", {"batch_size": 8, "seq_len": 512}, "zero-copy-params"),
@@ -195,15 +195,22 @@ CORPUS_HELDOUT = [
     ("transformers/qwen2.5-0.5b", {"budget": "0.6x"}, "layer-ahead"),
     ("timm/vit_base_patch16_224", {"budget": "0.6x"}, "layer-ahead"),
 ]
-#: Earlier held-out rounds, by number (their rows carry ``heldout_round``).
-HELDOUT_ROUNDS = {1: HELDOUT_ROUND1, 2: HELDOUT_ROUND2, 3: HELDOUT_ROUND3, 4: HELDOUT_ROUND4,
-                  5: HELDOUT_ROUND5, 6: HELDOUT_ROUND6}
+#: Earlier held-out sets, by the folder of sim_fidelity_heldout/ their predictions went to (their rows carry
+#: ``heldout_set``).
+HELDOUT_SETS = {
+    "2026-11-30T0756": HELDOUT_2026_11_30T0756,
+    "2026-12-01T0344": HELDOUT_2026_12_01T0344,
+    "2026-12-01T0545": HELDOUT_2026_12_01T0545,
+    "2026-12-01T0602": HELDOUT_2026_12_01T0602,
+    "2026-12-01T0959": HELDOUT_2026_12_01T0959,
+    "2026-12-01T2124": HELDOUT_2026_12_01T2124,
+}
 #: Policies of the held-out rows that are not presets.
 CUSTOM_POLICIES = {"act-remote": ACT_REMOTE}
 #: Models whose rows the H200 profile's constants were fitted on (with the probe's numbers).
 FIT_MODELS = ("mlp", "gpt2-small", "gpt2-medium")
 #: Models the per-op constants (um_lab.sim.step_fit, bench/step_detail.py) are fitted on: a
-#: held-out round uses none of them.
+#: held-out set uses none of them.
 STEP_FIT_MODELS = ("mlp", "resnet50", "gpt2-small", "gpt2-medium", "vit-b16")
 SLOW_MS = 1000.0
 
@@ -211,12 +218,12 @@ SLOW_MS = 1000.0
 def configurations() -> list[tuple[str, dict[str, Any], str]]:
     """(model, model_kwargs, policy) for every row."""
     rows = [(m, kw, p) for m, kw in MODELS.items() for p in REQUIRED_POLICIES]
-    return rows + EXTRA + HELDOUT_ROUND1
+    return rows + EXTRA + HELDOUT_2026_11_30T0756
 
 
 def is_fitted(model: str, kwargs: dict[str, Any], policy: str) -> bool:
     """True for rows the profile was fitted on (in-sample); ResNet and held-out rows are held out."""
-    held = NEW_HELDOUT + CORPUS_HELDOUT + [c for rnd in HELDOUT_ROUNDS.values() for c in rnd]
+    held = NEW_HELDOUT + CORPUS_HELDOUT + [c for rows in HELDOUT_SETS.values() for c in rows]
     return model in FIT_MODELS and (model, kwargs, policy) not in held
 
 
@@ -347,8 +354,8 @@ def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
                                            r.get("warmup_steps", 3))
         row.update(simulated_ms=round(sim_ms, 3), fitted=is_fitted(model, kw, policy),
                    new_heldout=(model, kw, policy) in NEW_HELDOUT + CORPUS_HELDOUT,
-                   heldout_round=next((n for n, rnd in HELDOUT_ROUNDS.items() if (model, kw, policy) in rnd),
-                                      None),
+                   heldout_set=next((stamp for stamp, rows in HELDOUT_SETS.items() if (model, kw, policy) in rows),
+                                    None),
                    sim={k: round(v, 4) for k, v in counters.items()})
         row["error"] = (round(sim_ms / r["measured_ms"] - 1, 4) if r.get("measured_ms") else None)
         rows.append(row)

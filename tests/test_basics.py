@@ -137,9 +137,10 @@ def test_fidelity_rows_fall_into_their_sets_and_match_the_committed_summaries():
     from um_lab.teaching import fidelity
 
     df = fidelity.load_fidelity()
-    assert df["set"].value_counts().to_dict() == {"fitted": 12, "hand-set": 4, "held-out-1": 4, "held-out-2": 8,
-                                                   "held-out-3": 8, "held-out-4": 8, "held-out-5": 8, "held-out-6": 8,
-                                                   "held-out-new": 8}
+    sets = [fidelity.heldout_label(h) for h in fidelity.HELDOUT]
+    assert sets[0] == "held-out 2026-11-30 07:56" and fidelity.SETS == ("fitted", "hand-set", *sets)
+    assert df["set"].value_counts().to_dict() == {"fitted": 12, "hand-set": 4, sets[0]: 4,
+                                                   **{name: 8 for name in sets[1:]}}
     assert df["measured_ms"].notna().all() and (df["ratio"] < 1).all()
     main = json.loads((fidelity.results_dir() / "sim_fidelity.json").read_text())["summary"]
     def held_out_summary(index):
@@ -151,14 +152,14 @@ def test_fidelity_rows_fall_into_their_sets_and_match_the_committed_summaries():
     s = fidelity.summary(df).set_index("set")
     assert s.loc["fitted", "median |error|"] == pytest.approx(main["in_sample"]["median_abs_error"], abs=1e-4)
     assert s.loc["hand-set", "worst |error|"] == pytest.approx(main["held_out"]["worst_abs_error"], abs=1e-4)
-    assert s.loc["held-out-new", "median |error|"] == pytest.approx(new["median_abs_error"], abs=1e-4)
+    assert s.loc[sets[-1], "median |error|"] == pytest.approx(new["median_abs_error"], abs=1e-4)
     for index, column in ((1, "worst |error|"), (2, "median |error|"), (3, "worst |error|"), (4, "median |error|"),
                           (5, "worst |error|")):
         expected = held_out_summary(index)["worst_abs_error" if column.startswith("worst") else "median_abs_error"]
-        assert s.loc[f"held-out-{index}", column] == pytest.approx(expected, abs=1e-4)
-    # the held-out-new predictions were committed before measuring; the measured run re-simulates at the capacity
+        assert s.loc[sets[index - 1], column] == pytest.approx(expected, abs=1e-4)
+    # the newest set's predictions were committed before measuring; the measured run re-simulates at the capacity
     # the GPU reported (a hair from the profile's), and the committed predictions alone meet the bar
-    held = df[df["set"] == "held-out-new"]
+    held = df[df["set"] == sets[-1]]
     assert ((held["committed_prediction_ms"] / held["simulated_ms"] - 1).abs() < 0.005).all()
     blind = (held["committed_prediction_ms"] / held["measured_ms"] - 1).abs()
     assert blind.max() <= 0.25 and blind.median() <= 0.15
@@ -181,5 +182,6 @@ def test_fidelity_missing_results_and_the_newest_file_wins(tmp_path):
     newest.parent.mkdir(parents=True)
     newest.write_text(json.dumps({"date": "2026-02-01", "rows": [newer]}))
     df = fidelity.load_fidelity(tmp_path)
-    assert len(df) == 1 and df["measured_ms"].iloc[0] == 20.0 and df["set"].iloc[0] == "held-out-new"
+    assert len(df) == 1 and df["measured_ms"].iloc[0] == 20.0
+    assert df["set"].iloc[0] == fidelity.heldout_label(fidelity.HELDOUT[-1])
     assert df["error"].iloc[0] == pytest.approx(11 / 20 - 1)

@@ -18,13 +18,13 @@ def _key(model: str, kwargs: dict, policy: str) -> str:
     return json.dumps([model, kwargs, policy], sort_keys=True)
 
 
-def test_the_new_round_uses_no_fit_model_and_repeats_no_earlier_configuration() -> None:
+def test_the_new_set_uses_no_fit_model_and_repeats_no_earlier_configuration() -> None:
     new = sim_fidelity.NEW_HELDOUT
     assert len(new) >= 6
     assert sum(policy in REMOTE_HEAVY for _, _, policy in new) >= 3
     fit = set(sim_fidelity.FIT_MODELS) | set(sim_fidelity.STEP_FIT_MODELS)
     assert not {model for model, _, _ in new} & fit
-    earlier = {_key(*c) for rnd in sim_fidelity.HELDOUT_ROUNDS.values() for c in rnd}
+    earlier = {_key(*c) for rows in sim_fidelity.HELDOUT_SETS.values() for c in rows}
     earlier |= {_key(*c) for c in sim_fidelity.configurations()}
     assert not {_key(*c) for c in new} & earlier
     assert len({_key(*c) for c in new}) == len(new)
@@ -37,7 +37,7 @@ def _committed(folder: str) -> dict:
     return json.loads((path / "measured.json").read_text())["predictions"]
 
 
-def test_the_committed_predictions_are_the_new_round() -> None:
+def test_the_committed_predictions_are_the_new_set() -> None:
     predicted = _committed("2026-12-02T0134")
     rows = {_key(r["model"], r["model_kwargs"], r["policy"]): r for r in predicted["rows"]}
     assert set(rows) == {_key(*c) for c in sim_fidelity.NEW_HELDOUT}

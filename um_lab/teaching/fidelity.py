@@ -5,11 +5,11 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
 * ``fitted``: the H200 profile's constants were fitted on these rows (MLP, GPT-2 small/medium): in-sample.
 * ``hand-set``: ResNet-50 bs 32; host costs and the convolution tile were once set by hand after seeing
   them, and ResNet-50 is one of the models the per-op fits (:mod:`um_lab.sim.step_fit`) use: not a test.
-* ``held-out-1`` .. ``held-out-6`` and ``held-out-new``: the held-out checks, oldest first, each in
-  ``sim_fidelity_heldout/<when its predictions were written>/``: ``predicted.json`` committed before the rows
+* ``held-out 2026-11-30 07:56`` and on: the held-out checks, oldest first, each named by when its predictions
+  were written and kept in ``sim_fidelity_heldout/<that time>/``: ``predicted.json`` committed before the rows
   were measured; once measured, ``measured.json`` holds the measurements (re-simulated since with later profiles
-  for the older ones, so no longer blind) and those predictions under ``predictions``. ``held-out-new`` is the
-  newest: the current true out-of-sample test.
+  for the older ones, so no longer blind) and those predictions under ``predictions``. The newest is the
+  current true out-of-sample test.
 
 error = simulated / measured - 1.
 """
@@ -25,11 +25,18 @@ import pandas as pd
 
 from um_lab.errors import UmLabError
 
-SETS = ("fitted", "hand-set", "held-out-1", "held-out-2", "held-out-3", "held-out-4", "held-out-5", "held-out-6",
-        "held-out-new")
 #: the held-out checks, oldest first: folders of ``sim_fidelity_heldout/`` named by when the predictions were written
 HELDOUT = ("2026-11-30T0756", "2026-12-01T0344", "2026-12-01T0545", "2026-12-01T0602", "2026-12-01T0959",
            "2026-12-01T2124", "2026-12-02T0134")
+
+
+def heldout_label(folder: str) -> str:
+    """The set name of a held-out check from its folder, e.g. ``held-out 2026-12-01 03:44``."""
+    day, _, time = folder.partition("T")
+    return f"held-out {day} {time[:2]}:{time[2:4]}" if len(time) >= 4 else f"held-out {folder}"
+
+
+SETS = ("fitted", "hand-set", *(heldout_label(h) for h in HELDOUT))  #: every set, in the order tables show them
 FILES = ("sim_fidelity.json", *(f"sim_fidelity_heldout/{h}/measured.json" for h in HELDOUT))
 PREDICTED = tuple(f"sim_fidelity_heldout/{h}/predicted.json" for h in HELDOUT)  #: a set not yet measured
 BAND = 0.15  #: the bar on the median |error|; also the band drawn around y = x
@@ -58,12 +65,10 @@ def config_label(kwargs: dict[str, Any]) -> str:
 
 
 def _set_of(row: dict[str, Any]) -> str:
-    if row.get("new_heldout"):
-        return "held-out-new"
-    if row.get("heldout_round"):
-        return f"held-out-{row['heldout_round']}"
-    if row.get("heldout_round1"):  # files written before rounds were numbered
-        return "held-out-1"
+    if row.get("heldout_set"):
+        return heldout_label(row["heldout_set"])
+    if row.get("new_heldout"):  # the newest set: its rows do not name their folder yet
+        return heldout_label(HELDOUT[-1])
     return "fitted" if row.get("fitted") else "hand-set"
 
 
@@ -75,7 +80,7 @@ def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
     """Every measured row of the fidelity files, one per configuration (the newest file wins).
 
     Columns: set, model, config, policy, ratio, measured_ms, simulated_ms, error, abs_error,
-    committed_prediction_ms (the prediction written before measuring, held-out-new rows), the simulator's
+    committed_prediction_ms (the prediction written before measuring, held-out rows), the simulator's
     counters of a timed step (sim_faults, sim_evictions, sim_htod_GB, sim_remote_GB), label, short_label,
     source, date.
     Raises :class:`FidelityResultsMissing` when ``sim_fidelity.json`` is absent.
@@ -103,8 +108,8 @@ def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
             row = {"set": _set_of(r), "model": r["model"], "config": config_label(r.get("model_kwargs")),
                    "policy": r["policy"], "ratio": r.get("ratio"), "measured_ms": r["measured_ms"],
                    "simulated_ms": r["simulated_ms"], "error": r["simulated_ms"] / r["measured_ms"] - 1,
-                   "committed_prediction_ms": (predicted.get(_key(r)) if r.get("new_heldout") or r.get("heldout_round1")
-                                               or r.get("heldout_round") else None),
+                   "committed_prediction_ms": (predicted.get(_key(r)) if r.get("new_heldout") or r.get("heldout_set")
+                                               else None),
                    "sim_faults": sim.get("faults"), "sim_evictions": sim.get("evictions"),
                    "sim_htod_GB": sim.get("htod_GB"), "sim_remote_GB": sim.get("remote_GB"),
                    "source": name, "date": data.get("date", "")}
