@@ -133,6 +133,52 @@ def test_a_step_that_reads_a_random_draw_traces_and_repeats():
     assert len(dropped.op_names) <= len(some[0]) <= len(kept.op_names)
 
 
+class Draws(nn.Module):
+    """Reads draws with arguments: a uniform in [0.9, 1), a normal around 10, a certain Bernoulli."""
+
+    read: list[tuple[float, float, float]] = []  #: what every step read, in order
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, n = torch.empty([]).uniform_(0.9), torch.empty([]).normal_(10.0, 0.001)
+        Draws.read.append((u.item(), n.item(), torch.empty([]).bernoulli_(1.0).item()))
+        return self.fc(x)
+
+
+class Overwritten(nn.Module):
+    """A draw overwritten in place by a value of the batch: its old value must not be read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.rand([])
+        gate.copy_(x.sum())
+        return self.fc(x) * 2 if gate > 0 else self.fc(x)
+
+
+def test_random_draws_follow_their_arguments_and_the_trace_seed_and_leave_the_callers_rng_alone():
+    state = torch.random.get_rng_state()
+    Draws.read.clear()
+    trace_step(custom("draws", Draws, batch), seed=0)
+    (u0, n0, b0) = Draws.read[-1]
+    trace_step(custom("draws", Draws, batch), seed=1)
+    (u1, n1, b1) = Draws.read[-1]
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert 0.9 <= u0 < 1 and 0.9 <= u1 < 1 and u0 != u1  # the seed moves the draws
+    assert abs(n0 - 10) < 0.01 and abs(n1 - 10) < 0.01 and b0 == b1 == 1.0
+
+
+def test_a_draw_overwritten_by_batch_values_is_not_read_as_its_old_value():
+    with pytest.raises(TraceError) as caught:
+        trace_step(custom("overwritten", Overwritten, batch))
+    assert caught.value.op == "aten._local_scalar_dense"
+
+
 def test_an_op_that_cannot_be_traced_raises_the_typed_error_naming_the_op_and_module():
     with pytest.raises(TraceError) as caught:
         trace_step(custom("branchy", Branchy, batch))

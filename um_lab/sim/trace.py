@@ -32,6 +32,7 @@ A one-element random draw gets a real value, and so does what a step computes fr
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -470,49 +471,18 @@ class _DataDependentOps(TorchDispatchMode):
     """Sizes the ops whose output size depends on values (see the module's notes) as if every element were
     selected; sits between the recorder (which records the op as called) and the fake mode.
 
-    A one-element random draw also gets a real value (from a generator seeded per trace, so a trace is
-    repeatable), and so does each small op computed from such values and plain numbers: a step can then read
-    it (``.item()``, ``if tensor:``), as LayerDrop does.
+    A one-element random draw also gets a real value (the real op on the CPU, from a generator seeded with the
+    trace's seed, so a trace is repeatable), and so does each small op computed from such values and plain
+    numbers: a step can then read it (``.item()``, ``if tensor:``), as LayerDrop does. An op that writes a
+    valued tensor in place and cannot be computed forgets every value (reading one then raises TraceError).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         super().__init__()
         from torch.utils.weak import WeakTensorKeyDictionary
 
         self.values = WeakTensorKeyDictionary()  # fake tensor -> its real CPU value
-        self.generator = torch.Generator().manual_seed(0)
-
-    def _with_value(self, name: str, func, args: tuple, kwargs: dict, out: Any) -> None:
-        """Give ``out`` a real value where it is one random element, or a small result of valued inputs."""
-        if not isinstance(out, torch.Tensor) or out.numel() > 1:
-            return
-        with _disable_current_modes():  # real CPU tensors, outside the fake mode
-            self._compute_value(name, func, args, kwargs, out)
-
-    def _compute_value(self, name: str, func, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
-        if name in _SCALAR_DRAWS:
-            like = torch.empty(out.shape, dtype=out.dtype)
-            if name in ("aten.rand", "aten.uniform_"):
-                low, high = (args[1], args[2]) if name == "aten.uniform_" and len(args) > 2 else (0.0, 1.0)
-                self.values[out] = like.uniform_(low, high, generator=self.generator)
-            elif name in ("aten.randn", "aten.normal_"):
-                self.values[out] = like.normal_(generator=self.generator)
-            elif len(args) > 1 and isinstance(args[1], float):  # bernoulli(_) with a probability
-                self.values[out] = like.bernoulli_(args[1], generator=self.generator)
-            return
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        if not tensors or any(t not in self.values for t in tensors):
-            return
-        real = [self.values[t] if isinstance(t, torch.Tensor) else
-                (torch.device("cpu") if isinstance(t, torch.device) else t) for t in flat]
-        real_args, real_kwargs = tree_unflatten(real, spec)
-        try:
-            value = func(*real_args, **real_kwargs)
-        except Exception:  # noqa: BLE001 - no value: reading it raises the usual TraceError
-            return
-        if isinstance(value, torch.Tensor) and value.shape == out.shape:
-            self.values[out] = value
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -520,11 +490,46 @@ class _DataDependentOps(TorchDispatchMode):
         if name == "aten._local_scalar_dense" and args and args[0] in self.values:
             with _disable_current_modes():
                 return self.values[args[0]].item()
-        if self.values or name in _SCALAR_DRAWS:
-            out = self._dispatch(func, name, args, kwargs)
-            self._with_value(name, func, args, kwargs, out)
-            return out
-        return self._dispatch(func, name, args, kwargs)
+        if not self.values and name not in _SCALAR_DRAWS:
+            return self._dispatch(func, name, args, kwargs)
+        written = [t for t in _written(func, args, kwargs) if t in self.values]
+        out = self._dispatch(func, name, args, kwargs)
+        value = None
+        if isinstance(out, torch.Tensor) and out.numel() <= 1:
+            with _disable_current_modes():  # real CPU tensors, outside the fake mode
+                try:
+                    value = self._real(func, name, args, kwargs, out)
+                except Exception:  # noqa: BLE001 - no value: reading it raises the usual TraceError
+                    value = None
+        if isinstance(value, torch.Tensor) and value.shape == out.shape:
+            self.values[out] = value
+        elif written:  # a value changed that cannot be followed: views of it would go stale too
+            self.values.clear()
+        return out
+
+    def _real(self, func, name: str, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:
+        """The op's result on real CPU tensors, or None when an input has no value."""
+        if name in ("aten.rand", "aten.randn"):
+            make = torch.rand if name == "aten.rand" else torch.randn
+            return make(tuple(out.shape), generator=self.generator, dtype=out.dtype)
+        flat, spec = tree_flatten((args, kwargs))
+        real = []
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                if t in self.values:
+                    real.append(self.values[t])
+                elif i == 0 and name in _SCALAR_DRAWS and not (name == "aten.bernoulli"
+                                                               and func._overloadname == "default"):
+                    real.append(torch.empty(t.shape, dtype=t.dtype))  # the draw writes or ignores its values
+                else:
+                    return None
+            else:
+                real.append(torch.device("cpu") if isinstance(t, torch.device) else t)
+        real_args, real_kwargs = tree_unflatten(real, spec)
+        if name in _SCALAR_DRAWS:
+            real_kwargs = {**real_kwargs, "generator": self.generator}
+        value = func(*real_args, **real_kwargs)
+        return value if isinstance(value, torch.Tensor) else None
 
     def _dispatch(self, func, name: str, args: tuple, kwargs: dict) -> Any:
         if name == "aten.nonzero":
@@ -567,6 +572,22 @@ class _DataDependentOps(TorchDispatchMode):
             return func(*args, **kwargs)
         except _FAKE_LIMITS as e:
             raise _ValuesNeeded(name, _why(e)) from e
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema's mutable arguments)."""
+    schema = func._schema.arguments
+    names = {a.name: a for a in schema}
+    out = []
+    for i, a in enumerate(args):
+        info = schema[i].alias_info if i < len(schema) else None
+        if isinstance(a, torch.Tensor) and info is not None and info.is_write:
+            out.append(a)
+    for key, a in kwargs.items():
+        info = names[key].alias_info if key in names else None
+        if isinstance(a, torch.Tensor) and info is not None and info.is_write:
+            out.append(a)
+    return out
 
 
 def _why(e: Exception) -> str:
@@ -784,11 +805,15 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
 
     A first step (untraced) creates the optimizer state and the gradients (kept with
     ``zero_grad(set_to_none=False)``, as the real backend does); the second step is recorded. The model is
-    built by :func:`build_outside_fake`; an op the trace cannot run raises :class:`TraceError`.
+    built by :func:`build_outside_fake`; an op the trace cannot run raises :class:`TraceError`. ``seed`` seeds
+    the model's initialisation, the batch and any random value the step reads; the caller's random state is
+    left as it was.
+
+    The trace runs in a thread of its own, with the caller's context variables but torch's default per-thread
+    settings (gradients on, no autocast): the frees it records are the moments tensors die, and a sampling
+    profiler that holds the calling thread's frames (a Dask worker's) would keep tensors alive past their last
+    use and make two traces of one step differ.
     """
-    # The trace runs in a thread of its own. The frees it records are the moments tensors die, so a sampling
-    # profiler that holds the calling thread's frames (a Dask worker's) would keep tensors alive past their
-    # last use and make two traces of one step differ.
     outcome: dict[str, Any] = {}
 
     def work() -> None:
@@ -797,17 +822,24 @@ def trace_step(case: ModelCase, seed: int = 0) -> StepTrace:
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             outcome["error"] = e
 
-    thread = threading.Thread(target=work, name="um_lab-trace", daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(work,), name="um_lab-trace",
+                              daemon=True)
     thread.start()
-    thread.join()
+    while thread.is_alive():  # in short waits, so that Ctrl-C reaches the caller (the trace then ends alone)
+        thread.join(0.1)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["trace"]
 
 
 def _trace_step(case: ModelCase, seed: int) -> StepTrace:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _traced(case, seed)
+
+
+def _traced(case: ModelCase, seed: int) -> StepTrace:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    torch.manual_seed(seed)
     model = _fake_model(case, fake)
     phase_box = {"phase": 0, "name": "forward"}
     with fake:
@@ -820,7 +852,7 @@ def _trace_step(case: ModelCase, seed: int) -> StepTrace:
             if "foreach" in group and not group.get("fused"):
                 group["foreach"] = True
         batch = tuple(fake.from_tensor(b) for b in case.batch(seed))
-    with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps():
+    with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(seed):
         phase_box["name"] = "forward"
         loss = case.loss_fn(model, *batch)
         phase_box["name"] = "backward"
@@ -844,7 +876,7 @@ def _trace_step(case: ModelCase, seed: int) -> StepTrace:
             if isinstance(v, torch.Tensor):
                 rec.register(v, DataType.OPTIM, -1, False)
     rec.record_input_copy(batch)
-    with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(), rec:
+    with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(seed), rec:
         rec.phase = phase_box["phase"] = PHASE_FWD
         phase_box["name"] = "forward"
         loss = case.loss_fn(model, *batch)
