@@ -324,13 +324,19 @@ ESTIMATES_ARE = ("estimate: each data type's own peak, summed (um_lab's pools); 
 
 def measure_estimates(out: Path) -> dict:
     """On a CUDA GPU: each predicted model trained natively (one warm-up step, then a step whose peak is read:
-    ``torch.cuda.max_memory_allocated``, gradients zeroed in place as um_lab's session keeps them); the error of
-    each prediction against it, and per set how many are within the bar."""
+    ``torch.cuda.max_memory_allocated``, gradients zeroed in place as um_lab's session keeps them), each from no
+    cuBLAS workspace; the error of each prediction against it, and per set how many are within the bar."""
     path = out / "estimate_vs_gpu.json"
     result = json.loads(path.read_text())
     device = torch.device("cuda")
     free, _ = torch.cuda.mem_get_info()
     for row in result["rows"]:
+        for key in ("skipped", "estimate_error", "peak_live_error", "native_peak_error"):
+            row.pop(key, None)  # from an earlier measurement
+        # each model starts with no cuBLAS workspace: the earlier models' stay allocated (empty_cache keeps them)
+        # and would count in this one's peak
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
         if row["estimate_bytes"] > 0.6 * free:  # never near the card's free memory
             row["measured_bytes"], row["skipped"] = None, "too large for the free memory here"
             continue

@@ -42,7 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 def start_script(script: str, *args: str) -> subprocess.Popen:
     """A Python process running ``script`` from the repository, its output piped."""
     return subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                os.environ.get("PYTHONPATH")]))})
 
 
 def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout_s: float = 120) -> Path:

@@ -197,6 +197,10 @@ def test_native_peak_is_the_traced_peak_plus_one_gemm_workspace_per_thread_that_
     assert estimate_memory("mlp", width=64, depth=3, batch_size=16, profile=none).native_peak_bytes == peak
     assert est.to_dict()["native_peak_bytes"] == est.native_peak_bytes
     assert estimate_memory("mlp", width=64, depth=3, batch_size=16, use_sim_trace=False).native_peak_bytes is None
+    from um_lab.errors import ProfileError
+
+    with pytest.raises(ProfileError):  # a profile that is not there is an error, not a quiet analytic estimate
+        estimate_memory("mlp", width=64, depth=3, batch_size=16, profile="no-such-card")
 
 
 def test_the_gemm_workspace_keeps_a_profile_digest_at_its_default_and_is_checked():

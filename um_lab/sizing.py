@@ -108,14 +108,15 @@ def _sim_trace_estimate(case: ModelCase, profile: str | Profile = "h200") -> Mem
 
     Each type has its own pool on the real backend, so each type's own peak is what its pool holds.
     """
+    from um_lab.sim.profile import load_profile
+
+    workspace = load_profile(profile).gemm_workspace_bytes  # a bad profile is the caller's error, not a fallback
     try:
         import numpy as np
 
-        from um_lab.sim.profile import load_profile
         from um_lab.sim.trace import KIND_MATMUL, PHASE_BWD, cached_trace  # FakeTensor trace: no memory used
         from um_lab.types import DATA_TYPES
 
-        workspace = load_profile(profile).gemm_workspace_bytes
         trace = cached_trace(case)
         n = trace.n_ops
         per_type: dict[str, int] = {}

@@ -8,8 +8,9 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
 * ``held-out 2026-11-30 07:56`` and on: the held-out checks, oldest first, each named by when its predictions
   were written and kept in ``sim_fidelity_heldout/<that time>/``: ``predicted.json`` committed before the rows
   were measured; once measured, ``measured.json`` holds the measurements (re-simulated since with later profiles
-  for the older ones, so no longer blind) and those predictions under ``predictions``. The newest is the
-  current true out-of-sample test.
+  for the older ones, so no longer blind) and those predictions under ``predictions``. :data:`HELDOUT` lists the
+  checks measured on the H200; the corpus check of 2026-12-06, measured on an H100, is reported in
+  ``docs/benchmarks.md`` only.
 
 error = simulated / measured - 1.
 """
@@ -64,11 +65,13 @@ def config_label(kwargs: dict[str, Any]) -> str:
     return ", ".join(parts) or "default"
 
 
-def _set_of(row: dict[str, Any]) -> str:
+def _set_of(row: dict[str, Any], folder: str | None) -> str:
+    """The set of a measured row: the held-out check whose folder it was read from, else its ``heldout_set``,
+    else fitted or hand-set."""
+    if folder is not None:
+        return heldout_label(folder)
     if row.get("heldout_set"):
         return heldout_label(row["heldout_set"])
-    if row.get("new_heldout"):  # the newest set: its rows do not name their folder yet
-        return heldout_label(HELDOUT[-1])
     return "fitted" if row.get("fitted") else "hand-set"
 
 
@@ -96,7 +99,7 @@ def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
             for r in (data.get("predictions") or {}).get("rows", []) if name in FILES else data["rows"]:
                 predicted[_key(r)] = r["simulated_ms"]
     best: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for name in FILES:
+    for name, held in zip(FILES, (None, *HELDOUT), strict=True):
         path = folder / name
         if not path.is_file():
             continue
@@ -105,11 +108,10 @@ def load_fidelity(folder: str | Path | None = None) -> pd.DataFrame:
             if r.get("measured_ms") is None:
                 continue
             sim = r.get("sim") or {}
-            row = {"set": _set_of(r), "model": r["model"], "config": config_label(r.get("model_kwargs")),
+            row = {"set": _set_of(r, held), "model": r["model"], "config": config_label(r.get("model_kwargs")),
                    "policy": r["policy"], "ratio": r.get("ratio"), "measured_ms": r["measured_ms"],
                    "simulated_ms": r["simulated_ms"], "error": r["simulated_ms"] / r["measured_ms"] - 1,
-                   "committed_prediction_ms": (predicted.get(_key(r)) if r.get("new_heldout") or r.get("heldout_set")
-                                               else None),
+                   "committed_prediction_ms": (predicted.get(_key(r)) if held or r.get("heldout_set") else None),
                    "sim_faults": sim.get("faults"), "sim_evictions": sim.get("evictions"),
                    "sim_htod_GB": sim.get("htod_GB"), "sim_remote_GB": sim.get("remote_GB"),
                    "source": name, "date": data.get("date", "")}
