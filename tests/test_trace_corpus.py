@@ -134,7 +134,7 @@ def test_a_step_that_reads_a_random_draw_traces_and_repeats():
 
 
 class Draws(nn.Module):
-    """Reads draws with arguments: a uniform in [0.9, 1), a normal around 10, a certain Bernoulli."""
+    """Reads draws with arguments: a uniform in [0.9, 1), a normal near 10, a certain Bernoulli."""
 
     read: list[tuple[float, float, float]] = []  #: what every step read, in order
 
