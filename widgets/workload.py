@@ -312,8 +312,13 @@ class WorkloadPicker:
         footprint = None
         try:
             case = with_training(models.get_model(name, **kwargs), **training)
-            estimate: MemoryEstimate | None = estimate_memory(case)
-            prepare = getattr(self.backend_instance(), "prepare", None) if self.simulates_capacity else None
+            backend = self.backend_instance() if self.simulates_capacity else None
+            from um_lab.sim.profile import Profile
+
+            profile = getattr(backend, "profile", None)  # the simulated card's, for its GEMM workspace
+            estimate: MemoryEstimate | None = estimate_memory(
+                case, profile=profile if isinstance(profile, Profile) else "h200")
+            prepare = getattr(backend, "prepare", None) if self.simulates_capacity else None
             if callable(prepare):
                 footprint = int(prepare(case).footprint_bytes)  # what the run will oversubscribe
             text = ""
