@@ -118,16 +118,7 @@ def _sim_trace_estimate(case: ModelCase, profile: str | Profile = "h200") -> Mem
         from um_lab.types import DATA_TYPES
 
         trace = cached_trace(case)
-        n = trace.n_ops
-        per_type: dict[str, int] = {}
-        for index, dtype in enumerate(DATA_TYPES):
-            selected = trace.st_type == index
-            nbytes = trace.st_nbytes[selected].astype(np.int64)
-            alloc, free = trace.st_alloc[selected], trace.st_free[selected]
-            delta = np.zeros(n + 2, np.int64)
-            np.add.at(delta, np.clip(alloc, -1, n) + 1, nbytes)
-            np.add.at(delta, np.clip(free, 0, n) + 1, -nbytes * (free <= n - 1))
-            per_type[dtype.value] = int(np.cumsum(delta).max()) if n + 2 else 0
+        per_type = {dtype.value: trace.peak_bytes(dtype) for dtype in DATA_TYPES}
         gemms = np.asarray(trace.op_kind) == KIND_MATMUL
         backward = np.asarray(trace.op_phase) == PHASE_BWD
         gemm_threads = int((gemms & ~backward).any()) + int((gemms & backward).any())

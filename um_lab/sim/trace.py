@@ -136,12 +136,16 @@ class StepTrace:
         return {t.value: int(self.st_nbytes[sel & (self.st_type == i)].sum())
                 for i, t in enumerate(DATA_TYPES)}
 
-    def peak_bytes(self) -> int:
-        """Peak bytes of live storages over the step (tensors, before segment rounding)."""
+    def peak_bytes(self, data_type: DataType | None = None) -> int:
+        """Peak bytes of live storages over the step (tensors, before segment rounding): of all of them, or of
+        one data type's."""
         n = self.n_ops
+        selected = slice(None) if data_type is None else self.st_type == TYPE_INDEX[data_type]
+        nbytes = self.st_nbytes[selected].astype(np.int64)
+        alloc, free = self.st_alloc[selected], self.st_free[selected]
         delta = np.zeros(n + 2, np.int64)
-        np.add.at(delta, np.clip(self.st_alloc, -1, n) + 1, self.st_nbytes)
-        np.add.at(delta, np.clip(self.st_free, 0, n) + 1, -self.st_nbytes * (self.st_free <= n - 1))
+        np.add.at(delta, np.clip(alloc, -1, n) + 1, nbytes)
+        np.add.at(delta, np.clip(free, 0, n) + 1, -nbytes * (free <= n - 1))
         return int(np.cumsum(delta).max())
 
 
@@ -245,20 +249,7 @@ class _Recorder(TorchDispatchMode):
             warnings.warn(f"um_lab.sim.trace: {name}: {why}", stacklevel=3)
 
     def _record(self, func, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        schema_args = func._schema.arguments
-        in_tensors: list[tuple[torch.Tensor, bool, int]] = []
-        for pos, a in enumerate(args):
-            write = bool(pos < len(schema_args) and schema_args[pos].alias_info is not None
-                         and schema_args[pos].alias_info.is_write)
-            for t in tree_flatten(a)[0]:
-                if isinstance(t, torch.Tensor):
-                    in_tensors.append((t, write, pos))
-        for key, a in kwargs.items():
-            write = any(s.name == key and s.alias_info is not None and s.alias_info.is_write
-                        for s in schema_args)
-            for t in tree_flatten(a)[0]:
-                if isinstance(t, torch.Tensor):
-                    in_tensors.append((t, write, -1))
+        in_tensors = _tensor_args(func, args, kwargs)
         in_cdata = {StorageWeakRef(t.untyped_storage()).cdata for t, _, _ in in_tensors}
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         new_outs = [t for t in outs if StorageWeakRef(t.untyped_storage()).cdata not in in_cdata]
@@ -492,7 +483,7 @@ class _DataDependentOps(TorchDispatchMode):
                 return self.values[args[0]].item()
         if not self.values and name not in _SCALAR_DRAWS:
             return self._dispatch(func, name, args, kwargs)
-        written = [t for t in _written(func, args, kwargs) if t in self.values]
+        written = [t for t, write, _ in _tensor_args(func, args, kwargs) if write and t in self.values]
         out = self._dispatch(func, name, args, kwargs)
         value = None
         if isinstance(out, torch.Tensor) and out.numel() <= 1:
@@ -574,20 +565,19 @@ class _DataDependentOps(TorchDispatchMode):
             raise _ValuesNeeded(name, _why(e)) from e
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op writes in place (its schema's mutable arguments)."""
-    schema = func._schema.arguments
-    names = {a.name: a for a in schema}
-    out = []
-    for i, a in enumerate(args):
-        info = schema[i].alias_info if i < len(schema) else None
-        if isinstance(a, torch.Tensor) and info is not None and info.is_write:
-            out.append(a)
+def _tensor_args(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool, int]]:
+    """Every tensor an op takes (in lists too): ``(tensor, written in place, position)``, position -1 for a
+    keyword argument."""
+    schema_args = func._schema.arguments
+    found: list[tuple[torch.Tensor, bool, int]] = []
+    for pos, a in enumerate(args):
+        write = bool(pos < len(schema_args) and schema_args[pos].alias_info is not None
+                     and schema_args[pos].alias_info.is_write)
+        found += [(t, write, pos) for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor)]
     for key, a in kwargs.items():
-        info = names[key].alias_info if key in names else None
-        if isinstance(a, torch.Tensor) and info is not None and info.is_write:
-            out.append(a)
-    return out
+        write = any(s.name == key and s.alias_info is not None and s.alias_info.is_write for s in schema_args)
+        found += [(t, write, -1) for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor)]
+    return found
 
 
 def _why(e: Exception) -> str:
