@@ -129,11 +129,15 @@ suite_telemetry() {
   run telemetry_overhead 900 python3 bench/telemetry_overhead.py --out "$OUT/telemetry_overhead.json"
 }
 
+dashboard_args() {  # short steps are noisier: more, shorter runs, interleaved
+  case $1 in cuda-small) echo "--repeats 8 --steps 200" ;; *) echo "--repeats 3" ;; esac
+}
+
 suite_dashboard() {  # the simulator's row (config sim) is measured on a CPU machine: python bench/dashboard_overhead.py
   stage dashboard
   local config
   for config in cuda cuda-small; do
-    run "dashboard_$config" 600 python3 bench/dashboard_overhead.py --config $config --repeats 3 \
+    run "dashboard_$config" 600 python3 bench/dashboard_overhead.py --config $config $(dashboard_args $config) \
       --out "$OUT/dashboard_overhead.json"
   done
 }

@@ -357,6 +357,9 @@ def measure_estimates(out: Path) -> dict:
         for key in ("estimate", "peak_live", "native_peak"):
             if row.get(f"{key}_bytes"):
                 row[f"{key}_error"] = round(row[f"{key}_bytes"] / row["measured_bytes"] - 1, 4)
+        if row.get("native_peak_bytes_after_measuring"):  # an older set, re-estimated after it was measured
+            row["native_peak_error_after_measuring"] = round(
+                row["native_peak_bytes_after_measuring"] / row["measured_bytes"] - 1, 4)
         print(f"{row['name']:44s} measured {row['measured_bytes'] / 2**30:7.2f} GiB  estimate "
               f"{row['estimate_error']:+.1%}  peak live {row['peak_live_error']:+.1%}  native peak "
               f"{row.get('native_peak_error', float('nan')):+.1%}", flush=True)
