@@ -124,3 +124,37 @@ def test_models_that_use_trunc_normal_init_build_on_fake_tensors():
         w = torch.empty(16, 8)
         out = torch.nn.init.trunc_normal_(w, std=0.02)
     assert out is w and torch.nn.init.trunc_normal_ is original  # restored on exit
+
+
+class _Attention(torch.nn.Module):
+    """One attention with an additive mask laid out as given (T5's position bias is a permuted view)."""
+
+    def __init__(self, mask_transposed: bool) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.mask_transposed = mask_transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        n = x.shape[1]
+        bias = torch.zeros(n, n, 2, device=x.device).permute(2, 0, 1) if self.mask_transposed \
+            else torch.zeros(2, n, n, device=x.device)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0), dropout_p=0.1)
+        return out.sum()
+
+
+@pytest.mark.parametrize("mask_transposed", [False, True])
+def test_attention_takes_the_kernel_cuda_would(mask_transposed: bool) -> None:
+    """A mask whose last dimension is not dense makes CUDA run the math path, which keeps the attention
+    matrices for the backward; the trace must count them."""
+    case = ModelCase(f"attn-{mask_transposed}", lambda: _Attention(mask_transposed),
+                     lambda g: (torch.randn(4, 128, 32, generator=g),), lambda m, x: m(x), info={})
+    trace = trace_step(case)
+    fused = "aten._scaled_dot_product_efficient_attention" in trace.op_names
+    assert fused is not mask_transposed
+    assert ("aten._safe_softmax" in trace.op_names) is mask_transposed
+    matrix = 4 * 2 * 128 * 128 * 4  # one fp32 attention matrix
+    if mask_transposed:
+        assert trace.peak_bytes() > 2 * matrix  # softmax output and dropout output live into the backward
+    else:
+        assert trace.peak_bytes() < 2 * matrix

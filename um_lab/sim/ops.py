@@ -45,8 +45,36 @@ KNOWN_GENERIC = {
 
 
 
+def cuda_runs_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  mask: torch.Tensor | None) -> bool:
+    """Whether CUDA's ``scaled_dot_product_attention`` takes its memory-efficient kernel for these inputs (the
+    checks of PyTorch's ``sdp_utils`` that a training step meets): the last dimension of q, k, v and the mask
+    dense (stride 1), head dimensions a multiple of 4 (fp32) or 8 (16-bit). Otherwise it runs the unfused
+    math path, which keeps the attention matrix for the backward."""
+    align = 4 if q.dtype == torch.float32 else 8
+    return (all(t.stride(-1) == 1 for t in (q, k, v)) and (mask is None or mask.stride(-1) == 1)
+            and q.shape[-1] % align == 0 and v.shape[-1] % align == 0)
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
+                   scale: float | None) -> torch.Tensor:
+    """CUDA's unfused attention (``_scaled_dot_product_attention_math``) in the aten ops it runs: both operands
+    scaled by the square root of the scale, the mask added, a safe softmax, dropout with a boolean mask."""
+    s = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    attn = torch.matmul(q * s, k.transpose(-2, -1) * s)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros_like(mask, dtype=attn.dtype).masked_fill_(~mask, -math.inf)
+        attn.add_(mask)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if p > 0:
+        attn = torch.ops.aten.native_dropout(attn, p, True)[0]
+    return torch.matmul(attn, v)
+
+
 class CudaKernelChoices(TorchFunctionMode):
-    """Replace CPU-only decompositions by the fused ops CUDA would run (same memory behaviour)."""
+    """Replace CPU-only decompositions by the ops CUDA would run (same memory behaviour): attention by the
+    memory-efficient kernel where CUDA takes it, else by CUDA's math path; dropout by ``native_dropout``."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = kwargs or {}
@@ -57,6 +85,8 @@ class CudaKernelChoices(TorchFunctionMode):
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
             if k.shape[-3] == q.shape[-3] and k.dim() == 4 and (mask is None or not causal):
                 with torch._C.DisableTorchFunction():
+                    if not cuda_runs_efficient_attention(q, k, v, mask):
+                        return math_attention(q, k, v, mask, p, kwargs.get("scale"))
                     need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
                     out = torch.ops.aten._scaled_dot_product_efficient_attention(
                         q, k, v, mask, need_lse, p, causal, scale=kwargs.get("scale"))
