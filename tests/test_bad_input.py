@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 from test_runner import FakeBackend
 
+import um_lab
 import um_lab.runs.sweep
 import um_lab.sim.backend
 import um_lab.sim.trace
@@ -376,3 +377,49 @@ def test_run_refuses_a_batch_beyond_host_memory_before_its_folder_is_written(tmp
     rc, err = cli_error(capsys, ["run", "--model", "mlp", "--batch-size", str(10**12), "--backend", "sim",
                                  "--steps", "1", "--out", str(tmp_path), "--no-progress"])
     assert rc == 1 and "input batch of mlp" in err and list(tmp_path.iterdir()) == []
+
+
+def test_a_model_whose_library_is_missing_is_refused_before_any_folder(tmp_path, monkeypatch) -> None:
+    import um_lab.models as models
+    from um_lab.errors import MissingDependencyError
+
+    monkeypatch.setitem(models._IMPORTABLE, "torchvision", False)
+    with pytest.raises(MissingDependencyError, match="needs torchvision") as info:
+        um_lab.run(RunSpec(model="resnet18", backend="sim", steps=1), out_dir=tmp_path / "runs")
+    assert isinstance(info.value, ImportError) and info.value.module == "torchvision"
+    assert not (tmp_path / "runs").exists()
+    assert main(["run", "--model", "resnet18", "--backend", "sim", "--out", str(tmp_path / "cli")]) == 2
+    assert not (tmp_path / "cli").exists()
+
+
+def test_run_names_a_wrong_argument_before_anything_runs(tmp_path) -> None:
+    with pytest.raises(SpecError, match=r"RunSpec\(model='mlp'\)"):
+        um_lab.run("mlp", out_dir=tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="steps is a RunSpec field"):
+        um_lab.run(case=get_model("mlp", width=16, depth=1, batch_size=4), steps=2, out_dir=tmp_path)
+    with pytest.raises(SpecError, match="case must be a ModelCase"):
+        um_lab.run(RunSpec(backend="sim"), case=3, out_dir=tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(um_lab.RunDirError, match="got int 5"):
+        compare(["mlp"], ["gpu-first"], backend="sim", out_dir=5)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_one_policy_or_processor_given_alone_is_not_split_into_characters(tmp_path) -> None:
+    table = compare(["mlp"], "gpu-first", ratios=1.5, backend="sim", steps=2, warmup_steps=1,
+                    model_kwargs={"width": 16, "depth": 1, "batch_size": 4}, out_dir=tmp_path)
+    assert list(table["policy"]) == ["um-default", "gpu-first"] and list(table["ratio"]) == [1.5, 1.5]
+    assert Advice(accessed_by="gpu") == Advice(accessed_by=frozenset({"gpu"}))
+
+
+def test_presets_cannot_be_changed_by_accident() -> None:
+    with pytest.raises(TypeError):
+        del presets["um-default"]  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        presets["um-default"] = presets["gpu-first"]  # type: ignore[index]
+    assert presets["um-default"].name == "um-default"
+
+
+def test_an_unknown_config_field_suggests_the_close_one() -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ModelConfigError, match="did you mean n_layer"):
+        get_model("gpt2-small", n_layers=2)

@@ -380,3 +380,12 @@ def test_tables_show_no_ratio_as_none_and_nothing_as_nan(tmp_path, capsys):
     assert main(["show", str(sweep)]) == 0
     out = capsys.readouterr().out
     assert "none" in out and "1.5" in out and "NaN" not in out
+
+
+def test_python_dash_m_um_lab_is_the_command_line() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "um_lab", "policies"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "um-default" in done.stdout and "gpu-first" in done.stdout

@@ -12,6 +12,7 @@ from um_lab.errors import (
     FileReadError,
     HostMemoryRefused,
     InputError,
+    MissingDependencyError,
     ModelConfigError,
     OversubscriptionRefused,
     PolicyError,
@@ -68,9 +69,9 @@ __all__ = [
     "custom", "experimental", "get_model", "get_policy", "list_runs", "load", "presets", "run",
     # errors: every one a UmLabError
     "BudgetError", "BudgetTooSmall", "CudaUnavailableError", "FileReadError", "HostMemoryRefused", "InputError",
-    "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused", "PolicyError", "RunDirError", "RunLogError",
-    "RunNameError", "RunStateError", "SessionStateError", "SizeRefused", "SpecError", "UmLabError",
-    "UnsupportedDeviceError", "UnsupportedOptimizer",
+    "MissingDependencyError", "ModelConfigError", "NotARunFolderError", "OversubscriptionRefused", "PolicyError",
+    "RunDirError", "RunLogError", "RunNameError", "RunStateError", "SessionStateError", "SizeRefused", "SpecError",
+    "UmLabError", "UnsupportedDeviceError", "UnsupportedOptimizer",
 ]
 
 

@@ -182,3 +182,15 @@ class OptimizerNeedsClosure(ModelConfigError):
 
 class ModelTypeError(ModelConfigError, TypeError):
     """A model argument of the wrong type (``custom(name, 42, ...)``); also a ``TypeError``."""
+
+
+class MissingDependencyError(ModelConfigError, ImportError):
+    """A zoo model needs an optional library this install cannot import (``module``); the message carries the
+    command that adds it. Also an ``ImportError``."""
+
+    def __init__(self, model: str, module: str, message: str) -> None:
+        self.model, self.module = model, module
+        super().__init__(message, "model")
+
+    def __reduce__(self):
+        return (type(self), (self.model, self.module, self.args[0]))

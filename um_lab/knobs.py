@@ -63,7 +63,12 @@ def check_overrides(config_cls: type, overrides: Mapping[str, Any], model_name: 
     params = _config_params(config_cls)
     unknown = sorted(set(overrides) - set(params))
     if unknown:
-        raise ModelConfigError(f"unknown {config_cls.__name__} field(s) {unknown} for model {model_name!r}",
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(params), n=4, cutoff=0.6)
+        hint = (f"did you mean {', '.join(close)}?" if close
+                else f"{config_cls.__name__}'s documentation lists its fields")
+        raise ModelConfigError(f"unknown {config_cls.__name__} field(s) {unknown} for model {model_name!r}; {hint}",
                                unknown[0])
     for key, value in overrides.items():
         allowed = _allowed_kinds(params[key])

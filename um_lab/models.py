@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from um_lab.errors import ModelConfigError, ModelTypeError, OptimizerNeedsClosure, UmLabError
+from um_lab.errors import MissingDependencyError, ModelConfigError, ModelTypeError, OptimizerNeedsClosure, UmLabError
 from um_lab.knobs import check_overrides, check_positive, check_transformer
 
 Batch = tuple[torch.Tensor, ...]
@@ -84,10 +84,13 @@ def _require(module: str, model_name: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(
-            f"model {model_name!r} needs {module}, which is not importable here ({e}). "
-            f"Install it with `{install_hint(module)}` (a {module} build that matches this torch)."
-        ) from e
+        raise _missing(model_name, module, str(e)) from e
+
+
+def _missing(model_name: str, module: str, why: str) -> MissingDependencyError:
+    return MissingDependencyError(
+        model_name, module, f"model {model_name!r} needs {module}, which is not importable here ({why}). "
+        f"Install it with `{install_hint(module)}` (a {module} build that matches this torch).")
 
 
 # --------------------------------------------------------------------------------------------- MLP
@@ -527,6 +530,13 @@ def check_case(case: ModelCase) -> ModelCase:
     return case
 
 
+#: what a family's ``**overrides`` take, as ``um-lab models`` lists it
+_MORE_KNOBS: dict[Callable[..., ModelCase], str] = {
+    vit: "and patch_size, num_layers, num_heads, hidden_dim, mlp_dim",
+    gpt2: "and any GPT2Config field (n_layer, n_embd, n_head, vocab_size, ...)",
+    bert: "and any BertConfig field (num_hidden_layers, hidden_size, num_attention_heads, vocab_size, ...)"}
+
+
 def describe_models() -> dict[str, str]:
     """Zoo name -> its size knobs with defaults, e.g. ``"width=4096, depth=8, batch_size=256, ..."``."""
     out = {}
@@ -535,7 +545,7 @@ def describe_models() -> dict[str, str]:
         fixed = _FIXED_BY_NAME.get(base, set())
         params = [p for p in inspect.signature(base).parameters.values() if p.name not in fixed]
         knobs = [f"{p.name}={p.default!r}" if p.default is not p.empty else
-                 ("<config fields>" if p.kind is p.VAR_KEYWORD else p.name) for p in params]
+                 (_MORE_KNOBS.get(base, "more knobs") if p.kind is p.VAR_KEYWORD else p.name) for p in params]
         out[name] = ", ".join(knobs)
     return out
 
@@ -561,15 +571,19 @@ def module_importable(module: str) -> bool:
     return _IMPORTABLE[module]
 
 
+def _missing_module(name: str) -> str | None:
+    """The optional library zoo model ``name`` needs that does not import here (None: nothing missing)."""
+    base = _ZOO_BASE.get(name) if name in ZOO and ZOO[name] is _ZOO_DEFAULT.get(name) else None
+    module = _NEEDS_MODULE.get(base) if base is not None else None
+    return None if module is None or module_importable(module) else module
+
+
 def model_needs(name: str) -> str | None:
     """What zoo model ``name`` needs that this install lacks, with the command that adds it (keeping a CPU
     torch CPU), e.g. ``"needs torchvision: pip install torchvision --index-url ..."``; None when it can be
     built here."""
-    base = _ZOO_BASE.get(name) if name in ZOO and ZOO[name] is _ZOO_DEFAULT.get(name) else None
-    module = _NEEDS_MODULE.get(base) if base is not None else None
-    if module is None or module_importable(module):
-        return None
-    return f"needs {module}: {install_hint(module)}"
+    module = _missing_module(name)
+    return None if module is None else f"needs {module}: {install_hint(module)}"
 
 
 def buildable_models() -> list[str]:
@@ -579,7 +593,11 @@ def buildable_models() -> list[str]:
 
 
 def case_for_spec(spec: Any) -> ModelCase:
-    """The :class:`ModelCase` a :class:`~um_lab.types.RunSpec` names (its batch size and model knobs)."""
+    """The :class:`ModelCase` a :class:`~um_lab.types.RunSpec` names (its batch size and model knobs); a zoo model
+    whose library does not import here is refused (:class:`~um_lab.errors.MissingDependencyError`)."""
+    module = _missing_module(spec.model)
+    if module is not None:
+        raise _missing(spec.model, module, "not installed, or built for another torch")
     kwargs = dict(spec.model_kwargs)
     if spec.batch_size is not None:
         given = kwargs.get("batch_size")

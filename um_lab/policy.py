@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,9 @@ class Advice:
     prefetch: Prefetch | str = Prefetch.NONE
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "accessed_by", frozenset(self.accessed_by))
+        accessed = self.accessed_by
+        # one processor given alone ("gpu"), not the set of its characters
+        object.__setattr__(self, "accessed_by", frozenset([accessed] if isinstance(accessed, str) else accessed))
         _check_values(dataclasses.asdict(self), "advice")
         object.__setattr__(self, "preferred_location", Location(self.preferred_location))
         object.__setattr__(self, "accessed_by", frozenset(Processor(p) for p in self.accessed_by))
@@ -292,7 +295,8 @@ class Policy:
 _GPU_PINNED = Advice(preferred_location="gpu", accessed_by=frozenset({"gpu"}))
 _ZERO_COPY = Advice(preferred_location="cpu", accessed_by=frozenset({"gpu"}))
 
-presets: dict[str, Policy] = {
+#: The preset policies by name (read-only): plain UM, the paper's per-type settings and common placements.
+presets: Mapping[str, Policy] = types.MappingProxyType({
     p.name: p
     for p in (
         Policy("um-default", {}, "No advice: plain Unified Memory, the paper's baseline."),
@@ -344,7 +348,7 @@ presets: dict[str, Policy] = {
             ),
         ),
     )
-}
+})
 
 
 LAYER_AHEAD = "layer-ahead"

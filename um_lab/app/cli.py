@@ -445,6 +445,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     """``um-lab models``."""
     from um_lab.models import buildable_models, describe_models, get_model, model_needs
 
+    if args.model_kw and args.layers is None:
+        raise CliError("--model-kw sizes the model that --layers lists; give --layers MODEL with it")
     if args.layers is not None:
         import torch
 

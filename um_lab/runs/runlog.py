@@ -68,8 +68,14 @@ def default_out_dir() -> Path:
 
 
 def resolve_out_dir(out_dir: str | os.PathLike[str] | None) -> Path:
-    """``out_dir`` as a Path, or :func:`default_out_dir` when it is None."""
-    return default_out_dir() if out_dir is None else Path(out_dir)
+    """``out_dir`` as a Path, or :func:`default_out_dir` when it is None; anything but a path is refused
+    (:class:`RunDirError` naming it)."""
+    if out_dir is None:
+        return default_out_dir()
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise RunDirError(f"out_dir must be a folder path (str or os.PathLike) or None, got "
+                          f"{type(out_dir).__name__} {out_dir!r}")
+    return Path(out_dir)
 
 
 def timestamp() -> str:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from um_lab.backend import backend_class, get_backend, resolve_backend_name
 from um_lab.backend_base import Backend
-from um_lab.errors import BudgetTooSmall, UmLabError, gib
+from um_lab.errors import BudgetTooSmall, SpecError, UmLabError, gib
 from um_lab.listeners import Listenable, RecordListeners
 from um_lab.models import ModelCase, case_for_spec, check_case
 from um_lab.policy import Policy, check_preset_name, get_policy
@@ -118,6 +118,7 @@ class Run(RunFolderWriter, Listenable):
         name: str | None = None,
         preflight: bool | Mapping[str, Any] = True,
     ) -> None:
+        _check_arguments(spec, case)
         if name is not None:
             name = check_run_name(name)  # before anything is created
         spec = spec or RunSpec()
@@ -392,9 +393,36 @@ def _as_given_budget(error: BudgetTooSmall, spec: RunSpec) -> BudgetTooSmall:
                           f"({gib(error.budget)})")
 
 
+def _check_arguments(spec: Any, case: Any) -> None:
+    """Refuse a ``spec`` that is not a RunSpec and a ``case`` that is not a ModelCase, naming what was given."""
+    if spec is not None and not isinstance(spec, RunSpec):
+        hint = f"; to run the model {spec!r}: RunSpec(model={spec!r})" if isinstance(spec, str) else ""
+        raise SpecError(f"spec must be a RunSpec or None, got {type(spec).__name__} {spec!r:.80}{hint}", "spec")
+    if case is not None and not isinstance(case, ModelCase):
+        raise SpecError(f"case must be a ModelCase (from um_lab.custom(...) or um_lab.get_model(...)) or None, got "
+                        f"{type(case).__name__} {case!r:.80}", "case")
+
+
+#: The keyword options :func:`run` passes to :class:`Run`.
+RUN_OPTIONS = ("backend", "keep_records", "tail", "name", "preflight")
+
+
 def run(spec: RunSpec | None = None, case: ModelCase | None = None, policy: Policy | str | None = None,
         out_dir: str | os.PathLike[str] | None = None, **run_options: Any) -> LoadedRun:
-    """Run ``spec`` to the end in the foreground and return it as loaded from disk."""
+    """Run ``spec`` (default ``RunSpec()``) to the end in the foreground and return it as loaded from disk.
+
+    ``case`` / ``policy`` replace the model and policy ``spec`` names (your own :func:`~um_lab.models.custom` model
+    or :class:`~um_lab.policy.Policy`); runs go to ``out_dir`` (default ``$UM_LAB_RUNS_DIR`` or ``runs/``).
+    ``run_options``: those of :class:`Run` (``backend``, ``keep_records``, ``tail``, ``name``, ``preflight``);
+    steps, batch size and the rest are :class:`~um_lab.types.RunSpec` fields."""
+    unknown = sorted(set(run_options) - set(RUN_OPTIONS))
+    if unknown:
+        fields = {f.name for f in dataclasses.fields(RunSpec)}
+        spec_fields = [k for k in unknown if k in fields]
+        hint = (f"; {', '.join(spec_fields)} {'is a RunSpec field' if len(spec_fields) == 1 else 'are RunSpec fields'}"
+                f": run(RunSpec({spec_fields[0]}=...), case=...)" if spec_fields else "")
+        raise SpecError(f"run() got unknown option(s) {', '.join(unknown)}; it takes spec, case, policy, out_dir and "
+                        f"{', '.join(RUN_OPTIONS)}{hint}", unknown[0])
     active = Run(spec, case, policy, out_dir, **run_options)
     for _ in active:
         pass

@@ -67,6 +67,8 @@ def _normalise_models(models: ModelsArg, model_kwargs: Mapping[str, Any] | None)
 
 def _checked_ratios(ratios: Sequence[float | None]) -> list[float | None]:
     """The ratios (``[None]`` when empty), each once: a ratio given twice is refused, naming it."""
+    if ratios is None or isinstance(ratios, (int, float)):  # one ratio
+        ratios = [ratios]
     ratio_list = list(ratios) or [None]
     seen: list[float | None] = []
     for ratio in ratio_list:
@@ -90,6 +92,8 @@ def _checked_batch_size(batch_size: int | None, model_items: list[tuple[str, Any
 def _checked_policies(policies: Sequence[str | Policy], baseline: str) -> list[Policy]:
     """The policies, the baseline first when missing; a policy may not reuse a preset's name with other
     advice (it would stand in for the preset, the baseline included) nor share a name with another."""
+    if isinstance(policies, (str, Policy)):  # one policy, not a sequence of its characters
+        policies = [policies]
     objs: list[Policy] = []
     for policy in [check_preset_name(get_policy(p), baseline) for p in policies]:
         same = [p for p in objs if p.name == policy.name]
@@ -235,11 +239,11 @@ def compare(
     kind = type(backend_instance) if backend_instance is not None else backend_class(backend)
     backend_name = backend_instance.name if backend_instance is not None else kind.name
     if not kind.simulates_capacity and any(r is not None for r in ratio_list):
-        raise ValueError(f"oversubscription ratios are simulated (backend 'sim'); on {backend_name} size the "
-                         "model instead (um_lab.sizing.size_for_ratio)")
+        raise SpecError(f"oversubscription ratios are simulated (backend 'sim'); on {backend_name} size the "
+                        "model instead (um_lab.sizing.size_for_ratio)", "ratios")
     if band and not kind.reports_uncertainty_band:
-        raise ValueError(f"backend {kind.name!r} reports no uncertainty band (the simulator does: profile constants' "
-                         "ranges); use backend='sim'")
+        raise SpecError(f"backend {kind.name!r} reports no uncertainty band (the simulator does: profile constants' "
+                        "ranges); use backend='sim'", "band")
     if executor is not None:
         _check_executor_backend(backend, backend_instance)
     if backend_instance is None:
