@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -515,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``um-lab``; returns the exit status (errors print ``um-lab: error: ...``, never a traceback
     for um_lab's own errors: bad input 2, other refusals and failures 1)."""
     args = parse_args(argv)
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt as e:
@@ -530,6 +533,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UmLabError, RuntimeError) as e:  # e.g. no GPU, a size refused under the safety cap
         _say_error(e)
         return EXIT_FAILED
+    finally:
+        warnings.showwarning = shown
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """A warning as one line for the command line's user (no source path, no source line)."""
+    print(f"um-lab: warning: {message}", file=file if file is not None else sys.stderr)
 
 
 if __name__ == "__main__":

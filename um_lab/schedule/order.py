@@ -12,6 +12,8 @@ from um_lab.schedule.ledger import BLOCK, Span, blocks_of_span
 from um_lab.types import DataType
 
 PHASES = ("forward", "backward", "optimizer")
+#: The layer name of the position that holds the ops outside the model's layers (input, output head, loss).
+STEP_POSITION = "(step)"
 
 
 @dataclasses.dataclass(frozen=True)

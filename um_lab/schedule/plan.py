@@ -23,7 +23,7 @@ import numpy as np
 
 from um_lab.errors import BudgetError, BudgetTooSmall
 from um_lab.schedule.ledger import Ledger, Move, blocks_of_span
-from um_lab.schedule.order import Order
+from um_lab.schedule.order import STEP_POSITION, Order
 from um_lab.types import DataType
 
 
@@ -98,7 +98,9 @@ class Scheduler:
         i = max(range(self.n), key=self.working_set)
         if self.working_set(i) > self.ledger.budget_bytes:
             phase, layer = self.order.positions[i].key
-            raise BudgetTooSmall(self.ledger.budget_bytes, self.working_set(i), f"{phase} of {layer or 'the model'}")
+            where = ("the ops outside the model's layers (input, output head, loss)" if layer == STEP_POSITION
+                     else layer or "the model")
+            raise BudgetTooSmall(self.ledger.budget_bytes, self.working_set(i), f"the {phase} of {where}")
 
     def enter(self, i: int, extra: Iterable[int] = ()) -> list[Move]:
         """Moves at position ``i``: its blocks (and ``extra`` blocks seen now) resident, then look-ahead."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from um_lab.errors import BudgetTooSmall
 from um_lab.schedule.ledger import BLOCK, Span
-from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, Order, Position, join_consecutive
+from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, STEP_POSITION, Order, Position, join_consecutive
 from um_lab.schedule.plan import Plan, make_plan
 from um_lab.schedule.staging import WINDOW_BYTES
 from um_lab.sim.placement import Layout
@@ -178,7 +178,7 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile,
                 owner is not None and owner != current[1] and (previous is None or previous != key)):
             previous = current
             current = key
-            positions.append(Position(key[0], f"layer {key[1]}" if key[1] >= 0 else "(step)"))
+            positions.append(Position(key[0], f"layer {key[1]}" if key[1] >= 0 else STEP_POSITION))
             starts.append(op)
             compute.append(0.0)
             host_us.append(0.0)

@@ -28,7 +28,13 @@ from torch import nn
 
 from um_lab.errors import UnsupportedOptimizer
 from um_lab.schedule.ledger import Span
-from um_lab.schedule.order import OPTIMIZER_CHUNK_DIVISOR, Order, Position, join_consecutive  # noqa: F401
+from um_lab.schedule.order import (  # noqa: F401
+    OPTIMIZER_CHUNK_DIVISOR,
+    STEP_POSITION,
+    Order,
+    Position,
+    join_consecutive,
+)
 from um_lab.types import DataType
 
 Touch = tuple[DataType, Span]
@@ -162,7 +168,7 @@ class StepRecorder:
     def recording(self) -> Iterator[Order]:
         """Record one step's forward and backward (and optimizer positions added inside) into a new order."""
         self.order = Order()
-        self._stack[:] = [_Call(STEP_CALL, "(step)", resumed=True)]  # ops outside modules: their own position
+        self._stack[:] = [_Call(STEP_CALL, STEP_POSITION, resumed=True)]  # ops outside modules: their own position
         self._saved.clear()
         self.active = True
         try:
@@ -181,7 +187,7 @@ class StepRecorder:
         self.active = True
         outside = self._saved.get(STEP_CALL)
         if outside:
-            self.open_position("backward", "(step)", [(DataType.ACT, s) for s in outside])
+            self.open_position("backward", STEP_POSITION, [(DataType.ACT, s) for s in outside])
         # modules called in backward recompute their forward (activation checkpointing): their calls nest on a
         # step call of their own, so each one's post-hook closes it and records its outputs at its own position
         self._stack[:] = [_Call(STEP_CALL, "(recompute)", resumed=True)]
