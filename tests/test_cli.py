@@ -389,3 +389,17 @@ def test_python_dash_m_um_lab_is_the_command_line() -> None:
     done = subprocess.run([sys.executable, "-m", "um_lab", "policies"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "um-default" in done.stdout and "gpu-first" in done.stdout
+
+
+def test_search_writes_a_policy_that_run_takes(tmp_path, capsys) -> None:
+    best = tmp_path / "best.json"
+    knobs = ["--model", "mlp", "--model-kw", "width=64", "--model-kw", "depth=1", "--model-kw", "batch_size=8"]
+    assert main(["search", *knobs, "--ratio", "1.5", "--workers", "1", "--steps", "2", "--save", str(best)]) == 0
+    out = capsys.readouterr().out
+    assert "with um-default" in out and f"policy written to {best}" in out
+    assert main(["search", *knobs, "--ratio", "1.5", "--workers", "1", "--save", str(best)]) == 2  # exists
+    assert main(["run", *knobs, "--ratio", "1.5", "--backend", "sim", "--steps", "2", "--policy", str(best),
+                 "--out", str(tmp_path / "runs")]) == 0
+    with pytest.raises(SystemExit) as info:  # neither --ratio nor --capacity: argparse's usage error
+        main(["search", *knobs])
+    assert info.value.code == 2

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from um_lab.app import labserver
+from um_lab.app import cli_search, labserver
 from um_lab.app.cli_args import (
     CliError,
     check_batch_size,
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list MODEL's layers instead (the names --recompute takes), built on the meta device")
     p.add_argument("--model-kw", action="append", metavar="KEY=VALUE", help="with --layers: a size knob")
     sub.add_parser("policies", help="list the policy presets and the scheduled policies")
+    cli_search.add_parser(sub)
     return parser
 
 
@@ -477,7 +478,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "compare": cmd_compare, "calibrate": cmd_calibrate, "lab": cmd_lab,
-            "show": cmd_show, "models": cmd_models, "policies": cmd_policies}
+            "show": cmd_show, "models": cmd_models, "policies": cmd_policies, "search": cli_search.command}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
