@@ -342,6 +342,35 @@ def _print_summary(summary: dict[str, Any]) -> None:
                   f" {s['zero_copy_worst_abs_error']} (bar 0.25): {'PASS' if s['passes'] else 'FAIL'}")
 
 
+def _host_calibrated(sim: SimBackend, configs: list[tuple[str, dict[str, Any], str]],
+                     out: Path) -> tuple[SimBackend, dict[str, Any]]:
+    """Before any row runs: the host probes timed here, the profile's host constants fitted to them, and every
+    row predicted with that profile, written to ``out/host_calibrated_predictions.json`` (the probes are zoo
+    models at tiny sizes, none of them a row). Returns the calibrated simulator and what was fitted."""
+    from um_lab.sim.host_calibration import fit_host_scale, measure_host_probes
+
+    probes = measure_host_probes()
+    profile, scale = fit_host_scale(sim.profile, probes)
+    host_sim = SimBackend(profile)
+    fitted = {"scale": round(scale, 4), "probes": [
+        {**p, "ms": round(p["ms"], 3), "simulated_ms": round(simulate(host_sim, p["model"], p["model_kwargs"],
+                                                                      p["policy"], None, 3, 1)[0], 3)}
+        for p in probes]}
+    rows = []
+    for model, kw, policy in configs:
+        try:
+            ms = round(simulate(host_sim, model, kw, policy, None, 3, 1)[0], 3)
+        except UmLabError as e:
+            ms = f"{type(e).__name__}: {e}"[:300]
+        rows.append({"model": model, "model_kwargs": kw, "policy": policy, "host_calibrated_ms": ms})
+    written = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    (out / "host_calibrated_predictions.json").write_text(json.dumps(
+        {"date": written, "device": torch.cuda.get_device_name(0), "profile": profile.name, **fitted,
+         "note": "written before any row of this set ran on this machine", "rows": rows}, indent=1) + "\n")
+    print(f"host calibrated: scale {scale:.3f} on {[(p['model'], round(p['ms'], 2)) for p in probes]}", flush=True)
+    return host_sim, fitted
+
+
 def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
     """Re-run the simulator on the measured rows of an earlier result (no GPU); measured data kept."""
     old = json.loads(Path(path).read_text())
@@ -381,6 +410,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--measured", metavar="PATH",
                     help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
     ap.add_argument("--measured-name", help="file name for --measured's result (default sim_fidelity.json)")
+    ap.add_argument("--host-calibrate", action="store_true",
+                    help="on the GPU, before any row runs: time the host probes (um_lab.sim.host_calibration), fit "
+                         "the profile's host constants to this machine, write those predictions "
+                         "(host_calibrated_predictions.json), then report each row's error against both")
     args = ap.parse_args(argv)
     sim = SimBackend(args.profile)
     out = Path(args.out)
@@ -402,6 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             predicted.append(simulate(sim, model, kw, policy, None, 3, 1))
         except UmLabError as e:  # e.g. a library version here whose model the tracer refuses: said, not measured
             predicted.append(f"{type(e).__name__}: {e}"[:500])
+    host = _host_calibrated(sim, configs, out) if measure_gpu and args.host_calibrate else None
     rows = []
     t_gpu = 0.0
     for (model, kw, policy), prediction in zip(configs, predicted, strict=True):
@@ -434,6 +468,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        measured_live_GiB=round(m["live_GiB"], 3), run_s=round(m["run_s"], 1),
                        capacity=m["capacity"],
                        sim={k: round(v, 4) for k, v in counters.items()})
+            if host is not None:
+                host_ms = simulate(host[0], model, kw, policy, m["capacity"], steps, warmup)[0]
+                row.update(host_calibrated_ms=round(host_ms, 3),
+                           host_calibrated_error=round(host_ms / m["measured_ms"] - 1, 4))
         rows.append(row)
         _print_row(row)
     summary = summarise(rows)
@@ -444,6 +482,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"device": device, "versions": versions(),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "profile": sim.profile.name, "summary": summary, "rows": rows}
+    if host is not None:
+        result["host_calibration"] = host[1]
+        result["summary_host_calibrated"] = summarise(
+            [{**r, "error": r.get("host_calibrated_error")} for r in rows])
+        _print_summary(result["summary_host_calibrated"])
     name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
     if args.subset != "all":  # a held-out set's folder: its committed predictions, then its measurement
         name = "measured.json" if measure_gpu else "predicted.json"

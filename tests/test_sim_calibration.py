@@ -243,3 +243,22 @@ def test_the_scheduler_rates_are_the_medians_of_the_timed_budget_rows(tmp_path) 
     assert why["scheduler_d2h_GBps"]["range"] == [8.0, 12.0] and "a.json, b.json (" in why["scheduler_h2d_GBps"]["from"]
     assert fit_scheduler_rates([tmp_path / "untimed.json"]) == ({}, {})
     assert packaged_h200().scheduler_d2h_GBps > 0  # the packaged profile has them: sim.budget prices moves there
+
+
+def test_the_host_scale_fitted_to_host_bound_steps_is_recovered() -> None:
+    """A host 1.6x slower than the profile's: the fit finds 1.6 and the scaled profile reproduces the steps."""
+    from um_lab.sim.calibration import simulate_ms
+    from um_lab.sim.host_calibration import HOST_FIELDS, fit_host_scale, with_host_scale
+    from um_lab.sim.profile import load_profile
+
+    profile = load_profile("h200")
+    probes = [{"model": "mlp", "model_kwargs": {"batch_size": 8, "width": 256, "depth": 16}, "policy": "um-default"}]
+    measured = [{**p, "ms": 1.6 * simulate_ms(with_host_scale(profile, 1.0), p)} for p in probes]
+    fitted, scale = fit_host_scale(profile, measured)
+    assert scale == pytest.approx(1.6, rel=0.03)
+    assert fitted.cpu_op_us == pytest.approx(profile.cpu_op_us * scale)
+    assert all(getattr(fitted, f) == pytest.approx(getattr(profile, f) * scale) for f in HOST_FIELDS)
+    assert simulate_ms(fitted, probes[0]) == pytest.approx(measured[0]["ms"], rel=0.03)
+    assert fitted.matmul_tflops == profile.matmul_tflops  # only the host side moves
+    with pytest.raises(ValueError):
+        with_host_scale(profile, 0.0)

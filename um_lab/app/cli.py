@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this GPU and write a simulator calibration profile")
     p.add_argument("--out", type=Path, default=Path("calibration/profile.json"), help="profile JSON path")
     p.add_argument("--name", default=None, help="profile name (default: the GPU's name)")
+    p.add_argument("--host-only", metavar="PROFILE", default=None,
+                   help="only fit PROFILE's host constants (name or JSON path, e.g. h200) to this machine's host: "
+                        "a few seconds of host-bound zoo steps")
 
     p = sub.add_parser(
         "lab", help="start JupyterLab on the notebooks (127.0.0.1, token auth on)", allow_abbrev=False,
@@ -345,6 +348,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK if exported and (table["status"] == "complete").all() else EXIT_FAILED
 
 
+HOST_PROBE_NAMES = "GPT-2-small, ResNet-50 and an MLP at tiny batches"
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """``um-lab calibrate``: measure this GPU, fit a simulator profile (``um_lab.sim.calibration``)."""
     from um_lab.backend import cuda_available
@@ -359,6 +365,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     name = args.name or re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    if args.host_only is not None:
+        from um_lab.sim.host_calibration import fit_host_scale, measure_host_probes
+        from um_lab.sim.profile import load_profile
+
+        base = load_profile(args.host_only)
+        _say(f"calibrating the host: timing {len(HOST_PROBE_NAMES)} host-bound zoo steps ({HOST_PROBE_NAMES})...")
+        probes = measure_host_probes()
+        profile, scale = fit_host_scale(base, probes)
+        profile = profile.replace(name=args.name or f"{base.name}-host-{name}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(args.out, measured={"host_probes": probes, "host_scale": scale, "base_profile": base.name})
+        _say(f"host {scale:.2f}x the {base.name} profile's: {args.out} "
+             f"(use it with --backend sim --profile {args.out})")
+        return EXIT_OK
     _, total = torch.cuda.mem_get_info()
     _say("calibrating: measuring host<->GPU bandwidth and step times of the reference models...")
     measured = measure_on_gpu()
