@@ -105,7 +105,7 @@ def test_panel_shows_the_ratio_the_simulated_run_will_have_before_running(tmp_pa
     lab.workload.capacity_value.value = 0.005  # 5 MiB: below the footprint of the tiny MLP
     lab.workload.wait_estimate()
     shown = footprint / (int(0.005 * 2**30) // (2 << 20) * (2 << 20))  # whole 2 MiB chunks: 4 MiB
-    assert f"{shown:.2f}x" in lab.workload.estimate.value
+    assert f"{shown:.3g}x" in lab.workload.estimate.value
     lab.run(wait=True, timeout=60)
     assert lab.state == "complete"
     assert lab.records[-1].oversubscription_ratio == pytest.approx(shown, rel=0.02), "shown before = measured after"
@@ -584,3 +584,35 @@ def test_the_estimate_table_shows_native_pytorchs_peak_beside_um_labs_pools():
     assert "native peak" in html and "total" in html
     assert "native peak" not in estimate_html(estimate_memory("mlp", width=64, depth=2, batch_size=8,
                                                               use_sim_trace=False), 1 << 30, "h200")
+
+
+def test_switching_models_keeps_each_models_sizes_and_is_locked_during_a_run(tmp_path):
+    """A teacher's small sizes come back when the model comes back; the model cannot change under a run."""
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", steps=400, warmup_steps=0, pace_s=0.01,
+              out_dir=tmp_path)
+    lab.workload.model.value = "gpt2-small"
+    lab.workload.knobs["n_layer"].value = 2
+    lab.workload.model.value = "mlp"
+    assert lab.workload.model_kwargs() == {**model_knobs("mlp"), **TINY_MLP}
+    lab.workload.model.value = "gpt2-small"
+    assert lab.workload.model_kwargs()["n_layer"] == 2
+    lab.workload.model.value = "mlp"
+    lab.run()
+    assert lab.workload.model.disabled
+    lab.stop()
+    assert lab.wait(60)
+    assert not lab.workload.model.disabled
+
+
+def test_an_open_step_timeline_follows_the_panels_settings_and_policy(tmp_path):
+    lab = Lab(model="mlp", model_kwargs=TINY_MLP, backend="sim", ratio=1.5, out_dir=tmp_path)
+    lab.tabs.selected_index = 1  # the timeline tab: simulated now
+    first = lab.timeline.timelines[0]
+    assert first is not None and first.policy == "um-default"
+    lab.workload.capacity_value.value = 3.0  # a setting changes: the open timeline follows at once
+    assert lab.timeline.timelines[0] is not None and lab.timeline.timelines[0].capacity_bytes < first.capacity_bytes
+    lab.workload.capacity_value.value = -1.0  # refused: the error, and no figure of the old settings
+    assert lab.timeline.figure is None and "ratio" in lab.timeline.status.value
+    lab.workload.capacity_value.value = 1.5
+    lab.advice.preset.value = "gpu-first"  # the panel's policy becomes policy A
+    assert lab.timeline.policy_a.value == "gpu-first" and lab.timeline.timelines[0].policy == "gpu-first"

@@ -246,8 +246,11 @@ def test_the_view_compares_two_policies_and_walks_the_step(sim: SimBackend) -> N
     cap = view.timelines[0].capacity_bytes
     view.set_workload(ratio=3.0)  # what the panel calls when its workload changes
     assert view.timelines[0].capacity_bytes < cap  # type: ignore[operator]
-    view.set_workload(ratio=-1.0)  # refused: said in the status line, the last figure kept
-    assert "oversubscription_ratio" in view.status.value and view.timelines[0].capacity_bytes < cap
+    view.set_workload(ratio=-1.0)  # refused: said in the status line, and no figure of other settings under it
+    assert "oversubscription_ratio" in view.status.value
+    assert view.figure is None and view.timelines == (None, None) and view._box.children == ()
+    view.set_workload(ratio=3.0)
+    assert view.figure is not None and view.timelines[0] is not None
     with pytest.raises(SpecError):
         view.set_workload(modle="mlp")
     with pytest.raises(SpecError):
@@ -257,3 +260,21 @@ def test_the_view_compares_two_policies_and_walks_the_step(sim: SimBackend) -> N
     assert lazy.timelines == (None, None) and lazy.figure is None
     lazy.refresh()
     assert lazy.timelines[0] is not None and lazy.timelines[0].policy == "gpu-first" and lazy.timelines[1] is None
+
+
+def test_steady_compares_the_same_step_and_the_panel_policy_can_be_shown(sim) -> None:
+    """Two policies reach their steady step at different steps: "steady" shows one step for both. A policy of
+    the user's own (the Lab panel's advice) is offered in the pickers and shown as policy A."""
+    pytest.importorskip("ipywidgets")
+    from um_lab.policy import Advice, Policy
+    from um_lab.widgets.timeline import TimelineView
+
+    view = TimelineView(model="mlp", model_kwargs={"width": 64, "depth": 2}, ratio=1.5,
+                        policies=("um-default", "prefetch-all"), backend=sim)
+    a, b = view.timelines
+    assert a is not None and b is not None and a.step == b.step
+    mine = Policy("mine", {"act": Advice(preferred_location="cpu")})
+    view.use_policy(mine, "mine (this panel)")
+    assert view.policy_a.value == "mine (this panel)" and view.timelines[0].policy == "mine"
+    assert "mine (this panel)" in [value for _, value in view.policy_b.options]
+    assert view.policy_b.value == "prefetch-all"  # B kept

@@ -404,6 +404,15 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
             raise
         knobs = describe_models().get(name, "")
         knob = re.search(r"argument '(\w+)'", text)
+        if knob and "unexpected keyword argument" in text:
+            import difflib
+
+            factory = base if base is not None else ZOO[name]
+            valid = [p for p in inspect.signature(factory).parameters if p not in _FIXED_BY_NAME.get(factory, set())]
+            close = difflib.get_close_matches(knob.group(1), valid, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ModelConfigError(f"model {name!r} has no knob {knob.group(1)!r}{hint}; its knobs: {knobs}",
+                                   knob.group(1)) from None
         raise ModelConfigError(f"model {name!r}: {e.args[0].split(': ', 1)[-1]}; its knobs: {knobs}",
                                knob.group(1) if knob else None) from None
     if kwargs and isinstance(case, ModelCase):

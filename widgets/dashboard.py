@@ -220,6 +220,12 @@ class LiveDashboard:
             # the layout changes rarely (the first step, a unit, a reset): one relayout message then
             changed = {key: value for key, value in layout.items() if self._layout.get(key) != value}
             if changed:
+                # an axis that autoranged in the browser holds the range plotly.js computed there, while this
+                # side still holds the explicit range it last sent: clear it first, or the same explicit range
+                # (an empty panel's 0-1) is not sent again and the browser keeps the old run's range
+                cleared = {key: None for key in changed if key.endswith(".range")}
+                if cleared:
+                    fig.plotly_relayout(cleared)
                 fig.plotly_relayout(changed)
                 self._layout = layout
             self.redraws += 1

@@ -269,6 +269,12 @@ DASHBOARD_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("xaxis4", "yaxis4", ("page faults",)),
     ("xaxis5", "yaxis5", ("migrated to GPU", "migrated to host", REMOTE_TRACE)),
 )
+def whole_dtick(largest: float) -> int | None:
+    """The tick spacing that keeps an axis of whole counts (steps, faults) on whole numbers: 1 while its
+    largest value is small (plotly would put ticks at 0.5), else None (plotly's own, already whole)."""
+    return 1 if largest < 6 else None
+
+
 NO_DATA_YET = "no data yet"  #: what an empty panel says before the first step
 NOT_MEASURED_HERE = "not measured in this run"  #: what a panel says whose quantity no step measured
 _EMPTY_NOTE_FIRST = 5  # index of the first empty-state note in layout.annotations
@@ -321,7 +327,12 @@ def dashboard_series(rows: np.ndarray, last: Iterable[StepRecord] = (), max_poin
         "annotations[0].text": residency_title(last),
         "annotations[4].text": f"{_TRAFFIC_TITLE} ({traffic_unit})",
         "yaxis.title.text": res_unit, "yaxis5.title.text": traffic_unit,
+        "showlegend": bool(len(rows)),  # no legend over an empty panel's note
+        "yaxis4.dtick": whole_dtick(_nanmax(rows[:, DASHBOARD_TRACES.index("page faults") + 1])),
     }
+    steps_tick = whole_dtick(_nanmax(rows[:, 0]))
+    for xaxis, _, _ in DASHBOARD_PANELS:
+        layout[f"{xaxis}.dtick"] = steps_tick
     for k, (xaxis, yaxis, names) in enumerate(DASHBOARD_PANELS):
         empty = all(len(series[name][0]) == 0 for name in names)
         note = f"annotations[{_EMPTY_NOTE_FIRST + k}]"
@@ -511,7 +522,8 @@ def step_time_overlay(runs: Iterable[tuple[str, Iterable[StepRecord]]], max_line
     fig.update_layout(xaxis_title="step", yaxis_title="step time (ms)", legend_title="run",
                       title="Step time per step")
     fig.update_yaxes(rangemode="tozero")
-    fig.update_xaxes(rangemode="nonnegative")
+    fig.update_xaxes(rangemode="nonnegative", dtick=whole_dtick(max((max(s, default=0) for _, s, _ in lines),
+                                                                    default=0)))
     if not lines:
         empty_note(fig, "no runs to draw")
     return fig
@@ -561,7 +573,8 @@ def step_time_panels(runs: Iterable[tuple[str, str, Iterable[StepRecord]]], max_
     if len(panels) > len(labels):
         title += f"<br><sup>the first {len(labels)} of {len(panels)} panels; the table has every run</sup>"
     fig.update_yaxes(rangemode="tozero")
-    fig.update_xaxes(rangemode="nonnegative")
+    fig.update_xaxes(rangemode="nonnegative", dtick=whole_dtick(
+        max((max(steps, default=0) for lines in panels.values() for _, steps, _ in lines), default=0)))
     fig.update_yaxes(title_text="ms", col=1)
     fig.update_xaxes(title_text="step", row=n_rows)
     fig.update_layout(title=title, legend_title="policy", height=120 + 240 * n_rows,

@@ -20,7 +20,7 @@ from typing import Any
 
 from um_lab.backend import backend_class, backend_options, get_backend
 from um_lab.errors import BudgetError, SpecError, UmLabError
-from um_lab.policy import Policy
+from um_lab.policy import Policy, presets
 from um_lab.runs.runlog import default_out_dir
 from um_lab.runs.runner import Run
 from um_lab.runs.runread import LoadedRun, iter_records
@@ -103,8 +103,8 @@ class Lab:
         self._backends: dict[str, Any] = {}
         self._backends_lock = threading.Lock()
         self.workload = WorkloadPicker(model, model_kwargs, backend, ratio, capacity_gib,
-                                       backend_for=self._backend)
-        self.advice = AdviceGrid(policy)
+                                       on_change=self._workload_changed, backend_for=self._backend)
+        self.advice = AdviceGrid(policy, on_change=lambda _policy: self._workload_changed())
         # unbounded fields: a value typed out of range is refused when Run is pressed, never clamped
         self.steps = w.IntText(value=steps, description="steps", layout=w.Layout(width="170px"))
         self.steps.add_class("um-lab-steps")
@@ -168,11 +168,19 @@ class Lab:
             return
         try:
             capacity, ratio = self.workload.sim_capacity()
-        except UmLabError as e:
-            self.timeline.status.value = f"<span style='color:#b00'>{html_text(e)}</span>"
+            policy = self.policy
+        except UmLabError as e:  # no figure of other settings under the error
+            self.timeline.clear(f"<span style='color:#b00'>{html_text(e)}</span>")
             return
+        label = policy.name if presets.get(policy.name) == policy else f"{policy.name} (this panel)"
         self.timeline.set_workload(model=str(self.workload.model.value), model_kwargs=self._timeline_kwargs(),
-                                   ratio=ratio, capacity_bytes=capacity)
+                                   ratio=ratio, capacity_bytes=capacity, policy=(policy, label))
+
+    def _workload_changed(self) -> None:
+        """A setting changed: an open timeline follows it at once (a closed one when it is opened)."""
+        tabs = getattr(self, "tabs", None)  # None while the panel is being built
+        if tabs is not None and tabs.selected_index == 1:
+            self._tab_opened(1)
 
     # -- what would run ----------------------------------------------------------------------------
 
@@ -258,6 +266,7 @@ class Lab:
             active.add_listener(self._pace_step)
         self.state = "running"
         self.run_button.disabled, self.stop_button.disabled = True, False
+        self.workload.model.disabled = True  # the plots on show belong to the model picked
         self._say(f"running {spec.model} under {self.policy.name} on {active.backend_note}: 0/{total} steps")
         active.start()
         threading.Thread(target=self._watch, args=(active,), daemon=True, name="um_lab-lab-watch").start()
@@ -297,6 +306,7 @@ class Lab:
         finally:
             self.state = active.status if active.done else "failed"
             self.run_button.disabled, self.stop_button.disabled = False, True
+            self.workload.model.disabled = False
             self._ended.set()
 
     def _show_end(self, active: Run) -> None:

@@ -107,11 +107,14 @@ def _band_edges(tl: StepTimeline) -> list[tuple[str, float, float]]:
 def _title(tl: StepTimeline, t_unit: str, t_size: float) -> str:
     t = tl.totals()
     where = {"sim": "simulated", "cupti": "CUPTI"}.get(tl.source, tl.source)
-    return plotly_text(
-        f"{tl.policy} · {tl.model} · step {tl.step} ({where}): {tl.wall_us / t_size:.2f} {t_unit}, "
-        f"{t['gpu_page_faults']:,} faults, {human_bytes(sum(t['htod_bytes'].values()))} to GPU, "
-        f"{human_bytes(t['evicted_bytes'])} evicted, {human_bytes(t['prefetched_bytes'])} prefetched, "
-        f"{human_bytes(t['remote_bytes'])} remote")
+    moved = [(t["gpu_page_faults"], f"{t['gpu_page_faults']:,} faults"),
+             (sum(t["htod_bytes"].values()), f"{human_bytes(sum(t['htod_bytes'].values()))} to GPU"),
+             (t["evicted_bytes"], f"{human_bytes(t['evicted_bytes'])} evicted"),
+             (t["prefetched_bytes"], f"{human_bytes(t['prefetched_bytes'])} prefetched"),
+             (t["remote_bytes"], f"{human_bytes(t['remote_bytes'])} remote")]
+    traffic = ", ".join(text for amount, text in moved if amount) or "nothing moved"  # zeros left out: it fits
+    return plotly_text(f"{tl.policy} · {tl.model} · step {tl.step} ({where}): {tl.wall_us / t_size:.2f} {t_unit}, "
+                       f"{traffic}")
 
 
 def cursor_text(tl: StepTimeline, t_us: float, t_unit: str = "ms", t_size: float = 1e3) -> str:
@@ -360,33 +363,67 @@ class TimelineView:
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
 
-    def set_workload(self, **changes: Any) -> None:
+    def set_workload(self, *, policy: tuple[Policy, str] | None = None, **changes: Any) -> None:
         """Show another workload: any of ``model``, ``model_kwargs``, ``ratio``, ``capacity_bytes``, ``case``
-        (what the Lab panel's workload picker holds), then redraw."""
+        (what the Lab panel's workload picker holds), and ``policy=(policy, label)`` as policy A
+        (:meth:`use_policy`), then redraw once."""
         unknown = sorted(set(changes) - set(self._workload))
         if unknown:
             raise SpecError(f"unknown workload field {unknown[0]!r}; valid: {', '.join(self._workload)}", unknown[0])
         self._workload.update(changes)
-        self.refresh()
+        if policy is not None:
+            self.use_policy(*policy)
+        else:
+            self.refresh()
 
-    def _timeline(self, policy: str) -> StepTimeline:
+    def _timeline(self, policy: str, step: int | None = None) -> StepTimeline:
         wl = self._workload
         case = wl["case"] if wl["case"] is not None else wl["model"]
-        step = None if self.step.value == STEADY else self.step.value
+        if step is None:
+            step = None if self.step.value == STEADY else self.step.value
         return step_timeline(case, self._policies[policy], ratio=wl["ratio"], capacity_bytes=wl["capacity_bytes"],
                              step=step, model_kwargs=wl["model_kwargs"] if wl["case"] is None else None,
                              backend=self.backend)
 
+    def use_policy(self, policy: Policy, label: str) -> None:
+        """Offer ``policy`` under ``label`` in both pickers (replacing an earlier one of that label) and show it
+        as policy A (the Lab panel's own advice, edited per data type), then redraw once."""
+        self._policies[label] = policy
+        names = [n for n in self._policies]
+        self._quiet = True
+        try:
+            b = self.policy_b.value
+            self.policy_a.options = names
+            self.policy_b.options = [("(none)", ""), *((n, n) for n in names)]
+            self.policy_a.value = label
+            self.policy_b.value = b if b in names else ""
+        finally:
+            self._quiet = False
+        self.refresh()
+
+    def clear(self, message: str) -> None:
+        """Show ``message`` (HTML) and no figure: nothing on show may belong to other settings."""
+        self.figure, self.timelines, self._cursor = None, (None, None), []
+        self._box.children = ()
+        self.readout.value = ""
+        self.status.value = message
+
     def refresh(self) -> None:
-        """Simulate the chosen step under policy A (and B) and redraw; a refused input is shown, not raised."""
+        """Simulate the chosen step under policy A (and B) and redraw; a refused input is shown, not raised.
+        "steady" shows the same step for both: the later of their first steady steps."""
         import plotly.graph_objects as go
 
+        if getattr(self, "_quiet", False):
+            return
         self.status.value = "<i>simulating…</i>"
         try:
             a = self._timeline(self.policy_a.value)
             b = self._timeline(self.policy_b.value) if self.policy_b.value else None
+            if b is not None and self.step.value == STEADY and a.step != b.step:
+                step = max(a.step, b.step)
+                a, b = (self._timeline(name, step) for name in (self.policy_a.value, self.policy_b.value))
         except UmLabError as e:
-            self.status.value = f"<span style='color:#b00'>{html_text(e)}</span>"
+            self.clear(f"<span style='color:#b00'>{html_text(e)}</span>")
             return
         self.timelines = (a, b)
         fig = timeline_figure(a, b, frames=False, cursor=True)

@@ -62,19 +62,25 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
     cell = "<td style='padding:0 8px'>{}<br><b>{}</b></td>"
     cells = "".join(cell.format(t.value, format_bytes(estimate.bytes_per_type.get(t.value, 0))) for t in DATA_TYPES)
     cells += cell.format("total", format_bytes(estimate.total_bytes))
+    native = ""
     if estimate.native_peak_bytes is not None:  # what plain PyTorch would peak at: the user's comparison
-        cells += cell.format("native peak", format_bytes(estimate.native_peak_bytes))
+        tip = ("native PyTorch's peak: everything live at once, plus cuBLAS's GEMM workspaces "
+               f"({format_bytes(estimate.workspace_bytes or 0)}), which um_lab's pools do not hold")
+        cells += (f"<td style='padding:0 8px' title='{html.escape(tip, quote=True)}'>native peak<br>"
+                  f"<b>{format_bytes(estimate.native_peak_bytes)}</b></td>")
+        if estimate.workspace_bytes:
+            native = f"; native peak includes {format_bytes(estimate.workspace_bytes)} of cuBLAS workspaces"
     if footprint_bytes is not None:
         cells += cell.format("segments", format_bytes(footprint_bytes))
     if capacity_bytes:
         r = (footprint_bytes if footprint_bytes is not None else estimate.total_bytes) / capacity_bytes
         colour = "#c00" if r > 1 else "#080"
         cells += cell.format(html_text(capacity_label), format_bytes(capacity_bytes))  # a profile's name
-        cells += cell.format("ratio", f"<span style='color:{colour}'>{r:.2f}x</span>")
+        cells += cell.format("ratio", f"<span style='color:{colour}'>{r:.3g}x</span>")
     basis = ("the ratio is of the simulator's 2 MiB segments (what a run oversubscribes)" if footprint_bytes
              is not None else "a lower bound (2 MiB segment rounding and temporaries come on top)")
     return (f"<table><tr>{cells}</tr></table><small>estimate per type: {html_text(estimate.method)}; "
-            f"{basis}</small>")
+            f"{basis}{native}</small>")
 
 
 def model_choices(*given: str) -> list[str]:
@@ -168,7 +174,8 @@ class WorkloadPicker:
         self._generation = 0
         self._lock = threading.Lock()
         self._cap_bytes: int | None = None
-        self.model.observe(lambda _c: self._model_changed(), names="value")
+        self._knob_memory: dict[str, dict[str, Any]] = {}  # model -> its knobs as last set in this panel
+        self.model.observe(lambda change: self._model_changed(change["old"]), names="value")
         for control in (self.precision, self.recompute):
             control.observe(lambda _c: self._refresh_estimate(), names="value")
         for control in (self.backend, self.capacity_mode, self.capacity_value):
@@ -263,8 +270,10 @@ class WorkloadPicker:
             self.knobs[name] = control
         self.knob_box.children = list(self.knobs.values())
 
-    def _model_changed(self) -> None:
-        self._build_knobs({})
+    def _model_changed(self, old: str) -> None:
+        """Another model: its knobs as last set here (or as given), else its defaults; the old model's kept."""
+        self._knob_memory[old] = self.model_kwargs()
+        self._build_knobs(self._knob_memory.get(str(self.model.value), {}))
         self._refresh_estimate()
 
     def _settings_changed(self) -> None:
