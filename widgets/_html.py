@@ -1,7 +1,8 @@
 """Escaping of text shown as HTML: anything that did not come from um_lab's own code (policy names and
 descriptions from a file, file paths, exception messages, model and profile names) reaches a
 ``widgets.HTML`` only through :func:`html_text`, and plotly titles, trace names and labels only through
-:func:`plotly_text`, so a shared file holding ``<img src=x onerror=...>`` shows that text, never runs it."""
+:func:`plotly_text`, so a shared file holding ``<img src=x onerror=...>`` shows that text, never runs it. Also
+the layout of a row of controls that wraps on a narrow screen (:func:`wrapping`)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,11 @@ def plotly_text(value: object) -> str:
     """``value`` as text for a plotly title, trace name or category: plotly renders a subset of HTML in
     them; ``<``, ``>`` and ``&`` are escaped (plotly shows these entities as the characters)."""
     return html.escape(str(value), quote=False)
+
+
+def wrapping() -> object:
+    """The layout of a row of controls that wraps onto the next line on a narrow screen (a projector at 1024 px)
+    instead of cutting its right end off."""
+    import ipywidgets as w
+
+    return w.Layout(flex_flow="row wrap")

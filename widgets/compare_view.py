@@ -38,7 +38,7 @@ from um_lab.widgets._checks import (
     sequence_value,
     whole_number,
 )
-from um_lab.widgets._html import html_text
+from um_lab.widgets._html import html_text, wrapping
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_panels
 from um_lab.widgets.workload import backend_choices, model_choices
@@ -206,9 +206,11 @@ class CompareView:
         self.run_button.on_click(lambda _b: self.run())
         self.log_scale.observe(lambda _c: self._show(), names="value")
         self.widget = w.VBox([w.HTML("<h3 style='margin:4px 0'>Compare policies</h3>"),
-                              w.HBox([self.models, self.policies]),
-                              w.HBox([self.ratios, self.backend, self.steps, self.log_scale, self.band]),
-                              w.HBox([self.run_button, self.stop_button, self.progress]), self.status, self.output])
+                              w.HBox([self.models, self.policies], layout=wrapping()),
+                              w.HBox([self.ratios, self.backend, self.steps, self.log_scale, self.band],
+                                     layout=wrapping()),
+                              w.HBox([self.run_button, self.stop_button, self.progress], layout=wrapping()),
+                              self.status, self.output])
         self.widget.add_class("um-lab-compare")
         self.table: pd.DataFrame | None = None
         self.last_error: BaseException | None = None

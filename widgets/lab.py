@@ -36,7 +36,7 @@ from um_lab.widgets._checks import (
     text_value,
     whole_number,
 )
-from um_lab.widgets._html import html_text
+from um_lab.widgets._html import html_text, wrapping
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
@@ -142,8 +142,8 @@ class Lab:
         self.widget = w.VBox([
             w.HTML("<h3 style='margin:4px 0'>um_lab</h3>"), self.workload.widget,
             w.HTML("<b>Advice per data type</b>"), self.advice.widget,
-            w.HBox([self.steps, self.warmup, self.pace, self.budget]),
-            w.HBox([self.run_button, self.stop_button, self.progress]), self.status, self.tabs])
+            w.HBox([self.steps, self.warmup, self.pace, self.budget], layout=wrapping()),
+            w.HBox([self.run_button, self.stop_button, self.progress], layout=wrapping()), self.status, self.tabs])
         self.widget.add_class("um-lab")
         self.active: Run | None = None
         self.state = "idle"  #: idle, running, complete, stopped, interrupted, failed or error (refused to start)

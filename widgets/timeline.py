@@ -27,7 +27,7 @@ from typing import Any
 from um_lab.errors import SpecError, UmLabError
 from um_lab.policy import Policy, get_policy, presets
 from um_lab.sim.timeline import TYPE_NAMES, StepTimeline, TimelineRow, step_timeline
-from um_lab.widgets._html import html_text, plotly_text
+from um_lab.widgets._html import html_text, plotly_text, wrapping
 
 #: Event lanes, top to bottom: (trace name, colour, marker symbol, unit: "bytes" or "count").
 EVENT_LANES: tuple[tuple[str, str, str, str], ...] = (
@@ -349,8 +349,9 @@ class TimelineView:
         self._times: list[float] = [0.0]
         self._cursor: list[int] = []
         self._units = ("ms", 1e3)
-        self.widget = w.VBox([w.HBox([self.policy_a, self.policy_b, self.step]), self.status, self._box,
-                              w.HBox([self.play, self.slider]), self.readout])
+        self.widget = w.VBox([w.HBox([self.policy_a, self.policy_b, self.step], layout=wrapping()), self.status,
+                              self._box,
+                              w.HBox([self.play, self.slider], layout=wrapping()), self.readout])
         self.widget.add_class("um-lab-timeline")
         for control in (self.policy_a, self.policy_b, self.step):
             control.observe(lambda _c: self.refresh(), names="value")

@@ -22,7 +22,7 @@ from um_lab.sizing import MemoryEstimate, estimate_memory, format_bytes
 from um_lab.training import with_training
 from um_lab.types import DATA_TYPES, PRECISIONS, RunSpec
 from um_lab.widgets._checks import capacity_bytes_of, model_kwargs_value, model_name, optional_positive
-from um_lab.widgets._html import html_text
+from um_lab.widgets._html import html_text, wrapping
 
 #: config fields worth a knob for the transformer families (the rest stay at the size's defaults)
 _CONFIG_KNOBS = {"gpt2": ("n_layer", "n_embd", "n_head"),
@@ -59,15 +59,15 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
     """A small table: bytes per data type, total, native PyTorch's peak where the simulator's trace gives it,
     and the ratio to the capacity. With ``footprint_bytes``
     (the simulator's managed segments, what a simulated run oversubscribes) the ratio is of that."""
-    cell = "<td style='padding:0 8px'>{}<br><b>{}</b></td>"
+    cell = "<div style='padding:0 8px'>{}<br><b>{}</b></div>"
     cells = "".join(cell.format(t.value, format_bytes(estimate.bytes_per_type.get(t.value, 0))) for t in DATA_TYPES)
     cells += cell.format("total", format_bytes(estimate.total_bytes))
     native = ""
     if estimate.native_peak_bytes is not None:  # what plain PyTorch would peak at: the user's comparison
         tip = ("native PyTorch's peak: everything live at once, plus cuBLAS's GEMM workspaces "
                f"({format_bytes(estimate.workspace_bytes or 0)}), which um_lab's pools do not hold")
-        cells += (f"<td style='padding:0 8px' title='{html.escape(tip, quote=True)}'>native peak<br>"
-                  f"<b>{format_bytes(estimate.native_peak_bytes)}</b></td>")
+        cells += (f"<div style='padding:0 8px' title='{html.escape(tip, quote=True)}'>native peak<br>"
+                  f"<b>{format_bytes(estimate.native_peak_bytes)}</b></div>")
         if estimate.workspace_bytes:
             native = f"; native peak includes {format_bytes(estimate.workspace_bytes)} of cuBLAS workspaces"
     if footprint_bytes is not None:
@@ -79,7 +79,9 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
         cells += cell.format("ratio", f"<span style='color:{colour}'>{r:.3g}x</span>")
     basis = ("the ratio is of the simulator's 2 MiB segments (what a run oversubscribes)" if footprint_bytes
              is not None else "a lower bound (2 MiB segment rounding and temporaries come on top)")
-    return (f"<table><tr>{cells}</tr></table><small>estimate per type: {html_text(estimate.method)}; "
+    # cells in a wrapping row, not a table: on a narrow screen they take a second line, not a scroll bar
+    return (f"<div style='display:flex;flex-wrap:wrap'>{cells}</div><small>estimate per type: "
+            f"{html_text(estimate.method)}; "
             f"{basis}{native}</small>")
 
 
@@ -146,7 +148,7 @@ class WorkloadPicker:
         self.model.add_class("um-lab-model")
         self.model_note = w.HTML(missing_models_html())
         self.model_note.add_class("um-lab-model-note")
-        self.knob_box = w.HBox(layout=w.Layout(flex_flow="row wrap"))
+        self.knob_box = w.HBox(layout=wrapping())
         self.knobs: dict[str, Any] = {}
         self.precision = w.Dropdown(options=PRECISIONS, value="fp32", description="precision",
                                     tooltip="fp32, or autocast to bf16 / fp16 with fp32 master weights",
@@ -166,7 +168,8 @@ class WorkloadPicker:
         # unbounded: a value out of range is refused (estimate line, status line), never clamped
         self.capacity_value = w.FloatText(value=capacity_gib or ratio or 1.0, step=0.25, layout=w.Layout(width="90px"))
         self.capacity_value.add_class("um-lab-capacity")
-        self.capacity_box = w.HBox([w.HTML("simulated GPU:"), self.capacity_mode, self.capacity_value])
+        self.capacity_box = w.HBox([w.HTML("simulated GPU:"), self.capacity_mode, self.capacity_value],
+                                   layout=wrapping())
         self.cap_note = w.HTML()
         self.estimate = w.HTML("estimating…")
         self.estimate.add_class("um-lab-estimate")
@@ -180,9 +183,9 @@ class WorkloadPicker:
             control.observe(lambda _c: self._refresh_estimate(), names="value")
         for control in (self.backend, self.capacity_mode, self.capacity_value):
             control.observe(lambda _c: self._settings_changed(), names="value")
-        self.widget = w.VBox([w.HBox([self.model, self.backend]), self.model_note, self.knob_box,
-                              w.HBox([self.precision, self.recompute]), self.capacity_box, self.cap_note,
-                              self.estimate])
+        self.widget = w.VBox([w.HBox([self.model, self.backend], layout=wrapping()), self.model_note, self.knob_box,
+                              w.HBox([self.precision, self.recompute], layout=wrapping()), self.capacity_box,
+                              self.cap_note, self.estimate])
         self._build_knobs(dict(model_kwargs or {}))
         self._settings_changed()
 
