@@ -26,6 +26,7 @@ from um_lab.errors import ModelConfigError, PolicyError, SpecError, UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import named_policies
 from um_lab.runs.runlog import default_out_dir
+from um_lab.runs.runner import RunStateError
 from um_lab.runs.runread import load
 from um_lab.runs.sweep import BASELINE_POLICY, compare
 from um_lab.summary import readable_table
@@ -322,7 +323,7 @@ class CompareView:
     def figures(self) -> tuple[Any, Any]:
         """(speed-up bars, step-time overlay) of the last comparison, as plain plotly figures."""
         if self.table is None:
-            raise RuntimeError("no comparison yet: press Compare or call view.run(wait=True)")
+            raise RunStateError("no comparison yet: press Compare or call view.run(wait=True)")
         bars = speedup_figure(self.table, BASELINE_POLICY, self.log_scale.value)
         runs = []
         for row in self.table.itertuples():
@@ -339,5 +340,5 @@ class CompareView:
     def readable_table(self) -> pd.DataFrame:
         """The last comparison's table, rounded and readable."""
         if self.table is None:
-            raise RuntimeError("no comparison yet: press Compare or call view.run(wait=True)")
+            raise RunStateError("no comparison yet: press Compare or call view.run(wait=True)")
         return readable(self.table)

@@ -22,7 +22,7 @@ from um_lab.backend import backend_class, backend_options, get_backend
 from um_lab.errors import BudgetError, SpecError, UmLabError
 from um_lab.policy import Policy, presets
 from um_lab.runs.runlog import default_out_dir
-from um_lab.runs.runner import Run
+from um_lab.runs.runner import Run, RunStateError
 from um_lab.runs.runread import LoadedRun, iter_records
 from um_lab.schedule.config import Budget
 from um_lab.types import RunSpec, StepRecord
@@ -371,7 +371,7 @@ class Lab:
     def result(self) -> LoadedRun:
         """The last run as read from its folder (once it ended)."""
         if self.active is None:
-            raise RuntimeError("no run yet: press Run or call lab.run()")
+            raise RunStateError("no run yet: press Run or call lab.run()")
         return self.active.result()
 
     def static_figure(self, max_points: int = 5000) -> Any:
