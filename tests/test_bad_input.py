@@ -423,3 +423,12 @@ def test_an_unknown_config_field_suggests_the_close_one() -> None:
     pytest.importorskip("transformers")
     with pytest.raises(ModelConfigError, match="did you mean n_layer"):
         get_model("gpt2-small", n_layers=2)
+
+
+def test_listing_runs_in_a_folder_that_is_not_there_says_so(tmp_path) -> None:
+    with pytest.raises(um_lab.RunDirError, match="does not exist"):
+        list_runs(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(um_lab.RunDirError, match="is a file"):
+        list_runs(tmp_path / "file")
+    assert list_runs(tmp_path) == []

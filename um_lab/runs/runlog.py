@@ -420,5 +420,10 @@ class RunFolderWriter:
 
 def list_runs(out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     """Run folders under ``out_dir`` (default: :func:`default_out_dir`; recursively: sweeps keep theirs
-    in a subfolder), oldest first."""
-    return sorted((p.parent for p in resolve_out_dir(out_dir).rglob("spec.json")), key=lambda p: p.name)
+    in a subfolder), oldest first. The default folder may not exist yet (no runs: ``[]``); an ``out_dir``
+    given that does not exist, or is a file, is refused (:class:`RunDirError`): likely a typo."""
+    folder = resolve_out_dir(out_dir)
+    if out_dir is not None and not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise RunDirError(f"cannot list runs under {folder}: it {what}")
+    return sorted((p.parent for p in folder.rglob("spec.json")), key=lambda p: p.name)
