@@ -423,6 +423,19 @@ def test_compare_view_stop_ends_after_the_current_run(tmp_path):
     assert view.run_button.disabled is False and view.stop_button.disabled is True
 
 
+def test_compare_views_stop_ends_the_run_in_progress_after_its_current_step(tmp_path):
+    """A long run is not waited for: Stop ends it after the step in progress (status stopped, in the table)."""
+    view = CompareView(models={"mlp": TINY_MLP}, policies=["gpu-first"], ratios=[1.5], steps=100_000,
+                       out_dir=tmp_path)
+    view.run()
+    _wait(lambda: any(tmp_path.glob("compare-*/*/records.jsonl")), timeout=120)
+    started = time.monotonic()
+    view.stop()
+    assert view.wait(60) and time.monotonic() - started < 30
+    statuses = [json.loads(p.read_text())["status"] for p in tmp_path.glob("compare-*/*/status.json")]
+    assert "stopped" in statuses and view.table is not None and "stopped" in set(view.table["status"])
+
+
 # ------------------------------------------------------------ a third backend: no widget edits
 
 

@@ -25,6 +25,7 @@ from um_lab.backend import backend_class, resolve_backend_name, valid_backend_na
 from um_lab.errors import ModelConfigError, PolicyError, SpecError, UmLabError
 from um_lab.models import ZOO
 from um_lab.policy import named_policies
+from um_lab.runs import runexit
 from um_lab.runs.runlog import default_out_dir
 from um_lab.runs.runner import RunStateError
 from um_lab.runs.runread import load
@@ -216,6 +217,7 @@ class CompareView:
         self.table: pd.DataFrame | None = None
         self.last_error: BaseException | None = None
         self._stop = threading.Event()
+        self._before: set[Path] = set()  # the comparison folders there before the last Compare
         self._ended = threading.Event()  # set when no comparison is running
         self._ended.set()
 
@@ -254,6 +256,7 @@ class CompareView:
         n_policies = len(policies) + (BASELINE_POLICY not in policies)
         self.progress.max, self.progress.value, self.progress.bar_style = len(models) * len(ratios) * n_policies, 0, ""
         self.run_button.disabled, self.stop_button.disabled = True, False
+        self._before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
         self._ended.clear()
         models_arg = {m: self.model_kwargs.get(m, {}) for m in models}
         threading.Thread(target=self._compare, args=(models_arg, policies, ratios), daemon=True,
@@ -262,10 +265,14 @@ class CompareView:
             self.wait(timeout)
 
     def stop(self) -> None:
-        """End the comparison after the run in progress (what Stop does)."""
+        """End the comparison after the step in progress (what Stop does): the run going stops there (its
+        completed steps stay on disk and in the table, status ``stopped``) and no further run starts."""
         if not self._ended.is_set():
             self._stop.set()
-            self._say("stopping after the current run…", "#a60")
+            folders = set(self.out_dir.glob("compare-*")) - self._before if self.out_dir.is_dir() else set()
+            for folder in folders:  # this comparison's folder: created after Compare was pressed
+                runexit.stop_open_runs(folder)
+            self._say("stopping after the current step…", "#a60")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the comparison ended; True when it has. An interrupt while waiting stops it too."""

@@ -114,6 +114,17 @@ def closed(run: _Run, *, written: bool) -> None:
             _open.pop(id(run), None)
 
 
+def stop_open_runs(under: Path) -> int:
+    """Ask every run of this process whose folder lies under ``under`` to stop after its step in progress
+    (a comparison's Stop); returns how many were asked."""
+    target = Path(under).resolve()
+    with _lock:
+        runs = [run for run in _open.values() if target in Path(run.path).resolve().parents]
+    for run in runs:
+        run.stop()
+    return len(runs)
+
+
 def own_status(path: Path) -> dict[str, Any] | None:
     """The in-memory status of a run of this process writing ``path``, or None if none is open."""
     target = Path(path).resolve()
