@@ -537,8 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``um-lab``; returns the exit status (errors print ``um-lab: error: ...``, never a traceback
     for um_lab's own errors: bad input 2, other refusals and failures 1)."""
     args = parse_args(argv)
-    shown = warnings.showwarning
-    warnings.showwarning = _show_warning
+    formatted = warnings.formatwarning
+    warnings.formatwarning = _format_warning  # the format only: recorded warnings (catch_warnings) stay recorded
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt as e:
@@ -555,13 +555,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say_error(e)
         return EXIT_FAILED
     finally:
-        warnings.showwarning = shown
+        warnings.formatwarning = formatted
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  file: Any = None, line: str | None = None) -> None:
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
     """A warning as one line for the command line's user (no source path, no source line)."""
-    print(f"um-lab: warning: {message}", file=file if file is not None else sys.stderr)
+    return f"um-lab: warning: {message}\n"
 
 
 if __name__ == "__main__":
