@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import html
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -269,10 +270,16 @@ DASHBOARD_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("xaxis4", "yaxis4", ("page faults",)),
     ("xaxis5", "yaxis5", ("migrated to GPU", "migrated to host", REMOTE_TRACE)),
 )
-def whole_dtick(largest: float) -> int | None:
-    """The tick spacing that keeps an axis of whole counts (steps, faults) on whole numbers: 1 while its
-    largest value is small (plotly would put ticks at 0.5), else None (plotly's own, already whole)."""
-    return 1 if largest < 6 else None
+def whole_dtick(largest: float) -> int:
+    """The tick spacing of an axis of whole counts (steps, faults) up to ``largest``: a whole 1, 2 or 5 times a
+    power of ten giving about five ticks, never below 1 (plotly's own would put ticks at 0.5 on a short axis).
+    Always explicit: a live figure's axis is never handed back to plotly's choice mid-run."""
+    if not largest > 0:
+        return 1
+    raw = largest / 5
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    return max(1, int(round(step)))
 
 
 NO_DATA_YET = "no data yet"  #: what an empty panel says before the first step

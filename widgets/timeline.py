@@ -112,9 +112,10 @@ def _title(tl: StepTimeline, t_unit: str, t_size: float) -> str:
              (t["evicted_bytes"], f"{human_bytes(t['evicted_bytes'])} evicted"),
              (t["prefetched_bytes"], f"{human_bytes(t['prefetched_bytes'])} prefetched"),
              (t["remote_bytes"], f"{human_bytes(t['remote_bytes'])} remote")]
-    traffic = ", ".join(text for amount, text in moved if amount) or "nothing moved"  # zeros left out: it fits
-    return plotly_text(f"{tl.policy} · {tl.model} · step {tl.step} ({where}): {tl.wall_us / t_size:.2f} {t_unit}, "
-                       f"{traffic}")
+    traffic = ", ".join(text for amount, text in moved if amount) or "nothing moved"  # zeros left out
+    # two lines: one would run past the plot's right edge
+    return (plotly_text(f"{tl.policy} · {tl.model} · step {tl.step} ({where}): {tl.wall_us / t_size:.2f} {t_unit}")
+            + f"<br><span style='font-size:11px'>{plotly_text(traffic)}</span>")
 
 
 def cursor_text(tl: StepTimeline, t_us: float, t_unit: str = "ms", t_size: float = 1e3) -> str:
@@ -244,7 +245,7 @@ def timeline_figure(timeline: StepTimeline, other: StepTimeline | None = None, *
                       template="plotly_white")
     for ann in fig.layout.annotations:  # the subplot titles: small, left-aligned, below the legend
         if ann.text and ann.yref == "paper":
-            ann.update(font={"size": 12}, x=0, xanchor="left")
+            ann.update(font={"size": 12}, x=0, xanchor="left", align="left")
     if frames and cursor_traces:
         _add_frames(fig, tls, cursor_traces, t_lo, t_hi, t_size, t_unit, n_frames)
     return fig
