@@ -322,15 +322,19 @@ ESTIMATES_ARE = ("estimate: each data type's own peak, summed (um_lab's pools); 
                  "runs GEMMs): what one caching allocator holds")
 
 
-def measure_estimates(out: Path) -> dict:
+def measure_estimates(out: Path, only_set: str | None = None) -> dict:
     """On a CUDA GPU: each predicted model trained natively (one warm-up step, then a step whose peak is read:
     ``torch.cuda.max_memory_allocated``, gradients zeroed in place as um_lab's session keeps them), each from no
-    cuBLAS workspace; the error of each prediction against it, and per set how many are within the bar."""
+    cuBLAS workspace; the error of each prediction against it, and per set how many are within the bar.
+    ``only_set``: measure that set's rows alone (the others keep their measurement). The file is rewritten after
+    every model, so a run cut short keeps what it measured."""
     path = out / "estimate_vs_gpu.json"
     result = json.loads(path.read_text())
     device = torch.device("cuda")
     free, _ = torch.cuda.mem_get_info()
     for row in result["rows"]:
+        if only_set is not None and row.get("set", "2026-12-05") != only_set:
+            continue
         for key in ("skipped", "estimate_error", "peak_live_error", "native_peak_error"):
             row.pop(key, None)  # from an earlier measurement
         # each model starts with no cuBLAS workspace: the earlier models' stay allocated (empty_cache keeps them)
@@ -354,6 +358,7 @@ def measure_estimates(out: Path) -> dict:
             optimizer.step()
         torch.cuda.synchronize()
         row["measured_bytes"] = int(torch.cuda.max_memory_allocated())
+        row["measured_on"] = torch.cuda.get_device_name(0)
         for key in ("estimate", "peak_live", "native_peak"):
             if row.get(f"{key}_bytes"):
                 row[f"{key}_error"] = round(row[f"{key}_bytes"] / row["measured_bytes"] - 1, 4)
@@ -365,6 +370,12 @@ def measure_estimates(out: Path) -> dict:
               f"{row.get('native_peak_error', float('nan')):+.1%}", flush=True)
         del model, optimizer, batch
         torch.cuda.empty_cache()
+        _write_measured(path, result)
+    return _write_measured(path, result)
+
+
+def _write_measured(path: Path, result: dict) -> dict:
+    """``result`` with the date, the device and the count within the bar per set, written to ``path``."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     within: dict[str, dict[str, int]] = {}
     for predicted in ESTIMATE_SETS:
@@ -388,11 +399,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--library", choices=LIBRARIES, help="only this library's part of the corpus")
     ap.add_argument("--estimates", choices=("predict", "measure"),
                     help="memory estimates of corpus models: predict (any CPU), then measure (a CUDA GPU)")
+    ap.add_argument("--estimate-set", choices=sorted(ESTIMATE_SETS), default=None,
+                    help="with --estimates measure: only this set's models")
     args = ap.parse_args(argv)
     if args.corpus:
         return run_corpus(Path(args.out), args.small, args.library)
     if args.estimates:
-        return (predict_estimates if args.estimates == "predict" else measure_estimates)(Path(args.out))
+        if args.estimates == "predict":
+            return predict_estimates(Path(args.out))
+        return measure_estimates(Path(args.out), args.estimate_set)
     pols = policies()
     assert len(pols) == 8
 
