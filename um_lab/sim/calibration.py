@@ -345,14 +345,20 @@ def measure_on_gpu(targets: Iterable[Mapping[str, Any]] = H200_TARGETS[:5], step
     torch.cuda.synchronize()
     bw = {"pinned_copy_h2d": n / (start.elapsed_time(end) * 1e6)}
     del host, dev
-    backend = get_backend("cuda")
+    return {"bandwidth_GBps": bw, "targets": measure_steps(targets, get_backend("cuda"), steps, warmup)}
+
+
+def measure_steps(targets: Iterable[Mapping[str, Any]], backend: Any, steps: int = 8,
+                  warmup: int = 3) -> list[dict[str, Any]]:
+    """Each target (``{"model", "model_kwargs", "policy"}``) trained on this machine's GPU through ``backend`` (the
+    real one), as the simulator's replica of the model: the target with its median step time added (``ms``)."""
     measured = []
     for t in targets:
         case = model_case(t["model"], **dict(t.get("model_kwargs", {})))
         spec = RunSpec(model=t["model"], backend="cuda", steps=steps, warmup_steps=warmup)
         times = [r.wall_ms for r in backend.run(spec, case, _policy(t["policy"])) if not r.warmup]
         measured.append({**t, "ms": statistics.median(times)})
-    return {"bandwidth_GBps": bw, "targets": measured}
+    return measured
 
 
 def tensor_core_fields(rates: Mapping[str, Any], profile: Profile) -> tuple[dict[str, float], dict[str, Any]]:

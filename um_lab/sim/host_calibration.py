@@ -14,11 +14,10 @@ predicts any other model without having seen it::
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from um_lab.sim.calibration import _golden, _log_err, simulate_ms
+from um_lab.sim.calibration import _golden, _log_err, measure_steps, simulate_ms
 from um_lab.sim.profile import Profile
 
 #: The profile's host constants (microseconds of host time), scaled together.
@@ -59,7 +58,8 @@ def fit_host_scale(profile: Profile, measured: Iterable[Mapping[str, Any]], lo: 
 
 def measure_host_probes(probes: Iterable[Mapping[str, Any]] = HOST_PROBES, steps: int = 15,
                         warmup: int = 5) -> list[dict[str, Any]]:
-    """Each probe's median step time on this machine's GPU through the real backend (no telemetry): the
+    """Each probe's median step time on this machine's GPU through the real backend (no telemetry; the simulator's
+    replica of each model, as :func:`~um_lab.sim.calibration.measure_steps` runs it): the
     targets :func:`fit_host_scale` takes. Needs CUDA (:class:`~um_lab.errors.CudaUnavailableError` otherwise)."""
     import torch
 
@@ -68,15 +68,5 @@ def measure_host_probes(probes: Iterable[Mapping[str, Any]] = HOST_PROBES, steps
     if not torch.cuda.is_available():
         raise CudaUnavailableError("measuring the host probes needs a CUDA GPU")
     from um_lab.backend import get_backend
-    from um_lab.models import get_model
-    from um_lab.policy import get_policy
-    from um_lab.types import RunSpec
 
-    backend = get_backend("cuda", telemetry=False)
-    out = []
-    for probe in probes:
-        case = get_model(probe["model"], **dict(probe.get("model_kwargs", {})))
-        spec = RunSpec(model=probe["model"], backend="cuda", steps=steps, warmup_steps=warmup)
-        times = [r.wall_ms for r in backend.run(spec, case, get_policy(probe["policy"])) if not r.warmup]
-        out.append({**probe, "ms": statistics.median(times)})
-    return out
+    return measure_steps(probes, get_backend("cuda", telemetry=False), steps, warmup)
