@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from um_lab.errors import ModelConfigError
+
+
+def did_you_mean(name: str, valid: Iterable[str], n: int = 1) -> list[str]:
+    """The valid names closest to a misspelt ``name`` (at most ``n``; none when nothing is close)."""
+    import difflib
+
+    return difflib.get_close_matches(name, list(valid), n=n, cutoff=0.6)
 
 
 def check_positive(**values: Any) -> None:
@@ -63,9 +70,7 @@ def check_overrides(config_cls: type, overrides: Mapping[str, Any], model_name: 
     params = _config_params(config_cls)
     unknown = sorted(set(overrides) - set(params))
     if unknown:
-        import difflib
-
-        close = difflib.get_close_matches(unknown[0], list(params), n=4, cutoff=0.6)
+        close = did_you_mean(unknown[0], params, n=4)
         hint = (f"did you mean {', '.join(close)}?" if close
                 else f"{config_cls.__name__}'s documentation lists its fields")
         raise ModelConfigError(f"unknown {config_cls.__name__} field(s) {unknown} for model {model_name!r}; {hint}",

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from um_lab.errors import MissingDependencyError, ModelConfigError, ModelTypeError, OptimizerNeedsClosure, UmLabError
-from um_lab.knobs import check_overrides, check_positive, check_transformer
+from um_lab.knobs import check_overrides, check_positive, check_transformer, did_you_mean
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -405,11 +405,9 @@ def get_model(name: str, **kwargs: Any) -> ModelCase:
         knobs = describe_models().get(name, "")
         knob = re.search(r"argument '(\w+)'", text)
         if knob and "unexpected keyword argument" in text:
-            import difflib
-
             factory = base if base is not None else ZOO[name]
             valid = [p for p in inspect.signature(factory).parameters if p not in _FIXED_BY_NAME.get(factory, set())]
-            close = difflib.get_close_matches(knob.group(1), valid, n=1, cutoff=0.6)
+            close = did_you_mean(knob.group(1), valid)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ModelConfigError(f"model {name!r} has no knob {knob.group(1)!r}{hint}; its knobs: {knobs}",
                                    knob.group(1)) from None

@@ -256,7 +256,7 @@ class CompareView:
         n_policies = len(policies) + (BASELINE_POLICY not in policies)
         self.progress.max, self.progress.value, self.progress.bar_style = len(models) * len(ratios) * n_policies, 0, ""
         self.run_button.disabled, self.stop_button.disabled = True, False
-        self._before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
+        self._before = self._comparison_folders()
         self._ended.clear()
         models_arg = {m: self.model_kwargs.get(m, {}) for m in models}
         threading.Thread(target=self._compare, args=(models_arg, policies, ratios), daemon=True,
@@ -264,13 +264,16 @@ class CompareView:
         if wait:
             self.wait(timeout)
 
+    def _comparison_folders(self) -> set[Path]:
+        """The comparison folders under ``out_dir`` now."""
+        return set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
+
     def stop(self) -> None:
         """End the comparison after the step in progress (what Stop does): the run going stops there (its
         completed steps stay on disk and in the table, status ``stopped``) and no further run starts."""
         if not self._ended.is_set():
             self._stop.set()
-            folders = set(self.out_dir.glob("compare-*")) - self._before if self.out_dir.is_dir() else set()
-            for folder in folders:  # this comparison's folder: created after Compare was pressed
+            for folder in self._comparison_folders() - self._before:  # this comparison's: made after Compare
                 runexit.stop_open_runs(folder)
             self._say("stopping after the current step…", "#a60")
 
@@ -279,7 +282,6 @@ class CompareView:
         return wait_for(self._ended, timeout, self.stop)
 
     def _compare(self, models: dict[str, dict[str, Any]], policies: list[str], ratios: list[float | None]) -> None:
-        before = set(self.out_dir.glob("compare-*")) if self.out_dir.is_dir() else set()
         self.table = None  # never the previous comparison's figures
         self.output.outputs = ()
         try:
@@ -294,7 +296,7 @@ class CompareView:
             self.progress.bar_style = "warning" if failed else "success"
             self._show()
         except ComparisonStopped as e:
-            folders = sorted(set(self.out_dir.glob("compare-*")) - before)
+            folders = sorted(self._comparison_folders() - self._before)
             self._say(f"{e}; their folders are in {folders[-1] if folders else self.out_dir}", "#a60")
             self.progress.bar_style = "warning"
             self._show_partial(e)

@@ -59,24 +59,26 @@ def estimate_html(estimate: MemoryEstimate, capacity_bytes: int | None, capacity
     """A small table: bytes per data type, total, native PyTorch's peak where the simulator's trace gives it,
     and the ratio to the capacity. With ``footprint_bytes``
     (the simulator's managed segments, what a simulated run oversubscribes) the ratio is of that."""
-    cell = "<div style='padding:0 8px'>{}<br><b>{}</b></div>"
-    cells = "".join(cell.format(t.value, format_bytes(estimate.bytes_per_type.get(t.value, 0))) for t in DATA_TYPES)
-    cells += cell.format("total", format_bytes(estimate.total_bytes))
+    def cell(label: str, value: str, title: str = "") -> str:
+        hint = f" title='{html.escape(title, quote=True)}'" if title else ""
+        return f"<div style='padding:0 8px'{hint}>{label}<br><b>{value}</b></div>"
+
+    cells = "".join(cell(t.value, format_bytes(estimate.bytes_per_type.get(t.value, 0))) for t in DATA_TYPES)
+    cells += cell("total", format_bytes(estimate.total_bytes))
     native = ""
     if estimate.native_peak_bytes is not None:  # what plain PyTorch would peak at: the user's comparison
-        tip = ("native PyTorch's peak: everything live at once, plus cuBLAS's GEMM workspaces "
-               f"({format_bytes(estimate.workspace_bytes or 0)}), which um_lab's pools do not hold")
-        cells += (f"<div style='padding:0 8px' title='{html.escape(tip, quote=True)}'>native peak<br>"
-                  f"<b>{format_bytes(estimate.native_peak_bytes)}</b></div>")
+        cells += cell("native peak", format_bytes(estimate.native_peak_bytes),
+                      "native PyTorch's peak: everything live at once, plus cuBLAS's GEMM workspaces "
+                      f"({format_bytes(estimate.workspace_bytes or 0)}), which um_lab's pools do not hold")
         if estimate.workspace_bytes:
             native = f"; native peak includes {format_bytes(estimate.workspace_bytes)} of cuBLAS workspaces"
     if footprint_bytes is not None:
-        cells += cell.format("segments", format_bytes(footprint_bytes))
+        cells += cell("segments", format_bytes(footprint_bytes))
     if capacity_bytes:
         r = (footprint_bytes if footprint_bytes is not None else estimate.total_bytes) / capacity_bytes
         colour = "#c00" if r > 1 else "#080"
-        cells += cell.format(html_text(capacity_label), format_bytes(capacity_bytes))  # a profile's name
-        cells += cell.format("ratio", f"<span style='color:{colour}'>{r:.3g}x</span>")
+        cells += cell(html_text(capacity_label), format_bytes(capacity_bytes))  # a profile's name
+        cells += cell("ratio", f"<span style='color:{colour}'>{r:.3g}x</span>")
     basis = ("the ratio is of the simulator's 2 MiB segments (what a run oversubscribes)" if footprint_bytes
              is not None else "a lower bound (2 MiB segment rounding and temporaries come on top)")
     # cells in a wrapping row, not a table: on a narrow screen they take a second line, not a scroll bar

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import os
 import shutil
@@ -403,8 +404,8 @@ def _check_arguments(spec: Any, case: Any) -> None:
                         f"{type(case).__name__} {case!r:.80}", "case")
 
 
-#: The keyword options :func:`run` passes to :class:`Run`.
-RUN_OPTIONS = ("backend", "keep_records", "tail", "name", "preflight")
+#: The keyword options :func:`run` passes to :class:`Run` (its keyword-only parameters).
+RUN_OPTIONS = tuple(p.name for p in inspect.signature(Run.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY)
 
 
 def run(spec: RunSpec | None = None, case: ModelCase | None = None, policy: Policy | str | None = None,
