@@ -350,6 +350,7 @@ class TimelineView:
         self._times: list[float] = [0.0]
         self._cursor: list[int] = []
         self._units = ("ms", 1e3)
+        self._quiet = False  # True while use_policy sets the pickers: one redraw, after them
         self.widget = w.VBox([w.HBox([self.policy_a, self.policy_b, self.step], layout=wrapping()), self.status,
                               self._box,
                               w.HBox([self.play, self.slider], layout=wrapping()), self.readout])
@@ -391,7 +392,7 @@ class TimelineView:
         """Offer ``policy`` under ``label`` in both pickers (replacing an earlier one of that label) and show it
         as policy A (the Lab panel's own advice, edited per data type), then redraw once."""
         self._policies[label] = policy
-        names = [n for n in self._policies]
+        names = list(self._policies)
         self._quiet = True
         try:
             b = self.policy_b.value
@@ -415,7 +416,7 @@ class TimelineView:
         "steady" shows the same step for both: the later of their first steady steps."""
         import plotly.graph_objects as go
 
-        if getattr(self, "_quiet", False):
+        if self._quiet:
             return
         self.status.value = "<i>simulating…</i>"
         try:
