@@ -841,21 +841,17 @@ def fill_fsdp2(rows: list[dict], name: str, steps: int, say: Any) -> None:
         row.update(fsdp2_step_ms=out["step_ms"], fsdp2_peak_bytes=out["peak_allocated_bytes"])
 
 
-#: pinned copies between GPU memory and pinned host memory on the H200, each way (a staging probe)
-PINNED_COPY_BYTES_PER_S = 55e9
-
-
 def primitive_bound_ms(fit_ms: float, prefetched_bytes: int, evicted_bytes: int, staged_bytes: int = 0,
                        restored_bytes: int = 0, remote_bytes: int = 0) -> float:
     """The bound from the primitives measured on the H200 (the h200 profile): max(fit step, bytes in at
     the managed host->GPU prefetch rate + bytes out at the GPU->host rate, the two directions did not
-    overlap in the probe; + staged activations at the pinned copy rate, 55 GB/s each way; + optimizer state
+    overlap in the probe; + staged activations at the profile's staging copy rate each way; + optimizer state
     left in host memory read once at the remote read rate and written once at the remote write rate)."""
     from um_lab.sim.profile import load_profile
 
     profile = load_profile("h200")
     move_s = prefetched_bytes / (profile.prefetch_h2d_GBps * 1e9) + evicted_bytes / (profile.prefetch_d2h_GBps * 1e9)
-    move_s += (staged_bytes + restored_bytes) / PINNED_COPY_BYTES_PER_S
+    move_s += (staged_bytes + restored_bytes) / (profile.stage_copy_GBps * 1e9)
     move_s += remote_bytes / (profile.remote_GBps * 1e9) + remote_bytes / (profile.remote_write_GBps * 1e9)
     return max(fit_ms, move_s * 1e3)
 
