@@ -61,7 +61,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("shapes", "gpt2-small", {"batch_size": 4, "seq_len": 512}, "zero-copy-params"),
     ("shapes", "gpt2-small", {"batch_size": 4, "seq_len": 512}, "um-default"),
     ("shapes", "vit-b16", {"batch_size": 16}, "um-default"),
-    # the resident step-time targets of um_lab.sim.calibration.H200_TARGETS, op by op
+    # the resident step-time targets of um_lab.sim.calibration.PROBE_STEPS, op by op
     ("shapes", "mlp", {}, "um-default"),
     ("shapes", "resnet50", {"batch_size": 128}, "um-default"),
     ("shapes", "gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "um-default"),

@@ -11,9 +11,10 @@ import torch
 
 from um_lab.models import get_model
 from um_lab.sim.calibration import (
-    H200_TARGETS,
+    current_step_ms,
     fit_roofline,
     measure_on_gpu,
+    probe_targets,
     profile_from_bandwidths,
 )
 from um_lab.sim.profile import Profile, load_profile
@@ -185,8 +186,22 @@ def test_link_constants_come_from_the_primitives_not_from_step_times() -> None:
     assert fields["evict_d2h_GBps"] == 18.0 and why["evict_d2h_GBps"]["range"] == [3.65, 19.0]
 
 
-def test_h200_targets_are_named_like_the_probe() -> None:
-    assert {t["model"] for t in H200_TARGETS} == {"mlp", "resnet50", "gpt2-medium"}
+def test_step_targets_come_from_the_probe_file() -> None:
+    """The whole-step fit's targets are read from the probe (none are written in code), one per probe entry."""
+    probe = json.loads((ROOT / "calibration" / "h200-probe.json").read_text())
+    targets = probe_targets(probe)
+    assert {t["model"] for t in targets} == {"mlp", "resnet50", "gpt2-medium"}
+    assert targets[0]["ms"] == probe["training_steps"]["mlp_managed_default"]["median_ms"]
+    del probe["training_steps"]["gpt2m_params_readmostly"]
+    with pytest.raises(ValueError, match="gpt2m_params_readmostly"):
+        probe_targets(probe)
+
+
+def test_current_step_reads_step_detail() -> None:
+    detail = json.loads((ROOT / "bench" / "results" / "step_detail.json").read_text())
+    ms = current_step_ms(detail, "mlp", {}, "um-default")
+    assert ms is not None and 5 < ms < 20
+    assert current_step_ms(detail, "mlp", {"width": 3}, "um-default") is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")

@@ -47,24 +47,42 @@ from um_lab.sim.roofline import native_step_ms
 from um_lab.sim.trace import KIND_ATTENTION, KIND_CONV, KIND_MATMUL, cached_trace
 from um_lab.types import RunSpec
 
-#: Step-time targets measured on the H200 (``training_steps`` of h200-probe.json; torch 2.11, fp32).
-#: The MLP's um-default step measured again on 2026-12-01 (bench/results/step_detail.json): 9.98 ms. The
-#: 8.55 ms below came from an earlier single-pool prototype; um_lab's own per-step host work
-#: is now part of the host model (``cpu_step_us``), so fits that use it take today's figure.
-MLP_NOW_MS = 9.978
-H200_TARGETS: list[dict[str, Any]] = [
-    {"model": "mlp", "model_kwargs": {}, "policy": "um-default", "ms": 8.55},
-    {"model": "resnet50", "model_kwargs": {"batch_size": 128}, "policy": "um-default", "ms": 61.72},
-    {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024}, "policy": "um-default",
-     "ms": 472.86},
-    {"model": "mlp", "model_kwargs": {}, "policy": "zero-copy-params", "ms": 145.16},
-    {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024}, "policy": "zero-copy-params",
-     "ms": 5122.79},
-    {"model": "mlp", "model_kwargs": {},
-     "policy": {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}, "ms": 13186.14},
-    {"model": "gpt2-medium", "model_kwargs": {"batch_size": 8, "seq_len": 1024},
-     "policy": {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}, "ms": 47384.45},
-]
+#: The probe's training steps that the whole-step fit targets (``training_steps`` of ``calibration/h200-probe.json``,
+#: torch 2.11, fp32): each probe entry's name and the run it timed (model, its knobs, policy).
+PROBE_STEPS: tuple[tuple[str, str, dict[str, Any], str | dict[str, Any]], ...] = (
+    ("mlp_managed_default", "mlp", {}, "um-default"),
+    ("resnet50_managed_default", "resnet50", {"batch_size": 128}, "um-default"),
+    ("gpt2m_managed_default", "gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "um-default"),
+    ("mlp_params_cpu_remote", "mlp", {}, "zero-copy-params"),
+    ("gpt2m_params_cpu_remote", "gpt2-medium", {"batch_size": 8, "seq_len": 1024}, "zero-copy-params"),
+    ("mlp_params_readmostly", "mlp", {}, {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}),
+    ("gpt2m_params_readmostly", "gpt2-medium", {"batch_size": 8, "seq_len": 1024},
+     {"name": "params-read-mostly", "advice": {"param": {"read_mostly": True}}}),
+)
+#: The runs :func:`measure_on_gpu` times by default: the resident and zero-copy ones of :data:`PROBE_STEPS`.
+DEFAULT_STEP_RUNS: tuple[dict[str, Any], ...] = tuple(
+    {"model": m, "model_kwargs": kw, "policy": p} for _, m, kw, p in PROBE_STEPS[:5])
+
+
+def probe_targets(probe: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The step-time targets of a probe file (:data:`PROBE_STEPS`): ``[{"model", "model_kwargs", "policy", "ms"}]``
+    with each entry's measured median."""
+    steps = probe.get("training_steps", {})
+    missing = [key for key, *_ in PROBE_STEPS if "median_ms" not in steps.get(key, {})]
+    if missing:
+        raise ValueError(f"the probe has no training_steps median for {missing}")
+    return [{"model": m, "model_kwargs": dict(kw), "policy": p, "ms": float(steps[key]["median_ms"])}
+            for key, m, kw, p in PROBE_STEPS]
+
+
+def current_step_ms(step_detail: Mapping[str, Any], model: str, model_kwargs: Mapping[str, Any],
+                    policy: str) -> float | None:
+    """The step time ``bench/step_detail.py`` measured for one run at its real shapes, or None where it has none."""
+    for config in step_detail.get("configs", []):
+        if (config.get("kind") == "shapes" and config["model"] == model and config["policy"] == policy
+                and config["model_kwargs"] == dict(model_kwargs)):
+            return float(config["step_ms"])
+    return None
 
 
 def profile_from_bandwidths(bw: Mapping[str, float], base: Profile | None = None, **fields: Any) -> Profile:
@@ -184,7 +202,7 @@ def fit_field(profile: Profile, targets: Iterable[Mapping[str, Any]], field: str
     return profile.replace(**{field: _golden(loss, lo, hi, iters)})
 
 
-def calibrate(targets: Iterable[Mapping[str, Any]] = H200_TARGETS,
+def calibrate(targets: Iterable[Mapping[str, Any]],
               bandwidth_GBps: Mapping[str, float] | None = None,
               base: Profile | None = None, fixed: Collection[str] = (), **fields: Any) -> Profile:
     """A profile fitted to measured step times (and bandwidths, when given): see module doc. Peaks named in
@@ -239,7 +257,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     probe = read_measurements(probe_path)
     bw = probe["bandwidth_GBps"]
     gpu_total = int(probe["environment"]["memGetInfo"][1])
-    targets = list(H200_TARGETS)
+    targets = probe_targets(probe)
     if fidelity_path is not None:
         targets += fidelity_targets(fidelity_path)
     link: dict[str, float] = {}
@@ -277,7 +295,10 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
             link.update(step_fields)
             provenance.update(step_provenance)
         fixed = ("matmul_tflops", "attention_tflops", "conv_tflops")
-        targets = [dict(t, ms=MLP_NOW_MS) if t["model"] == "mlp" and t["policy"] == "um-default" and
+        # the MLP's probe step came from an early single-pool prototype; um_lab's own per-step host work is now
+        # part of the host model (cpu_step_us), so the fit takes the step that step_detail measured today
+        mlp_now = current_step_ms(detail, "mlp", {}, "um-default")
+        targets = [dict(t, ms=mlp_now) if mlp_now and t["model"] == "mlp" and t["policy"] == "um-default" and
                    not t["model_kwargs"] else t for t in targets]
         source += (f"; host costs, GEMM, attention, convolution and HBM rates, batch-norm passes and remote "
                    f"elementwise rates from {Path(step_detail_path).name} "
@@ -319,7 +340,7 @@ def build_h200_profile(probe_path: str | Path, out: str | Path | None = None,
     return profile
 
 
-def measure_on_gpu(targets: Iterable[Mapping[str, Any]] = H200_TARGETS[:5], steps: int = 8,
+def measure_on_gpu(targets: Iterable[Mapping[str, Any]] = DEFAULT_STEP_RUNS, steps: int = 8,
                    warmup: int = 3) -> dict[str, Any]:
     """Measure bandwidths and step times on the local GPU (needs CUDA and the real backend).
 
