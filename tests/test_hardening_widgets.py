@@ -346,3 +346,13 @@ def test_lab_refuses_a_ratio_and_a_capacity_given_together():
         Lab(model="mlp", backend="sim", ratio=2.0, capacity_gib=8)
     lab = Lab(model="mlp", backend="sim", capacity_gib=8)  # the default ratio gives way to a capacity given
     assert lab.workload.capacity_mode.value == "capacity GiB"
+
+
+def test_status_line_names_unexpected_errors_by_class() -> None:
+    """um_lab's own errors are shown by their message; anything else keeps its class name, escaped."""
+    from um_lab.errors import SpecError
+    from um_lab.widgets._html import error_text
+
+    assert error_text(SpecError("ratio: got -1.5", "ratio")) == "ratio: got -1.5"
+    assert error_text(KeyError("<b>x</b>")) == "KeyError: '<b>x</b>'"
+    assert error_text(RuntimeError()) == "RuntimeError: "

@@ -40,7 +40,7 @@ from um_lab.widgets._checks import (
     sequence_value,
     whole_number,
 )
-from um_lab.widgets._html import html_text, wrapping
+from um_lab.widgets._html import error_text, html_text, wrapping
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.figures import display_bundle, speedup_figure, step_time_panels
 from um_lab.widgets.workload import backend_choices, model_choices
@@ -302,7 +302,7 @@ class CompareView:
             self._show_partial(e)
         except Exception as e:  # shown in the panel, never a traceback
             self.last_error = e
-            self._say(f"error: {type(e).__name__}: {e}", "#c00")
+            self._say(f"error: {error_text(e)}", "#c00")
             self.progress.bar_style = "danger"
             self._show_partial(e)
         finally:

@@ -36,7 +36,7 @@ from um_lab.widgets._checks import (
     text_value,
     whole_number,
 )
-from um_lab.widgets._html import html_text, wrapping
+from um_lab.widgets._html import error_text, html_text, wrapping
 from um_lab.widgets._waiting import wait_for
 from um_lab.widgets.advice_grid import AdviceGrid
 from um_lab.widgets.dashboard import LiveDashboard
@@ -251,7 +251,7 @@ class Lab:
         except Exception as e:  # refused before any step: explain in the panel, not as a traceback
             self.last_error = e
             self.state = "error"
-            self._say(f"error: {type(e).__name__}: {e}", _END_COLOURS["error"])
+            self._say(f"error: {error_text(e)}", _END_COLOURS["error"])
             return None  # the last run (if any) stays on show, and lab.result still is that run
         self._stop.clear()
         self._ended.clear()
@@ -301,7 +301,7 @@ class Lab:
             self._show_end(active)
         except Exception as e:  # never leave the panel stuck on "running"
             self.last_error = self.last_error or e
-            self._say(f"{active.status}: the panel could not show the run's end ({type(e).__name__}: {e}). "
+            self._say(f"{active.status}: the panel could not show the run's end ({error_text(e)}). "
                       f"Run folder: {active.path}", _END_COLOURS["error"])
         finally:
             self.state = active.status if active.done else "failed"
@@ -319,7 +319,7 @@ class Lab:
         done = f"{active.steps_completed}/{spec.warmup_steps + spec.steps} steps"
         text = f"{active.status}: {spec.model} under {spec.policy} on {active.backend_note}, {done}"
         if self.last_error is not None:
-            text += f" — error: {type(self.last_error).__name__}: {self.last_error}"
+            text += f" — error: {error_text(self.last_error)}"
         summary = active.summary()
         if summary["steps"]:
             text += f"; median step {summary['median_ms']:.2f} ms"
