@@ -168,94 +168,50 @@ def test_stopping_um_lab_lab_stops_the_jupyter_server_and_its_group(tmp_path, si
             lab.wait()
 
 
-# ------------------------------------------------------------------------------- saving notebooks
+# ------------------------------------------------------------------------------- working copies
 
-HOOK_ARG = f"--ContentsManager.pre_save_hook={labserver.SAVE_HOOK}"
-COMMITTED = REPO / "notebooks" / "01_quickstart.ipynb"
-
-
-def test_the_checkout_notebooks_are_saved_through_the_hook(tmp_path):
-    notebooks = labserver.default_notebooks_dir()
-    assert notebooks == REPO / "notebooks" and labserver.checkout_notebooks() == notebooks
-    assert HOOK_ARG in labserver.lab_command(notebooks)
-    assert HOOK_ARG in labserver.lab_command(REPO), "a root above notebooks/ serves them too"
-    assert not any("pre_save_hook" in a for a in labserver.lab_command(tmp_path)), "a folder of your own: as Jupyter"
-    mine = ["--FileContentsManager.pre_save_hook=my.hook"]
-    assert labserver.lab_command(notebooks, extra=mine)[-1:] == mine and HOOK_ARG not in labserver.lab_command(
-        notebooks, extra=mine), "a hook of the user's replaces it (Jupyter takes one)"
-    assert "without new outputs" in " ".join(labserver.lab_banner(notebooks, 8899))
-    assert "without new outputs" not in " ".join(labserver.lab_banner(tmp_path, 8899))
-
-
-def _ran(cell: dict, n: int) -> None:
-    """What running a code cell in JupyterLab does to it."""
-    cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": f"run {n}\n"},
-                       {"output_type": "display_data", "metadata": {},
-                        "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "m", "version_major": 2,
-                                                                              "version_minor": 0},
-                                 "text/plain": "Lab(...)"}}]
-    cell["execution_count"] = n
-    cell["metadata"] = {**cell.get("metadata", {}), "execution": {"iopub.status.busy": "2030-01-01T00:00:00Z"}}
+def test_um_lab_lab_serves_working_copies_of_the_repository_notebooks(served, monkeypatch, tmp_path, capsys):
+    """The repository's notebooks are copied into runs/notebooks and that folder is served: running and saving
+    there keeps outputs (and so live widgets across a page reload) and leaves the repository as committed."""
+    monkeypatch.delenv("UM_LAB_RUNS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    committed = labserver.default_notebooks_dir()
+    assert committed == REPO / "notebooks" and labserver.is_checkout_notebooks(committed)
+    before = {p.name: p.read_bytes() for p in committed.glob("*.ipynb")}
+    assert main(["lab"]) == 0
+    ((cmd, env),) = served
+    work = tmp_path / "runs" / labserver.WORKING_COPIES
+    assert f"--ServerApp.root_dir={work}" in cmd and env["UM_LAB_RUNS_DIR"] == str(tmp_path / "runs")
+    assert not any("pre_save_hook" in a for a in cmd)
+    assert {p.name: p.read_bytes() for p in work.glob("*.ipynb")} == before
+    assert "working copies of" in capsys.readouterr().out
+    mine = work / "01_quickstart.ipynb"
+    mine.write_text(mine.read_text().replace("um_lab", "um_lab ", 1))  # the user's edit (and outputs) stay
+    edited = mine.read_bytes()
+    assert main(["lab", "--notebooks", str(committed)]) == 0  # named explicitly: the same copies
+    assert mine.read_bytes() == edited and served[1][0] == cmd
+    assert {p.name: p.read_bytes() for p in committed.glob("*.ipynb")} == before
+    assert main(["lab", "--notebooks", str(tmp_path)]) == 0  # a folder of the user's own: served as it is
+    assert f"--ServerApp.root_dir={tmp_path}" in served[2][0]
 
 
-def test_the_hook_saves_a_new_notebook_without_outputs_or_widget_state():
-    model = {"type": "notebook", "format": "json", "content": {
-        "nbformat": 4, "nbformat_minor": 5, "metadata": {"widgets": {"state": {}}, "kernelspec": {"name": "python3"}},
-        "cells": [{"cell_type": "code", "id": "a", "source": "print(1)", "metadata": {"tags": ["x"]},
-                   "outputs": [], "execution_count": None},
-                  {"cell_type": "markdown", "id": "b", "source": "# text", "metadata": {}}]}}
-    _ran(model["content"]["cells"][0], 3)
-    labserver.keep_committed_outputs(model=model, path="new.ipynb", contents_manager=None)
-    code, text = model["content"]["cells"]
-    assert code["outputs"] == [] and code["execution_count"] is None and code["metadata"] == {"tags": ["x"]}
-    assert code["source"] == "print(1)" and text["source"] == "# text"
-    assert model["content"]["metadata"] == {"kernelspec": {"name": "python3"}}
-    other = {"type": "file", "format": "text", "content": "x"}
-    labserver.keep_committed_outputs(model=other, path="a.txt", contents_manager=None)
-    assert other == {"type": "file", "format": "text", "content": "x"}
+def test_working_copies_never_overwrite_and_name_newer_committed_notebooks(tmp_path):
+    committed, work = tmp_path / "committed", tmp_path / "work"
+    (committed / "data").mkdir(parents=True)
+    (committed / ".ipynb_checkpoints").mkdir()
+    (committed / "a.ipynb").write_text("A1")
+    (committed / "data" / "x.json").write_text("{}")
+    (committed / ".ipynb_checkpoints" / "a-checkpoint.ipynb").write_text("old")
+    assert labserver.working_copies(committed, work) == []
+    assert (work / "a.ipynb").read_text() == "A1" and (work / "data" / "x.json").read_text() == "{}"
+    assert not (work / ".ipynb_checkpoints").exists()
+    (work / "a.ipynb").write_text("A1 with the user's outputs")
+    os.utime(work / "a.ipynb", (1, 1))  # an old copy
+    (committed / "a.ipynb").write_text("A2")
+    assert labserver.working_copies(committed, work) == ["a.ipynb"]
+    assert (work / "a.ipynb").read_text() == "A1 with the user's outputs"
 
 
-@pytest.mark.parametrize("manager", ["FileContentsManager", "AsyncLargeFileManager"])
-def test_a_committed_notebook_run_and_saved_in_jupyter_stays_as_committed(tmp_path, manager, monkeypatch):
-    """Through Jupyter's own contents manager (the async one is JupyterLab's), configured as ``um-lab lab``
-    configures it: a run changes nothing on disk; an edit is saved, without outputs."""
-    import asyncio
-    import inspect
-    import json
-
-    managers = pytest.importorskip("jupyter_server.services.contents.largefilemanager")
-    from jupyter_server.services.contents.filemanager import FileContentsManager
-
-    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))  # the notary's signatures: not the user's
-    cls = FileContentsManager if manager == "FileContentsManager" else managers.AsyncLargeFileManager
-    (tmp_path / "root").mkdir()
-    cm = cls(root_dir=str(tmp_path / "root"), pre_save_hook=labserver.SAVE_HOOK)  # a string, as um-lab lab gives it
-
-    def call(result):
-        return asyncio.run(result) if inspect.isawaitable(result) else result
-
-    committed = COMMITTED.read_bytes()
-    (tmp_path / "root" / COMMITTED.name).write_bytes(committed)
-    model = call(cm.get(COMMITTED.name, content=True))
-    assert any(c.get("outputs") for c in model["content"]["cells"]), "the committed notebook has outputs"
-    content = json.loads(json.dumps(model["content"]))  # as the browser sends it back
-    code = [c for c in content["cells"] if c["cell_type"] == "code"]
-    for n, cell in enumerate(code, 1):
-        _ran(cell, n)
-    content["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
-    content["metadata"]["language_info"] = {"name": "python", "version": "3.99.0"}
-    call(cm.save({"type": "notebook", "format": "json", "content": content}, COMMITTED.name))
-    assert (tmp_path / "root" / COMMITTED.name).read_bytes() == committed, "running it changed nothing on disk"
-
-    code[-1]["source"] += "\n# an edit"
-    content["cells"].append({"cell_type": "code", "id": "new-cell", "source": "1 + 1", "metadata": {},
-                             "outputs": [], "execution_count": None})
-    _ran(content["cells"][-1], 99)
-    call(cm.save({"type": "notebook", "format": "json", "content": content}, COMMITTED.name))
-    saved = json.loads((tmp_path / "root" / COMMITTED.name).read_text())
-    before = json.loads(committed)
-    edited, new = saved["cells"][-2], saved["cells"][-1]
-    assert "".join(edited["source"]).endswith("# an edit") and edited["outputs"] == [] and new["outputs"] == []
-    assert edited["execution_count"] is None and "execution" not in new["metadata"]
-    assert saved["cells"][:-2] == before["cells"][:-1], "the other cells keep their committed outputs"
-    assert saved["metadata"] == before["metadata"]
+def test_the_banner_warns_when_the_repository_notebooks_themselves_are_served(tmp_path):
+    assert "writes into the repository" in " ".join(labserver.lab_banner(REPO, 8899))
+    assert "writes into the repository" not in " ".join(labserver.lab_banner(tmp_path, 8899))

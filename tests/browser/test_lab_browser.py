@@ -438,3 +438,35 @@ def test_policy_file_and_error_text_show_literally_and_run_no_script_in_chromium
     assert any("not a ratio" in t and PAYLOAD in t for t in compare), compare
     assert any(f"shared {PAYLOAD}" in t for t in texts(page, ".um-lab-static .gtitle"))  # the plotly title
     assert not notebook_state(page)["errors"]
+
+
+RELOAD_CELLS = [
+    "from um_lab.widgets import Lab\n"
+    "lab = Lab(model='mlp', model_kwargs={'width': 64, 'depth': 2, 'batch_size': 4}, backend='sim', steps=2)\n"
+    "lab",
+]
+
+
+def test_a_saved_notebook_finds_its_live_panel_after_a_page_reload(jupyter_lab: JupyterLab, page: Any,
+                                                                  tmp_path: Path) -> None:
+    """As in ``um-lab lab``'s working copies: a notebook saved with its outputs, reloaded in the browser while its
+    kernel runs, shows the same live panel again, and its Run button still runs."""
+    lab = jupyter_lab
+    n_code = write_notebook(lab.root / "reload.ipynb", RELOAD_CELLS)
+    page.goto(lab.url("/lab/tree/reload.ipynb"), wait_until="domcontentloaded", timeout=90_000)
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+    run_all_cells(page, n_code)
+    page.locator(".um-lab").first.wait_for(state="visible", timeout=30_000)
+    page.keyboard.press("Control+s")
+    wait_until(lambda: "widget-view+json" in (lab.root / "reload.ipynb").read_text(), 30,
+               "the notebook to be saved with its panel's output")
+
+    page.reload(wait_until="domcontentloaded")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+    page.locator(".um-lab .um-lab-run").first.wait_for(state="visible", timeout=60_000)
+    page.screenshot(path=str(tmp_path / "after-reload.png"), full_page=True)
+    page.locator(".um-lab .um-lab-run").first.click()
+    wait_until(lambda: status_text(page).startswith("complete"), 60, "the reloaded panel's run to complete",
+               describe=lambda: status_text(page))
+    runs = run_folders(lab)
+    assert any(r["status"].get("status") == "complete" for r in runs.values()), runs

@@ -68,7 +68,9 @@ Any other argument is passed to Jupyter as it is; everything after `--` is passe
   um-lab lab -- --ServerApp.port=9999 --ServerApp.open_browser=False
 
 Runs made from the notebooks go to $UM_LAB_RUNS_DIR: um-lab lab sets it to runs/ in the folder it was
-started from, unless it is already set (a relative path is taken from that folder too).
+started from, unless it is already set (a relative path is taken from that folder too). The repository's
+notebooks are served as working copies in $UM_LAB_RUNS_DIR/notebooks, made when missing and never overwritten:
+what you run, edit and save stays there, and the repository stays as committed.
 Ctrl-C (or SIGTERM to um-lab) stops the Jupyter server it started, and its kernels.
 """
 
@@ -150,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start JupyterLab on the notebooks, bound to 127.0.0.1 with Jupyter's token authentication.",
         epilog=LAB_EPILOG)
     p.add_argument("--notebooks", type=Path, default=None, metavar="DIR",
-                   help="notebook folder (default: notebooks/)")
+                   help="notebook folder (default: working copies of the repository's notebooks/, in "
+                        "$UM_LAB_RUNS_DIR/notebooks)")
     p.add_argument("--port", type=int, default=None, help="the server's port (default: Jupyter's, 8888)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
@@ -405,8 +408,17 @@ def cmd_lab(args: argparse.Namespace) -> int:
     port = labserver.named_port(args.port, extra)
     if port is not None:  # named: Jupyter would stop on a busy one (not move on); say so before starting it
         labserver.check_port_free(port, labserver.user_ip(extra))
-    cmd = labserver.lab_command(notebooks, args.port, args.no_browser, extra)
     env, runs = labserver.lab_environment()
+    own_root = labserver.jupyter_setting(extra, labserver.ROOT_DIR_NAMES) is not None
+    if labserver.is_checkout_notebooks(notebooks) and not own_root:
+        committed, notebooks = notebooks, runs / labserver.WORKING_COPIES
+        newer = labserver.working_copies(committed, notebooks)
+        _say(f"working copies of {committed} in {notebooks}: run, edit and save them there (outputs and live "
+             "widgets kept); the repository's notebooks stay as committed")
+        for name in newer:
+            _say(f"{name} changed in the repository since your copy was made: delete {notebooks / name} to "
+                 "take the new one")
+    cmd = labserver.lab_command(notebooks, args.port, args.no_browser, extra)
     for line in labserver.lab_banner(notebooks, port, extra):
         _say(line)
     for warning in labserver.lab_warnings(extra):

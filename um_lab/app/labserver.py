@@ -1,5 +1,6 @@
-"""The Jupyter server behind ``um-lab lab``: its command line, its environment (where notebook runs go),
-its save hook (running the checkout's notebooks leaves them as committed), and running it so that stopping
+"""The Jupyter server behind ``um-lab lab``: its command line, its environment (where notebook runs go), the
+working copies of the checkout's notebooks it serves (running and saving them leaves the repository as committed,
+keeps what the user ran, and lets a reloaded page find its live widgets again), and running it so that stopping
 ``um-lab lab`` stops the server and its kernels."""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from um_lab.app.cli_args import CliError
 
@@ -47,9 +47,7 @@ PORT_RETRY_NAMES = ("ServerApp.port_retries", "port-retries", "NotebookApp.port_
 ROOT_DIR_NAMES = ("ServerApp.root_dir", "notebook-dir", "ServerApp.notebook_dir", "NotebookApp.notebook_dir")
 TOKEN_NAMES = ("IdentityProvider.token", "ServerApp.token", "NotebookApp.token")
 PASSWORD_NAMES = ("ServerApp.password", "NotebookApp.password", "PasswordIdentityProvider.hashed_password")
-PRE_SAVE_HOOK_NAMES = tuple(f"{manager}.pre_save_hook" for manager in (
-    "ContentsManager", "FileContentsManager", "AsyncFileContentsManager", "LargeFileManager", "AsyncLargeFileManager"))
-SAVE_HOOK = "um_lab.app.labserver.keep_committed_outputs"  #: what ``um-lab lab`` gives Jupyter as its pre-save hook
+WORKING_COPIES = "notebooks"  #: the folder, inside the runs folder, of the working copies of the checkout's notebooks
 
 
 def jupyter_setting(extra: Sequence[str], names: Sequence[str]) -> str | None:
@@ -134,8 +132,7 @@ def check_port_free(port: int, ip: str | None = None) -> None:
 
 def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = False,
                 extra: Sequence[str] = ()) -> list[str]:
-    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on, and, where it
-    serves the checkout's notebooks, saving them through :func:`keep_committed_outputs`; ``extra`` arguments
+    """The JupyterLab command line: bound to 127.0.0.1, Jupyter's token authentication left on; ``extra`` arguments
     come last, as given. A setting they give (the address, the root folder) is not
     given by us too (Jupyter refuses two values of one setting); a port that is named (``port``, or in
     ``extra``) is kept: Jupyter stops rather than moving to another one (``port_retries=0``)."""
@@ -148,8 +145,6 @@ def lab_command(notebooks: Path, port: int | None = None, no_browser: bool = Fal
         cmd.append(f"--ServerApp.port={port}")
     if named_port(port, extra) is not None and jupyter_setting(extra, PORT_RETRY_NAMES) is None:
         cmd.append("--ServerApp.port_retries=0")
-    if serves_checkout_notebooks(notebooks) and jupyter_setting(extra, PRE_SAVE_HOOK_NAMES) is None:
-        cmd.append(f"--ContentsManager.pre_save_hook={SAVE_HOOK}")
     if no_browser:
         cmd.append("--no-browser")
     return [*cmd, *extra]
@@ -164,58 +159,31 @@ def serves_checkout_notebooks(notebooks: Path) -> bool:
     return committed.is_relative_to(served) or served.is_relative_to(committed)
 
 
-def _saved_notebook(path: str, contents_manager: Any) -> dict[str, Any] | None:
-    """The notebook now on disk at the API path ``path`` of ``contents_manager``; None when there is none."""
-    import nbformat
-
-    root = getattr(contents_manager, "root_dir", None)
-    if root is None:
-        return None
-    os_path = Path(root, *[part for part in str(path).split("/") if part])
-    try:
-        return dict(nbformat.read(os_path, as_version=4))
-    except Exception:  # no file yet (a new notebook), or one Jupyter could not read either: keep nothing of it
-        return None
+def is_checkout_notebooks(notebooks: Path) -> bool:
+    """True when ``notebooks`` is the checkout's own ``notebooks/`` folder (served as working copies)."""
+    committed = checkout_notebooks()
+    return committed is not None and Path(notebooks).resolve() == committed
 
 
-def keep_committed_outputs(model: dict[str, Any], path: str = "", contents_manager: Any = None,
-                           **kwargs: Any) -> None:
-    """Jupyter's pre-save hook (``ContentsManager.pre_save_hook``) of ``um-lab lab`` on the checkout's notebooks:
-    running a notebook and saving it leaves the file as it was.
+def working_copies(committed: Path, work: Path) -> list[str]:
+    """Copy ``committed`` (the checkout's notebooks and what they read beside them) into ``work``, leaving every
+    file already there as it is: the user's runs, edits and outputs stay theirs. Returns the names of the
+    notebooks whose committed version differs from the user's copy and is newer (the banner names them)."""
+    import shutil
 
-    A notebook is saved without what running it made: a code cell whose source differs from the file on disk
-    (or is new) is saved without outputs or execution count; a cell whose source is unchanged is saved exactly
-    as on disk (the committed outputs stay); the notebook's metadata stays as on disk (a new notebook's loses
-    its saved widget state). So edits to the code and text are saved, and a notebook only run is written back
-    byte for byte. Other files pass unchanged."""
-    content = model.get("content")
-    if model.get("type") != "notebook" or not isinstance(content, dict):
-        return
-    on_disk = _saved_notebook(path, contents_manager) or {}
-    disk_cells = {(c.get("id"), c.get("cell_type"), c.get("source")): c for c in on_disk.get("cells", [])}
-    cells = []
-    for cell in content.get("cells", []):
-        same = disk_cells.get((cell.get("id"), cell.get("cell_type"), _text(cell.get("source", ""))))
-        if same is not None:
-            cells.append(same)
-            continue
-        cell = dict(cell)
-        if cell.get("cell_type") == "code":
-            cell["outputs"], cell["execution_count"] = [], None
-            cell["metadata"] = {k: v for k, v in dict(cell.get("metadata", {})).items() if k != "execution"}
-        cells.append(cell)
-    if on_disk:
-        metadata = on_disk.get("metadata", {})
-        versions = {"nbformat": on_disk.get("nbformat"), "nbformat_minor": on_disk.get("nbformat_minor")}
-    else:
-        metadata = {k: v for k, v in dict(content.get("metadata", {})).items() if k != "widgets"}
-        versions = {}
-    model["content"] = {**content, **{k: v for k, v in versions.items() if v is not None},
-                        "metadata": metadata, "cells": cells}
-
-
-def _text(source: str | list[str]) -> str:
-    return source if isinstance(source, str) else "".join(source)
+    newer = []
+    for source in sorted(committed.rglob("*")):
+        relative = source.relative_to(committed)
+        if not source.is_file() or any(part.startswith(".") for part in relative.parts):
+            continue  # checkpoints, caches
+        target = work / relative
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        elif (source.suffix == ".ipynb" and source.stat().st_mtime > target.stat().st_mtime
+              and source.read_bytes() != target.read_bytes()):
+            newer.append(str(relative))
+    return newer
 
 
 def lab_banner(notebooks: Path, port: int | None, extra: Sequence[str] = ()) -> list[str]:
@@ -233,9 +201,9 @@ def lab_banner(notebooks: Path, port: int | None, extra: Sequence[str] = ()) -> 
     login = ("AUTHENTICATION OFF: no token, no password" if auth_off(extra)
              else "open the URL with the token it prints")
     lines = [f"starting JupyterLab on {notebooks} ({where}; {port_text}; {login})"]
-    if serves_checkout_notebooks(notebooks) and jupyter_setting(extra, PRE_SAVE_HOOK_NAMES) is None:
-        lines.append("notebooks are saved with your edits but without new outputs: unchanged cells keep their "
-                     "committed outputs (File > Download or Export keeps a run's outputs)")
+    if serves_checkout_notebooks(notebooks):
+        lines.append("this folder holds the repository's own notebooks: saving one writes into the repository "
+                     "(`um-lab lab` without --notebooks works on copies of them)")
     return lines
 
 
