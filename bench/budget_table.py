@@ -136,14 +136,18 @@ def planner_rows(runs: list[tuple[dict[str, Any], str]], predicted: dict[str, An
     out = []
     for run, source in runs:
         for r in run["rows"]:
-            if r.get("step_ms") is None or "plan" not in r:
+            if "plan" not in r or (r.get("step_ms") is None and not r.get("error")):
                 continue
             row = {k: r.get(k) for k in PLANNER_FIELDS}
             c = committed.get((r["model"], r["precision"], float(r["ratio"])))
-            row.update(over_fit_step=r["step_ms"] / r["fit_step_ms"], committed_prediction=c,
-                       sim_error=r["step_ms"] / r["sim_step_ms"] - 1 if r.get("sim_step_ms") else None,
-                       committed_error=r["step_ms"] / c - 1 if c else None,
-                       device=run.get("device", "?"), date=str(run.get("date", ""))[:10], source=source)
+            row.update(committed_prediction=c, device=run.get("device", "?"), date=str(run.get("date", ""))[:10],
+                       source=source)
+            if r.get("step_ms") is None:  # the plan was refused on the GPU: the row keeps why
+                row.update(error=r["error"], over_fit_step=None, sim_error=None, committed_error=None)
+            else:
+                row.update(over_fit_step=r["step_ms"] / r["fit_step_ms"],
+                           sim_error=r["step_ms"] / r["sim_step_ms"] - 1 if r.get("sim_step_ms") else None,
+                           committed_error=r["step_ms"] / c - 1 if c else None)
             out.append(row)
     return out
 
@@ -228,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         merged = merge_planner(results, planner_rows(runs, predicted))
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
         for r in merged["planner"]["rows"]:
-            print(f"{r['model']} {r['precision']} at {r['ratio']}: {r['step_ms']:.1f} ms, best peer "
+            step = f"{r['step_ms']:.1f} ms" if r.get("step_ms") is not None else f"refused ({r.get('error')})"[:160]
+            print(f"{r['model']} {r['precision']} at {r['ratio']}: {step}, best peer "
                   f"{r.get('best_peer')} {r.get('best_peer_ms') or float('nan'):.1f} ms, {r.get('device')}")
         return 0
     rows, device = load_rows(args.runs, root)

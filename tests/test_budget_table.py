@@ -186,3 +186,20 @@ def test_planner_runs_merge_into_the_planner_key_beside_their_committed_predicti
     assert new["over_fit_step"] == 1.2 and new["committed_prediction"] == 480.0
     assert abs(new["committed_error"] - 0.25) < 1e-12 and abs(new["sim_error"] - (600 / 550 - 1)) < 1e-12
     assert "internal_diagnostic" not in new and new["idle_steps"] == 3
+
+
+def test_a_plan_refused_on_the_gpu_is_kept_with_its_reason(tmp_path):
+    table = table_module()
+    refused = {"model": "resnet50", "precision": "fp32", "ratio": 3.0, "fit_step_ms": 40.0, "step_ms": None,
+               "plan": {"recompute": "every-layer"}, "error": "BudgetTooSmall: the GPU budget cannot hold it",
+               "best_peer": "save-on-cpu", "best_peer_ms": 360.0}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"date": "2026-12-07T01:00:00+00:00", "device": "GPU A", "rows": [refused]}))
+    predicted = tmp_path / "predicted.json"
+    predicted.write_text(json.dumps({"planned": {"rows": [{"model": "resnet50", "precision": "fp32", "ratio": 3.0,
+                                                           "step_ms": 79.0}]}}))
+    out = tmp_path / "budget.json"
+    assert table.main([str(run), "--planner", "--predicted", str(predicted), "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["planner"]["rows"]
+    assert row["step_ms"] is None and row["error"].startswith("BudgetTooSmall") and row["committed_prediction"] == 79.0
+    assert row["over_fit_step"] is None and row["committed_error"] is None and row["best_peer"] == "save-on-cpu"
