@@ -26,10 +26,10 @@
 # (STAGE_TIMEOUT scales them: 2 doubles each). Nothing here oversubscribes the card: each benchmark keeps its managed
 # memory under its own safety cap. CUPTI telemetry (the telemetry suite, the budget rows with a CUPTI column) needs
 # cupti-python: when it is not importable, the wheels in .whl/ are installed into /tmp/site (the dashboard suite's
-# Jupyter packages too, where the machine lacks them). Fetch them on a machine with PyPI, for the GPU machine's
-# Python, e.g.
+# Jupyter packages too, where the machine lacks them, and torchao for the planner's checkpointing + CPUOffloadOptimizer
+# peer). Fetch them on a machine with PyPI, for the GPU machine's Python, e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
-#     "cupti-python==13.0.*" pyelftools
+#     "cupti-python==13.0.*" pyelftools torchao
 set -uo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$self")/.."
@@ -62,7 +62,7 @@ for s in "${suites[@]}"; do
 done
 
 stage setup
-if ! python3 -c "import cupti" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+if ! python3 -c "import cupti, torchao" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl >"$OUT/wheels.log" 2>&1 || { tail -20 "$OUT/wheels.log"; exit 1; }
 fi
