@@ -11,7 +11,8 @@
 #   budget       the budget table's rows (BUDGET_MODELS, default all three), FSDP2 beside them, merged with the
 #                committed predictions                                               -> budget.json
 #   planner      the memory planner in fp32 and bf16 at ratios 1.5, 2, 3 against every peer in the same run
-#                (PLANNER_MODELS, default all three; one model per call where time needs it) -> budget.json, planner
+#                (PLANNER_MODELS, default all three; one model per call where time needs it; GPT-2-XL's
+#                everything-fits run holds 53 GB of managed memory: an H200, not an 80 GB card) -> budget.json, planner
 #   primitives   UM primitives, the GEMM tile grid, prefetch by call size
 #                                              -> uvm_primitives.json, gemm_tiles.json, uvm_call_size.json
 #   calibration  the simulator's other GPU inputs: per-op steps, 16-bit tensor-core rates, convolutions in a step,
@@ -182,7 +183,7 @@ suite_planner() {  # predictions first: python bench/budget.py --predict --recom
   for model in ${PLANNER_MODELS:-gpt2-large gpt2-xl resnet50}; do
     for precision in fp32 bf16; do
       run "planner_${model}_$precision" 1500 python3 bench/budget.py --models "$model" --ratios 1.5 2 3 --steps 8 \
-        --recompute auto --precision "$precision" --peers --peer-steps 4 --no-sim \
+        --recompute auto --precision "$precision" --peers --peer-steps 4 --no-sim --max-managed-fraction 0.7 \
         --out "$OUT/planner/${model}_$precision.json"
     done
   done
