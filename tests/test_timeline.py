@@ -278,3 +278,19 @@ def test_steady_compares_the_same_step_and_the_panel_policy_can_be_shown(sim) ->
     assert view.policy_a.value == "mine (this panel)" and view.timelines[0].policy == "mine"
     assert "mine (this panel)" in [value for _, value in view.policy_b.options]
     assert view.policy_b.value == "prefetch-all"  # B kept
+
+
+def test_a_timeline_figure_survives_a_saved_notebook(sim: SimBackend, monkeypatch) -> None:
+    """Building the figure sets up the export renderer, as the other figures do: without static images, the
+    saved notebook carries it as HTML with plotly.js inlined."""
+    pio = pytest.importorskip("plotly.io")
+    from um_lab.widgets.timeline import timeline_figure
+
+    monkeypatch.setenv("UM_LAB_STATIC_IMAGES", "0")
+    before = pio.renderers.default
+    pio.renderers.default = "plotly_mimetype"
+    try:
+        timeline_figure(step_timeline(GPT2, "um-default", ratio=1.5, backend=sim), frames=False)
+        assert pio.renderers.default == "plotly_mimetype+notebook"
+    finally:
+        pio.renderers.default = before

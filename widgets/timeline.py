@@ -51,6 +51,9 @@ def _plotly() -> Any:
         import plotly.graph_objects as go
     except ImportError as e:
         raise ImportError("the timeline figure needs plotly: pip install 'um_lab[notebook]'") from e
+    from um_lab.widgets.figures import keep_plots_in_exports
+
+    keep_plots_in_exports()  # a saved notebook keeps the timeline, as it keeps the other figures
     return go
 
 
