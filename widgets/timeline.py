@@ -47,14 +47,10 @@ _TYPE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
 
 
 def _plotly() -> Any:
-    try:
-        import plotly.graph_objects as go
-    except ImportError as e:
-        raise ImportError("the timeline figure needs plotly: pip install 'um_lab[notebook]'") from e
-    from um_lab.widgets.figures import keep_plots_in_exports
+    """plotly's graph objects, with the export renderer set up as for every figure (a saved notebook keeps it)."""
+    from um_lab.widgets.figures import _plotly as figures_plotly
 
-    keep_plots_in_exports()  # a saved notebook keeps the timeline, as it keeps the other figures
-    return go
+    return figures_plotly()
 
 
 def byte_scale(largest: float) -> tuple[str, float]:
