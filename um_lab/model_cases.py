@@ -180,21 +180,37 @@ def _with_causal_lm_loss(model: nn.Module) -> nn.Module:
     return model
 
 
+def _transformer_config(family: str, name: str, sizes: Mapping[str, Mapping[str, Any]], size: str, batch_size: int,
+                        seq_len: int, overrides: Mapping[str, Any], config_class: str, vocab: int,
+                        positions: str, min_positions: int, shape_keys: tuple[str, str, str]) -> dict[str, Any]:
+    """The checked config of Hugging Face model ``name`` built from ``sizes[size]`` and ``overrides``."""
+    if size not in sizes:
+        raise ModelConfigError(f"{family} size must be one of {', '.join(sizes)}; got {size!r}", "size")
+    check_positive(batch_size=batch_size, seq_len=seq_len)
+    if overrides:
+        check_overrides(getattr(_require("transformers", name), config_class), overrides, name)
+    config = {"vocab_size": vocab, positions: max(min_positions, seq_len), **sizes[size], **overrides}
+    check_transformer(config, seq_len, name, *shape_keys, positions)
+    return config
+
+
+def _token_batch(vocab: int, batch_size: int, seq_len: int) -> Callable[[torch.Generator], Batch]:
+    def batch(g: torch.Generator) -> Batch:
+        return (torch.randint(0, vocab, (batch_size, seq_len), generator=g),)
+
+    return batch
+
+
 def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overrides: Any) -> ModelCase:
     """Hugging Face GPT-2 built from a config (no weights downloaded), language-model loss.
 
     ``overrides`` are GPT2Config fields (``n_layer``, ``n_embd``, ``n_head``, ``vocab_size``, ...):
     ``gpt2("small", 2, 32, n_layer=2, n_embd=64, n_head=2, vocab_size=1000)`` is a tiny test model.
     """
-    if size not in GPT2_SIZES:
-        raise ModelConfigError(f"GPT-2 size must be one of {', '.join(GPT2_SIZES)}; got {size!r}", "size")
-    check_positive(batch_size=batch_size, seq_len=seq_len)
-    name = f"gpt2-{size}"
-    if overrides:
-        check_overrides(_require("transformers", name).GPT2Config, overrides, name)
     vocab = overrides.get("vocab_size", 50257)
-    config = {"vocab_size": vocab, "n_positions": max(1024, seq_len), **GPT2_SIZES[size], **overrides}
-    check_transformer(config, seq_len, name, "n_layer", "n_embd", "n_head", "n_positions")
+    name = f"gpt2-{size}"
+    config = _transformer_config("GPT-2", name, GPT2_SIZES, size, batch_size, seq_len, overrides, "GPT2Config",
+                                 vocab, "n_positions", 1024, ("n_layer", "n_embd", "n_head"))
     if vocab <= 50256:  # a small test vocabulary: keep the special tokens inside it
         config.setdefault("bos_token_id", vocab - 1)
         config.setdefault("eos_token_id", vocab - 1)
@@ -203,10 +219,7 @@ def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overr
         transformers = _require("transformers", name)  # lazy
         return _with_causal_lm_loss(transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)))
 
-    def batch(g: torch.Generator) -> Batch:
-        return (torch.randint(0, vocab, (batch_size, seq_len), generator=g),)
-
-    return ModelCase(name, build, batch, _lm_loss,
+    return ModelCase(name, build, _token_batch(vocab, batch_size, seq_len), _lm_loss,
                      info={"size": size, "batch_size": batch_size, "seq_len": seq_len, **config})
 
 
@@ -221,26 +234,17 @@ def bert(size: str = "base", batch_size: int = 16, seq_len: int = 512, **overrid
 
     ``overrides`` are BertConfig fields (``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ...).
     """
-    if size not in BERT_SIZES:
-        raise ModelConfigError(f"BERT size must be one of {', '.join(BERT_SIZES)}; got {size!r}", "size")
-    check_positive(batch_size=batch_size, seq_len=seq_len)
-    name = f"bert-{size}"
-    if overrides:
-        check_overrides(_require("transformers", name).BertConfig, overrides, name)
     vocab = overrides.get("vocab_size", 30522)
-    config = {"vocab_size": vocab, "max_position_embeddings": max(512, seq_len), **BERT_SIZES[size],
-              **overrides}
-    check_transformer(config, seq_len, name, "num_hidden_layers", "hidden_size", "num_attention_heads",
-                       "max_position_embeddings")
+    name = f"bert-{size}"
+    config = _transformer_config("BERT", name, BERT_SIZES, size, batch_size, seq_len, overrides, "BertConfig",
+                                 vocab, "max_position_embeddings", 512,
+                                 ("num_hidden_layers", "hidden_size", "num_attention_heads"))
 
     def build() -> nn.Module:
         transformers = _require("transformers", name)
         return transformers.BertForMaskedLM(transformers.BertConfig(**config))
 
-    def batch(g: torch.Generator) -> Batch:
-        return (torch.randint(0, vocab, (batch_size, seq_len), generator=g),)
-
-    return ModelCase(name, build, batch, _lm_loss,
+    return ModelCase(name, build, _token_batch(vocab, batch_size, seq_len), _lm_loss,
                      info={"size": size, "batch_size": batch_size, "seq_len": seq_len, **config})
 
 
