@@ -207,6 +207,9 @@ def test_the_figure_stacks_types_marks_events_and_plays(sim: SimBackend) -> None
     assert [fig.layout[f"xaxis{i}"].matches for i in ("", 2, 3)] == ["x4"] * 3
     assert fig.layout.yaxis.range[0] == 0 and fig.layout.yaxis3.range[0] == 0
     assert "MiB" in fig.layout.yaxis.title.text and "ms" in fig.layout.xaxis4.title.text
+    from um_lab.widgets.dashboard_data import byte_unit  # the dashboard's unit for the same bytes
+
+    assert byte_unit(a.capacity_bytes)[0] == "MiB" and byte_unit(3 * 2**30)[0] == "GiB"
     cap = [tr for tr in fig.data if tr.name and tr.name.startswith("GPU capacity")]
     assert cap and cap[0].y[0] == pytest.approx(a.capacity_bytes / 2**20)
     bands = [s for s in fig.layout.shapes if s.type == "rect"]

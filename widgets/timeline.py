@@ -28,6 +28,7 @@ from um_lab.errors import SpecError, UmLabError
 from um_lab.policy import Policy, get_policy, presets
 from um_lab.sim.timeline import TYPE_NAMES, StepTimeline, TimelineRow, step_timeline
 from um_lab.widgets._html import html_text, plotly_text, wrapping
+from um_lab.widgets.dashboard_data import byte_unit
 
 #: Event lanes, top to bottom: (trace name, colour, marker symbol, unit: "bytes" or "count").
 EVENT_LANES: tuple[tuple[str, str, str, str], ...] = (
@@ -51,11 +52,6 @@ def _plotly() -> Any:
     from um_lab.widgets.figures import _plotly as figures_plotly
 
     return figures_plotly()
-
-
-def byte_scale(largest: float) -> tuple[str, float]:
-    """The unit to draw bytes in (MiB below 2 GiB, else GiB) and its size."""
-    return ("GiB", 2.0**30) if largest >= 2 * 2**30 else ("MiB", 2.0**20)
 
 
 def time_scale(longest_us: float) -> tuple[str, float]:
@@ -152,7 +148,7 @@ def timeline_figure(timeline: StepTimeline, other: StepTimeline | None = None, *
     t_unit, t_size = time_scale(t_hi - t_lo)
     stack_max = max(max([sum(tl.resident_before.values())] + [r.resident_bytes for r in tl.rows]) for tl in tls)
     limit_max = max((tl.limit_bytes or 0) for tl in tls)
-    b_unit, b_size = byte_scale(max(stack_max, limit_max))
+    b_unit, b_size = byte_unit(max(stack_max, limit_max))
     y_top = max(stack_max, limit_max, 1) / b_size * 1.1
     lane_max = {lane: max([_lane_value(r, lane) for tl in tls for r in tl.rows] + [0.0])
                 for lane, *_ in EVENT_LANES}
@@ -465,5 +461,5 @@ class TimelineView:
         return timeline_figure(a, b)
 
 
-__all__ = ["EVENT_LANES", "TimelineView", "byte_scale", "cursor_text", "frame_times", "human_bytes", "time_extent",
+__all__ = ["EVENT_LANES", "TimelineView", "cursor_text", "frame_times", "human_bytes", "time_extent",
            "time_scale", "timeline_figure"]
