@@ -17,7 +17,7 @@ from test_runner import FakeBackend
 
 import um_lab.runs.runner
 import um_lab.runs.sweep
-from um_lab.app import cli, labserver
+from um_lab.app import commands, labserver
 from um_lab.app.cli import main
 from um_lab.app.cli_args import format_table, parse_bytes, parse_model_kwargs, parse_ratio
 from um_lab.backend import register_backend, unregister_backend
@@ -232,8 +232,8 @@ def test_calibrate_needs_cuda(monkeypatch, capsys):
 
 
 def test_lab_without_jupyterlab_is_a_clear_error(monkeypatch, capsys):
-    real = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec",
+    real = commands.importlib.util.find_spec
+    monkeypatch.setattr(commands.importlib.util, "find_spec",
                         lambda name, *a: None if name == "jupyterlab" else real(name, *a))
     assert main(["lab"]) == 2
     assert "jupyterlab is not installed" in capsys.readouterr().err
@@ -241,7 +241,7 @@ def test_lab_without_jupyterlab_is_a_clear_error(monkeypatch, capsys):
 
 def test_lab_binds_localhost_and_keeps_token_auth(monkeypatch, tmp_path, capsys):
     calls = []
-    monkeypatch.setattr(cli, "_has_jupyterlab", lambda: True)
+    monkeypatch.setattr(commands, "_has_jupyterlab", lambda: True)
     monkeypatch.setattr(labserver, "serve_lab", lambda cmd, env: calls.append((cmd, env)) or 0)
     assert main(["lab", "--notebooks", str(tmp_path), "--port", "8899", "--no-browser"]) == 0
     ((cmd, _),) = calls

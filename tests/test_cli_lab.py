@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from um_lab.app import cli, labserver
+from um_lab.app import commands, labserver
 from um_lab.app.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 def served(monkeypatch):
     """Capture what ``um-lab lab`` would start instead of starting it."""
     calls: list[tuple[list[str], dict[str, str]]] = []
-    monkeypatch.setattr(cli, "_has_jupyterlab", lambda: True)
+    monkeypatch.setattr(commands, "_has_jupyterlab", lambda: True)
     monkeypatch.setattr(labserver, "serve_lab", lambda cmd, env: calls.append((list(cmd), dict(env))) or 0)
     return calls
 
@@ -94,11 +94,11 @@ FAKE_JUPYTER = textwrap.dedent("""
 
 DRIVER = textwrap.dedent("""
     import sys
-    from um_lab.app import cli
+    from um_lab.app import cli, commands
     fake, out, mode, grace, notebooks = sys.argv[1:6]
     from um_lab.app import labserver
     labserver.LAB_STOP_GRACE_S = float(grace)
-    cli._has_jupyterlab = lambda: True
+    commands._has_jupyterlab = lambda: True
     labserver.lab_command = lambda nb, port=None, no_browser=False, extra=(): [sys.executable, fake, out, mode, *extra]
     sys.exit(cli.main(["lab", "--notebooks", notebooks]))
 """)

@@ -21,7 +21,7 @@ from test_runner import FakeBackend
 
 import um_lab.runs.runner
 import um_lab.runs.sweep
-from um_lab.app import cli, labserver
+from um_lab.app import cli, commands, labserver
 from um_lab.app.cli import main
 from um_lab.errors import BudgetTooSmall, InputError, ModelConfigError, OutputExistsError, SpecError, UmLabError
 from um_lab.policy import named_policies
@@ -304,7 +304,7 @@ def test_any_um_lab_error_is_one_line_without_a_traceback(fake_backend, tmp_path
     def refuse(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(cli, "_backend_instance", refuse)
+    monkeypatch.setattr(commands, "_backend_instance", refuse)
     rc, err = cli_error(capsys, ["run", "--profile", "x.json", "--backend", "sim", "--out", str(tmp_path), *TINY])
     assert rc == code and err == "um-lab: error: profile 'x.json' is not a calibration profile\n"
 
@@ -347,7 +347,7 @@ def test_policies_lists_every_name_the_cli_accepts(capsys):
 def served(monkeypatch):
     """What ``um-lab lab`` would start, instead of starting it."""
     calls: list[list[str]] = []
-    monkeypatch.setattr(cli, "_has_jupyterlab", lambda: True)
+    monkeypatch.setattr(commands, "_has_jupyterlab", lambda: True)
     monkeypatch.setattr(labserver, "serve_lab", lambda cmd, env: calls.append(list(cmd)) or 0)
     return calls
 
