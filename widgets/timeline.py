@@ -29,6 +29,7 @@ from um_lab.policy import Policy, get_policy, presets
 from um_lab.sim.timeline import TYPE_NAMES, StepTimeline, TimelineRow, step_timeline
 from um_lab.widgets._html import html_text, plotly_text, wrapping
 from um_lab.widgets.dashboard_data import byte_unit
+from um_lab.widgets.figures import _plotly  # plotly's graph objects, with the export renderer set up
 
 #: Event lanes, top to bottom: (trace name, colour, marker symbol, unit: "bytes" or "count").
 EVENT_LANES: tuple[tuple[str, str, str, str], ...] = (
@@ -45,13 +46,6 @@ CURSOR = "now"  #: the name of the cursor traces that Play / the slider move
 STEADY = -1  #: the step picker's value for "the first steady step"
 FRAMES = 60  #: cursor positions the figure's slider and Play button walk through
 _TYPE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
-
-
-def _plotly() -> Any:
-    """plotly's graph objects, with the export renderer set up as for every figure (a saved notebook keeps it)."""
-    from um_lab.widgets.figures import _plotly as figures_plotly
-
-    return figures_plotly()
 
 
 def time_scale(longest_us: float) -> tuple[str, float]:
