@@ -7,7 +7,8 @@ prefetches, for one or two policies on one time axis (:class:`~um_lab.sim.timeli
     TimelineView(model="gpt2-small", model_kwargs={"n_layer": 2}, ratio=1.5,
                  policies=("um-default", "prefetch-all"))      # pick policies and a step; Play walks the step
 
-    from um_lab.sim.timeline import step_timeline
+    from um_lab.units import format_bytes
+from um_lab.sim.timeline import step_timeline
     from um_lab.widgets.timeline import timeline_figure
     fig = timeline_figure(step_timeline(case, "um-default", ratio=1.5),
                           step_timeline(case, "prefetch-all", ratio=1.5))   # a plain go.Figure: exports, Play button
@@ -27,6 +28,7 @@ from typing import Any
 from um_lab.errors import SpecError, UmLabError
 from um_lab.policy import Policy, get_policy, presets
 from um_lab.sim.timeline import TYPE_NAMES, StepTimeline, TimelineRow, step_timeline
+from um_lab.units import format_bytes
 from um_lab.widgets._html import html_text, plotly_text, wrapping
 from um_lab.widgets.dashboard_data import byte_unit
 from um_lab.widgets.figures import _plotly  # plotly's graph objects, with the export renderer set up
@@ -53,14 +55,6 @@ def time_scale(longest_us: float) -> tuple[str, float]:
     return ("ms", 1e3) if longest_us >= 1e3 else ("µs", 1.0)
 
 
-def human_bytes(n: float) -> str:
-    """``n`` bytes as text: B, KiB, MiB or GiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _lane_value(r: TimelineRow, lane: str) -> float:
     if lane == "page faults":
         return float(r.faults)
@@ -76,7 +70,7 @@ def _lane_value(r: TimelineRow, lane: str) -> float:
 def _lane_text(r: TimelineRow, lane: str, unit: str) -> str:
     if unit == "count":
         return f"{r.faults:,} faults"
-    text = human_bytes(_lane_value(r, lane))
+    text = format_bytes(_lane_value(r, lane))
     if lane.startswith("migrated to host") and r.evictions:
         text += f" ({r.evictions:,} chunks evicted)"
     return text
@@ -97,10 +91,10 @@ def _title(tl: StepTimeline, t_unit: str, t_size: float) -> str:
     t = tl.totals()
     where = {"sim": "simulated", "cupti": "CUPTI"}.get(tl.source, tl.source)
     moved = [(t["gpu_page_faults"], f"{t['gpu_page_faults']:,} faults"),
-             (sum(t["htod_bytes"].values()), f"{human_bytes(sum(t['htod_bytes'].values()))} to GPU"),
-             (t["evicted_bytes"], f"{human_bytes(t['evicted_bytes'])} evicted"),
-             (t["prefetched_bytes"], f"{human_bytes(t['prefetched_bytes'])} prefetched"),
-             (t["remote_bytes"], f"{human_bytes(t['remote_bytes'])} remote")]
+             (sum(t["htod_bytes"].values()), f"{format_bytes(sum(t['htod_bytes'].values()))} to GPU"),
+             (t["evicted_bytes"], f"{format_bytes(t['evicted_bytes'])} evicted"),
+             (t["prefetched_bytes"], f"{format_bytes(t['prefetched_bytes'])} prefetched"),
+             (t["remote_bytes"], f"{format_bytes(t['remote_bytes'])} remote")]
     traffic = ", ".join(text for amount, text in moved if amount) or "nothing moved"  # zeros left out
     # two lines: one would run past the plot's right edge
     return (plotly_text(f"{tl.policy} · {tl.model} · step {tl.step} ({where}): {tl.wall_us / t_size:.2f} {t_unit}")
@@ -113,7 +107,7 @@ def cursor_text(tl: StepTimeline, t_us: float, t_unit: str = "ms", t_size: float
     if row is None:
         return f"{tl.policy}: before the step"
     return (f"{tl.policy}: {row.phase or 'step'} · {row.name} ({row.duration_us / t_size:.3f} {t_unit}) · "
-            f"resident {human_bytes(row.resident_bytes)}")
+            f"resident {format_bytes(row.resident_bytes)}")
 
 
 def _cursor_label(tl: StepTimeline, t_us: float) -> str:
@@ -181,7 +175,7 @@ def timeline_figure(timeline: StepTimeline, other: StepTimeline | None = None, *
         if limit is not None:
             what = "GPU budget" if tl.budget_bytes is not None else "GPU capacity"
             fig.add_scatter(x=[t_lo / t_size, t_hi / t_size], y=[limit / b_size] * 2, mode="lines",
-                            name=f"{what} {human_bytes(limit)}", legendgroup=f"limit {limit}",
+                            name=f"{what} {format_bytes(limit)}", legendgroup=f"limit {limit}",
                             showlegend=first or limit != tls[0].limit_bytes,
                             line={"color": "black", "dash": "dash", "width": 1.5}, hoverinfo="name",
                             row=res_row, col=1)
@@ -455,5 +449,5 @@ class TimelineView:
         return timeline_figure(a, b)
 
 
-__all__ = ["EVENT_LANES", "TimelineView", "cursor_text", "frame_times", "human_bytes", "time_extent",
+__all__ = ["EVENT_LANES", "TimelineView", "cursor_text", "frame_times", "time_extent",
            "time_scale", "timeline_figure"]
