@@ -56,6 +56,27 @@ def test_a_tighter_budget_is_fit_by_the_least_recompute_that_fits_else_the_least
     assert json.loads(json.dumps(plan.to_dict()))["candidates"]
 
 
+def test_a_plan_that_fits_is_priced_as_the_plain_recompute_step_without_the_schedulers_hooks(sim, case):
+    """An idle scheduler runs no hooks: the fitting plan's step is the plain step of the case with that
+    recompute; a plan the scheduler follows pays the profile's host time per position."""
+    import dataclasses
+
+    from um_lab.sim.budget import simulate_budget
+
+    plan = plan_memory(case, "0.85x", backend=sim)
+    chosen = [c for c in plan.candidates if c.footprint_bytes <= plan.budget_bytes * 0.99]
+    assert chosen and plan.crossing_bytes == 0
+    k = plan.recompute if isinstance(plan.recompute, int) else {"none": 0, "every-layer": plan.layers}[plan.recompute]
+    plain = with_training(case, "fp32", k if k else "none")
+    records = list(sim.run(RunSpec(model="mlp", steps=4, warmup_steps=0), plain, "um-default"))
+    assert plan.step_ms == pytest.approx(records[-1].wall_ms) and 0 < k < plan.layers
+    prepared = sim.prepare(plain)
+    costly = dataclasses.replace(sim.profile, scheduler_hook_us=sim.profile.scheduler_hook_us + 1000.0)
+    followed = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, plan.budget_bytes)
+    slower = simulate_budget(prepared.trace, prepared.placement.final, costly, plan.budget_bytes)
+    assert slower.step.wall_us > followed.step.wall_us + 500.0 * len(followed.derived.order.positions)
+
+
 def test_where_no_candidate_fits_the_least_predicted_step_moves_data(sim, case):
     plan = plan_memory(case, "0.3x", backend=sim)
     feasible = [c for c in plan.candidates if c.step_ms is not None]

@@ -24,7 +24,6 @@ from um_lab.schedule.plan import Plan
 from um_lab.sim.budget_memo import memoised
 from um_lab.sim.budget_order import DerivedOrder, budget_order, derive_order
 from um_lab.sim.budget_replay import (
-    HOOK_US_PER_POSITION,
     STEADY_STEPS,
     BudgetStep,
     StageCopies,
@@ -37,7 +36,7 @@ from um_lab.sim.profile import Profile
 from um_lab.sim.trace import StepTrace
 from um_lab.types import DATA_TYPES, DataType, StepRecord
 
-__all__ = ["HOOK_US_PER_POSITION", "STEADY_STEPS", "BudgetSimulation", "BudgetStep", "DerivedOrder", "StageCopies",
+__all__ = ["STEADY_STEPS", "BudgetSimulation", "BudgetStep", "DerivedOrder", "StageCopies",
            "budget_extra", "budget_footprint", "budget_order", "budget_records", "derive_order", "memoised",
            "moved_by_type", "plan_budget", "replay_plan", "resident_by_type", "restore_start", "simulate_budget",
            "steady_records"]

@@ -28,9 +28,6 @@ from um_lab.sim.budget_order import DerivedOrder
 from um_lab.sim.profile import Profile
 from um_lab.sim.remote_optim import remote_extra_us, remote_state_bytes
 
-#: host time of the recorder's Python hooks and the executor's ledger work per position (an assumption,
-#: not measured: a forward pre/post hook pair, a tensor hook, a few dict look-ups)
-HOOK_US_PER_POSITION = 40.0
 STEADY_STEPS = 3  #: steady steps replayed; the last one's time is reported
 
 
@@ -128,7 +125,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
         copy_in = copy_out = 0.0  # the remote state copies' two streams
         copied_in: dict[int, float] = {}
         for i in range(n):
-            cpu += HOOK_US_PER_POSITION
+            cpu += p.scheduler_hook_us
             ready = 0.0
             for j in (i, i + 1):  # this position's copies in (if not issued yet), then the next one's
                 if j < n and copied[j] and j not in copied_in:

@@ -10,12 +10,13 @@ simulator (:mod:`um_lab.sim.budget`, :mod:`um_lab.sim.staged`) what one training
 * optimizer state the plan would move in and out is updated in host memory over the link (the scheduler's
   default), so it never crosses twice.
 
-A candidate whose footprint fits B moves nothing: the step is the recompute's alone, and on a GPU the scheduler
-idles (no hooks, the pools' own advice). Where one fits, the planner takes it: the least recompute that fits. Only
-where none fits does it take the candidate with the least predicted step, which the scheduler then follows. The
-simulator prices that scheduler's moves but not its host time per layer nor the link reads of activations rebuilt
-under the budget's host advice; measured on an H100 (GPT-2-large, fp32, ratio 2), a plan that moved nothing but
-did not let the scheduler idle ran at 1.5x its prediction. Every candidate weighed is kept in the plan
+A candidate whose footprint fits B moves nothing: on a GPU the scheduler idles (no hooks, the pools' own advice),
+so its step is the recompute's alone, simulated as a plain step. Where one fits, the planner takes it: the least
+recompute that fits. Only where none fits does it take the candidate with the least predicted step, which the
+scheduler then follows; that step carries the scheduler's host time per position
+(:attr:`~um_lab.sim.profile.Profile.scheduler_hook_us`) but not the link reads of activations rebuilt under the
+budget's host advice; measured on an H100 (GPT-2-large, fp32, ratio 2), a plan that moved nothing but did not
+let the scheduler idle ran at 1.5x its prediction. Every candidate weighed is kept in the plan
 (:attr:`MemoryPlan.candidates`) with its predicted step, footprint and bytes that cross the link.
 """
 
@@ -34,6 +35,8 @@ from um_lab.types import Recompute, check_precision
 
 #: how many evenly spaced layer counts the coarse search weighs before it refines the smallest that fits
 GRID_POINTS = 6
+#: steps simulated for a plain step: the last one is steady (the first two still fault pages in)
+PLAIN_STEPS = 3
 #: a candidate fits when its footprint in a budget session leaves this share of B free: the footprint model is
 #: within about 2% of what the pools held on a GPU (GPT-2-large, fp32 and bf16, recompute on)
 FIT_MARGIN = 0.01
@@ -137,7 +140,12 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
         hit = _PLANS.get(key)
     if hit is not None:
         return hit
-    fit_step = [r.wall_ms for r in sim.run(RunSpec(model="mlp", steps=2, warmup_steps=0), base, "um-default")][-1]
+    def plain_step_ms(k: int) -> float:  # the steady step with nothing moving and no scheduler running
+        run_case = base if k == 0 else with_training(case, precision, k)
+        spec = RunSpec(model="mlp", steps=PLAIN_STEPS, warmup_steps=0)
+        return [r.wall_ms for r in sim.run(spec, run_case, "um-default")][-1]
+
+    fit_step = plain_step_ms(0)
     n_layers = count_layers(case)
 
     def prepared(k: int) -> Any:  # the simulator caches each prepared case
@@ -165,6 +173,11 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     for k in weighed:
         p = prepared(k)
         for staged in ((False,) if least_fit == k else (False, True)):
+            if not staged and fits(k):  # the scheduler idles: a plain step
+                candidates.append(PlanCandidate(k, False, footprint(k), plain_step_ms(k), 0))
+                say(f"recompute {k}/{n_layers} layers: footprint {gib(footprint(k))} fits B, plain step "
+                    f"{candidates[-1].step_ms:.1f} ms")
+                continue
             try:
                 if staged:
                     st = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes)

@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "7d74349426b59a73b6074ec5545765fc3ee0288c11653016efcd87216abd0840",
-    "sim_source_sha256": "fc9de0f7ff09b5918e61405384666f42290aa02a2bbe4d4a294968c75d21790d",
+    "profile_sha256": "deb1fa01be9fbec8fd50184bf278d0aadfcc8e552144b17948bccb616034381d",
+    "sim_source_sha256": "9160f978d120b65f0c27cdbba05ade5c6fe7ecd0b5fc0dfda99c56e89f7846ae",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-06T05:51:55+00:00",
+    "date": "2026-12-07T06:24:44+00:00",
     "um_lab_version": "0.1.0",
 }
 
