@@ -174,10 +174,12 @@ SESSION_KEYWORDS = {"device", "cap_bytes", "allow_oversubscription", "telemetry"
 
 
 def new_session(policy: Any = "um-default", **kw: Any) -> Any:
-    """``Session(policy, **session_keywords)`` created inside ``um_lab.experimental.options(**the_rest)``."""
+    """``Session(policy, **session_keywords)`` created inside ``um_lab.experimental.options(**the_rest)``
+    (``session_class``: a subclass of Session instead)."""
     from um_lab import experimental
     from um_lab.cuda.session import Session
 
+    session_class = kw.pop("session_class", Session)
     options = {k: kw.pop(k) for k in list(kw) if k not in SESSION_KEYWORDS}
     with experimental.options(**options):
-        return Session(policy, **kw)
+        return session_class(policy, **kw)

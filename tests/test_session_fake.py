@@ -297,3 +297,49 @@ def test_without_cuda_the_error_points_to_the_simulator():
     assert Session._open_session is None
 
 
+
+
+def test_a_cuda_run_drops_its_model_before_its_pools_close(env, monkeypatch):
+    """Nothing the run's loop holds keeps a managed tensor alive when the session closes: else its segment stays
+    until the next session empties the cache, and the next run in the process counts it as its own."""
+    import gc
+    import weakref
+
+    from um_lab.cuda import backend as backend_module
+    from um_lab.cuda.backend import CudaBackend
+    from um_lab.models import get_model
+    from um_lab.policy import get_policy
+    from um_lab.types import RunSpec
+
+    source, driver, api, runtime = env
+    seen: dict = {}
+
+    class WatchedSession(Session):
+        def place(self, model):
+            placed = super().place(model)
+            seen["params"] = [weakref.ref(p) for p in placed.parameters()]
+            return placed
+
+        def inputs(self, *tensors):
+            placed = super().inputs(*tensors)
+            seen["inputs"] = [weakref.ref(t) for t in (placed if isinstance(placed, tuple) else (placed,))]
+            return placed
+
+        def close(self):
+            seen["residual"] = super().close()  # managed bytes tensors still held when the pools closed
+            gc.collect()
+            seen["alive_after"] = sum(r() is not None for r in seen["params"] + seen["inputs"])
+            return seen["residual"]
+
+    def session(policy, **kw):
+        return new_session(policy, _pool_api=api, _runtime=runtime, _source=source, session_class=WatchedSession,
+                           **kw)
+
+    monkeypatch.setattr(backend_module, "Session", session)
+    case = get_model("mlp", width=64, depth=2, batch_size=8)
+    spec = RunSpec(model="mlp", backend="cuda", steps=2, warmup_steps=0, model_kwargs={"width": 64, "depth": 2,
+                                                                                     "batch_size": 8})
+    records = list(CudaBackend(cap_bytes=1 << 30).run(spec, case, get_policy("um-default")))
+    assert len(records) == 2 and all(r.loss is not None for r in records)
+    assert seen["params"] and seen["inputs"]
+    assert seen["residual"] == 0 and seen["alive_after"] == 0

@@ -118,10 +118,12 @@ class CudaBackend(BackendBase):
                       budget=None if budget is None else Budget(budget, lookahead=lookahead(spec),
                                                                 stage_activations=stages(spec, policy)))
         lab.open()
+        inputs: Any = None
+        loss_fn: Any = None
+        scaler: LossScaler | None = None
         try:
             model = lab.place(model)
             optimizer = lab.attach(model, case.make_optimizer(list(model.parameters())))
-            scaler = None
             if spec.precision == "fp16":  # a dynamic loss scale; the step skips an update with infinite gradients
                 scaler = LossScaler("cuda")
                 scaler.guard(optimizer)
@@ -144,7 +146,9 @@ class CudaBackend(BackendBase):
                 del inputs
                 yield record
         finally:
-            model = optimizer = inputs = None  # type: ignore[assignment]  # noqa: F841 - drop the managed tensors first
+            # drop every reference to the managed tensors before the pools close: a tensor still held then keeps
+            # its segment until the next session empties the cache (the next run would count it as its own)
+            model = optimizer = inputs = loss_fn = scaler = None  # type: ignore[assignment]  # noqa: F841
             lab.close()
 
 
