@@ -130,3 +130,12 @@ def test_cli_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     assert rc == 0
     (path,) = list_runs(tmp_path / "runs")
     assert load(path).environment["calibration_profile"] == "test-gpu"
+
+
+def test_a_run_after_another_counts_only_its_own_managed_bytes(tmp_path):
+    """The first run's model and batch are gone when the second starts: both report the same live bytes."""
+    spec = RunSpec(model="mlp", backend="cuda", steps=2, warmup_steps=0, model_kwargs=MODELS["mlp"])
+    first, second = (list(run(spec, out_dir=tmp_path / name).records()) for name in ("first", "second"))
+    for dtype in ("param", "grad", "input"):
+        assert second[-1].live_bytes[dtype] == first[-1].live_bytes[dtype], (dtype, first[-1].live_bytes,
+                                                                             second[-1].live_bytes)
