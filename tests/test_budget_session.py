@@ -365,3 +365,15 @@ def test_an_idle_step_whose_pools_passed_b_wakes_the_scheduler(env, monkeypatch)
         assert b["idle"] and b["over_budget"]
         assert not lab.budget.idle and lab.budget.executor.residency_unknown
         assert lab._pools.policy[DataType.GRAD].preferred_location == "cpu"
+
+
+def test_a_scheduled_step_records_the_host_time_of_all_its_hooks_and_an_idle_step_none(env):
+    model, batches = model_and_data()
+    with make_session(env, budget=Budget(64 * MiB)) as lab:  # too small for the model: the scheduler moves data
+        scheduled = [r.budget for r in train(lab, model, batches)]
+    with make_session(env, budget=Budget(1 << 30)) as lab:  # everything fits: idle after the first step
+        roomy = [r.budget for r in train(lab, *model_and_data(1))]
+    assert not any(n.extra.get("idle") for n in scheduled) and all(n.extra.get("idle") for n in roomy[1:])
+    for numbers in scheduled + roomy[:1]:  # the recorder's hooks enclose the executor's work
+        assert numbers.hooks_ms >= numbers.executor_ms > 0
+    assert all(numbers.hooks_ms == 0 for numbers in roomy[1:])

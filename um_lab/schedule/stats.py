@@ -43,7 +43,10 @@ class BudgetStats:
     replan_ms: float = 0.0
     host_waits: int = 0  #: times the training thread waited for the mover
     host_wait_ms: float = 0.0
-    executor_ms: float = 0.0  #: host time in the scheduler's hooks
+    executor_ms: float = 0.0  #: host time in the executor's part of the hooks (its ledger, plan and moves)
+    #: host time in every hook the scheduler puts on the step (module, saved-tensor and gradient hooks, the
+    #: optimizer's positions), ``executor_ms`` included: what the scheduler costs the training thread
+    hooks_ms: float = 0.0
     staging: Mapping[str, Any] = dataclasses.field(default_factory=dict)  #: staged activations' numbers
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 

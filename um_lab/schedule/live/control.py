@@ -287,9 +287,11 @@ class BudgetControl:
             self._zero_unused_gradients()
             recorder.active = True
             if before_optimizer is not None:
+                began = time.perf_counter()
                 grads = [p.grad for m in self._roots for p in m.parameters() if p.grad is not None]
                 recorder.open_position("optimizer", "(before optimizer)",
                                        [(DataType.GRAD, s) for s in self._spans(grads)])
+                recorder.hook_ms += (time.perf_counter() - began) * 1e3
                 with pools.route(DataType.ACT):
                     before_optimizer()
             copier = self._remote_copier(optimizer, pools)
@@ -317,6 +319,7 @@ class BudgetControl:
             extra = executor.end_step()
         finally:  # also when a move failed: the next step starts with an empty arena
             staging = self.stager.end_step() if self.stager is not None else None
+        extra["hooks_ms"] = recorder.hook_ms
         if staging is not None:
             extra["staging"] = staging
         if copies is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -145,6 +146,8 @@ class StepRecorder:
         self._lock = threading.Lock()
         self.active = False
         self._in_backward = False  # backward runs: module calls now are recomputes (activation checkpointing)
+        #: host time this step's hooks took, the listener's work inside them included (reset by :meth:`recording`)
+        self.hook_ms = 0.0
 
     # ---- install / remove ----
 
@@ -168,6 +171,7 @@ class StepRecorder:
     def recording(self) -> Iterator[Order]:
         """Record one step's forward and backward (and optimizer positions added inside) into a new order."""
         self.order = Order()
+        self.hook_ms = 0.0
         self._stack[:] = [_Call(STEP_CALL, STEP_POSITION, resumed=True)]  # ops outside modules: their own position
         self._saved.clear()
         self.active = True
@@ -187,7 +191,9 @@ class StepRecorder:
         self.active = True
         outside = self._saved.get(STEP_CALL)
         if outside:
+            began = time.perf_counter()
             self.open_position("backward", STEP_POSITION, [(DataType.ACT, s) for s in outside])
+            self.hook_ms += (time.perf_counter() - began) * 1e3
         # modules called in backward recompute their forward (activation checkpointing): their calls nest on a
         # step call of their own, so each one's post-hook closes it and records its outputs at its own position
         self._stack[:] = [_Call(STEP_CALL, "(recompute)", resumed=True)]
@@ -228,15 +234,18 @@ class StepRecorder:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not self.active:
                 return
+            began = time.perf_counter()
             touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
             touches += [(DataType.ACT, s) for s in self._spans(tensors_in((args, kwargs)))]
             self._stack.append(_Call(self.open_position("forward", name, touches), name))
+            self.hook_ms += (time.perf_counter() - began) * 1e3
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if not self.active or len(self._stack) < 2 or self._stack[-1].layer != name:
                 return
+            began = time.perf_counter()
             call = self._stack.pop()
             self._stack[-1].resumed = True  # the caller's next write follows this call
             outs = list(tensors_in(output))
@@ -244,21 +253,25 @@ class StepRecorder:
             grad_root = next((t for t in outs if t.requires_grad and t.grad_fn is not None), None)
             if grad_root is not None and not self._in_backward:  # a recompute's outputs get no gradient
                 grad_root.register_hook(self._backward_hook(name, module, call.first))
+            self.hook_ms += (time.perf_counter() - began) * 1e3
         return hook
 
     def _backward_hook(self, name: str, module: nn.Module, forward_index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if not self.active:
                 return
+            began = time.perf_counter()
             touches = [(DataType.PARAM, s) for s in self._spans(own_tensors(module))]
             touches += [(DataType.GRAD, s) for s in self._spans(  # a frozen parameter's gradient is not written
                 p.grad for p in own_parameters(module) if p.grad is not None and p.requires_grad)]
             touches += [(DataType.ACT, s) for s in self._saved.get(forward_index, [])]
             touches += [(DataType.ACT, s) for s in self._spans([grad])]
             self.open_position("backward", name, touches)
+            self.hook_ms += (time.perf_counter() - began) * 1e3
         return hook
 
     def _pack(self, t: torch.Tensor) -> Any:
+        began = time.perf_counter()
         saved: Any = t if self.saver is None else self.saver.pack(t)
         if self.active and self._stack:
             spans = self._spans([t])
@@ -269,23 +282,28 @@ class StepRecorder:
             if saved is t:  # kept where it is: backward reads it there (a staged tensor comes back elsewhere)
                 self._saved.setdefault(call.first, []).extend(spans)
             self._touch(call.current, spans)
+        self.hook_ms += (time.perf_counter() - began) * 1e3
         return saved
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor) or self.saver is None:
             return saved
+        began = time.perf_counter()
         t = self.saver.unpack(saved)
         if self.active and self.order.positions:  # its copy back was written in blocks backward now reads
             self._touch(len(self.order.positions) - 1, self._spans([t]))
+        self.hook_ms += (time.perf_counter() - began) * 1e3
         return t
 
     def touched(self, index: int, data_type: DataType, spans: list[Span]) -> None:
         """Position ``index`` wrote ``spans`` of ``data_type`` (e.g. optimizer state created by its step)."""
+        began = time.perf_counter()
         spans = [s for s in spans if s[1] > 0]
         if spans:
             self.order.positions[index].add(data_type, spans)
             if self.listener is not None:
                 self.listener.touched(index, data_type, spans)
+        self.hook_ms += (time.perf_counter() - began) * 1e3
 
     def _touch(self, index: int, spans: list[Span]) -> None:
         spans = [s for s in spans if s[1] > 0]
@@ -304,11 +322,14 @@ class StepRecorder:
 
     def optimizer_position(self, layer: str, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
         """Open the optimizer position for one chunk of parameters (before stepping it)."""
+        began = time.perf_counter()
         touches = [(DataType.PARAM, s) for s in self._spans(params)]
         touches += [(DataType.GRAD, s) for s in self._spans(p.grad for p in params if p.grad is not None)]
         touches += [(DataType.OPTIM, s) for s in self._spans(
             v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))]
-        return self.open_position("optimizer", layer, touches)
+        index = self.open_position("optimizer", layer, touches)
+        self.hook_ms += (time.perf_counter() - began) * 1e3
+        return index
 
 
 Chunks = list[tuple[str, list[nn.Parameter]]]
