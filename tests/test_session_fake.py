@@ -297,8 +297,6 @@ def test_without_cuda_the_error_points_to_the_simulator():
     assert Session._open_session is None
 
 
-
-
 def test_a_cuda_run_drops_its_model_before_its_pools_close(env, monkeypatch):
     """Nothing the run's loop holds keeps a managed tensor alive when the session closes: else its segment stays
     until the next session empties the cache, and the next run in the process counts it as its own."""
