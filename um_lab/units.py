@@ -32,13 +32,14 @@ def whole_bytes(name: str, value: Any) -> int:
 def positive_ratio(name: str, value: Any) -> float:
     """``value`` as a finite number > 0 (an oversubscription ratio), else :class:`SpecError` naming ``name``:
     the one check of a ratio (:class:`RunSpec`, :func:`um_lab.sizing.size_for_ratio`, the simulator)."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or not float(value) > 0):
-        raise SpecError(f"{name} must be > 0 and finite, got {value!r}", name)
-    return float(value)
-
-
-#: The smallest simulated GPU: one 2 MiB chunk (the simulator's unit of residency).
+    try:
+        number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer past what a float holds
+        number = math.inf
+    if not math.isfinite(number) or not number > 0:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise SpecError(f"{name} must be > 0 and finite, got {shown}", name)
+    return number
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -36,7 +36,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from um_lab.app import cli_search
-from um_lab.app.cli_args import CliError, join_signed_values, parse_budget, parse_capacity, parse_ratio
+from um_lab.app.cli_args import (
+    CliError,
+    join_signed_values,
+    parse_budget,
+    parse_capacity,
+    parse_ratio,
+    port_number,
+)
 from um_lab.app.commands import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
@@ -151,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--notebooks", type=Path, default=None, metavar="DIR",
                    help="notebook folder (default: working copies of the repository's notebooks/, in "
                         "$UM_LAB_RUNS_DIR/notebooks)")
-    p.add_argument("--port", type=int, default=None, help="the server's port (default: Jupyter's, 8888)")
+    p.add_argument("--port", type=port_number, default=None, help="the server's port (default: Jupyter's, 8888)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
     p = sub.add_parser("show", help="status and summary of a run folder, or a comparison folder's table")

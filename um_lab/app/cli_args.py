@@ -61,6 +61,17 @@ def parse_capacity(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port to listen on: a whole number from 1 to 65535 (an argparse type)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (a whole number from 1 to 65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 1 to 65535, got {text!r}")
+    return port
+
+
 def join_signed_values(argv: Sequence[str]) -> list[str]:
     """``["--budget", "-1GiB"]`` -> ``["--budget=-1GiB"]`` for :data:`SIGNED_VALUE_OPTIONS` (argparse takes a
     value starting with ``-`` for an option unless it is a plain negative number); the rest as given."""
@@ -83,6 +94,8 @@ def parse_ratio(text: str) -> float | None:
     """An oversubscription ratio (a finite number > 0), or ``none`` for the profile's card."""
     if text.lower() in ("none", "-"):
         return None
+    if "_" in text:  # float() reads "1_5" as 15
+        raise argparse.ArgumentTypeError(f"not a ratio: {text!r} (a number > 0 without underscores, or none)")
     try:
         value = float(text)
     except ValueError:
@@ -121,6 +134,9 @@ def parse_model_kwargs(pairs: Sequence[str] | None) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
             raise CliError(f"--model-kw expects KEY=VALUE, got {pair!r}")
+        if key.strip() in kwargs:
+            raise CliError(f"--model-kw {key.strip()} is given twice ({pair!r} after "
+                           f"{key.strip()}={json.dumps(kwargs[key.strip()])}): give each knob once")
         try:
             kwargs[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:

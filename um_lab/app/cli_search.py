@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ def add_parser(sub: Any) -> None:
                    help="stop with the best found so far after about this many seconds")
     p.add_argument("--steps", type=int, default=4, help="measured steps per candidate")
     p.add_argument("--profile", default="h200", help="simulator profile name or JSON path")
-    p.add_argument("--save", type=Path, default=None, metavar="FILE",
+    p.add_argument("--save", default=None, metavar="FILE",
                    help="write the best policy as JSON (a new file, unless --force)")
     p.add_argument("--force", action="store_true", help="let --save replace a file that exists")
     p.add_argument("--top", type=int, default=5, help="how many of the ranked candidates to print")
@@ -44,7 +46,12 @@ def command(args: argparse.Namespace) -> int:
         raise CliError("give --ratio or --capacity (the simulated GPU's size)")
     if args.top < 0:
         raise CliError(f"--top must be >= 0, got {args.top}")
+    if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise CliError(f"--time-limit must be a number of seconds > 0, got {args.time_limit:g}")
     if args.save is not None:
+        if args.save.endswith(("/", os.sep)) or Path(args.save).is_dir():
+            raise CliError(f"--save {args.save!r} names a folder: give the policy file's name (e.g. best.json)")
+        args.save = Path(args.save)
         check_export_path(args.save, force=args.force)  # before the search, not after it
     result = search_policy(args.model, args.ratio, args.capacity, model_kwargs=parse_model_kwargs(args.model_kw),
                            space=args.space, workers=args.workers, budget_s=args.time_limit, profile=args.profile,

@@ -23,6 +23,7 @@ from typing import Any
 
 from um_lab.errors import ProfileError
 from um_lab.files import MIB, PROFILE_LIMIT, parse_json, read_json, read_text
+from um_lab.types import MAX_CAPACITY_BYTES, MIN_CAPACITY_BYTES
 
 FORMAT_VERSION = 2
 #: Largest measurement file (a bench result or probe) calibration reads.
@@ -328,7 +329,10 @@ def _checked_field(key: str, value: Any, fail: Any) -> Any:
     if key in INT_FIELDS:
         if not float(value).is_integer():
             raise fail(f"field {key} must be a whole number, got {value!r}", key)
-        return int(value)
+        value = int(value)
+    if key == "gpu_memory_bytes" and not MIN_CAPACITY_BYTES <= value <= MAX_CAPACITY_BYTES:
+        raise fail(f"field {key} must be between {MIN_CAPACITY_BYTES} B (one 2 MiB chunk) and {MAX_CAPACITY_BYTES} B "
+                   f"(1 PiB), the GPUs the simulator models, got {value!r}", key)
     return value
 
 

@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -353,6 +354,11 @@ def _probe(ev: _Evaluator, space: str, capacities: Sequence[int]) -> tuple[list[
     return [[list(c) for c in per] for per in classes], [set(s) for s in slow]
 
 
+def max_workers() -> int:
+    """The most worker processes a search starts of its own: 4 per CPU core of this machine."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def _check(model: str, ratio: float | None, capacity: int | None, model_kwargs: Mapping[str, Any] | None,
            space: str, numbers: Mapping[str, Any], profile: str | Profile,
            executor: Executor | None = None) -> tuple[Profile, dict[str, Any]]:
@@ -380,6 +386,9 @@ def _check(model: str, ratio: float | None, capacity: int | None, model_kwargs: 
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SearchError(f"{name} must be an integer >= {low}, got {value!r}")
+        if name == "workers" and value > max_workers():
+            raise SearchError(f"workers={value} is more than {max_workers()} processes (4 per CPU core here); for "
+                              "more, pass a cluster's executor (e.g. a Dask Client.get_executor())")
     for name, low in (("budget_s", 0), ("prune_factor", 1)):
         value = numbers[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > low):
