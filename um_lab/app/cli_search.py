@@ -26,7 +26,8 @@ def add_parser(sub: Any) -> None:
     size.add_argument("--capacity", type=parse_capacity, help="the simulated GPU's memory, e.g. 8GiB")
     p.add_argument("--space", choices=("five-type", "three-type"), default="five-type",
                    help="advise all five data types, or the paper's three (parameters, gradients, optimizer state)")
-    p.add_argument("--workers", type=int, default=None, help="processes that simulate candidates (default 2)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that simulate candidates (default 2, at most 4 a CPU core)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop with the best found so far after about this many seconds")
     p.add_argument("--steps", type=int, default=4, help="measured steps per candidate")
