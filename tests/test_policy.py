@@ -18,9 +18,11 @@ advices = st.builds(
 )
 policies = st.builds(
     Policy,
-    name=st.text(min_size=1, max_size=20).filter(lambda s: s.strip()),
+    name=st.text(st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Zl", "Zp")), min_size=1, max_size=20)
+    .filter(lambda s: s.strip() == s),
     advice=st.dictionaries(st.sampled_from(list(DataType)), advices),
-    description=st.text(max_size=40),
+    description=st.text(st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Zl", "Zp")) | st.sampled_from("\n\t"),
+                        max_size=40),
 )
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from um_lab.errors import MissingDependencyError, ModelConfigError, ModelTypeError
-from um_lab.knobs import check_overrides, check_positive, check_transformer
+from um_lab.knobs import check_overrides, check_positive, check_transformer, knob_error
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -188,10 +188,19 @@ def _transformer_config(family: str, name: str, sizes: Mapping[str, Mapping[str,
         raise ModelConfigError(f"{family} size must be one of {', '.join(sizes)}; got {size!r}", "size")
     check_positive(batch_size=batch_size, seq_len=seq_len)
     if overrides:
-        check_overrides(getattr(_require("transformers", name), config_class), overrides, name)
+        overrides = check_overrides(getattr(_require("transformers", name), config_class), overrides, name)
     config = {"vocab_size": vocab, positions: max(min_positions, seq_len), **sizes[size], **overrides}
     check_transformer(config, seq_len, name, *shape_keys, positions)
     return config
+
+
+def _checked_config(name: str, config_class: str, config: Mapping[str, Any], knobs: Mapping[str, Any]) -> None:
+    """Build the library's config object from ``config`` (cheap: no tensors) so that a value it refuses is a
+    :class:`ModelConfigError` naming the knob now, before any run folder exists."""
+    try:
+        getattr(_require("transformers", name), config_class)(**config)
+    except Exception as e:  # noqa: BLE001 - the library's own validation errors have no common base
+        raise knob_error(name, knobs, e) from None
 
 
 def _token_batch(vocab: int, batch_size: int, seq_len: int) -> Callable[[torch.Generator], Batch]:
@@ -214,6 +223,8 @@ def gpt2(size: str = "medium", batch_size: int = 8, seq_len: int = 1024, **overr
     if vocab <= 50256:  # a small test vocabulary: keep the special tokens inside it
         config.setdefault("bos_token_id", vocab - 1)
         config.setdefault("eos_token_id", vocab - 1)
+    if overrides:
+        _checked_config(name, "GPT2Config", config, overrides)
 
     def build() -> nn.Module:
         transformers = _require("transformers", name)  # lazy
@@ -239,6 +250,8 @@ def bert(size: str = "base", batch_size: int = 16, seq_len: int = 512, **overrid
     config = _transformer_config("BERT", name, BERT_SIZES, size, batch_size, seq_len, overrides, "BertConfig",
                                  vocab, "max_position_embeddings", 512,
                                  ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    if overrides:
+        _checked_config(name, "BertConfig", config, overrides)
 
     def build() -> nn.Module:
         transformers = _require("transformers", name)

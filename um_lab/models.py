@@ -35,6 +35,7 @@ from torch import nn
 
 from um_lab.errors import ModelConfigError, ModelTypeError, OptimizerNeedsClosure, UmLabError
 from um_lab.knobs import did_you_mean
+from um_lab.knobs import knob_error as knob_error
 from um_lab.model_cases import BERT_SIZES as BERT_SIZES
 from um_lab.model_cases import GPT2_SIZES as GPT2_SIZES
 from um_lab.model_cases import VIT_SIZES as VIT_SIZES
@@ -94,9 +95,10 @@ def register(name: str, factory: Callable[..., ModelCase], replace: bool = False
 def get_model(name: str, **kwargs: Any) -> ModelCase:
     """The zoo entry ``name`` with size knobs; unknown names list the valid ones.
 
-    Bad knobs (unknown, wrongly typed, fixed by the name like ``resnet50``'s depth) raise
-    :class:`~um_lab.errors.ModelConfigError` naming the knob; nothing is built, except that GPT-2 / BERT
-    config fields are tried on the meta device (no memory): a value the model library refuses
+    Bad knobs (unknown, wrongly typed, out of range or above :data:`~um_lab.knobs.SIZE_LIMITS`, fixed by the name
+    like ``resnet50``'s depth) raise :class:`~um_lab.errors.ModelConfigError` naming the knob; nothing is built,
+    except that GPT-2 / BERT config fields build the library's config and are tried on the meta device (no
+    memory): a value the model library refuses
     (``activation_function="bogus"``) is a ``ModelConfigError`` naming the knob here, not a ``KeyError`` later.
     Building the returned case raises the library's errors as ``ModelConfigError`` naming the knobs given.
     """
@@ -156,26 +158,6 @@ def _knob_checked_build(name: str, build: Callable[[], nn.Module], knobs: Mappin
     if template is not None:
         build_with_knobs.__um_lab_template__ = template  # type: ignore[attr-defined]
     return build_with_knobs
-
-
-def knob_error(name: str, knobs: Mapping[str, Any], error: BaseException) -> ModelConfigError:
-    """A :class:`ModelConfigError` for ``error``, raised by the model library while building ``name`` with
-    ``knobs``: it names the knobs the error quotes (by name or value), else all knobs given."""
-    text = str(error)
-
-    def quoted(key: str, value: Any) -> bool:
-        if re.search(rf"\b{re.escape(key)}\b", text):
-            return True
-        if isinstance(value, str) and value:
-            return repr(value) in text or text.strip("'\"") == value or (len(value) >= 4 and value in text)
-        return False
-
-    named = [k for k, v in knobs.items() if quoted(k, v)]
-    shown = ", ".join(f"{k}={knobs[k]!r}" for k in (named or knobs))
-    which = f"knob {shown}" if len(named) == 1 else f"knobs {shown}" if named else f"one of its knobs ({shown})"
-    reason = f"{type(error).__name__}: {text}"[:300]
-    return ModelConfigError(f"model {name!r}: the model library cannot build it with {which} ({reason}); "
-                            "check the value", named[0] if len(named) == 1 else None)
 
 
 def check_builds(case: ModelCase) -> ModelCase:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import types
+import unicodedata
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -140,12 +142,35 @@ class Advice:
         return cls(**values)
 
 
-def _check_lengths(name: str, description: Any) -> None:
+#: Characters a policy name may not hold (nor a description, bar newline and tab): the rule run names follow
+#: (:func:`um_lab.runs.runlog.check_run_name`), so that a name reads as what it is in a terminal, a table or a file.
+_REFUSED_CATEGORIES = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
+                       "Cs": "a lone surrogate", "Zl": "a line separator", "Zp": "a paragraph separator"}
+
+
+def _check_chars(field: str, text: str, allowed: str = "") -> None:
+    for index, char in enumerate(text):
+        kind = _REFUSED_CATEGORIES.get(unicodedata.category(char))
+        if kind is not None and char not in allowed:
+            label = unicodedata.name(char, "") if kind != "a lone surrogate" else ""
+            raise PolicyError(field, f"{ascii(text[:60])} holds {kind} at position {index} (U+{ord(char):04X}"
+                                     f"{' ' + label if label else ''}); a policy {field} may not hold control, bidi, "
+                                     "invisible or surrogate characters")
+
+
+def _check_text(name: str, description: Any) -> None:
+    """Lengths and characters of a policy's name and description (:class:`PolicyError` naming the field)."""
     if len(name) > NAME_LIMIT:
         raise PolicyError("name", f"is {len(name):,} characters, more than the {NAME_LIMIT} a policy name may have")
+    if name != name.strip():
+        raise PolicyError("name", f"{ascii(name)} has leading or trailing whitespace; a policy name may not "
+                                  "(it would read as another policy's)")
+    _check_chars("name", name)
     if isinstance(description, str) and len(description) > DESCRIPTION_LIMIT:
         raise PolicyError("description", f"is {len(description):,} characters, more than the {DESCRIPTION_LIMIT:,} a "
                                          "policy description may have")
+    if isinstance(description, str):
+        _check_chars("description", description, allowed="\n\t")
 
 
 def _check_values(values: Mapping[str, Any], where: str) -> None:
@@ -175,7 +200,7 @@ class Policy:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise PolicyError("name", "must be a non-empty string")
-        _check_lengths(self.name, self.description)
+        _check_text(self.name, self.description)
         full: dict[DataType, Advice] = {t: Advice() for t in DATA_TYPES}
         for key, adv in dict(self.advice).items():
             try:
@@ -281,7 +306,11 @@ class Policy:
     def load(cls, path: str | Path) -> Policy:
         """Read a policy JSON file: a regular file (not a directory, device or FIFO) of at most
         :data:`~um_lab.files.POLICY_LIMIT` bytes, UTF-8 JSON of bounded depth (:class:`PolicyFileError`
-        naming it otherwise), then validated (:class:`PolicyError` naming the field)."""
+        naming it otherwise), then validated (:class:`PolicyError` naming the field). ``path`` must be a ``str``
+        or path-like (:class:`PolicyError`, field ``path``, otherwise)."""
+        if not isinstance(path, str | os.PathLike):
+            raise PolicyError("path", f"a policy file's path must be a str or path-like, got {type(path).__name__} "
+                                      f"{path!r}"[:200])
         try:
             data = parse_json(read_text(path, "policy", POLICY_LIMIT), "policy", source=path)
         except FileReadError as e:
@@ -396,13 +425,20 @@ def check_preset_name(policy: Policy, baseline: str | None = None) -> Policy:
     """``policy`` unless it takes the name of a named policy (a preset, or a scheduled one such as
     ``layer-ahead``) with other advice: it would be recorded, compared and read back as that preset. One rule
     for :func:`~um_lab.runs.runner.run` and :func:`~um_lab.runs.sweep.compare` (``baseline``: the comparison's baseline
-    name, said so in the error). Raises :class:`PolicyError` (field ``name``) naming the policy."""
-    preset = named_policies().get(policy.name)
+    name, said so in the error). A name that differs from a preset's only in letter case or surrounding
+    whitespace counts as that preset's. Raises :class:`PolicyError` (field ``name``) naming the policy."""
+    named = {key.casefold(): p for key, p in named_policies().items()}
+    preset = named.get(policy.name.strip().casefold())
     if preset is not None and policy is not preset and policy.advice != preset.advice:
-        role = " (the baseline)" if baseline is not None and policy.name == baseline else ""
-        raise PolicyError("name", f"policy {policy.name!r} reuses the name of a preset{role} with other advice; "
-                                  f"rename it (e.g. 'my-{policy.name}')")
+        role = " (the baseline)" if baseline is not None and _same_name(policy.name, baseline) else ""
+        same = "the name" if policy.name == preset.name else f"the name (in other spelling: {preset.name!r})"
+        raise PolicyError("name", f"policy {policy.name!r} reuses {same} of a preset{role} with other advice; "
+                                  f"rename it (e.g. 'my-{preset.name}')")
     return policy
+
+
+def _same_name(a: str, b: str) -> bool:
+    return a.strip().casefold() == b.strip().casefold()
 
 
 def get_policy(policy: Policy | str) -> Policy:

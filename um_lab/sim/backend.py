@@ -82,9 +82,11 @@ class SimBackend(BackendBase):
     def check_case(cls, case: ModelCase) -> None:
         """Refuse a case before anything is made for it: a knob the model library cannot build or an
         optimizer that needs a closure (:func:`um_lab.models.check_case`: :class:`ModelConfigError`), an input
-        batch that does not fit in host memory (:class:`HostMemoryRefused`)."""
+        batch that does not fit in host memory (:class:`HostMemoryRefused`), a step that cannot be traced
+        (:class:`~um_lab.errors.TraceError`; the trace is cached, so the run reuses it)."""
         check_model_case(case)
         check_batch_fits_host(case)
+        cached_trace(case)
 
     def environment(self) -> dict[str, Any]:
         """The simulated device and the calibration profile: its name, a SHA-256 of its constants and its

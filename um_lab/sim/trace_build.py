@@ -4,13 +4,16 @@
 :func:`_fake_model` then turns its parameters and buffers into fake tensors. :class:`_DataDependentOps` sizes the
 ops whose output size depends on tensor values (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
 ``bincount`` with a ``minlength``) as if every element were selected, and gives one-element random draws a real
-value. An op that needs values the trace does not have, or has no fake kernel, becomes a :class:`TraceError`.
+value. An op that needs values the trace does not have, has no fake kernel or refuses the shapes it is given
+becomes a :class:`TraceError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -68,6 +71,27 @@ class _ValuesNeeded(Exception):
     def __init__(self, op: str, reason: str) -> None:
         self.op, self.reason = op, reason
         super().__init__(f"{op} {reason}")
+
+
+class _OpFailed(_ValuesNeeded, RuntimeError, IndexError):
+    """Raised inside a step for an op its fake kernel refuses (shapes that do not fit: ``aten.mm`` of [4, 9] and
+    [8, 2]); still a ``RuntimeError`` and an ``IndexError`` (what torch raises there), so a model that catches
+    one to fall back keeps doing so."""
+
+
+#: the trace thread's flag: fake-tensor failures it turns into a TraceError are not also logged with a traceback
+_QUIET = threading.local()
+
+
+class _QuietFakeFailures(logging.Filter):
+    """Drops torch's "failed while attempting to run meta" log record (a traceback on stderr) in a thread that is
+    tracing: the failure reaches the caller as a :class:`TraceError` naming the op."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(_QUIET, "on", False) and str(record.msg).startswith("failed while attempting to run"))
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietFakeFailures())
 
 
 def _op_name(func: Any) -> str:
@@ -269,6 +293,11 @@ class _DataDependentOps(TorchDispatchMode):
             return func(*args, **kwargs)
         except _FAKE_LIMITS as e:
             raise _ValuesNeeded(name, _why(e)) from e
+        except _ValuesNeeded:
+            raise
+        except (RuntimeError, IndexError) as e:  # the fake kernel's own check: shapes, dims, dtypes
+            first = (str(e).strip().splitlines() or ["no message"])[0][:300]
+            raise _OpFailed(name, f"cannot run on the tensors it is given ({type(e).__name__}: {first})") from e
 
 
 def _tensor_args(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool, int]]:
@@ -325,6 +354,7 @@ def _module_at(tb: Any, names: dict[int, str]) -> str | None:
 @contextlib.contextmanager
 def _explained(case: ModelCase, model: torch.nn.Module, phase_box: dict[str, Any]) -> Iterator[None]:
     """Turn an op the trace cannot run into a :class:`TraceError` naming it, the module and the phase."""
+    quiet, _QUIET.on = getattr(_QUIET, "on", False), True
     try:
         yield
     except _ValuesNeeded as e:
@@ -335,3 +365,5 @@ def _explained(case: ModelCase, model: torch.nn.Module, phase_box: dict[str, Any
         func = getattr(e, "func", None)
         raise TraceError(case.name, _op_name(func) if func is not None else type(e).__name__,
                          _module_at(e.__traceback__, names), phase_box["name"], _why(e)) from None
+    finally:
+        _QUIET.on = quiet
