@@ -22,6 +22,8 @@ MIB = 1024 * KIB
 POLICY_LIMIT = 256 * KIB
 PROFILE_LIMIT = 8 * MIB
 RUN_FILE_LIMIT = 16 * MIB
+#: A table written by um_lab (a comparison's ``summary.csv``: a row per run).
+TABLE_LIMIT = 64 * MIB
 #: The longest line a ``records.jsonl`` may hold (a step record is a few KB).
 RECORD_LINE_LIMIT = 1 * MIB
 #: Deepest nesting accepted in JSON read from a file (um_lab's own formats nest fewer than 10 levels).
@@ -38,6 +40,18 @@ def _describe(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket"
     return "not a regular file"
+
+
+def describe(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is (links followed): ``a regular file``, ``a directory``, ``a device``, ...; ``a broken
+    link`` for a link to nothing; None where nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken link" if os.path.islink(path) else None
+    except OSError as e:
+        return f"something that cannot be examined ({e.strerror or e})"
+    return "a regular file" if stat.S_ISREG(mode) else _describe(mode)
 
 
 def check_regular(path: str | os.PathLike[str], what: str, limit: int | None = None) -> Path:
@@ -112,3 +126,18 @@ def parse_json(text: str | bytes, what: str, source: str | os.PathLike[str] | No
 def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
     """Parse a regular JSON file of at most ``limit`` bytes (:class:`FileReadError` naming it otherwise)."""
     return parse_json(read_text(path, what, limit), what, source=path)
+
+
+def read_csv(path: str | os.PathLike[str], what: str, limit: int) -> Any:
+    """A regular CSV file of at most ``limit`` bytes as a pandas DataFrame; :class:`FileReadError` naming it
+    when it is not a regular file, too large, or cannot be parsed as CSV."""
+    import pandas as pd
+
+    p = check_regular(path, what, limit)
+    try:
+        return pd.read_csv(p)
+    except ValueError as e:  # pandas' ParserError and EmptyDataError, bad UTF-8
+        reason = " ".join(str(e).split())
+        raise FileReadError(p, what, f"cannot be parsed as CSV ({reason[:200]})") from None
+    except OSError as e:
+        raise FileReadError(p, what, f"cannot be read ({e.strerror or e})") from None

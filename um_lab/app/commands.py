@@ -7,8 +7,10 @@ the exit status; :func:`um_lab.app.cli.main` dispatches to them and turns their 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import numbers
+import os
 import re
 import signal
 import sys
@@ -33,8 +35,41 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  #: the reader of our output went away (``um-lab show ... | head``)
 
 
+_outlive_stdout = False  #: set while a run or comparison works: a closed stdout drops output, not the work
+
+
 def _say(text: str = "") -> None:
-    print(text, flush=True)
+    """Print a line. While a run or comparison works (:func:`_outliving_stdout`), a closed stdout (``um-lab run
+    ... | head -1``) silences the rest of the output and the work goes on; elsewhere its BrokenPipeError ends the
+    command, quietly (``um-lab show ... | head``)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        if not _outlive_stdout:
+            raise
+        silence(sys.stdout)
+
+
+def silence(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at the null device: its reader went away (``| head``); what is written
+    to it from now on goes nowhere, with no error now nor when Python flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (captured)
+        pass
+
+
+@contextlib.contextmanager
+def _outliving_stdout() -> Any:
+    """While inside, :func:`_say` drops output to a closed stdout instead of raising (the run goes on)."""
+    global _outlive_stdout
+    before, _outlive_stdout = _outlive_stdout, True
+    try:
+        yield
+    finally:
+        _outlive_stdout = before
 
 
 def summary_line(key: str, value: Any) -> str:
@@ -98,9 +133,13 @@ def _backend_instance(resolved: str, profile: str | None) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``um-lab run``."""
-    from tqdm.auto import tqdm
+    """``um-lab run``. A closed stdout or stderr (``| head -1``) stops the output, not the run: it runs to the
+    end and its exit status is the run's."""
+    with _outliving_stdout():
+        return _run(args)
 
+
+def _run(args: argparse.Namespace) -> int:
     from um_lab.runs.runner import Run
     from um_lab.types import RunSpec
 
@@ -120,16 +159,19 @@ def cmd_run(args: argparse.Namespace) -> int:
          f"{active.path}")
     if active.plan is not None:
         _say(f"memory planner: {active.plan.describe()}")
-    bar = tqdm(total=args.warmup + args.steps, unit="step", disable=args.no_progress)
+    bar = _step_bar(args.warmup + args.steps, args.no_progress)
     try:
         for record in active:
-            bar.set_postfix_str(f"{record.wall_ms:.2f} ms{' (warm-up)' if record.warmup else ''}")
-            bar.update(1)
+            try:
+                bar.set_postfix_str(f"{record.wall_ms:.2f} ms{' (warm-up)' if record.warmup else ''}")
+                bar.update(1)
+            except BrokenPipeError:  # stderr's reader went away (`|& head`): the bar stops, the run goes on
+                silence(sys.stderr)
     except KeyboardInterrupt:
-        bar.close()
+        _close_bar(bar)
         _say(f"interrupted: {active.steps_completed} completed steps kept in {active.path}")
         return EXIT_INTERRUPTED
-    bar.close()
+    _close_bar(bar)
     summary = active.summary()
     _say(f"status: {active.status}")
     _say_summary({key: summary[key] for key in ("steps", "median_ms", "mean_ms", "p90_ms", "migrated_bytes",
@@ -137,6 +179,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                 "peak_live_bytes", "oversubscription", "last_loss")})
     _say(f"log: {active.path}")
     return EXIT_OK
+
+
+def _step_bar(total: int, disable: bool) -> Any:
+    """The run's progress bar on stderr; drawn to the null device when stderr's reader went away."""
+    from tqdm.auto import tqdm
+
+    try:
+        return tqdm(total=total, unit="step", disable=disable)
+    except BrokenPipeError:
+        silence(sys.stderr)
+        return tqdm(total=total, unit="step", disable=disable)
+
+
+def _close_bar(bar: Any) -> None:
+    try:
+        bar.close()
+    except BrokenPipeError:
+        silence(sys.stderr)
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,7 +241,13 @@ def _export(table: Any, args: argparse.Namespace) -> bool:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``um-lab compare``. A comparison that stops early (a run failed, without --keep-going, or Ctrl-C) still
-    shows and exports the table of the runs made, then reports why it stopped."""
+    shows and exports the table of the runs made, then reports why it stopped. A closed stdout (``| head``)
+    stops the output, not the comparison nor its exports."""
+    with _outliving_stdout():
+        return _compare(args)
+
+
+def _compare(args: argparse.Namespace) -> int:
     from um_lab.runs.sweep import compare
 
     model_kwargs = _model_kwargs(args)
@@ -298,7 +364,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if not (args.path / "spec.json").is_file() and _is_sweep(args.path):
         return _show_sweep(args.path)
     loaded = load(args.path)
-    _say(f"{loaded.path}: {loaded.spec.model} under {loaded.spec.policy} on "
+    _say(f"{loaded.path}: {loaded.model_text} under {loaded.spec.policy} on "
          f"{loaded.environment.get('backend', '?')}, state {loaded.state}, {loaded.steps_text} steps")
     for key in ("error", "interrupted_by", "note"):  # why it ended (a run left running: interrupted, a note)
         if loaded.status.get(key):
@@ -308,29 +374,31 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _is_sweep(path: Path) -> bool:
-    return (path / "summary.csv").is_file() or (path.name.startswith("compare-") and path.is_dir())
+    summary = path / "summary.csv"
+    return summary.exists() or summary.is_symlink() or (path.name.startswith("compare-") and path.is_dir())
 
 
 def _show_sweep(path: Path) -> int:
-    """A comparison folder: its table (summary.csv), or each run's state while none is written yet."""
-    import pandas as pd
-
+    """A comparison folder: its table (summary.csv), or each run's state while none is written yet. A
+    summary.csv that is not a regular file, or not CSV, is a :class:`~um_lab.errors.FileReadError` naming it."""
+    from um_lab.files import TABLE_LIMIT, read_csv
     from um_lab.runs.runlog import list_runs
     from um_lab.runs.runread import load
 
-    runs = list_runs(path)
     summary = path / "summary.csv"
-    if summary.is_file():
-        _say(f"{path}: comparison, {len(runs)} run folders")
-        _say(format_table(pd.read_csv(summary)))
+    if summary.exists() or summary.is_symlink():
+        table = read_csv(summary, "comparison's summary", TABLE_LIMIT)
+        _say(f"{path}: comparison, {len(list_runs(path))} run folders")
+        _say(format_table(table))
         return EXIT_OK
+    runs = list_runs(path)
     _say(f"{path}: comparison without summary.csv (running, or stopped before the end), "
          f"{len(runs)} run folders")
     for run_dir in runs:
         loaded = load(run_dir)
         median = loaded.summary().get("median_ms")
         median_text = f", median {median:.3f} ms" if isinstance(median, float) and median == median else ""
-        _say(f"  {loaded.spec.model} under {loaded.spec.policy}, ratio "
+        _say(f"  {loaded.model_text} under {loaded.spec.policy}, ratio "
              f"{ratio_text(loaded.spec.oversubscription_ratio)}: {loaded.state}, {loaded.steps_text} steps"
              f"{median_text}")
     return EXIT_OK

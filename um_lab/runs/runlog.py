@@ -36,6 +36,7 @@ import numpy as np
 
 from um_lab.backend_base import Backend
 from um_lab.errors import UmLabError
+from um_lab.files import describe
 from um_lab.runs.runread import (
     RunLogWarning,
     count_records,
@@ -132,42 +133,91 @@ def check_run_name(name: str | os.PathLike[str]) -> str:
     return text
 
 
+def check_out_folder(out_dir: str | os.PathLike[str], lead: str = "cannot write runs under") -> Path:
+    """``out_dir`` as a Path unless something other than a folder is there (a file, ``/dev/null``, a broken
+    link): then :class:`RunDirError` naming it, before anything is created. A folder, or nothing yet, passes."""
+    out = Path(out_dir)
+    what = describe(out)
+    if what is not None and what != "a directory":
+        raise RunDirError(f"{lead} {out}: out_dir {out} is {what}, not a folder; give a folder for the runs "
+                          "(CLI: --out DIR). Nothing was created.")
+    return out
+
+
+def _create_folders(out: Path, made: list[Path]) -> None:
+    """``out`` and its missing parents (``mkdir -p``), each folder this call created appended to ``made``."""
+    missing = []
+    for folder in (out, *out.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing.append(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    made.extend(reversed(missing))
+
+
+def _remove_made(made: list[Path]) -> None:
+    """Remove what a failed check created, newest first (a file; a folder only while empty)."""
+    for item in reversed(made):
+        with contextlib.suppress(OSError):
+            if item.is_dir() and not item.is_symlink():
+                item.rmdir()
+            else:
+                item.unlink()
+
+
 def prepare_run_dir(out_dir: str | os.PathLike[str], name: str) -> Path:
     """Create ``out_dir/name`` (unique) and prove it writable, or raise :class:`RunDirError`
-    (:class:`RunNameError` for a name that is not one plain folder name)."""
+    (:class:`RunNameError` for a name that is not one plain folder name); a failure removes what it created."""
     name = check_run_name(name)
-    out = Path(out_dir)
+    out = check_out_folder(out_dir, "cannot write the run directory under")
+    made: list[Path] = []
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        _create_folders(out, made)
         path = out / name
         path.mkdir()
+        made.append(path)
         probe = path / ".write-test"
-        probe.write_text("ok")
+        made.append(probe)
+        _write_file(probe, b"ok")
         probe.unlink()
+        made.remove(probe)
     except FileExistsError:
+        _remove_made(made)
         raise RunDirError(f"run directory {out / name} already exists; choose another name") from None
     except OSError as e:
+        _remove_made(made)
         if e.errno == errno.ENAMETOOLONG:
             raise RunNameError(f"run name {name[:40]!r}... is too long for a folder name under {out} "
                                f"({e.strerror}); give a shorter run name. Nothing was run.") from None
         raise RunDirError(
             f"cannot write the run directory under {out} ({e.strerror or e}); choose a writable "
             "out_dir (CLI: --out DIR). Nothing was run.") from None
+    except BaseException:
+        _remove_made(made)
+        raise
     return path
 
 
 def check_writable(out_dir: str | os.PathLike[str]) -> Path:
-    """Raise :class:`RunDirError` unless runs can be written under ``out_dir`` (creating it if needed)."""
-    out = Path(out_dir)
+    """Raise :class:`RunDirError` unless runs can be written under ``out_dir`` (creating it if needed; a
+    failure removes what it created)."""
+    out = check_out_folder(out_dir)
+    made: list[Path] = []
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        _create_folders(out, made)
         probe = out / f".write-test-{uuid.uuid4().hex[:8]}"
-        probe.write_text("ok")
+        made.append(probe)
+        _write_file(probe, b"ok")
         probe.unlink()
+        made.remove(probe)
     except OSError as e:
+        _remove_made(made)
         raise RunDirError(
             f"cannot write runs under {out} ({e.strerror or e}); choose a writable out_dir "
             "(CLI: --out DIR). Nothing was run.") from None
+    except BaseException:
+        _remove_made(made)
+        raise
     return out
 
 

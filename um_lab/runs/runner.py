@@ -46,6 +46,7 @@ from um_lab.runs.runlog import (
     RunDirError,
     RunFolderWriter,
     backend_note,
+    check_out_folder,
     check_run_name,
     environment_info,
     jsonable,
@@ -122,6 +123,7 @@ class Run(RunFolderWriter, Listenable):
         _check_arguments(spec, case)
         if name is not None:
             name = check_run_name(name)  # before anything is created
+        out = check_out_folder(resolve_out_dir(out_dir), "cannot write the run directory under")  # /dev/null, a file
         spec = spec or RunSpec()
         self.policy = check_preset_name(get_policy(policy if policy is not None else spec.policy))
         self.plan: MemoryPlan | None = None
@@ -173,7 +175,7 @@ class Run(RunFolderWriter, Listenable):
                 model_info["preflight"] = checked
         folder = name or f"{timestamp()}-{safe_name(self.case.name)}-{safe_name(self.policy.name)}-" \
                          f"{self.backend_name}-{uuid.uuid4().hex[:6]}"
-        self.path = prepare_run_dir(resolve_out_dir(out_dir), folder)
+        self.path = prepare_run_dir(out, folder)
         self._started_at: str | None = None
         try:
             write_json(self.path / "spec.json", self.spec.to_dict())

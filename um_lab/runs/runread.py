@@ -4,9 +4,10 @@ Writing the folder is :mod:`um_lab.runs.runlog`'s job.
 Reading is forgiving where the data allows it: a bad line in ``records.jsonl`` is skipped with one
 :class:`RunLogWarning` naming the file and line; a corrupt ``status.json`` (or other side file) is
 warned about and read as missing; only a corrupt ``spec.json`` raises (:class:`RunLogError`). A run
-left ``running`` by a process that is gone (or whose status is stale) is read as ``interrupted``
-(:data:`LEFT_RUNNING`), with its real step count taken from ``records.jsonl``, ``interrupted_by``
-:data:`ENDED_WITHOUT_CLOSING` and a ``note`` saying how it was found.
+left ``running`` (or ``pending``: created, never started) by a process that is gone (or whose status is
+stale) is read as ``interrupted`` (:data:`LEFT_RUNNING`), with its real step count taken from
+``records.jsonl``, ``interrupted_by`` :data:`ENDED_WITHOUT_CLOSING` and a ``note`` saying how it was found.
+A step recorded more than once is read once, with a warning.
 """
 
 from __future__ import annotations
@@ -18,21 +19,23 @@ import json
 import os
 import socket
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from um_lab.errors import FileReadError, UmLabError
-from um_lab.files import RECORD_LINE_LIMIT, RUN_FILE_LIMIT, check_regular, read_json
+from um_lab.files import RECORD_LINE_LIMIT, RUN_FILE_LIMIT, check_regular, describe, read_json
 from um_lab.policy import Policy
 from um_lab.runs import runexit
 from um_lab.summary import NOT_MEASURED, format_summary, records_frame, summarize
 from um_lab.types import RunSpec, StepRecord
 
 STALE_AFTER_S = 1800.0  #: a ``running`` status with a heartbeat, not rewritten for this long, is stale
-LEFT_RUNNING = "interrupted"  #: the state of a run left ``running`` by a process that no longer runs it
+#: the states of a run not ended yet: created (``pending``, not started) or stepping (``running``)
+OPEN_STATES = ("pending", "running")
+LEFT_RUNNING = "interrupted"  #: the state of a run left open (OPEN_STATES) by a process that no longer runs it
 #: the ``interrupted_by`` of such a run (a signal's name, or ``interpreter exit``, when the process closed it)
 ENDED_WITHOUT_CLOSING = "the process running it ended without closing it"
 #: the ``interrupted_by`` of a ``running`` status whose process cannot be checked from here (written on
@@ -73,16 +76,14 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
     A last line cut off by a crash mid-write is skipped silently. Any other line that is not a step
     record (a line longer than :data:`~um_lab.files.RECORD_LINE_LIMIT` too) is skipped and the rest are
     kept, with one :class:`RunLogWarning` per read naming the file and the first bad line's number (none
-    with ``warn=False``). A ``records.jsonl`` that is not a regular file (a FIFO, a link to a device) raises
+    with ``warn=False``). A step number seen before (a line copied) is skipped: each step is yielded once,
+    its first line, with one :class:`RunLogWarning` at the end naming the file, the repeated steps and any
+    missing below the last. A ``records.jsonl`` that is not a regular file (a FIFO, a link to a device) raises
     :class:`RunLogError` naming it, before anything is read from it. An absent one yields nothing.
     """
     path = Path(path)
-    if not path.exists() and not path.is_symlink():
+    if not _records_file(path):
         return
-    try:
-        check_regular(path, "run's records")
-    except FileReadError as e:
-        raise RunLogError(f"{e}: the run's steps cannot be read from it") from None
     warned = False
 
     def bad(number: int, e: Exception) -> None:
@@ -91,8 +92,37 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
             warned = True
             reason = str(e) if len(str(e)) <= 100 else str(e)[:97] + "..."
             warnings.warn(f"{path}: line {number} is not a step record ({type(e).__name__}: {reason}); "
-                          "skipped it (and skip any other bad line) and kept the rest", RunLogWarning, stacklevel=3)
+                          "skipped it (and skip any other bad line) and kept the rest", RunLogWarning, stacklevel=4)
 
+    seen: set[int] = set()
+    repeated: dict[int, int] = {}  # step -> its extra lines
+    for record in _read_records(path, bad):
+        if record.step in seen:
+            repeated[record.step] = repeated.get(record.step, 0) + 1
+            continue
+        seen.add(record.step)
+        yield record
+    if repeated and warn:
+        missing, which = _gaps(seen, max(seen) + 1)
+        warnings.warn(f"{path}: {_repeated_text(repeated)}{f'; missing: {which}' if missing else ''}; "
+                      "read each step once (its first line)", RunLogWarning, stacklevel=3)
+
+
+def _records_file(path: Path) -> bool:
+    """True when a ``records.jsonl`` is there to read, False when absent; :class:`RunLogError` naming it when it
+    is not a regular file (nothing is read from it)."""
+    if not path.exists() and not path.is_symlink():
+        return False
+    try:
+        check_regular(path, "run's records")
+    except FileReadError as e:
+        raise RunLogError(f"{e}: the run's steps cannot be read from it") from None
+    return True
+
+
+def _read_records(path: Path, bad: Callable[[int, Exception], None]) -> Iterator[StepRecord]:
+    """Every step record line of a regular ``records.jsonl`` in order (copies too); ``bad(line number,
+    error)`` for each line that is not one (a cut-off last line is dropped silently)."""
     with open(path, "rb") as f:
         number = 0
         while True:
@@ -120,22 +150,11 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
 
 
 def count_records(path: str | os.PathLike[str]) -> int:
-    """How many step records a ``records.jsonl`` holds (bad lines not counted, nor warned about)."""
+    """How many steps a ``records.jsonl`` holds (each step once; bad lines not counted, nor warned about)."""
     return sum(1 for _ in iter_records(path, warn=False))
 
 
-def _count_lines(path: Path) -> int:
-    """Complete lines in a regular file (0 for an absent one); a cheap upper bound of its records."""
-    if not path.is_file():
-        return 0
-    lines = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            lines += chunk.count(b"\n")
-    return lines
-
-
-def _spans(steps: list[int]) -> str:
+def _spans(steps: Iterable[int]) -> str:
     """``[3, 4, 5, 9]`` -> ``3-5, 9`` (at most 6 spans shown)."""
     spans: list[str] = []
     ordered = sorted(steps)
@@ -145,29 +164,64 @@ def _spans(steps: list[int]) -> str:
             first, last = ordered[start], ordered[i - 1]
             spans.append(str(first) if first == last else f"{first}-{last}")
             start = i
+    return _joined(spans)
+
+
+def _joined(spans: list[str]) -> str:
     return ", ".join(spans[:6]) + (f" and {len(spans) - 6} more spans" if len(spans) > 6 else "")
 
 
+def _gaps(seen: set[int], end: int) -> tuple[int, str]:
+    """How many of the steps ``0..end-1`` are not in ``seen``, and which (``step 3``, ``steps 3-5, 9``); counted
+    from the gaps, never a list of every step (a corrupt step number may be huge)."""
+    spans: list[str] = []
+    count = expected = 0
+    for step in [*sorted(s for s in seen if 0 <= s < end), end]:
+        if step > expected:
+            count += step - expected
+            spans.append(str(expected) if step - 1 == expected else f"{expected}-{step - 1}")
+        expected = step + 1
+    return count, f"step{'s' if count > 1 else ''} {_joined(spans)}"
+
+
+def _repeated_text(repeated: Mapping[int, int]) -> str:
+    """``step 3 is recorded more than once (1 extra line)`` for ``{3: 1}`` (step -> its extra lines)."""
+    extra = sum(repeated.values())
+    several = len(repeated) > 1
+    return (f"step{'s' if several else ''} {_spans(repeated)} {'are' if several else 'is'} recorded more than "
+            f"once ({extra:,} extra line{'s' if extra > 1 else ''})")
+
+
 def _check_recorded(path: Path, status: dict[str, Any]) -> dict[str, Any]:
-    """``status`` (an ended run's) checked against ``records.jsonl``: when the file holds fewer records than
-    ``steps_completed`` says (lines lost after the run, a file emptied or removed), a :class:`RunLogWarning`
-    names the file and the missing steps, and the status returned counts what is there (``complete``
-    false, ``steps_in_status`` what status.json said, a ``note``)."""
+    """``status`` (an ended run's) checked against ``records.jsonl``: when the file holds fewer steps than
+    ``steps_completed`` says (lines lost after the run, a file emptied or removed, a step replaced by a copy of
+    another), a :class:`RunLogWarning` names the file and the missing steps, and the status returned counts
+    what is there (``complete`` false, ``steps_in_status`` what status.json said, a ``note``). Steps recorded
+    more than once are named in the ``note`` (each is counted once)."""
     claimed = status.get("steps_completed")
     if isinstance(claimed, bool) or not isinstance(claimed, int) or claimed <= 0:
         return status
     records = path / "records.jsonl"
-    if _count_lines(records) >= claimed:
-        return status
-    seen = {r.step for r in iter_records(records, warn=False)}
+    seen: set[int] = set()
+    repeated: dict[int, int] = {}
+    if _records_file(records):
+        for record in _read_records(records, lambda number, e: None):
+            if record.step in seen:
+                repeated[record.step] = repeated.get(record.step, 0) + 1
+            seen.add(record.step)
+    copies = f"; {_repeated_text(repeated)}, counted once" if repeated else ""
     if len(seen) >= claimed:
-        return status
-    missing = sorted(set(range(claimed)) - seen)
-    which = f" (missing: step{'s' if len(missing) > 1 else ''} {_spans(missing)})" if missing else ""
+        if not repeated:
+            return status
+        note = f"{records}: {_repeated_text(repeated)}; each step is counted once"
+        return {**status, "note": f"{status['note']}; {note}" if status.get("note") else note}
+    missing, which = _gaps(seen, claimed)
     held = "none" if not seen else f"{len(seen)}"
-    text = (f"{records} holds {held} of the {claimed} steps status.json counts{which}: "
-            f"{'it is missing' if not records.exists() else 'lines were lost after the run wrote them'}; "
-            "the summary covers only the steps it holds")
+    lost = "it is missing" if not records.exists() else (
+        "lines were lost or copied over after the run wrote them" if repeated else
+        "lines were lost after the run wrote them")
+    text = (f"{records} holds {held} of the {claimed} steps status.json counts"
+            f"{f' (missing: {which})' if missing else ''}{copies}: {lost}; the summary covers only the steps it holds")
     warnings.warn(text, RunLogWarning, stacklevel=3)
     note = f"{text}; status.json says {status.get('status', 'unknown')} after {claimed} steps"
     return {**status, "steps_completed": len(seen), "steps_in_status": claimed, "complete": False,
@@ -196,7 +250,7 @@ class LoadedRun:
         gone, or stale: see :func:`left_running_reason`; its status says so), ``failed``, ``running``
         (still being written), or ``unknown`` (no readable ``status.json``)."""
         state = self.status.get("status", "unknown")
-        if state == "running" and left_running_reason(self.path, self.status) is not None:
+        if state in OPEN_STATES and left_running_reason(self.path, self.status) is not None:
             return LEFT_RUNNING
         return state
 
@@ -215,6 +269,13 @@ class LoadedRun:
         return summarize(self.records())
 
     @property
+    def model_text(self) -> str:
+        """The model's name, with `` (custom)`` for your own model (``custom(...)``: model.json says so)."""
+        info = self.model.get("info")
+        custom = isinstance(info, Mapping) and info.get("custom") is True
+        return f"{self.spec.model} (custom)" if custom else str(self.spec.model)
+
+    @property
     def steps_text(self) -> str:
         """Completed / planned steps (warm-up included), e.g. ``22/22``."""
         return f"{self.status.get('steps_completed', '?')}/{self.status.get('steps_planned', '?')}"
@@ -226,7 +287,7 @@ class LoadedRun:
     def _repr_html_(self) -> str:
         """Jupyter display: what ran, how it ended, and the summary with rounded, unit-bearing values."""
         esc = html.escape
-        head = (f"<b>{esc(str(self.spec.model))}</b> under <b>{esc(str(self.spec.policy))}</b> on "
+        head = (f"<b>{esc(self.model_text)}</b> under <b>{esc(str(self.spec.policy))}</b> on "
                 f"<b>{esc(str(self.environment.get('backend', '?')))}</b>: {esc(self.state)}, "
                 f"{esc(self.steps_text)} steps")
         error = self.status.get("error")
@@ -281,10 +342,12 @@ def _age_s(iso: Any) -> float | None:
 
 
 def _left_running(path: Path, status: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(interrupted_by, reason)`` for a ``running`` status that no longer holds (or cannot be shown to);
-    None while its run is shown to be running."""
+    """``(interrupted_by, reason)`` for a ``running`` or ``pending`` status that no longer holds (or cannot be
+    shown to); None while its run is shown to be running (or, pending, its process lives)."""
     pid = _same_host_pid(status)
     if pid is not None and pid == os.getpid():
+        if status.get("status") == "pending":  # a Run of this process not started yet
+            return None
         return None if runexit.own_status(path) is not None else (ENDED_WITHOUT_CLOSING,
                                                                    "no run of this process writes it")
     if pid is None:
@@ -325,7 +388,8 @@ def _stale(status: Mapping[str, Any]) -> str | None:
 
 
 def left_running_reason(path: str | os.PathLike[str], status: Mapping[str, Any]) -> str | None:
-    """Why a ``running`` status no longer holds, or None while its run is shown to be running.
+    """Why a ``running`` (or ``pending``) status no longer holds, or None while its run is shown to be running
+    (a ``pending`` one: created by a process that still lives, not started yet).
 
     Liveness is judged only where the status names this host and its process's pid and start time: a
     process alive with that pid and start time is trusted (a long step or a paused loop is not a crash);
@@ -343,17 +407,19 @@ def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict
     """``status`` (as read from ``path``'s status.json) as it stands now.
 
     A ``running`` status written by this process comes from the run itself (its file may lag, or be
-    unwritable); one that no longer holds (:func:`left_running_reason`) becomes :data:`LEFT_RUNNING`,
-    incomplete, with the step count of ``records.jsonl``, ``interrupted_by`` :data:`ENDED_WITHOUT_CLOSING`
-    and a ``note`` saying why.
+    unwritable); a ``running`` or ``pending`` one that no longer holds (:func:`left_running_reason`) becomes
+    :data:`LEFT_RUNNING`, incomplete, with the step count of ``records.jsonl``, ``interrupted_by``
+    :data:`ENDED_WITHOUT_CLOSING` and a ``note`` saying why.
     """
-    if status.get("status") != "running":
+    if status.get("status") not in OPEN_STATES:
         return status
     path = Path(path)
     if _same_host_pid(status) == os.getpid() and (own := runexit.own_status(path)) is not None:
         return own
     found = _left_running(path, status)
     if found is None:
+        if status.get("status") == "pending":
+            return status
         counted = count_records(path / "records.jsonl")  # the heartbeat lags the records
         steps = status.get("steps_completed")
         if isinstance(steps, int) and not isinstance(steps, bool) and counted > steps:
@@ -363,7 +429,7 @@ def current_status(path: str | os.PathLike[str], status: dict[str, Any]) -> dict
     return {**status, "status": LEFT_RUNNING, "complete": False,
             "steps_completed": count_records(path / "records.jsonl"),
             "interrupted_by": by,
-            "note": f"{by}: status.json says running, but {reason}; steps counted from records.jsonl"}
+            "note": f"{by}: status.json says {status.get('status')}, but {reason}; steps counted from records.jsonl"}
 
 
 def _read_object(file: Path, what: str) -> dict[str, Any]:
@@ -385,14 +451,19 @@ def _why(error: Exception) -> str:
 def load(path: str | os.PathLike[str]) -> LoadedRun:
     """Read a run folder written by :class:`~um_lab.runs.runner.Run` (complete or not).
 
-    Raises :class:`NotARunFolderError` without a ``spec.json``, :class:`RunLogError` for a corrupt one.
+    Raises :class:`NotARunFolderError` for a path not found, a file, or a folder without a ``spec.json``;
+    :class:`RunLogError` for a corrupt one.
     A corrupt ``status.json``, ``policy.json``, ``model.json`` or ``environment.json`` is warned about
     (:class:`RunLogWarning`, naming it) and read as missing: the state is then ``unknown``. The status
     is read as it stands now (:func:`current_status`).
     """
     path = Path(path)
     spec_file = path / "spec.json"
-    if not path.is_dir() or not (spec_file.exists() or spec_file.is_symlink()):
+    if not path.exists():
+        raise NotARunFolderError(f"run folder {path} not found (no such file or folder)")
+    if not path.is_dir():
+        raise NotARunFolderError(f"{path} is {describe(path)}, not a um_lab run folder")
+    if not (spec_file.exists() or spec_file.is_symlink()):
         raise NotARunFolderError(f"{path} is not a um_lab run folder (no spec.json)")
     try:
         spec = RunSpec.from_dict(_read_object(spec_file, "run spec"), recorded=True)
@@ -418,7 +489,7 @@ def load(path: str | os.PathLike[str]) -> LoadedRun:
                   "steps_planned": spec.warmup_steps + spec.steps,
                   "note": "no readable status.json; steps counted from records.jsonl"}
     status = current_status(path, status)
-    if status.get("status") != "running":
+    if status.get("status") not in OPEN_STATES:
         status = _check_recorded(path, status)
     return LoadedRun(
         path=path,

@@ -25,7 +25,7 @@ from um_lab.backend_base import Backend
 from um_lab.errors import OutputExistsError, SpecError
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, is_scheduled
-from um_lab.runs.runlog import RunDirError, check_writable, prepare_run_dir, resolve_out_dir, timestamp
+from um_lab.runs.runlog import check_writable, prepare_run_dir, resolve_out_dir, timestamp
 from um_lab.runs.sweep_checks import (
     ModelsArg,
     check_cases,
@@ -182,11 +182,7 @@ def compare(
                 if is_scheduled(policy):
                     spec = dataclasses.replace(spec, budget=budget_spec.budget)
                 cells.append((label, model, ratio, policy, spec))
-    out = resolve_out_dir(out_dir)
-    if out.exists() and not out.is_dir():
-        raise RunDirError(f"cannot write runs under {out}: it already exists and is a file, not a folder; "
-                          "choose a folder for the runs (CLI: --out DIR). Nothing was run.")
-    check_writable(out)
+    out = check_writable(resolve_out_dir(out_dir))  # a file or device there: refused, naming it
     shared_backend = backend_instance if backend_instance is not None else get_backend(backend_name)
     # with keep_going a cell that cannot run is recorded as refused by its run; otherwise each run takes the
     # pre-flight result checked here (the backend is asked once per run)

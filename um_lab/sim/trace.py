@@ -26,7 +26,8 @@ Ops whose output size depends on tensor values (``nonzero``, boolean-mask indexi
 upper bound: what a mask that keeps every element, such as a label or padding mask, really selects).
 A one-element random draw gets a real value, and so does what a step computes from it, so a step may read it
 (LayerDrop's ``if torch.rand([]) < p``). Any other op that needs a value (``.item()``, ``.tolist()``,
-``if tensor:``) or has no fake kernel raises :class:`TraceError`, naming the op and the module that ran it.
+``if tensor:``), has no fake kernel or refuses the shapes it is given (a batch that does not fit the model) raises
+:class:`TraceError`, naming the op and the module that ran it.
 """
 
 from __future__ import annotations
