@@ -356,3 +356,13 @@ def test_status_line_names_unexpected_errors_by_class() -> None:
     assert error_text(SpecError("ratio: got -1.5", "ratio")) == "ratio: got -1.5"
     assert error_text(KeyError("<b>x</b>")) == "KeyError: '<b>x</b>'"
     assert error_text(RuntimeError()) == "RuntimeError: "
+
+
+@pytest.mark.parametrize("panel", [Lab, CompareView])
+@pytest.mark.parametrize("where", ["/dev/null", "a-file"])
+def test_a_panel_refuses_an_out_dir_that_is_not_a_folder_when_it_is_made(tmp_path, monkeypatch, panel, where):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(UmLabError, match="not a folder"):
+        panel(out_dir=where)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

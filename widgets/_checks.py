@@ -15,6 +15,7 @@ from typing import Any
 
 from um_lab import models
 from um_lab.errors import InputError, ModelConfigError, PolicyError, SpecError, UmLabError
+from um_lab.runs.runlog import check_out_folder
 
 #: the error classes a check may raise: an InputError (message, field) or a PolicyError (field, message)
 ErrorClass = type[InputError] | type[PolicyError]
@@ -74,9 +75,11 @@ def text_value(name: str, value: Any) -> str:
 
 
 def out_dir_value(value: Any) -> None:
-    """``out_dir``: None, a string or a path (refused otherwise)."""
+    """``out_dir``: None, or a string or path where nothing but a folder is (refused otherwise)."""
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise SpecError(f"out_dir must be a folder path (str or Path) or None, got {_given(value)}", "out_dir")
+    if value is not None:
+        check_out_folder(value)  # a file or /dev/null: refused when the panel is made, not at its first run
 
 
 def model_name(value: Any, field: str = "model") -> str:
