@@ -68,6 +68,18 @@ def test_um_lab_run_into_a_closed_pipe_runs_to_the_end(tmp_path, closed):
     assert status["status"] == "complete" and status["steps_completed"] == 4
 
 
+def test_um_lab_compare_into_a_closed_pipe_runs_every_cell_and_writes_its_table(tmp_path):
+    proc = subprocess.Popen([*CLI, "compare", "--backend", "sim", "--steps", "1", "--warmup", "0", "--out",
+                             str(tmp_path), "--models", "mlp", "--policies", "um-default", "gpu-first",
+                             "--ratios", "none", *TINY_ARGS],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
+    proc.stdout.close()  # `2>&1 | head -1`: the progress bar and the table find no reader
+    assert proc.wait(timeout=300) == cli.EXIT_OK
+    (sweep,) = tmp_path.glob("compare-*")
+    table = (sweep / "summary.csv").read_text()
+    assert "um-default" in table and "gpu-first" in table
+
+
 def test_show_into_a_closed_pipe_still_exits_quietly(tmp_path):
     path = finished_run(tmp_path)
     show = subprocess.Popen([*CLI, "show", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
@@ -135,9 +147,8 @@ def test_the_lab_panel_says_its_out_dir_is_not_a_folder():
     pytest.importorskip("plotly")
     from um_lab.widgets import Lab
 
-    lab = Lab(model="mlp", model_kwargs=TINY, backend="sim", steps=1, out_dir="/dev/null")
-    assert lab.run() is None
-    assert isinstance(lab.last_error, RunDirError) and "is a device, not a folder" in str(lab.last_error)
+    with pytest.raises(RunDirError, match="is a device, not a folder"):
+        Lab(model="mlp", model_kwargs=TINY, backend="sim", steps=1, out_dir="/dev/null")
 
 
 # ------------------------------------------------------------------------------ copied record lines

@@ -29,7 +29,6 @@ This module parses the command line and reports errors; the commands themselves 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -60,6 +59,7 @@ from um_lab.app.commands import (
     summary_line,
 )
 from um_lab.errors import UmLabError
+from um_lab.files import silence
 from um_lab.types import PRECISIONS
 
 __all__ = ["COMMANDS", "EXIT_BROKEN_PIPE", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser",
@@ -200,12 +200,7 @@ def _say_error(e: BaseException) -> None:
 def _quiet_broken_pipe() -> int:
     """The reader of stdout went away (``| head``): nothing more can be shown; no error, no second one when
     Python flushes stdout at exit."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # stdout without a file descriptor (captured)
-        pass
+    silence(sys.stdout)
     return EXIT_BROKEN_PIPE
 
 

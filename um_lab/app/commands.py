@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import importlib.util
 import numbers
-import os
 import re
 import signal
 import sys
@@ -30,6 +29,7 @@ from um_lab.app.cli_args import (
     recompute_arg,
 )
 from um_lab.errors import UmLabError
+from um_lab.files import silence
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  #: the reader of our output went away (``um-lab show ... | head``)
@@ -48,17 +48,6 @@ def _say(text: str = "") -> None:
         if not _outlive_stdout:
             raise
         silence(sys.stdout)
-
-
-def silence(stream: Any) -> None:
-    """Point ``stream``'s file descriptor at the null device: its reader went away (``| head``); what is written
-    to it from now on goes nowhere, with no error now nor when Python flushes it at exit."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (captured)
-        pass
 
 
 @contextlib.contextmanager
