@@ -88,3 +88,8 @@ def test_a_search_saving_to_a_folder_is_refused_and_writes_nothing(capsys, tmp_p
     rc, err = cli_error(capsys, ["search", "--model", "mlp", *TINY[:4], "--ratio", "1.5", "--save", folder])
     assert rc == 2 and "names a folder" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_out_pointing_at_a_device_says_what_is_there(capsys):
+    rc, err = cli_error(capsys, ["run", "--backend", "sim", "--steps", "1", "--out", "/dev/null", *TINY])
+    assert rc == 2 and "--out /dev/null already exists and is a device, not a folder" in err

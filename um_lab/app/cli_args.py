@@ -188,13 +188,17 @@ def load_policy_arg(value: str) -> Any:
 
 
 def check_out_dir(out: str | None) -> None:
-    """Refuse a runs folder that exists as a regular file (before anything is written)."""
+    """Refuse a runs folder where something other than a folder is (a file, ``/dev/null``), before anything is
+    written."""
+    from um_lab.files import describe
     from um_lab.runs.runlog import resolve_out_dir
 
     path = resolve_out_dir(out)
-    if path.exists() and not path.is_dir():
+    what = describe(path)
+    if what is not None and what != "a directory":
         flag = "--out" if out is not None else "the runs folder"
-        raise CliError(f"{flag} {path} already exists and is a file, not a folder; give a folder for the "
+        kind = "a file" if what == "a regular file" else what
+        raise CliError(f"{flag} {path} already exists and is {kind}, not a folder; give a folder for the "
                        "run logs (--out DIR)")
 
 
