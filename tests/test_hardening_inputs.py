@@ -8,27 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_hardening_cli import cli_error, usage_error
 
-from um_lab.app.cli import main
 from um_lab.errors import ProfileError, SpecError
 from um_lab.sim.profile import load_profile
 from um_lab.sim.search import SearchError, max_workers, search_policy
 from um_lab.types import RunSpec
 
 TINY = ["--model-kw", "width=16", "--model-kw", "depth=1", "--batch-size", "4"]
-
-
-def cli_error(capsys, argv) -> tuple[int, str]:
-    rc = main(argv)
-    return rc, capsys.readouterr().err
-
-
-def usage_error(capsys, argv) -> str:
-    """argparse's refusal of ``argv``: exit status 2 and its message."""
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_a_ratio_past_what_a_float_holds_is_a_spec_error_with_a_short_message():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +153,21 @@ def silence(stream: Any) -> None:
         os.close(devnull)
     except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (captured)
         pass
+
+
+#: Unicode categories a name shown in a terminal, a table or a folder name may not hold: control (newlines,
+#: escapes), format (bidi overrides such as U+202E, zero-width characters), surrogate (lone halves of a pair),
+#: line and paragraph separators.
+REFUSED_CATEGORIES = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
+                      "Cs": "a lone surrogate", "Zl": "a line separator", "Zp": "a paragraph separator"}
+
+
+def refused_character(text: str, allowed: str = "") -> str | None:
+    """Why ``text`` cannot stand as a name (its first character of :data:`REFUSED_CATEGORIES` not in ``allowed``:
+    what it is, its position and code point), or None when it can."""
+    for index, char in enumerate(text):
+        kind = REFUSED_CATEGORIES.get(unicodedata.category(char))
+        if kind is not None and char not in allowed:
+            label = unicodedata.name(char, "") if kind != "a lone surrogate" else ""
+            return f"{kind} at position {index} (U+{ord(char):04X}{' ' + label if label else ''})"
+    return None

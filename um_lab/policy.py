@@ -11,13 +11,12 @@ import enum
 import json
 import os
 import types
-import unicodedata
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from um_lab.errors import FileReadError, InputError, PolicyError
-from um_lab.files import POLICY_LIMIT, parse_json, read_text
+from um_lab.files import POLICY_LIMIT, parse_json, read_text, refused_character
 from um_lab.types import DATA_TYPES, DataType
 
 
@@ -142,20 +141,13 @@ class Advice:
         return cls(**values)
 
 
-#: Characters a policy name may not hold (nor a description, bar newline and tab): the rule run names follow
-#: (:func:`um_lab.runs.runlog.check_run_name`), so that a name reads as what it is in a terminal, a table or a file.
-_REFUSED_CATEGORIES = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
-                       "Cs": "a lone surrogate", "Zl": "a line separator", "Zp": "a paragraph separator"}
-
-
 def _check_chars(field: str, text: str, allowed: str = "") -> None:
-    for index, char in enumerate(text):
-        kind = _REFUSED_CATEGORIES.get(unicodedata.category(char))
-        if kind is not None and char not in allowed:
-            label = unicodedata.name(char, "") if kind != "a lone surrogate" else ""
-            raise PolicyError(field, f"{ascii(text[:60])} holds {kind} at position {index} (U+{ord(char):04X}"
-                                     f"{' ' + label if label else ''}); a policy {field} may not hold control, bidi, "
-                                     "invisible or surrogate characters")
+    """Refuse control, bidi, invisible and surrogate characters (the rule run names follow), so that a policy's
+    name reads as what it is in a terminal, a table or a file."""
+    why = refused_character(text, allowed)
+    if why is not None:
+        raise PolicyError(field, f"{ascii(text[:60])} holds {why}; a policy {field} may not hold control, bidi, "
+                                 "invisible or surrogate characters")
 
 
 def _check_text(name: str, description: Any) -> None:

@@ -25,7 +25,6 @@ import platform
 import socket
 import threading
 import time
-import unicodedata
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -36,7 +35,7 @@ import numpy as np
 
 from um_lab.backend_base import Backend
 from um_lab.errors import UmLabError
-from um_lab.files import describe
+from um_lab.files import describe, refused_character
 from um_lab.runs.runread import (
     RunLogWarning,
     count_records,
@@ -96,12 +95,6 @@ def safe_name(text: str) -> str:
 
 #: The longest run name, in bytes of the file system's encoding (a folder name's limit on Linux and macOS).
 RUN_NAME_LIMIT = 255
-#: Unicode categories refused in a run name: control (newlines, escapes), format (bidi overrides such as
-#: U+202E, zero-width characters), surrogate (lone halves of a pair), line and paragraph separators.
-_REFUSED_CATEGORIES = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
-                       "Cs": "a lone surrogate", "Zl": "a line separator", "Zp": "a paragraph separator"}
-
-
 def check_run_name(name: str | os.PathLike[str]) -> str:
     """``name`` if it is one plain folder name, else :class:`RunNameError` (nothing is created): not
     empty, ``.`` or ``..``, not absolute, no path separator, so that the run stays inside ``out_dir``; no
@@ -117,14 +110,11 @@ def check_run_name(name: str | os.PathLike[str]) -> str:
             f"run name {text!r} is not a plain folder name: it must not be empty, '.' or '..', absolute, "
             "or hold a path separator, so that the run folder stays inside out_dir (to put runs "
             "elsewhere, pass out_dir). Nothing was created.")
-    for index, char in enumerate(text):
-        kind = _REFUSED_CATEGORIES.get(unicodedata.category(char))
-        if kind is not None:
-            label = unicodedata.name(char, "") if kind != "a lone surrogate" else ""
-            raise RunNameError(
-                f"run name {ascii(text)} is not a plain folder name: it holds {kind} at position {index} "
-                f"(U+{ord(char):04X}{' ' + label if label else ''}); a run name may not hold control, bidi, "
-                "invisible or surrogate characters. Nothing was created.")
+    why = refused_character(text)
+    if why is not None:
+        raise RunNameError(
+            f"run name {ascii(text)} is not a plain folder name: it holds {why}; a run name may not hold control, "
+            "bidi, invisible or surrogate characters. Nothing was created.")
     size = len(text.encode("utf-8"))
     if size > RUN_NAME_LIMIT:
         raise RunNameError(
