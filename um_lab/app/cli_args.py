@@ -194,9 +194,9 @@ def check_out_dir(out: str | None) -> None:
     from um_lab.runs.runlog import resolve_out_dir
 
     path = resolve_out_dir(out)
-    what = describe(path)
-    if what is not None and what != "a directory":
+    if path.exists() and not path.is_dir():
         flag = "--out" if out is not None else "the runs folder"
+        what = describe(path)
         kind = "a file" if what == "a regular file" else what
         raise CliError(f"{flag} {path} already exists and is {kind}, not a folder; give a folder for the "
                        "run logs (--out DIR)")
