@@ -144,17 +144,6 @@ def read_csv(path: str | os.PathLike[str], what: str, limit: int) -> Any:
         raise FileReadError(p, what, f"cannot be read ({e.strerror or e})") from None
 
 
-def silence(stream: Any) -> None:
-    """Point ``stream``'s file descriptor at the null device: its reader went away (``| head``); what is written
-    to it from now on goes nowhere, with no error now nor when Python flushes it at exit."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (captured)
-        pass
-
-
 #: Unicode categories a name shown in a terminal, a table or a folder name may not hold: control (newlines,
 #: escapes), format (bidi overrides such as U+202E, zero-width characters), surrogate (lone halves of a pair),
 #: line and paragraph separators.

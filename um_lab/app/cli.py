@@ -59,7 +59,7 @@ from um_lab.app.commands import (
     summary_line,
 )
 from um_lab.errors import UmLabError
-from um_lab.files import silence
+from um_lab.streams import silence
 from um_lab.types import PRECISIONS
 
 __all__ = ["COMMANDS", "EXIT_BROKEN_PIPE", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser",

@@ -29,7 +29,7 @@ from um_lab.app.cli_args import (
     recompute_arg,
 )
 from um_lab.errors import UmLabError
-from um_lab.files import silence
+from um_lab.streams import QuietBar, silence
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  #: the reader of our output went away (``um-lab show ... | head``)
@@ -148,19 +148,16 @@ def _run(args: argparse.Namespace) -> int:
          f"{active.path}")
     if active.plan is not None:
         _say(f"memory planner: {active.plan.describe()}")
-    bar = _step_bar(args.warmup + args.steps, args.no_progress)
+    bar = QuietBar(total=args.warmup + args.steps, unit="step", disable=args.no_progress)
     try:
         for record in active:
-            try:
-                bar.set_postfix_str(f"{record.wall_ms:.2f} ms{' (warm-up)' if record.warmup else ''}")
-                bar.update(1)
-            except BrokenPipeError:  # stderr's reader went away (`|& head`): the bar stops, the run goes on
-                silence(sys.stderr)
+            bar.set_postfix_str(f"{record.wall_ms:.2f} ms{' (warm-up)' if record.warmup else ''}")
+            bar.update(1)
     except KeyboardInterrupt:
-        _close_bar(bar)
+        bar.close()
         _say(f"interrupted: {active.steps_completed} completed steps kept in {active.path}")
         return EXIT_INTERRUPTED
-    _close_bar(bar)
+    bar.close()
     summary = active.summary()
     _say(f"status: {active.status}")
     _say_summary({key: summary[key] for key in ("steps", "median_ms", "mean_ms", "p90_ms", "migrated_bytes",
@@ -168,24 +165,6 @@ def _run(args: argparse.Namespace) -> int:
                                                 "peak_live_bytes", "oversubscription", "last_loss")})
     _say(f"log: {active.path}")
     return EXIT_OK
-
-
-def _step_bar(total: int, disable: bool) -> Any:
-    """The run's progress bar on stderr; drawn to the null device when stderr's reader went away."""
-    from tqdm.auto import tqdm
-
-    try:
-        return tqdm(total=total, unit="step", disable=disable)
-    except BrokenPipeError:
-        silence(sys.stderr)
-        return tqdm(total=total, unit="step", disable=disable)
-
-
-def _close_bar(bar: Any) -> None:
-    try:
-        bar.close()
-    except BrokenPipeError:
-        silence(sys.stderr)
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:

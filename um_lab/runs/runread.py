@@ -95,17 +95,24 @@ def iter_records(path: str | os.PathLike[str], *, warn: bool = True) -> Iterator
                           "skipped it (and skip any other bad line) and kept the rest", RunLogWarning, stacklevel=4)
 
     seen: set[int] = set()
-    repeated: dict[int, int] = {}  # step -> its extra lines
-    for record in _read_records(path, bad):
+    repeated: dict[int, int] = {}
+    yield from _first_of_each_step(_read_records(path, bad), seen, repeated)
+    if repeated and warn:
+        missing, which = _gaps(seen, max(seen) + 1)
+        warnings.warn(f"{path}: {_repeated_text(repeated)}{f'; missing: {which}' if missing else ''}; "
+                      "read each step once (its first line)", RunLogWarning, stacklevel=3)
+
+
+def _first_of_each_step(records: Iterable[StepRecord], seen: set[int],
+                        repeated: dict[int, int]) -> Iterator[StepRecord]:
+    """Each step's first record of ``records``; the steps go into ``seen``, the extra lines of a step recorded more
+    than once into ``repeated`` (step -> its extra lines)."""
+    for record in records:
         if record.step in seen:
             repeated[record.step] = repeated.get(record.step, 0) + 1
             continue
         seen.add(record.step)
         yield record
-    if repeated and warn:
-        missing, which = _gaps(seen, max(seen) + 1)
-        warnings.warn(f"{path}: {_repeated_text(repeated)}{f'; missing: {which}' if missing else ''}; "
-                      "read each step once (its first line)", RunLogWarning, stacklevel=3)
 
 
 def _records_file(path: Path) -> bool:
@@ -205,10 +212,8 @@ def _check_recorded(path: Path, status: dict[str, Any]) -> dict[str, Any]:
     seen: set[int] = set()
     repeated: dict[int, int] = {}
     if _records_file(records):
-        for record in _read_records(records, lambda number, e: None):
-            if record.step in seen:
-                repeated[record.step] = repeated.get(record.step, 0) + 1
-            seen.add(record.step)
+        for _ in _first_of_each_step(_read_records(records, lambda number, e: None), seen, repeated):
+            pass
     copies = f"; {_repeated_text(repeated)}, counted once" if repeated else ""
     if len(seen) >= claimed:
         if not repeated:

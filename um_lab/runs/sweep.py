@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import sys
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -24,7 +23,6 @@ import pandas as pd
 from um_lab.backend import backend_class, backend_names, get_backend
 from um_lab.backend_base import Backend
 from um_lab.errors import OutputExistsError, SpecError
-from um_lab.files import silence
 from um_lab.models import ModelCase
 from um_lab.policy import Policy, is_scheduled
 from um_lab.runs.runlog import check_writable, prepare_run_dir, resolve_out_dir, timestamp
@@ -40,6 +38,7 @@ from um_lab.runs.sweep_checks import (
     normalise_models,
 )
 from um_lab.schedule.config import Budget
+from um_lab.streams import QuietBar
 from um_lab.summary import summarize, with_speedup
 from um_lab.types import Recompute, RunSpec
 
@@ -389,36 +388,9 @@ def _band_ms(spec: RunSpec, case: ModelCase, policy: Policy, backend: Backend) -
     return band_ms(spec, case, policy, backend.profile, backend.prefetch_stream)
 
 
-class _QuietBar:
-    """A tqdm bar on stderr that goes on drawing to the null device once stderr's reader went away
-    (``um-lab compare ... 2>&1 | head``): the comparison is not stopped by its progress bar."""
-
-    def __init__(self, total: int) -> None:
-        from tqdm.auto import tqdm
-
-        self._bar = self._call(lambda: tqdm(total=total, desc="compare", unit="run"))
-
-    @staticmethod
-    def _call(draw: Any) -> Any:
-        try:
-            return draw()
-        except BrokenPipeError:
-            silence(sys.stderr)
-            return draw()
-
-    def update(self, n: int = 1) -> None:
-        self._call(lambda: self._bar.update(n))
-
-    def set_postfix_str(self, text: str) -> None:
-        self._call(lambda: self._bar.set_postfix_str(text))
-
-    def close(self) -> None:
-        self._call(self._bar.close)
-
-
 def _progress_bar(progress: bool | Any, total: int) -> Any:
     if progress is True:
-        return _QuietBar(total)
+        return QuietBar(total=total, desc="compare", unit="run")
     if progress:
         return progress
     return None
