@@ -176,12 +176,13 @@ NEW_HELDOUT = [
     ("gpt2-xl", {"batch_size": 1, "seq_len": 1024}, "offload-optimizer"),
     ("vit-h14", {"batch_size": 8}, "um-default"),
 ]
-#: A held-out set on models users bring, none of them in the zoo: the corpus of ``bench/sim_speed.py --corpus``
-#: (timm, torchvision and transformers at the sizes it traces them), built with ``custom(...)`` on both sides.
+#: The first held-out set on models users bring, none of them in the zoo (measured 2026-12-07 06:05): the corpus
+#: of ``bench/sim_speed.py --corpus`` (timm, torchvision and transformers at the sizes it traces them), built with
+#: ``custom(...)`` on both sides.
 #: Rule, stated before any of them ran: six remote-heavy rows (zero-copy parameters, remote activations, offloaded
 #: optimizer state), three under ``layer-ahead`` budgets (``budget`` is the run's, a fraction of the footprint),
 #: three plain. Predictions (``--subset corpus``, ``predicted.json`` of its folder) committed before measuring.
-CORPUS_HELDOUT = [
+CORPUS_HELDOUT_2026_12_06T0710 = [
     ("transformers/qwen2.5-0.5b", {}, "um-default"),
     ("transformers/llama-3.2-1b", {}, "zero-copy-params"),
     ("transformers/pythia-410m", {}, "act-remote"),
@@ -195,9 +196,30 @@ CORPUS_HELDOUT = [
     ("transformers/qwen2.5-0.5b", {"budget": "0.6x"}, "layer-ahead"),
     ("timm/vit_base_patch16_224", {"budget": "0.6x"}, "layer-ahead"),
 ]
+#: The newest held-out set on models users bring, after the scheduler's hooks were counted per position the hooks
+#: open (the trace runs the scheduler's recorder) and the machine calibration (host, GPU and link probes of zoo
+#: models, :mod:`um_lab.sim.machine_calibration`). Rule, stated before any of them ran: corpus models that no
+#: held-out set has run, none in the zoo; five remote-heavy rows, four under ``layer-ahead`` budgets, three plain;
+#: each well under 30 s a step. Predictions (``--subset corpus``, ``predicted.json`` of its folder) committed
+#: before measuring; ``--machine-calibrate`` writes the calibrated ones on the GPU machine before any row runs.
+CORPUS_HELDOUT = [
+    ("timm/swin_tiny_patch4_window7_224", {}, "zero-copy-params"),
+    ("timm/mixer_b16_224", {}, "zero-copy-params"),
+    ("transformers/deit-base-patch16-224", {}, "act-remote"),
+    ("torchvision/efficientnet_v2_s", {}, "offload-optimizer"),
+    ("timm/beit_base_patch16_224", {}, "offload-optimizer"),
+    ("timm/deit_small_patch16_224", {"budget": "0.5x"}, "layer-ahead"),
+    ("transformers/swin-tiny-patch4-window7-224", {"budget": "0.6x"}, "layer-ahead"),
+    ("torchvision/convnext_tiny", {"budget": "0.6x"}, "layer-ahead"),
+    ("transformers/gemma-2b", {"budget": "0.7x"}, "layer-ahead"),
+    ("timm/dla34", {}, "um-default"),
+    ("torchvision/swin_v2_t", {}, "um-default"),
+    ("timm/eva02_tiny_patch14_224", {}, "um-default"),
+]
 #: Earlier held-out sets, by the folder of sim_fidelity_heldout/ their predictions went to (their rows carry
 #: ``heldout_set``).
 HELDOUT_SETS = {
+    "2026-12-06T0710": CORPUS_HELDOUT_2026_12_06T0710,
     "2026-11-30T0756": HELDOUT_2026_11_30T0756,
     "2026-12-01T0344": HELDOUT_2026_12_01T0344,
     "2026-12-01T0545": HELDOUT_2026_12_01T0545,
@@ -342,33 +364,31 @@ def _print_summary(summary: dict[str, Any]) -> None:
                   f" {s['zero_copy_worst_abs_error']} (bar 0.25): {'PASS' if s['passes'] else 'FAIL'}")
 
 
-def _host_calibrated(sim: SimBackend, configs: list[tuple[str, dict[str, Any], str]],
-                     out: Path) -> tuple[SimBackend, dict[str, Any]]:
-    """Before any row runs: the host probes timed here, the profile's host constants fitted to them, and every
-    row predicted with that profile, written to ``out/host_calibrated_predictions.json`` (the probes are zoo
-    models at tiny sizes, none of them a row). Returns the calibrated simulator and what was fitted."""
-    from um_lab.sim.host_calibration import fit_host_scale, measure_host_probes
+def _machine_calibrated(sim: SimBackend, configs: list[tuple[str, dict[str, Any], str]],
+                        out: Path) -> tuple[SimBackend, dict[str, Any]]:
+    """Before any row runs: the machine probes timed here (host, GPU and link: zoo models, none of them a row), the
+    profile fitted to them (:func:`um_lab.sim.machine_calibration.fit_machine`), and every row predicted with that
+    profile, written to ``out/machine_calibrated_predictions.json``. Returns the calibrated simulator and the fit."""
+    from um_lab.sim.machine_calibration import fit_machine, measure_machine_probes
 
-    probes = measure_host_probes()
-    profile, scale = fit_host_scale(sim.profile, probes)
-    host_sim = SimBackend(profile)
-    fitted = {"scale": round(scale, 4), "probes": [
-        {**p, "ms": round(p["ms"], 3), "simulated_ms": round(simulate(host_sim, p["model"], p["model_kwargs"],
-                                                                      p["policy"], None, 3, 1)[0], 3)}
-        for p in probes]}
+    fit = fit_machine(sim.profile, measure_machine_probes())
+    machine_sim = SimBackend(fit.profile)
+    fitted = {"scales": dict(fit.scales), "probes": [{k: (round(v, 3) if isinstance(v, float) else v)
+                                                      for k, v in p.items()} for p in fit.probes]}
     rows = []
     for model, kw, policy in configs:
         try:
-            ms = round(simulate(host_sim, model, kw, policy, None, 3, 1)[0], 3)
+            ms: Any = round(simulate(machine_sim, model, kw, policy, None, 3, 1)[0], 3)
         except UmLabError as e:
             ms = f"{type(e).__name__}: {e}"[:300]
-        rows.append({"model": model, "model_kwargs": kw, "policy": policy, "host_calibrated_ms": ms})
+        rows.append({"model": model, "model_kwargs": kw, "policy": policy, "machine_calibrated_ms": ms})
     written = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    (out / "host_calibrated_predictions.json").write_text(json.dumps(
-        {"date": written, "device": torch.cuda.get_device_name(0), "profile": profile.name, **fitted,
+    (out / "machine_calibrated_predictions.json").write_text(json.dumps(
+        {"date": written, "device": torch.cuda.get_device_name(0), "profile": sim.profile.name, **fitted,
          "note": "written before any row of this set ran on this machine", "rows": rows}, indent=1) + "\n")
-    print(f"host calibrated: scale {scale:.3f} on {[(p['model'], round(p['ms'], 2)) for p in probes]}", flush=True)
-    return host_sim, fitted
+    print(f"machine calibrated: {fit.scales} on {[(p['kind'], p['model'], round(p['ms'], 2)) for p in fit.probes]}",
+          flush=True)
+    return machine_sim, fitted
 
 
 def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
@@ -410,10 +430,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--measured", metavar="PATH",
                     help="CPU only: re-simulate the measured rows of an earlier sim_fidelity.json")
     ap.add_argument("--measured-name", help="file name for --measured's result (default sim_fidelity.json)")
-    ap.add_argument("--host-calibrate", action="store_true",
-                    help="on the GPU, before any row runs: time the host probes (um_lab.sim.host_calibration), fit "
-                         "the profile's host constants to this machine, write those predictions "
-                         "(host_calibrated_predictions.json), then report each row's error against both")
+    ap.add_argument("--machine-calibrate", action="store_true",
+                    help="on the GPU, before any row runs: time the machine probes (um_lab.sim.machine_calibration), "
+                         "fit the profile's host, GPU and link constants to this machine, write those predictions "
+                         "(machine_calibrated_predictions.json), then report each row's error against both")
     args = ap.parse_args(argv)
     sim = SimBackend(args.profile)
     out = Path(args.out)
@@ -435,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             predicted.append(simulate(sim, model, kw, policy, None, 3, 1))
         except UmLabError as e:  # e.g. a library version here whose model the tracer refuses: said, not measured
             predicted.append(f"{type(e).__name__}: {e}"[:500])
-    host = _host_calibrated(sim, configs, out) if measure_gpu and args.host_calibrate else None
+    machine = _machine_calibrated(sim, configs, out) if measure_gpu and args.machine_calibrate else None
     rows = []
     t_gpu = 0.0
     for (model, kw, policy), prediction in zip(configs, predicted, strict=True):
@@ -468,10 +488,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        measured_live_GiB=round(m["live_GiB"], 3), run_s=round(m["run_s"], 1),
                        capacity=m["capacity"],
                        sim={k: round(v, 4) for k, v in counters.items()})
-            if host is not None:
-                host_ms = simulate(host[0], model, kw, policy, m["capacity"], steps, warmup)[0]
-                row.update(host_calibrated_ms=round(host_ms, 3),
-                           host_calibrated_error=round(host_ms / m["measured_ms"] - 1, 4))
+            if machine is not None:
+                machine_ms = simulate(machine[0], model, kw, policy, m["capacity"], steps, warmup)[0]
+                row.update(machine_calibrated_ms=round(machine_ms, 3),
+                           machine_calibrated_error=round(machine_ms / m["measured_ms"] - 1, 4))
         rows.append(row)
         _print_row(row)
     summary = summarise(rows)
@@ -482,11 +502,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"device": device, "versions": versions(),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "profile": sim.profile.name, "summary": summary, "rows": rows}
-    if host is not None:
-        result["host_calibration"] = host[1]
-        result["summary_host_calibrated"] = summarise(
-            [{**r, "error": r.get("host_calibrated_error")} for r in rows])
-        _print_summary(result["summary_host_calibrated"])
+    if machine is not None:
+        result["machine_calibration"] = machine[1]
+        result["summary_machine_calibrated"] = summarise(
+            [{**r, "error": r.get("machine_calibrated_error")} for r in rows])
+        _print_summary(result["summary_machine_calibrated"])
     name = "sim_fidelity.json" if measure_gpu else "sim_fidelity_predicted.json"
     if args.subset != "all":  # a held-out set's folder: its committed predictions, then its measurement
         name = "measured.json" if measure_gpu else "predicted.json"

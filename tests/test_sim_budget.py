@@ -113,3 +113,47 @@ def test_the_scheduler_beats_the_drivers_demand_paging_on_the_simulator(prepared
     assert scheduled[-1].gpu_page_faults == 0 and budget["remote_bytes"] > 0
     assert scheduled[-1].remote_bytes >= 2 * budget["remote_bytes"]  # read and written back at least once
     assert sum(scheduled[-1].htod_bytes.values()) + scheduled[-1].remote_bytes > 0
+
+
+@pytest.mark.parametrize("name, kwargs", [("mlp", MLP), ("gpt2-small", {"batch_size": 1, "seq_len": 16, "n_layer": 2}),
+                                          ("resnet50", {"batch_size": 2, "image_size": 32})])
+def test_the_trace_counts_the_hook_positions_the_recorder_opens_on_the_real_model(name, kwargs):
+    """The scheduler's hooks open a position per module call, continuation and backward; the trace counts them by
+    running the same recorder under fake tensors, so the count matches a real step's on the CPU."""
+    import torch
+
+    from um_lab.schedule.live.record import StepRecorder
+    from um_lab.sim.replicas import model_case
+    from um_lab.sim.trace import trace_step
+
+    case = model_case(name, **kwargs)  # the simulator's replicas: ResNet-50 without torchvision
+    traced = trace_step(case).hook_positions
+    torch.manual_seed(0)
+    model = case.build_model()
+    batch = case.batch(0)
+    recorder = StepRecorder([model])
+    recorder.install()
+    with recorder.recording() as order:
+        loss = case.loss_fn(model, *batch)
+    forward = len(order.positions)
+    with recorder.backward():
+        loss.backward()
+    recorder.remove()
+    assert traced == (forward, len(order.positions) - forward)
+    assert forward > 0 and traced[1] > 0
+
+
+def test_each_derived_position_carries_its_share_of_the_hook_positions_and_the_hooks_cost_host_time(prepared):
+    sim, prep = prepared
+    derived = derive_order(prep.trace, prep.placement.final, sim.profile)
+    forward, backward = prep.trace.hook_positions
+    phases = [p.phase for p in derived.order.positions]
+    shares = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
+    for phase, share in zip(phases, derived.hook_positions, strict=True):
+        shares[phase] += share
+    assert shares["forward"] == pytest.approx(forward) and shares["backward"] == pytest.approx(backward)
+    assert shares["optimizer"] == phases.count("optimizer")
+    plan = plan_budget(derived, prep.footprint_bytes // 2)
+    dear = replay_plan(derived, plan, dataclasses.replace(sim.profile, scheduler_hook_us=1000.0))
+    dearer = replay_plan(derived, plan, dataclasses.replace(sim.profile, scheduler_hook_us=2000.0))
+    assert dearer.wall_us - dear.wall_us == pytest.approx(sum(derived.hook_positions) * 1000.0, rel=0.02)

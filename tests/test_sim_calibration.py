@@ -263,7 +263,7 @@ def test_the_scheduler_rates_are_the_medians_of_the_timed_budget_rows(tmp_path) 
 def test_the_host_scale_fitted_to_host_bound_steps_is_recovered() -> None:
     """A host 1.6x slower than the profile's: the fit finds 1.6 and the scaled profile reproduces the steps."""
     from um_lab.sim.calibration import simulate_ms
-    from um_lab.sim.host_calibration import HOST_FIELDS, fit_host_scale, with_host_scale
+    from um_lab.sim.machine_calibration import HOST_FIELDS, fit_host_scale, with_host_scale
     from um_lab.sim.profile import load_profile
 
     profile = load_profile("h200")
@@ -277,3 +277,36 @@ def test_the_host_scale_fitted_to_host_bound_steps_is_recovered() -> None:
     assert fitted.matmul_tflops == profile.matmul_tflops  # only the host side moves
     with pytest.raises(ValueError):
         with_host_scale(profile, 0.0)
+
+
+def test_a_machine_fit_recovers_the_host_gpu_and_link_factors_of_its_probes() -> None:
+    """Probes timed on a machine whose host is 1.3x slower, GPU 1.25x slower and link 1.4x slower than the
+    profile's: the fit finds each factor and the fitted profile reproduces every probe."""
+    from um_lab.sim.calibration import simulate_ms
+    from um_lab.sim.machine_calibration import GPU_FIELDS, HOST_FIELDS, LINK_FIELDS, fit_machine, with_scale
+    from um_lab.sim.profile import load_profile
+
+    profile = load_profile("h200")
+    probes = {
+        "host": {"model": "mlp", "model_kwargs": {"batch_size": 8, "width": 256, "depth": 16}, "policy": "um-default"},
+        "gpu": {"model": "mlp", "model_kwargs": {"batch_size": 4096, "width": 4096, "depth": 2},
+                "policy": "um-default"},
+        "link": {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 2048, "depth": 4},
+                 "policy": "layer-ahead", "budget": "0.5x"},
+    }
+    truth = {"host": 1.3, "gpu": 1.25, "link": 1.4}
+    machine = profile
+    for kind, scale in truth.items():
+        machine = with_scale(machine, kind, scale)
+    measured = [{**p, "kind": kind, "ms": simulate_ms(machine, p)} for kind, p in probes.items()]
+    fit = fit_machine(profile, measured)
+    assert fit.scales == pytest.approx(truth, rel=0.05)
+    assert [p["fitted_ms"] for p in fit.probes] == pytest.approx([m["ms"] for m in measured], rel=0.03)
+    assert fit.profile.cpu_op_us == pytest.approx(profile.cpu_op_us * fit.scales["host"], rel=1e-3)
+    assert fit.profile.hbm_GBps == pytest.approx(profile.hbm_GBps / fit.scales["gpu"], rel=1e-3)
+    assert fit.profile.remote_update_ms_per_GB == pytest.approx(
+        profile.remote_update_ms_per_GB * fit.scales["link"], rel=1e-3)
+    assert len({*HOST_FIELDS, *GPU_FIELDS, *LINK_FIELDS}) == len(HOST_FIELDS) + len(GPU_FIELDS) + len(LINK_FIELDS)
+    assert fit.profile.fault_block_us == profile.fault_block_us  # nothing outside the three kinds moves
+    with pytest.raises(ValueError, match="kind"):
+        fit_machine(profile, [{**probes["host"], "ms": 1.0}])

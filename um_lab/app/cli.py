@@ -145,9 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this GPU and write a simulator calibration profile")
     p.add_argument("--out", type=Path, default=Path("calibration/profile.json"), help="profile JSON path")
     p.add_argument("--name", default=None, help="profile name (default: the GPU's name)")
-    p.add_argument("--host-only", metavar="PROFILE", default=None,
-                   help="only fit PROFILE's host constants (name or JSON path, e.g. h200) to this machine's host: "
-                        "a few seconds of host-bound zoo steps")
+    fit = p.add_mutually_exclusive_group()
+    fit.add_argument("--host-only", metavar="PROFILE", default=None,
+                     help="only fit PROFILE's host constants (name or JSON path, e.g. h200) to this machine's host: "
+                          "a few seconds of host-bound zoo steps")
+    fit.add_argument("--machine", metavar="PROFILE", default=None,
+                     help="fit PROFILE's host constants, GPU rates and host-link rates (name or JSON path, e.g. "
+                          "h200) to this machine: under a minute of zoo steps")
 
     p = sub.add_parser(
         "lab", help="start JupyterLab on the notebooks (127.0.0.1, token auth on)", allow_abbrev=False,

@@ -247,6 +247,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 HOST_PROBE_NAMES = "GPT-2-small, ResNet-50 and an MLP at tiny batches"
+MACHINE_PROBE_NAMES = ("the host probes, GPT-2-small and ResNet-50 at full batches, and an MLP whose optimizer state "
+                       "is updated over the host link")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -264,17 +266,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     name = args.name or re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     if args.host_only is not None:
-        from um_lab.sim.host_calibration import fit_host_scale, measure_host_probes
+        from um_lab.sim.machine_calibration import fit_host_scale, measure_host_probes
         from um_lab.sim.profile import load_profile
 
         base = load_profile(args.host_only)
-        _say(f"calibrating the host: timing {len(HOST_PROBE_NAMES)} host-bound zoo steps ({HOST_PROBE_NAMES})...")
+        _say(f"calibrating the host: timing host-bound zoo steps ({HOST_PROBE_NAMES})...")
         probes = measure_host_probes()
         profile, scale = fit_host_scale(base, probes)
         profile = profile.replace(name=args.name or f"{base.name}-host-{name}")
         args.out.parent.mkdir(parents=True, exist_ok=True)
         profile.save(args.out, measured={"host_probes": probes, "host_scale": scale, "base_profile": base.name})
         _say(f"host {scale:.2f}x the {base.name} profile's: {args.out} "
+             f"(use it with --backend sim --profile {args.out})")
+        return EXIT_OK
+    if args.machine is not None:
+        from um_lab.sim.machine_calibration import fit_machine, measure_machine_probes
+        from um_lab.sim.profile import load_profile
+
+        base = load_profile(args.machine)
+        _say(f"calibrating this machine: timing zoo steps ({MACHINE_PROBE_NAMES})...")
+        fit = fit_machine(base, measure_machine_probes())
+        profile = fit.profile.replace(name=args.name or f"{base.name}-{name}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(args.out, measured={"machine_probes": list(fit.probes), "scales": dict(fit.scales),
+                                         "base_profile": base.name})
+        factors = ", ".join(f"{kind} {value:.2f}x" for kind, value in fit.scales.items())
+        _say(f"this machine against the {base.name} profile, in time: {factors}: {args.out} "
              f"(use it with --backend sim --profile {args.out})")
         return EXIT_OK
     _, total = torch.cuda.mem_get_info()

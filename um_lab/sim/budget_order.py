@@ -48,6 +48,10 @@ class DerivedOrder:
     op_start: tuple[int, ...] = ()  #: the first op of each position (optimizer positions: the first optimizer op)
     #: per position, its optimizer-state storages' cost if left in host memory (:mod:`um_lab.sim.remote_optim`)
     remote_costs: tuple[tuple[RemoteCost, ...], ...] = ()
+    #: per position, how many of the scheduler's hook positions it stands for: a forward or backward position
+    #: here groups ops by parameters, the hooks open one per module call (the trace's ``hook_positions``,
+    #: spread evenly over the phase's positions); an optimizer position is one chunk, as on a GPU
+    hook_positions: tuple[float, ...] = ()
 
 
 def _layer_of_params(trace: StepTrace) -> tuple[dict[int, int], int]:
@@ -210,7 +214,14 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile,
     if not runs:
         chunk_scratch = int(scratch.max()) if len(scratch) else 0
     return DerivedOrder(Order(positions, segments), compute, host_us, chunk_scratch, len(runs), grads,
-                        tuple(starts), tuple(costs))
+                        tuple(starts), tuple(costs), _hook_positions(positions, trace.hook_positions))
+
+
+def _hook_positions(positions: list[Position], counted: tuple[int, int]) -> tuple[float, ...]:
+    """Each position's share of the hook positions the trace counted per phase (one each where uncounted)."""
+    per_phase = dict(zip(("forward", "backward"), counted, strict=True))
+    here = {phase: sum(p.phase == phase for p in positions) for phase in per_phase}
+    return tuple(per_phase[p.phase] / here[p.phase] if per_phase.get(p.phase) else 1.0 for p in positions)
 
 
 def _type_runs(layout: Layout) -> list[Span]:

@@ -106,6 +106,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     n = len(derived.order.positions)
     copy = 0.0  # the staging copy stream's clock
     backward = [pos.phase == "backward" for pos in derived.order.positions]
+    hooks = derived.hook_positions
     remote_us, remote_link = remote_extra_us(derived.remote_costs, plan.remote_blocks, n)  # state updated over the link
     copied = remote_state_bytes(derived.remote_costs, plan.remote_blocks, n) if remote_copies else [0] * n
     if remote_copies:
@@ -125,7 +126,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
         copy_in = copy_out = 0.0  # the remote state copies' two streams
         copied_in: dict[int, float] = {}
         for i in range(n):
-            cpu += p.scheduler_hook_us
+            cpu += p.scheduler_hook_us * (hooks[i] if hooks else 1.0)
             ready = 0.0
             for j in (i, i + 1):  # this position's copies in (if not issued yet), then the next one's
                 if j < n and copied[j] and j not in copied_in:

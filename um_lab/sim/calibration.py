@@ -124,7 +124,7 @@ def simulate_ms(profile: Profile, target: Mapping[str, Any], steps: int = 3) -> 
 
     case = model_case(target["model"], **dict(target.get("model_kwargs", {})))
     spec = RunSpec(model=target["model"], backend="sim", steps=steps, warmup_steps=1,
-                   oversubscription_ratio=target.get("ratio"))
+                   oversubscription_ratio=target.get("ratio"), budget=target.get("budget"))
     recs = SimBackend(profile).run(spec, case, _policy(target["policy"]))
     return statistics.median(r.wall_ms for r in recs if not r.warmup)
 
@@ -376,7 +376,7 @@ def measure_steps(targets: Iterable[Mapping[str, Any]], backend: Any, steps: int
     measured = []
     for t in targets:
         case = model_case(t["model"], **dict(t.get("model_kwargs", {})))
-        spec = RunSpec(model=t["model"], backend="cuda", steps=steps, warmup_steps=warmup)
+        spec = RunSpec(model=t["model"], backend="cuda", steps=steps, warmup_steps=warmup, budget=t.get("budget"))
         times = [r.wall_ms for r in backend.run(spec, case, _policy(t["policy"])) if not r.warmup]
         measured.append({**t, "ms": statistics.median(times)})
     return measured

@@ -171,9 +171,10 @@ class Profile:
     #: under a budget the optimizer steps in chunks; its pool then keeps about this many chunks' temporaries cached
     #: beside the state (the planner's footprint of a run that fits B, :func:`um_lab.sim.budget.budget_footprint`)
     optimizer_cached_chunks: float = 1.0
-    #: host time of the scheduler's hooks per position of its order (forward pre/post hooks, saved-tensor hooks,
-    #: the ledger's work), while it follows a plan; an idle scheduler runs none
-    scheduler_hook_us: float = 101.6
+    #: host time of the scheduler's hooks per position they open (every module call, a continuation after a child
+    #: returns, each backward; pre/post, saved-tensor and gradient hooks and the ledger's work together), while it
+    #: follows a plan; an idle scheduler runs none
+    scheduler_hook_us: float = 141.7
     #: the rates at which the scheduler weighs a plan's moves (to the GPU; to the host)
     plan_prefetch_GBps: float = 47.0
     plan_evict_GBps: float = 13.0

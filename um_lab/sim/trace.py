@@ -36,7 +36,7 @@ import contextvars
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from um_lab.models import ModelCase, check_optimizer
+from um_lab.schedule.live.record import StepRecorder
 from um_lab.sim.ops import (
     KNOWN_GENERIC,
     NO_KERNEL,
@@ -131,6 +132,11 @@ class StepTrace:
     #: per op, True where a GEMM, convolution or attention kernel computes in a 16-bit float (autocast):
     #: it runs on the profile's 16-bit tensor-core rates. ``None``: none does.
     op_16bit: np.ndarray | None = None
+    #: the layer-ahead scheduler's hook positions in this step's forward and backward, as its recorder opens
+    #: them on the real model (:class:`um_lab.schedule.live.record.StepRecorder`: every module call, the
+    #: continuations after a child returns, each backward): the positions whose hooks a budgeted step pays
+    #: for. ``(0, 0)``: not counted.
+    hook_positions: tuple[int, int] = (0, 0)
 
     @property
     def n_ops(self) -> int:
@@ -380,11 +386,18 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
             if "foreach" in group and not group.get("fused"):
                 group["foreach"] = True
         batch = tuple(fake.from_tensor(b) for b in case.batch(seed))
+    positions = _PositionCounter([model])
+    positions.install()
     with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(seed):
         phase_box["name"] = "forward"
-        loss = case.loss_fn(model, *batch)
+        with positions.recording() as order:
+            loss = case.loss_fn(model, *batch)
+        forward_positions = len(order.positions)
         phase_box["name"] = "backward"
-        loss.backward()
+        with positions.backward():
+            loss.backward()
+        hook_positions = (forward_positions, len(order.positions) - forward_positions)
+        positions.remove()
         phase_box["name"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -417,10 +430,18 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         rec._collect_frees()
-    return _finish(rec, case_key(case, seed))
+    return _finish(rec, case_key(case, seed), hook_positions)
 
 
-def _finish(rec: _Recorder, key: str) -> StepTrace:
+class _PositionCounter(StepRecorder):
+    """The scheduler's recorder with one placeholder range per tensor (fake tensors have no address): it opens
+    the positions a real step's hooks open, and records nothing else of use."""
+
+    def _spans(self, tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+        return [(0, 1) for t in tensors if t.numel() > 0]
+
+
+def _finish(rec: _Recorder, key: str, hook_positions: tuple[int, int] = (0, 0)) -> StepTrace:
     n = len(rec.ops)
     st_free = np.array(rec.free, np.int32)
     persistent = np.array([a < 0 for a in rec.alloc], bool)
@@ -458,6 +479,7 @@ def _finish(rec: _Recorder, key: str) -> StepTrace:
         unknown_ops=list(rec.unknown),
         op_host_only=np.array([rec.host_only_before.get(i, 0) for i in range(n)], np.int32),
         op_16bit=np.array([o[5] for o in rec.ops], bool) if any(o[5] for o in rec.ops) else None,
+        hook_positions=hook_positions,
     )
 
 
