@@ -494,6 +494,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            machine_calibrated_error=round(machine_ms / m["measured_ms"] - 1, 4))
         rows.append(row)
         _print_row(row)
+        if measure_gpu:  # the rows so far, should a later one hang past the caller's time limit
+            (out / "partial.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    (out / "partial.json").unlink(missing_ok=True)
     summary = summarise(rows)
     if summary:
         _print_summary(summary)

@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "deb1fa01be9fbec8fd50184bf278d0aadfcc8e552144b17948bccb616034381d",
-    "sim_source_sha256": "9160f978d120b65f0c27cdbba05ade5c6fe7ecd0b5fc0dfda99c56e89f7846ae",
+    "profile_sha256": "6c9c391b4c98a935bdd22a0bcdb909b09e24aba2ad907503437e87ae1ea55b12",
+    "sim_source_sha256": "3d320ffe66598f380e3b60179f6d424808d80e4006bcee857fe254887e44462c",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-07T06:24:44+00:00",
+    "date": "2026-12-07T18:19:03+00:00",
     "um_lab_version": "0.1.0",
 }
 
