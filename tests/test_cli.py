@@ -229,6 +229,15 @@ def test_calibrate_needs_cuda(monkeypatch, capsys):
     monkeypatch.setattr(um_lab.backend, "cuda_available", lambda: False)
     assert main(["calibrate", "--out", "x.json"]) == 2
     assert "calibrate needs CUDA" in capsys.readouterr().err
+    assert main(["calibrate", "--machine", "h200", "--out", "x.json"]) == 2
+    assert "calibrate needs CUDA" in capsys.readouterr().err
+
+
+def test_calibrate_takes_one_of_host_only_and_machine(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["calibrate", "--host-only", "h200", "--machine", "h200"])
+    assert stopped.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_lab_without_jupyterlab_is_a_clear_error(monkeypatch, capsys):

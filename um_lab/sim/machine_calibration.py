@@ -2,8 +2,9 @@
 
 Machines differ where a packaged profile cannot see: the same host-bound step took 1.5-2x longer on some lent H100
 machines than on the H200 host the packaged profile was fitted on (and varies between runs on one machine); an H100's
-memory is slower than an H200's; optimizer state updated over the host link ran at 53 ms per GB on the H200 and
-70-79 ms per GB on an H100 host. Three kinds of zoo probes, timed on this GPU, fit one factor each:
+memory is slower than an H200's; optimizer state updated over the host link took 53 ms per GB on the H200, and on one
+H100 host three budgeted steps took 70-79 ms per GB of it beyond their plain step and hooks. Three kinds of zoo
+probes, timed on this GPU, fit one factor each:
 
 * **host** (:data:`HOST_PROBES`, tiny batches: the GPU idles): every host constant (:data:`HOST_FIELDS`),
   :func:`fit_host_scale`, :func:`with_host_scale`;
