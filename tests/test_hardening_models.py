@@ -222,3 +222,13 @@ def test_the_lab_refuses_a_huge_depth_before_estimating(tmp_path):
         Lab(model="mlp", model_kwargs={"depth": 10**9}, backend="sim", out_dir=tmp_path / "runs")
     assert caught.value.field == "depth"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_trace_that_fails_leaves_no_hook_on_the_model_it_was_given(tmp_path):
+    """A factory may hand the trace the user's own module: the scheduler's hooks the trace counts with come off it
+    even when the step fails."""
+    shared = nn.Linear(8, 2)
+    case = custom("shared", lambda: shared, (torch.zeros(4, 9), torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(TraceError):
+        um_lab.run(RunSpec(backend="sim", steps=1), case=case, out_dir=tmp_path / "runs")
+    assert not shared._forward_pre_hooks and not shared._forward_hooks

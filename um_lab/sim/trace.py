@@ -389,15 +389,17 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
     positions = _PositionCounter([model])
     positions.install()
     with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(seed):
-        phase_box["name"] = "forward"
-        with positions.recording() as order:
-            loss = case.loss_fn(model, *batch)
-        forward_positions = len(order.positions)
-        phase_box["name"] = "backward"
-        with positions.backward():
-            loss.backward()
+        try:  # the hooks come off the model whatever the step does
+            phase_box["name"] = "forward"
+            with positions.recording() as order:
+                loss = case.loss_fn(model, *batch)
+            forward_positions = len(order.positions)
+            phase_box["name"] = "backward"
+            with positions.backward():
+                loss.backward()
+        finally:
+            positions.remove()
         hook_positions = (forward_positions, len(order.positions) - forward_positions)
-        positions.remove()
         phase_box["name"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
