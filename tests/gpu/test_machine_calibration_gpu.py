@@ -19,5 +19,7 @@ def test_the_machine_probes_run_and_the_fitted_profile_reproduces_them() -> None
     fit = fit_machine(load_profile("h200"), measured, rounds=1)
     assert set(fit.scales) == set(KINDS)
     assert all(0.25 < scale < 4.0 for scale in fit.scales.values())  # inside the search's range, not at its edge
-    for probe in fit.probes:  # one factor per kind: each probe within 35% of its measured step
-        assert probe["fitted_ms"] == pytest.approx(probe["ms"], rel=0.35), probe
+    # one factor per kind: the host probes' ratios to the profile spread by up to +-30% on one host (0.50-0.84 on an
+    # H100 host, 0.70-1.29 on an H200 host, 2026-12-07), so each probe within 40% of its measured step
+    for probe in fit.probes:
+        assert probe["fitted_ms"] == pytest.approx(probe["ms"], rel=0.4), probe
