@@ -373,8 +373,8 @@ def _machine_calibrated(sim: SimBackend, configs: list[tuple[str, dict[str, Any]
 
     fit = fit_machine(sim.profile, measure_machine_probes())
     machine_sim = SimBackend(fit.profile)
-    fitted = {"scales": dict(fit.scales), "probes": [{k: (round(v, 3) if isinstance(v, float) else v)
-                                                      for k, v in p.items()} for p in fit.probes]}
+    probes = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in p.items()} for p in fit.probes]
+    fitted = {"scales": {k: round(v, 4) for k, v in fit.scales.items()}, "probes": probes}
     rows = []
     for model, kw, policy in configs:
         try:
@@ -386,8 +386,7 @@ def _machine_calibrated(sim: SimBackend, configs: list[tuple[str, dict[str, Any]
     (out / "machine_calibrated_predictions.json").write_text(json.dumps(
         {"date": written, "device": torch.cuda.get_device_name(0), "profile": sim.profile.name, **fitted,
          "note": "written before any row of this set ran on this machine", "rows": rows}, indent=1) + "\n")
-    print(f"machine calibrated: {fit.scales} on {[(p['kind'], p['model'], round(p['ms'], 2)) for p in fit.probes]}",
-          flush=True)
+    print(f"machine calibrated: {fitted['scales']} on {[(p['kind'], p['model'], p['ms']) for p in probes]}", flush=True)
     return machine_sim, fitted
 
 

@@ -89,17 +89,12 @@ def fit_host_scale(profile: Profile, measured: Iterable[Mapping[str, Any]], lo: 
                    hi: float = 4.0) -> tuple[Profile, float]:
     """The factor on ``profile``'s host constants that makes the simulator's steps match ``measured`` (targets
     ``{"model", "model_kwargs", "policy", "ms"}``, host-bound ones: :data:`HOST_PROBES` timed on this machine),
-    least squares in log space; returns the scaled profile and the factor."""
-    targets = list(measured)
+    least squares in log space; returns the scaled profile and the factor (:func:`fit_machine` on host probes)."""
+    targets = [{**t, "kind": "host"} for t in measured]
     if not targets:
         raise ValueError("no measured host probes to fit")
-
-    def loss(scale: float) -> float:
-        scaled = with_host_scale(profile, scale)
-        return sum(_log_err(simulate_ms(scaled, t), float(t["ms"])) for t in targets)
-
-    scale = _golden(loss, lo, hi, iters=24)
-    return with_host_scale(profile, scale), scale
+    fit = fit_machine(profile, targets, rounds=1, lo=lo, hi=hi)
+    return fit.profile, fit.scales["host"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +132,10 @@ def fit_machine(profile: Profile, measured: Iterable[Mapping[str, Any]], rounds:
                 trial = scaled({**scales, kind: value})
                 return sum(_log_err(simulate_ms(trial, t), float(t["ms"])) for t in mine)
 
-            scales[kind] = _golden(loss, lo, hi, iters=20)
+            scales[kind] = _golden(loss, lo, hi, iters=24)
     fitted = scaled(scales)
     probes = tuple({**t, "fitted_ms": round(simulate_ms(fitted, t), 3)} for t in targets)
-    return MachineFit(fitted, {k: round(v, 4) for k, v in scales.items()}, probes)
+    return MachineFit(fitted, scales, probes)
 
 
 def measure_host_probes(probes: Iterable[Mapping[str, Any]] = HOST_PROBES, steps: int = 15,
