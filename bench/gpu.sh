@@ -20,7 +20,8 @@
 #                conv_in_step.json, gemm_shapes/, scheduler_moves.json
 #   paper        the paper experiment (simulator; one process per model)         -> paper_three_types.json
 #   fidelity     the simulator against the GPU, the newest held-out set, the corpus memory estimates
-#                -> sim_fidelity.json, sim_fidelity_heldout/measured.json, estimate_vs_gpu.json
+#                -> sim_fidelity.json, sim_fidelity_heldout/measured.json, sim_fidelity_corpus/measured.json
+#                   (with machine_calibrated_predictions.json), estimate_vs_gpu.json
 #   all          all of the above, in that order
 #
 # Every suite builds the C shim in place first and reads the GPU's state (sanity.log). Every stage has a timeout
@@ -231,6 +232,8 @@ suite_fidelity() {  # the held-out set's predictions are committed first (bench/
   stage fidelity
   run sim_fidelity 1800 python3 bench/sim_fidelity.py --out "$OUT"
   run sim_fidelity_heldout 1200 python3 bench/sim_fidelity.py --subset new --out "$OUT/sim_fidelity_heldout"
+  run sim_fidelity_corpus 900 python3 bench/sim_fidelity.py --subset corpus --machine-calibrate \
+    --out "$OUT/sim_fidelity_corpus"
   mkdir -p "$OUT/estimates" && cp bench/results/estimate_vs_gpu.json "$OUT/estimates/"
   run estimate_vs_gpu 600 python3 bench/sim_speed.py --estimates measure --out "$OUT/estimates"
 }
