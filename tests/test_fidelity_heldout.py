@@ -58,3 +58,9 @@ def test_the_corpus_set_brings_models_outside_the_zoo_remote_heavy_and_under_bud
     rows = {_key(r["model"], r["model_kwargs"], r["policy"]): r for r in _committed(newest)["rows"]}
     assert set(rows) == {_key(*c) for c in corpus}
     assert all(r["simulated_ms"] > 0 and r["measured_ms"] is None for r in rows.values())
+
+
+def test_the_newest_corpus_set_runs_no_model_an_earlier_set_ran() -> None:
+    earlier = {model for rows in sim_fidelity.HELDOUT_SETS.values() for model, _, _ in rows}
+    earlier |= {model for model, _, _ in sim_fidelity.NEW_HELDOUT}
+    assert not {model for model, _, _ in sim_fidelity.CORPUS_HELDOUT} & earlier

@@ -157,3 +157,30 @@ def test_each_derived_position_carries_its_share_of_the_hook_positions_and_the_h
     dear = replay_plan(derived, plan, dataclasses.replace(sim.profile, scheduler_hook_us=1000.0))
     dearer = replay_plan(derived, plan, dataclasses.replace(sim.profile, scheduler_hook_us=2000.0))
     assert dearer.wall_us - dear.wall_us == pytest.approx(sum(derived.hook_positions) * 1000.0, rel=0.02)
+
+
+def test_a_model_that_turns_saved_tensor_hooks_off_still_traces_and_counts_no_hook_positions():
+    """torch.func and similar code turn saved-tensor hooks off inside a forward: the scheduler's recorder cannot
+    run there, so the trace takes the step without it (the plain step's ops are all still recorded)."""
+    import torch
+
+    from um_lab.models import custom
+    from um_lab.sim.trace import trace_step
+
+    class TurnsHooksOff(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inner(x)
+            with torch.autograd.graph.disable_saved_tensors_hooks("no saved-tensor hooks here"):
+                h = h.tanh() * 2
+            return self.head(h)
+
+    batch = (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    trace = trace_step(custom("turns-hooks-off", TurnsHooksOff, batch))
+    plain = trace_step(custom("plain", lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                                                    torch.nn.Linear(8, 2)), batch))
+    assert trace.hook_positions == (0, 0) and plain.hook_positions[0] > 0
+    assert any("tanh" in name for name in trace.op_names) and trace.n_ops >= plain.n_ops - 2

@@ -18,7 +18,7 @@ def test_the_machine_probes_run_and_the_fitted_profile_reproduces_them() -> None
     assert all(math.isfinite(m["ms"]) and m["ms"] > 0 for m in measured)
     fit = fit_machine(load_profile("h200"), measured, rounds=1)
     assert set(fit.scales) == set(KINDS)
-    assert all(0.25 < scale < 4.0 for scale in fit.scales.values())  # inside the search's range, not at its edge
+    assert all(0.25 * 1.05 < scale < 4.0 / 1.05 for scale in fit.scales.values())  # not pinned at the search's edge
     # one factor per kind: the host probes' ratios to the profile spread by up to +-30% on one host (0.50-0.84 on an
     # H100 host, 0.70-1.29 on an H200 host, 2026-12-07), so each probe within 40% of its measured step
     for probe in fit.probes:

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "a few seconds of host-bound zoo steps")
     fit.add_argument("--machine", metavar="PROFILE", default=None,
                      help="fit PROFILE's host constants, GPU rates and host-link rates (name or JSON path, e.g. "
-                          "h200) to this machine: under a minute of zoo steps")
+                          "h200) to this machine: a minute of zoo steps, then the fit")
 
     p = sub.add_parser(
         "lab", help="start JupyterLab on the notebooks (127.0.0.1, token auth on)", allow_abbrev=False,

@@ -284,9 +284,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from um_lab.sim.profile import load_profile
 
         base = load_profile(args.machine)
-        _say(f"calibrating this machine: timing zoo steps ({MACHINE_PROBE_NAMES})...")
+        _say(f"calibrating this machine: timing zoo steps ({MACHINE_PROBE_NAMES}), then fitting (a minute or two)...")
         fit = fit_machine(base, measure_machine_probes())
-        profile = fit.profile.replace(name=args.name or f"{base.name}-{name}")
+        profile = fit.profile.replace(name=args.name or f"{base.name}-{name}",
+                                      gpu_memory_bytes=torch.cuda.mem_get_info()[1])  # this card's, not the base's
         args.out.parent.mkdir(parents=True, exist_ok=True)
         profile.save(args.out, measured={"machine_probes": list(fit.probes), "scales": dict(fit.scales),
                                          "base_profile": base.name})

@@ -386,24 +386,11 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
             if "foreach" in group and not group.get("fused"):
                 group["foreach"] = True
         batch = tuple(fake.from_tensor(b) for b in case.batch(seed))
-    positions = _PositionCounter([model])
-    positions.install()
     with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(seed):
-        try:  # the hooks come off the model whatever the step does
-            phase_box["name"] = "forward"
-            with positions.recording() as order:
-                loss = case.loss_fn(model, *batch)
-            forward_positions = len(order.positions)
-            phase_box["name"] = "backward"
-            with positions.backward():
-                loss.backward()
-        finally:
-            positions.remove()
-        hook_positions = (forward_positions, len(order.positions) - forward_positions)
+        hook_positions = _counted_step(case, model, batch, phase_box)
         phase_box["name"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        del loss
 
     def classify_new() -> DataType:
         return DataType.OPTIM if phase_box["phase"] == PHASE_OPT else DataType.ACT
@@ -433,6 +420,33 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
         optimizer.zero_grad(set_to_none=False)
         rec._collect_frees()
     return _finish(rec, case_key(case, seed), hook_positions)
+
+
+def _counted_step(case: ModelCase, model: torch.nn.Module, batch: tuple[Any, ...],
+                  phase_box: dict[str, Any]) -> tuple[int, int]:
+    """Forward and backward of the untraced first step, with the scheduler's hook positions counted: (forward,
+    backward). A model the recorder's hooks cannot run on (one that turns saved-tensor hooks off) runs the step
+    again without them and counts none: the scheduler could not follow it either."""
+    positions = _PositionCounter([model])
+    positions.install()
+    try:  # the hooks come off the model whatever the step does
+        phase_box["name"] = "forward"
+        with positions.recording() as order:
+            loss = case.loss_fn(model, *batch)
+        forward = len(order.positions)
+        phase_box["name"] = "backward"
+        with positions.backward():
+            loss.backward()
+        return forward, len(order.positions) - forward
+    except Exception:  # noqa: BLE001 - the plain step below raises again what is the model's own
+        model.zero_grad(set_to_none=True)
+    finally:
+        positions.remove()
+    phase_box["name"] = "forward"
+    loss = case.loss_fn(model, *batch)
+    phase_box["name"] = "backward"
+    loss.backward()
+    return 0, 0
 
 
 class _PositionCounter(StepRecorder):
