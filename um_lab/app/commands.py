@@ -274,11 +274,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         probes = measure_host_probes()
         profile, scale = fit_host_scale(base, probes)
         profile = profile.replace(name=args.name or f"{base.name}-host-{name}")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        profile.save(args.out, measured={"host_probes": probes, "host_scale": scale, "base_profile": base.name})
-        _say(f"host {scale:.2f}x the {base.name} profile's: {args.out} "
-             f"(use it with --backend sim --profile {args.out})")
-        return EXIT_OK
+        return _save_profile(profile, args.out, {"host_probes": probes, "host_scale": scale, "base_profile": base.name},
+                             f"host {scale:.2f}x the {base.name} profile's")
     if args.machine is not None:
         from um_lab.sim.machine_calibration import fit_machine, measure_machine_probes
         from um_lab.sim.profile import load_profile
@@ -288,20 +285,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         fit = fit_machine(base, measure_machine_probes())
         profile = fit.profile.replace(name=args.name or f"{base.name}-{name}",
                                       gpu_memory_bytes=torch.cuda.mem_get_info()[1])  # this card's, not the base's
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        profile.save(args.out, measured={"machine_probes": list(fit.probes), "scales": dict(fit.scales),
-                                         "base_profile": base.name})
         factors = ", ".join(f"{kind} {value:.2f}x" for kind, value in fit.scales.items())
-        _say(f"this machine against the {base.name} profile, in time: {factors}: {args.out} "
-             f"(use it with --backend sim --profile {args.out})")
-        return EXIT_OK
+        return _save_profile(profile, args.out, {"machine_probes": list(fit.probes), "scales": dict(fit.scales),
+                                                 "base_profile": base.name},
+                             f"this machine against the {base.name} profile, in time: {factors}")
     _, total = torch.cuda.mem_get_info()
     _say("calibrating: measuring host<->GPU bandwidth and step times of the reference models...")
     measured = measure_on_gpu()
     profile = calibrate(measured["targets"], measured["bandwidth_GBps"], name=name, gpu_memory_bytes=total)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(args.out, measured=measured)
-    _say(f"profile {name!r}: {args.out} (use it with --backend sim --profile {args.out})")
+    return _save_profile(profile, args.out, measured, f"profile {name!r}")
+
+
+def _save_profile(profile: Any, out: Path, measured: dict[str, Any], what: str) -> int:
+    """Write a calibrated ``profile`` with what it was fitted on to ``out`` and say how to use it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out, measured=measured)
+    _say(f"{what}: {out} (use it with --backend sim --profile {out})")
     return EXIT_OK
 
 
