@@ -112,3 +112,45 @@ def test_a_run_with_auto_recompute_trains_as_planned_and_keeps_the_plan(tmp_path
     assert loaded.spec.budget.stage_activations == plan["stage_activations"]
     steps = [r.wall_ms for r in loaded.records() if not r.warmup]
     assert steps[-1] == pytest.approx(plan["step_ms"], rel=1e-6)  # the simulator runs what it predicted
+
+
+def _small_cnn():
+    import torch
+    from torch import nn
+
+    blocks = [nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()) for _ in range(4)]
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_footprint(sim):
+    """cuDNN's workspaces are invisible to the CPU trace: a model with convolutions carries the profile's slack
+    (a share of its everything-fits intermediate results) in each candidate's footprint, so the plan it calls
+    fitting leaves that room; a model without convolutions carries none."""
+    import torch
+
+    from um_lab.model_cases import custom
+    from um_lab.sim.planner import conv_slack_bytes, has_convolutions
+    from um_lab.types import DataType
+
+    cnn = custom("small-cnn", _small_cnn, lambda g: (torch.randn(32, 3, 32, 32, generator=g),
+                                                     torch.randint(0, 10, (32,), generator=g)))
+    assert has_convolutions(cnn) and not has_convolutions(get_model("gpt2-small", **GPT2))
+    act = int(sim.prepare(cnn).placement.final.segment_bytes[DataType.ACT])
+    slack = conv_slack_bytes(cnn, act, sim.profile)
+    assert slack == int(sim.profile.conv_pool_slack * act) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bare = SimBackend(sim.profile.replace(conv_pool_slack=0.0))
+    for ratio in ("0.8x", "0.6x"):
+        with_slack, without = plan_memory(cnn, ratio, backend=sim), plan_memory(cnn, ratio, backend=bare)
+        assert with_slack.budget_bytes == without.budget_bytes
+        plain = {(c.recompute_layers, c.staged): c.footprint_bytes for c in without.candidates}
+        for c in with_slack.candidates:
+            if (c.recompute_layers, c.staged) in plain:
+                assert c.footprint_bytes == plain[c.recompute_layers, c.staged] + slack
+        if with_slack.crossing_bytes == 0:  # it calls the plan fitting: with the workspaces' room left
+            assert with_slack.footprint_bytes <= with_slack.budget_bytes
+        recomputed = {"none": 0, "every-layer": with_slack.layers}
+        assert recomputed.get(with_slack.recompute, with_slack.recompute) >= recomputed.get(
+            without.recompute, without.recompute) or with_slack.crossing_bytes > 0

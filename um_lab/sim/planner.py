@@ -10,7 +10,9 @@ simulator (:mod:`um_lab.sim.budget`, :mod:`um_lab.sim.staged`) what one training
 * optimizer state the plan would move in and out is updated in host memory over the link (the scheduler's
   default), so it never crosses twice.
 
-A candidate whose footprint fits B moves nothing: on a GPU the scheduler idles (no hooks, the pools' own advice),
+A candidate's footprint is what the pools would hold (:func:`um_lab.sim.budget.budget_footprint`), plus, for a model
+with convolutions, cuDNN's workspaces, which the CPU trace does not see (:func:`conv_slack_bytes`). A candidate whose
+footprint fits B moves nothing: on a GPU the scheduler idles (no hooks, the pools' own advice),
 so its step is the recompute's alone, simulated as a plain step. Where one fits, the planner takes it: the least
 recompute that fits. Only where none fits does it take the candidate with the least predicted step, which the
 scheduler then follows; that step carries the scheduler's host time per position
@@ -29,18 +31,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from um_lab.errors import BudgetTooSmall, SpecError, gib
-from um_lab.types import Recompute, check_precision
+from um_lab.types import DataType, Recompute, check_precision
 
 #: how many evenly spaced layer counts the coarse search weighs before it refines the smallest that fits
 GRID_POINTS = 6
 #: steps simulated for a plain step: the last one is steady (the first two still fault pages in)
 PLAIN_STEPS = 3
-#: a candidate fits when its footprint in a budget session leaves this share of B free: the footprint model is
-#: within about 2% of what the pools held on a GPU for GPT-2-large (fp32 and bf16, recompute on), but for ResNet-50
-#: with recompute on the intermediate-results pool held 0.25-0.46 GiB more than modelled (H100, 2026-12-07), so there
-#: a plan chosen as fitting does not let the scheduler idle
+#: a candidate fits when its footprint in a budget session leaves this share of B free (for a model with
+#: convolutions the footprint also counts the profile's :attr:`~um_lab.sim.profile.Profile.conv_pool_slack`)
 FIT_MARGIN = 0.01
 
 
@@ -94,17 +95,33 @@ class MemoryPlan:
         return d
 
 
+def _built_on_meta(case: Any) -> nn.Module:
+    try:
+        with torch.device("meta"):
+            return case.build_model()
+    except Exception:  # a constructor that computes with tensor values
+        return case.build_model()
+
+
 def count_layers(case: Any) -> int:
     """How many repeated layers ``case``'s model has (:func:`um_lab.training.layers`), built on the meta
     device where its constructor allows, else for real."""
     from um_lab.training import layers
 
-    try:
-        with torch.device("meta"):
-            model = case.build_model()
-    except Exception:  # a constructor that computes with tensor values
-        model = case.build_model()
-    return len(layers(model))
+    return len(layers(_built_on_meta(case)))
+
+
+def has_convolutions(case: Any) -> bool:
+    """Whether ``case``'s model has a convolution module (``torch.nn.Conv1d/2d/3d`` and their transposes), whose
+    cuDNN workspaces the simulator's trace does not see (see :func:`conv_slack_bytes`)."""
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in _built_on_meta(case).modules())  # noqa: SLF001
+
+
+def conv_slack_bytes(case: Any, fit_intermediate_bytes: int, profile: Any) -> int:
+    """What a budget session's pools hold for ``case`` beyond the simulator's footprint: the profile's
+    :attr:`~um_lab.sim.profile.Profile.conv_pool_slack` share of its everything-fits intermediate-results bytes for
+    a model with convolutions (cuDNN's workspaces), else 0."""
+    return int(profile.conv_pool_slack * fit_intermediate_bytes) if has_convolutions(case) else 0
 
 
 _PLANS: dict[tuple[Any, ...], MemoryPlan] = {}
@@ -149,6 +166,7 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
 
     fit_step = plain_step_ms(0)
     n_layers = count_layers(case)
+    slack = conv_slack_bytes(case, int(fit.placement.final.segment_bytes.get(DataType.ACT, 0)), sim.profile)
 
     def prepared(k: int) -> Any:  # the simulator caches each prepared case
         return sim.prepare(base if k == 0 else with_training(case, precision, k))
@@ -156,7 +174,7 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     @functools.cache
     def footprint(k: int) -> int:  # as held in a budget session (the optimizer stepped in chunks)
         p = prepared(k)
-        return budget_footprint(p.trace, p.placement.final, sim.profile, budget_bytes)
+        return budget_footprint(p.trace, p.placement.final, sim.profile, budget_bytes) + slack
 
     def fits(k: int) -> bool:
         return footprint(k) <= budget_bytes * (1 - FIT_MARGIN)
