@@ -115,12 +115,11 @@ def test_a_run_with_auto_recompute_trains_as_planned_and_keeps_the_plan(tmp_path
 
 
 def _small_cnn():
-    import torch
     from torch import nn
 
-    blocks = [nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()) for _ in range(4)]
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(16, 10))
+    blocks = [nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()) for _ in range(6)]
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(32, 10))
 
 
 def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_footprint(sim):
@@ -133,8 +132,8 @@ def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_f
     from um_lab.sim.planner import conv_slack_bytes, has_convolutions
     from um_lab.types import DataType
 
-    cnn = custom("small-cnn", _small_cnn, lambda g: (torch.randn(32, 3, 32, 32, generator=g),
-                                                     torch.randint(0, 10, (32,), generator=g)))
+    cnn = custom("small-cnn", _small_cnn, lambda g: (torch.randn(64, 3, 64, 64, generator=g),
+                                                     torch.randint(0, 10, (64,), generator=g)))
     assert has_convolutions(cnn) and not has_convolutions(get_model("gpt2-small", **GPT2))
     act = int(sim.prepare(cnn).placement.final.segment_bytes[DataType.ACT])
     slack = conv_slack_bytes(cnn, act, sim.profile)
@@ -151,6 +150,14 @@ def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_f
                 assert c.footprint_bytes == plain[c.recompute_layers, c.staged] + slack
         if with_slack.crossing_bytes == 0:  # it calls the plan fitting: with the workspaces' room left
             assert with_slack.footprint_bytes <= with_slack.budget_bytes
+        moving = [c for c in with_slack.candidates if not c.staged and c.step_ms is not None and c.crossing_bytes > 0]
+        assert moving
+        for c in moving[:1]:  # a plan that moves data is simulated under B less the workspaces' room
+            p = sim.prepare(with_training(cnn, "fp32", c.recompute_layers or "none"))
+            from um_lab.sim.budget import simulate_budget
+
+            b = simulate_budget(p.trace, p.placement.final, sim.profile, with_slack.budget_bytes - slack)
+            assert c.step_ms == pytest.approx(b.step.wall_us / 1e3)
         recomputed = {"none": 0, "every-layer": with_slack.layers}
         assert recomputed.get(with_slack.recompute, with_slack.recompute) >= recomputed.get(
             without.recompute, without.recompute) or with_slack.crossing_bytes > 0

@@ -11,13 +11,14 @@ simulator (:mod:`um_lab.sim.budget`, :mod:`um_lab.sim.staged`) what one training
   default), so it never crosses twice.
 
 A candidate's footprint is what the pools would hold (:func:`um_lab.sim.budget.budget_footprint`), plus, for a model
-with convolutions, cuDNN's workspaces, which the CPU trace does not see (:func:`conv_slack_bytes`). A candidate whose
-footprint fits B moves nothing: on a GPU the scheduler idles (no hooks, the pools' own advice),
-so its step is the recompute's alone, simulated as a plain step. Where one fits, the planner takes it: the least
-recompute that fits. Only where none fits does it take the candidate with the least predicted step, which the
-scheduler then follows; that step carries the scheduler's host time per position
-(:attr:`~um_lab.sim.profile.Profile.scheduler_hook_us`) but not the link reads of activations rebuilt under the
-budget's host advice; measured on an H100 (GPT-2-large, fp32, ratio 2), a plan that moved nothing but did not
+with convolutions, cuDNN's workspaces, which the CPU trace does not see (:func:`conv_slack_bytes`); a candidate that
+moves data is simulated under B less that room, which the workspaces' segments take from what the scheduler plans
+(staged, from its fixed intermediate-results pool). A candidate whose footprint fits B moves nothing: on a GPU the
+scheduler idles (no hooks, the pools' own advice), so its step is the recompute's alone, simulated as a plain step.
+Where one fits, the planner takes it: the least recompute that fits. Only where none fits does it take the candidate
+with the least predicted step, which the scheduler then follows; that step carries the scheduler's host time per
+position (:attr:`~um_lab.sim.profile.Profile.scheduler_hook_us`) but not the link reads of activations rebuilt under
+the budget's host advice; measured on an H100 (GPT-2-large, fp32, ratio 2), a plan that moved nothing but did not
 let the scheduler idle ran at 1.5x its prediction. Every candidate weighed is kept in the plan
 (:attr:`MemoryPlan.candidates`) with its predicted step, footprint and bytes that cross the link.
 """
@@ -200,12 +201,12 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
                 continue
             try:
                 if staged:
-                    st = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes)
+                    st = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes - slack)
                     wall_us = st.step.wall_us
                     crossing = st.plan.prefetched_bytes + st.plan.evicted_bytes + 2 * st.copies.staged_bytes \
                         + 2 * st.plan.remote_bytes
                 else:
-                    b = simulate_budget(p.trace, p.placement.final, sim.profile, budget_bytes)
+                    b = simulate_budget(p.trace, p.placement.final, sim.profile, budget_bytes - slack)
                     wall_us = b.step.wall_us
                     crossing = b.plan.prefetched_bytes + b.plan.evicted_bytes + 2 * b.plan.remote_bytes
                 c = PlanCandidate(k, staged, footprint(k), wall_us / 1e3, int(crossing))
