@@ -33,7 +33,7 @@ SIXTEEN_BIT_FIELDS = ("matmul_16bit_tflops", "attention_16bit_tflops", "conv_16b
 #: Host costs that may be zero (a fit can find that a cost is not there), and rates not measured.
 ZERO_ALLOWED = frozenset({"gemm_workspace_bytes", "cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us",
                           "cpu_foreach_tensor_us", "cpu_view_op_us", "cpu_step_us", "kernel_us", "scheduler_h2d_GBps",
-                          "scheduler_d2h_GBps", *SIXTEEN_BIT_FIELDS})
+                          "scheduler_d2h_GBps", "conv_pool_slack", *SIXTEEN_BIT_FIELDS})
 #: Fields a profile may leave out without a warning: an absent per-shape GEMM table is empty (``to_dict``
 #: leaves an empty one out), an absent ``source`` is no description, an absent 16-bit rate is not measured.
 OPTIONAL_FIELDS = frozenset({"gemm_shape_passes", "source", "gemm_workspace_bytes", *SIXTEEN_BIT_FIELDS})
