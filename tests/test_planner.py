@@ -144,6 +144,8 @@ def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_f
     for ratio in ("0.8x", "0.6x"):
         with_slack, without = plan_memory(cnn, ratio, backend=sim), plan_memory(cnn, ratio, backend=bare)
         assert with_slack.budget_bytes == without.budget_bytes
+        assert with_slack.workspace_bytes == slack and without.workspace_bytes == 0
+        assert "cuDNN's workspaces" in with_slack.describe() and "cuDNN" not in without.describe()
         plain = {(c.recompute_layers, c.staged): c.footprint_bytes for c in without.candidates}
         for c in with_slack.candidates:
             if (c.recompute_layers, c.staged) in plain:

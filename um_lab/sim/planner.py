@@ -76,6 +76,7 @@ class MemoryPlan:
     fit_step_ms: float  #: the predicted everything-fits step (nothing recomputed, no budget)
     fit_footprint_bytes: int
     candidates: tuple[PlanCandidate, ...]
+    workspace_bytes: int = 0  #: counted in every footprint for cuDNN's workspaces (:func:`conv_slack_bytes`)
 
     def describe(self) -> str:
         """One line: what is recomputed, what moves, the predicted step against the everything-fits one."""
@@ -85,6 +86,8 @@ class MemoryPlan:
         moves = (("activations staged through pinned host memory" if self.stage_activations
                   else "the scheduler moves the rest") if self.crossing_bytes > 0
                  else "nothing moves, the scheduler idles" if fits else "nothing moves, the scheduler follows it")
+        if self.workspace_bytes:
+            moves += f" (with {gib(self.workspace_bytes)} for cuDNN's workspaces)"
         return (f"{self.model} ({self.precision}) in {gib(self.budget_bytes)}: {what}, {moves}; predicted step "
                 f"{self.step_ms:.1f} ms ({self.step_ms / self.fit_step_ms:.2f}x the everything-fits "
                 f"{self.fit_step_ms:.1f} ms)")
@@ -224,7 +227,8 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     best = min(fitting or feasible, key=lambda c: (c.step_ms, c.recompute_layers))
     recompute: Recompute = {0: "none", n_layers: "every-layer"}.get(best.recompute_layers, best.recompute_layers)
     plan = MemoryPlan(case.name, precision, budget_bytes, n_layers, recompute, best.staged, float(best.step_ms or 0),
-                      best.footprint_bytes, best.crossing_bytes, fit_step, fit.footprint_bytes, tuple(candidates))
+                      best.footprint_bytes, best.crossing_bytes, fit_step, fit.footprint_bytes, tuple(candidates),
+                      slack)
     with _LOCK:
         _PLANS[key] = plan
     return plan
