@@ -337,11 +337,13 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
                 remotes: tuple[bool, ...] = (True,), partials: tuple[bool, ...] = (False,),
                 copies_opts: tuple[bool, ...] = (False,), settles: tuple[bool, ...] = (False,), repeat: int = 0,
                 row_done: Callable[[list[dict[str, Any]]], None] | None = None, precision: str = "fp32",
-                planned: bool = False) -> list[dict[str, Any]]:
+                planned: bool = False, machine_sim: Any = None) -> list[dict[str, Any]]:
     """The no-budget run and one budget run per ratio for one model in ``precision``: its rows. ``planned``: each
     row trains as the memory planner chooses at its B (um_lab.sim.planner: the layers recomputed, activations
-    staged or not; the row's ``plan``, and its predicted step as ``sim_step_ms``). ``row_done(rows)`` hears the
-    rows so far after each one (the script writes them then, so a run stopped by a time limit keeps them)."""
+    staged or not; the row's ``plan``, and its predicted step as ``sim_step_ms``); with ``machine_sim`` (a
+    simulator on a profile fitted to this machine) that plan priced again on it before the row runs
+    (``machine_calibrated_ms``). ``row_done(rows)`` hears the rows so far after each one (the script writes them
+    then, so a run stopped by a time limit keeps them)."""
     from um_lab.training import with_training
 
     case = with_training(build_case(name), precision)
@@ -371,6 +373,11 @@ def bench_model(name: str, ratios: list[float], steps: int, limit: int, telemetr
             row["plan"] = {"recompute": plan.recompute, "stage_activations": plan.stage_activations,
                            "layers": plan.layers, "predicted_step_ms": plan.step_ms,
                            "predicted_footprint_bytes": plan.footprint_bytes}
+            if machine_sim is not None:
+                from um_lab.sim.planner import price_plan
+
+                row["machine_calibrated_ms"] = price_plan(build_case(name), plan, machine_sim)
+                say(f"  on this machine's fitted profile: {row['machine_calibrated_ms'] or float('nan'):.1f} ms")
         t0 = time.perf_counter()
         try:
             out = run_session(row_case, steps, limit, budget=budget, telemetry=telemetry, time_moves=time_moves,
@@ -693,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict", action="store_true",
                     help="no GPU: the simulator's predictions only (default out: bench/results/budget_predicted.json)")
     ap.add_argument("--no-sim", action="store_true", help="measured rows without sim_step_ms")
+    ap.add_argument("--machine-calibrate", action="store_true",
+                    help="with --recompute auto: before any row, fit the profile's host, GPU and link constants to "
+                         "this machine (um_lab.sim.machine_calibration) and price each row's plan on it too "
+                         "(machine_calibrated_ms; the fit in the file's machine_calibration)")
     ap.add_argument("--peer-steps", type=int, default=4, help="with --peers: each peer's measured steps")
     ap.add_argument("--fsdp2", action="store_true",
                     help="the peer: FSDP2 with CPUOffloadPolicy on the same model (bench/peers.py, a process "
@@ -710,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out = ROOT / "bench" / "results" / "budget_quick.json"
     default_out = args.out == ap.get_default("out")
     predicted_out = ROOT / "bench" / "results" / "budget_predicted.json" if default_out else args.out
+    if args.machine_calibrate and (args.recompute != "auto" or args.predict):
+        ap.error("--machine-calibrate prices the planner's rows on a GPU: it needs --recompute auto, not --predict")
     if args.predict and args.peers:
         merge_predicted(predicted_out, "peers", predict_peers, lambda r: r["model"] not in args.models,
                         predict_peers(args.models, args.ratios, print))
@@ -737,7 +750,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{limit / GiB:.1f} GiB (each session: min(that, the default cap then); the bench aborts at "
           f"{SAFETY_FRACTION} x the session's cap)")
     rows: list[dict[str, Any]] = []
-    header = {"device": device, "steps": args.steps, "managed_limit_bytes": limit}
+    header: dict[str, Any] = {"device": device, "steps": args.steps, "managed_limit_bytes": limit}
+    machine_sim = None
+    if args.machine_calibrate:
+        from um_lab.sim.backend import SimBackend
+        from um_lab.sim.machine_calibration import fit_machine, measure_machine_probes
+
+        fitted = fit_machine(sim_backend().profile, measure_machine_probes())
+        machine_sim = SimBackend(fitted.profile)
+        header["machine_calibration"] = {"scales": {k: round(v, 4) for k, v in fitted.scales.items()},
+                                         "probes": fitted.probes}
+        print(f"machine calibrated: {header['machine_calibration']['scales']}", flush=True)
     for name in args.models:
         try:
             for repeat, precision in ((r, p) for r in range(args.repeats) for p in args.precision):
@@ -752,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                     copies_opts=tuple(c == "on" for c in args.remote_copies),
                     settles=tuple(c == "on" for c in args.settle_tail), repeat=repeat,
                     row_done=lambda so_far, done=rows: write_merged(args.out, args.models, header, done + so_far),
-                    precision=precision, planned=args.recompute == "auto")
+                    precision=precision, planned=args.recompute == "auto", machine_sim=machine_sim)
                 if not args.no_sim:
                     fill_sim(model_rows, print)
                 rows += model_rows

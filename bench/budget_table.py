@@ -123,14 +123,15 @@ def _most_specific(predictions: list[dict[str, Any]]) -> dict[str, Any]:
 PLANNER_FIELDS = ("model", "precision", "ratio", "advice", "footprint_bytes", "budget_bytes", "fit_step_ms", "plan",
                   "step_ms", "step_ms_all", "measured_from_step", "crossing_bytes", "bound_ms", "over_bound",
                   "max_resident_ledger", "over_budget_steps", "followed_plan", "idle_steps", "held_bytes_all",
-                  "peers", "best_peer", "best_peer_ms", "over_best_peer", "sim_step_ms")
+                  "peers", "best_peer", "best_peer_ms", "over_best_peer", "sim_step_ms", "machine_calibrated_ms")
 
 
 def planner_rows(runs: list[tuple[dict[str, Any], str]], predicted: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of ``bench/budget.py --recompute auto --peers`` runs (each with its file), beside the planner's
     committed prediction for the same model, precision and ratio (``predicted["planned"]``): ``over_fit_step``,
     ``sim_error`` (against the prediction at the measured B), ``committed_prediction`` and ``committed_error``
-    (at the simulated footprint / ratio), the run's ``device`` and ``date``."""
+    (at the simulated footprint / ratio), ``machine_calibrated_error`` (against the plan priced on the profile
+    fitted to the run's machine, ``--machine-calibrate``), the run's ``device`` and ``date``."""
     committed = {(r["model"], r["precision"], float(r["ratio"])): r["step_ms"]
                  for r in (predicted.get("planned") or {}).get("rows", [])}
     out = []
@@ -143,11 +144,14 @@ def planner_rows(runs: list[tuple[dict[str, Any], str]], predicted: dict[str, An
             row.update(committed_prediction=c, device=run.get("device", "?"), date=str(run.get("date", ""))[:10],
                        source=source)
             if r.get("step_ms") is None:  # the plan was refused on the GPU: the row keeps why
-                row.update(error=r["error"], over_fit_step=None, sim_error=None, committed_error=None)
+                row.update(error=r["error"], over_fit_step=None, sim_error=None, committed_error=None,
+                           machine_calibrated_error=None)
             else:
                 row.update(over_fit_step=r["step_ms"] / r["fit_step_ms"],
                            sim_error=r["step_ms"] / r["sim_step_ms"] - 1 if r.get("sim_step_ms") else None,
-                           committed_error=r["step_ms"] / c - 1 if c else None)
+                           committed_error=r["step_ms"] / c - 1 if c else None,
+                           machine_calibrated_error=(r["step_ms"] / r["machine_calibrated_ms"] - 1
+                                                     if r.get("machine_calibrated_ms") else None))
             out.append(row)
     return out
 

@@ -184,8 +184,8 @@ suite_planner() {  # predictions first: python bench/budget.py --predict --recom
   for model in ${PLANNER_MODELS:-gpt2-large gpt2-xl resnet50}; do
     for precision in fp32 bf16; do
       run "planner_${model}_$precision" 1500 python3 bench/budget.py --models "$model" --ratios 1.5 2 3 --steps 8 \
-        --recompute auto --precision "$precision" --peers --peer-steps 4 --no-sim --max-managed-fraction 0.7 \
-        --out "$OUT/planner/${model}_$precision.json"
+        --recompute auto --machine-calibrate --precision "$precision" --peers --peer-steps 4 --no-sim \
+        --max-managed-fraction 0.7 --out "$OUT/planner/${model}_$precision.json"
     done
   done
   compgen -G "$OUT/planner/*.json" >/dev/null || return 1

@@ -257,6 +257,26 @@ def test_planned_rows_train_as_the_planner_chooses_and_carry_its_prediction(benc
     assert any("planner:" in line for line in lines)
 
 
+def test_a_planned_row_is_priced_again_on_the_machines_fitted_profile_before_it_runs(bench):
+    """With a simulator on a profile fitted to the machine (here: a GPU 1.4x slower), each planned row carries its
+    plan's step on that profile too, and --machine-calibrate is refused where there is nothing to price."""
+    import warnings
+
+    from um_lab.sim.backend import SimBackend
+    from um_lab.sim.machine_calibration import with_scale
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        machine = SimBackend(with_scale(bench.sim_backend().profile, "gpu", 1.4))
+    lines: list[str] = []
+    row = bench.bench_model("mlp", [2.0], 4, 1 << 40, False, lines.append, planned=True, machine_sim=machine)[0]
+    assert row["sim_step_ms"] < row["machine_calibrated_ms"] <= 1.4 * row["sim_step_ms"] + 1e-6
+    assert any("fitted profile" in line for line in lines)
+    for argv in (["--machine-calibrate"], ["--machine-calibrate", "--recompute", "auto", "--predict"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+
+
 def test_the_best_peer_is_the_fastest_whose_reserved_peak_fits_the_budget(bench):
     peers = {"fits": {"step_ms": 100.0, "peak_reserved_bytes": 40 * GiB},
              "checkpoint": {"step_ms": 130.0, "peak_reserved_bytes": 18 * GiB},

@@ -164,7 +164,8 @@ def test_a_rows_simulated_step_and_hand_range_each_come_from_their_most_specific
 def test_planner_runs_merge_into_the_planner_key_beside_their_committed_predictions(tmp_path):
     table = table_module()
     row = {"model": "gpt2-large", "precision": "fp32", "ratio": 2.0, "fit_step_ms": 500.0, "step_ms": 600.0,
-           "sim_step_ms": 550.0, "plan": {"recompute": 30}, "best_peer": "checkpoint", "best_peer_ms": 700.0,
+           "sim_step_ms": 550.0, "machine_calibrated_ms": 625.0, "plan": {"recompute": 30}, "best_peer": "checkpoint",
+           "best_peer_ms": 700.0,
            "peers": {"checkpoint": {"step_ms": 700.0}}, "idle_steps": 3, "internal_diagnostic": [1, 2]}
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"date": "2026-12-06T03:00:00+00:00", "device": "GPU A",
@@ -186,6 +187,7 @@ def test_planner_runs_merge_into_the_planner_key_beside_their_committed_predicti
     assert new["over_fit_step"] == 1.2 and new["committed_prediction"] == 480.0
     assert abs(new["committed_error"] - 0.25) < 1e-12 and abs(new["sim_error"] - (600 / 550 - 1)) < 1e-12
     assert "internal_diagnostic" not in new and new["idle_steps"] == 3
+    assert new["machine_calibrated_ms"] == 625.0 and abs(new["machine_calibrated_error"] - (600 / 625 - 1)) < 1e-12
 
 
 def test_a_plan_refused_on_the_gpu_is_kept_with_its_reason(tmp_path):

@@ -163,3 +163,20 @@ def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_f
         recomputed = {"none": 0, "every-layer": with_slack.layers}
         assert recomputed.get(with_slack.recompute, with_slack.recompute) >= recomputed.get(
             without.recompute, without.recompute) or with_slack.crossing_bytes > 0
+
+
+def test_a_plan_is_priced_again_on_a_profile_fitted_to_the_machine_that_runs_it(sim, case):
+    """price_plan keeps the plan's choice and re-prices it: on the planner's own profile it is the plan's step; on
+    a GPU 1.5x slower every kernel takes longer, so the plan's step does too, and by no more than 1.5x."""
+    from um_lab.sim.machine_calibration import with_scale
+    from um_lab.sim.planner import price_plan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        slower = SimBackend(with_scale(sim.profile, "gpu", 1.5))
+    plans = [plan_memory(case, ratio, backend=sim) for ratio in ("0.9x", "0.6x", "0.35x")]
+    assert {p.crossing_bytes > 0 for p in plans} == {False, True}  # a plan that idles, and one that moves data
+    for ratio, plan in zip(("0.9x", "0.6x", "0.35x"), plans, strict=True):
+        assert price_plan(case, plan, sim) == pytest.approx(plan.step_ms, rel=1e-9)
+        repriced = price_plan(case, plan, slower)
+        assert repriced is not None and plan.step_ms < repriced <= 1.5 * plan.step_ms + 1e-6, (ratio, repriced)

@@ -142,11 +142,9 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     Raises :class:`~um_lab.errors.BudgetTooSmall` when no candidate keeps B."""
     from um_lab.schedule.config import Budget
     from um_lab.sim.backend import SimBackend
-    from um_lab.sim.budget import budget_footprint, simulate_budget
+    from um_lab.sim.budget import budget_footprint
     from um_lab.sim.profile import profile_sha256
-    from um_lab.sim.staged import simulate_staged
     from um_lab.training import with_training
-    from um_lab.types import RunSpec
 
     check_precision(precision)
     if case.info.get("recompute") not in (None, "none", 0):
@@ -163,21 +161,13 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
         hit = _PLANS.get(key)
     if hit is not None:
         return hit
-    def plain_step_ms(k: int) -> float:  # the steady step with nothing moving and no scheduler running
-        run_case = base if k == 0 else with_training(case, precision, k)
-        spec = RunSpec(model="mlp", steps=PLAIN_STEPS, warmup_steps=0)
-        return [r.wall_ms for r in sim.run(spec, run_case, "um-default")][-1]
-
-    fit_step = plain_step_ms(0)
+    fit_step = _plain_step_ms(sim, case, precision, 0)
     n_layers = count_layers(case)
     slack = conv_slack_bytes(case, int(fit.placement.final.segment_bytes.get(DataType.ACT, 0)), sim.profile)
 
-    def prepared(k: int) -> Any:  # the simulator caches each prepared case
-        return sim.prepare(base if k == 0 else with_training(case, precision, k))
-
     @functools.cache
     def footprint(k: int) -> int:  # as held in a budget session (the optimizer stepped in chunks)
-        p = prepared(k)
+        p = _prepared(sim, case, precision, k)
         return budget_footprint(p.trace, p.placement.final, sim.profile, budget_bytes) + slack
 
     def fits(k: int) -> bool:
@@ -195,27 +185,15 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     weighed = [k for k in sorted(set(grid) | set(fitting_k)) if least_fit is None or k <= least_fit]
     candidates = []
     for k in weighed:
-        p = prepared(k)
         for staged in ((False,) if least_fit == k else (False, True)):
-            if not staged and fits(k):  # the scheduler idles: a plain step
-                candidates.append(PlanCandidate(k, False, footprint(k), plain_step_ms(k), 0))
-                say(f"recompute {k}/{n_layers} layers: footprint {gib(footprint(k))} fits B, plain step "
-                    f"{candidates[-1].step_ms:.1f} ms")
-                continue
-            try:
-                if staged:
-                    st = simulate_staged(p.trace, p.placement.final, sim.profile, budget_bytes - slack)
-                    wall_us = st.step.wall_us
-                    crossing = st.plan.prefetched_bytes + st.plan.evicted_bytes + 2 * st.copies.staged_bytes \
-                        + 2 * st.plan.remote_bytes
-                else:
-                    b = simulate_budget(p.trace, p.placement.final, sim.profile, budget_bytes - slack)
-                    wall_us = b.step.wall_us
-                    crossing = b.plan.prefetched_bytes + b.plan.evicted_bytes + 2 * b.plan.remote_bytes
-                c = PlanCandidate(k, staged, footprint(k), wall_us / 1e3, int(crossing))
-            except BudgetTooSmall as e:
-                c = PlanCandidate(k, staged, footprint(k), None, why_not=str(e))
+            idle = not staged and fits(k)  # the scheduler idles: a plain step
+            step_ms, crossing, why_not = _priced(sim, case, precision, k, staged, idle, budget_bytes - slack)
+            c = PlanCandidate(k, staged, footprint(k), step_ms, crossing, why_not)
             candidates.append(c)
+            if idle:
+                say(f"recompute {k}/{n_layers} layers: footprint {gib(footprint(k))} fits B, plain step "
+                    f"{step_ms:.1f} ms")
+                continue
             say(f"recompute {k}/{n_layers} layers, staged {'on' if staged else 'off'}: footprint "
                 f"{gib(c.footprint_bytes)}, " + (f"step {c.step_ms:.1f} ms, {gib(c.crossing_bytes)} cross"
                                                  if c.step_ms is not None else "cannot keep the budget"))
@@ -232,6 +210,62 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     with _LOCK:
         _PLANS[key] = plan
     return plan
+
+
+def _prepared(sim: Any, case: Any, precision: str, k: int) -> Any:
+    """``case`` in ``precision`` with its first ``k`` layers recomputed, prepared by ``sim`` (which caches it)."""
+    from um_lab.training import with_training
+
+    return sim.prepare(with_training(case, precision, k if k else "none"))
+
+
+def _plain_step_ms(sim: Any, case: Any, precision: str, k: int) -> float:
+    """The steady step with the first ``k`` layers recomputed, nothing moving and no scheduler running."""
+    from um_lab.training import with_training
+    from um_lab.types import RunSpec
+
+    spec = RunSpec(model="mlp", steps=PLAIN_STEPS, warmup_steps=0)
+    return [r.wall_ms for r in sim.run(spec, with_training(case, precision, k if k else "none"), "um-default")][-1]
+
+
+def _priced(sim: Any, case: Any, precision: str, k: int, staged: bool, idle: bool,
+            usable_bytes: int) -> tuple[float | None, int, str]:
+    """(predicted step in ms, bytes that cross the link, why not) of one candidate: the plain step where the
+    scheduler idles, else the scheduler's plan under ``usable_bytes`` (B less the workspaces' room), staged or
+    not; a step of None with the reason where that plan cannot keep the budget."""
+    from um_lab.sim.budget import simulate_budget
+    from um_lab.sim.staged import simulate_staged
+
+    if idle:
+        return _plain_step_ms(sim, case, precision, k), 0, ""
+    p = _prepared(sim, case, precision, k)
+    try:
+        if staged:
+            st = simulate_staged(p.trace, p.placement.final, sim.profile, usable_bytes)
+            crossing = st.plan.prefetched_bytes + st.plan.evicted_bytes + 2 * st.copies.staged_bytes \
+                + 2 * st.plan.remote_bytes
+            return st.step.wall_us / 1e3, int(crossing), ""
+        b = simulate_budget(p.trace, p.placement.final, sim.profile, usable_bytes)
+        crossing = b.plan.prefetched_bytes + b.plan.evicted_bytes + 2 * b.plan.remote_bytes
+        return b.step.wall_us / 1e3, int(crossing), ""
+    except BudgetTooSmall as e:
+        return None, 0, str(e)
+
+
+def price_plan(case: Any, plan: MemoryPlan, backend: Any) -> float | None:
+    """``plan``'s predicted step (its recompute and staging, at its B) on ``backend``'s profile, e.g. one fitted to
+    the machine that runs it (:func:`um_lab.sim.machine_calibration.fit_machine`): the plain step where the plan
+    lets the scheduler idle, else the scheduler's. ``case``: the one :func:`plan_memory` planned (nothing
+    recomputed). None where that profile's plan cannot keep B."""
+    named = {"none": 0, "every-layer": plan.layers}
+    k = named[plan.recompute] if isinstance(plan.recompute, str) else plan.recompute
+    if not isinstance(k, int):
+        raise SpecError(f"price_plan prices the planner's own plans (recompute: a count); got {plan.recompute!r}",
+                        "plan")
+    idle = plan.crossing_bytes == 0 and not plan.stage_activations and \
+        plan.footprint_bytes <= plan.budget_bytes * (1 - FIT_MARGIN)
+    return _priced(backend, case, plan.precision, k, plan.stage_activations, idle,
+                   plan.budget_bytes - plan.workspace_bytes)[0]
 
 
 def planned_budget(plan: MemoryPlan, lookahead: int = 2) -> Any:
