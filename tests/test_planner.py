@@ -122,47 +122,82 @@ def _small_cnn():
                          nn.Linear(32, 10))
 
 
-def test_a_model_with_convolutions_counts_cudnn_workspaces_in_every_candidates_footprint(sim):
-    """cuDNN's workspaces are invisible to the CPU trace: a model with convolutions carries the profile's slack
-    (a share of its everything-fits intermediate results) in each candidate's footprint, so the plan it calls
-    fitting leaves that room; a model without convolutions carries none."""
+def _cnn_case():
     import torch
 
     from um_lab.model_cases import custom
-    from um_lab.sim.planner import conv_slack_bytes, has_convolutions
+
+    return custom("small-cnn", _small_cnn, lambda g: (torch.randn(64, 3, 64, 64, generator=g),
+                                                      torch.randint(0, 10, (64,), generator=g)))
+
+
+def test_only_overlapping_dense_convolutions_inside_layers_count_as_workspace_users():
+    from torch import nn
+
+    from um_lab.sim.workspaces import layers_convolve
+
+    assert layers_convolve(_small_cnn())
+    patches = nn.Sequential(nn.Conv2d(3, 32, 16, stride=16), nn.Flatten(2),
+                            *[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)])  # a ViT's patch embedding
+    depthwise = nn.Sequential(*[nn.Sequential(nn.Conv2d(32, 32, 7, padding=3, groups=32), nn.ReLU()) for _ in range(3)])
+    assert not layers_convolve(patches) and not layers_convolve(depthwise)
+    assert not layers_convolve(get_model("gpt2-small", **GPT2).build_model())
+
+
+def test_a_model_whose_layers_convolve_counts_cudnn_workspaces_in_every_candidates_footprint(sim):
+    """cuDNN's workspaces are invisible to the CPU trace: each candidate of a model whose layers convolve carries the
+    profile's share of its intermediate results as room, so a plan called fitting leaves that room, and a plan that
+    moves data is simulated under B less it; a run of the plan on the simulator steps as predicted."""
+    from um_lab.sim.budget import simulate_budget
+    from um_lab.sim.planner import price_plan
+    from um_lab.sim.workspaces import workspace_bytes
     from um_lab.types import DataType
 
-    cnn = custom("small-cnn", _small_cnn, lambda g: (torch.randn(64, 3, 64, 64, generator=g),
-                                                     torch.randint(0, 10, (64,), generator=g)))
-    assert has_convolutions(cnn) and not has_convolutions(get_model("gpt2-small", **GPT2))
-    act = int(sim.prepare(cnn).placement.final.segment_bytes[DataType.ACT])
-    slack = conv_slack_bytes(cnn, act, sim.profile)
-    assert slack == int(sim.profile.conv_pool_slack * act) > 0
+    cnn = _cnn_case()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bare = SimBackend(sim.profile.replace(conv_pool_slack=0.0))
     for ratio in ("0.8x", "0.6x"):
-        with_slack, without = plan_memory(cnn, ratio, backend=sim), plan_memory(cnn, ratio, backend=bare)
-        assert with_slack.budget_bytes == without.budget_bytes
-        assert with_slack.workspace_bytes == slack and without.workspace_bytes == 0
-        assert "cuDNN's workspaces" in with_slack.describe() and "cuDNN" not in without.describe()
-        plain = {(c.recompute_layers, c.staged): c.footprint_bytes for c in without.candidates}
-        for c in with_slack.candidates:
-            if (c.recompute_layers, c.staged) in plain:
-                assert c.footprint_bytes == plain[c.recompute_layers, c.staged] + slack
-        if with_slack.crossing_bytes == 0:  # it calls the plan fitting: with the workspaces' room left
-            assert with_slack.footprint_bytes <= with_slack.budget_bytes
-        moving = [c for c in with_slack.candidates if not c.staged and c.step_ms is not None and c.crossing_bytes > 0]
-        assert moving
-        for c in moving[:1]:  # a plan that moves data is simulated under B less the workspaces' room
+        with_room, without = plan_memory(cnn, ratio, backend=sim), plan_memory(cnn, ratio, backend=bare)
+        assert with_room.budget_bytes == without.budget_bytes and without.workspace_bytes == 0
+        rooms = {}
+        for c in with_room.candidates:
             p = sim.prepare(with_training(cnn, "fp32", c.recompute_layers or "none"))
-            from um_lab.sim.budget import simulate_budget
+            rooms[c.recompute_layers] = room = workspace_bytes(cnn, p, sim.profile)
+            assert room == int(sim.profile.conv_pool_slack * p.placement.final.segment_bytes[DataType.ACT]) > 0
+        plain = {(c.recompute_layers, c.staged): c.footprint_bytes for c in without.candidates}
+        for c in with_room.candidates:
+            if (c.recompute_layers, c.staged) in plain:
+                assert c.footprint_bytes == plain[c.recompute_layers, c.staged] + rooms[c.recompute_layers]
+        chosen = {"none": 0, "every-layer": with_room.layers}.get(str(with_room.recompute), with_room.recompute)
+        assert with_room.workspace_bytes == rooms[chosen] and "cuDNN's workspaces" in with_room.describe()
+        if with_room.crossing_bytes == 0:  # it calls the plan fitting: with the workspaces' room left
+            assert with_room.footprint_bytes <= with_room.budget_bytes
+        moving = [c for c in with_room.candidates if not c.staged and c.step_ms is not None and c.crossing_bytes > 0]
+        assert moving
+        c = moving[0]
+        p = sim.prepare(with_training(cnn, "fp32", c.recompute_layers or "none"))
+        b = simulate_budget(p.trace, p.placement.final, sim.profile, with_room.budget_bytes - rooms[c.recompute_layers])
+        assert c.step_ms == pytest.approx(b.step.wall_us / 1e3)
+        assert price_plan(cnn, with_room, sim) == pytest.approx(with_room.step_ms, rel=1e-9)
+        assert "cuDNN" not in without.describe()
 
-            b = simulate_budget(p.trace, p.placement.final, sim.profile, with_slack.budget_bytes - slack)
-            assert c.step_ms == pytest.approx(b.step.wall_us / 1e3)
-        recomputed = {"none": 0, "every-layer": with_slack.layers}
-        assert recomputed.get(with_slack.recompute, with_slack.recompute) >= recomputed.get(
-            without.recompute, without.recompute) or with_slack.crossing_bytes > 0
+
+def test_a_planned_run_of_a_convolving_model_on_the_simulator_steps_as_predicted(tmp_path):
+    """The simulator's run of a planned budget leaves the same room for the workspaces as the planner did."""
+    cnn = _cnn_case()
+    from um_lab.runs.runner import Run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = Run(RunSpec(model="mlp", backend="sim", steps=2, warmup_steps=1, recompute="auto", budget="0.6x"),
+                case=cnn, out_dir=tmp_path)
+        records = list(r)
+    plan = r.plan
+    assert plan is not None and plan.crossing_bytes > 0 and plan.workspace_bytes > 0  # a plan that moves data
+    steady = [x for x in records if not x.warmup]
+    assert steady[-1].wall_ms == pytest.approx(plan.step_ms, rel=1e-6)
+    assert steady[-1].extra["budget"]["workspace_bytes"] == plan.workspace_bytes
 
 
 def test_a_plan_is_priced_again_on_a_profile_fitted_to_the_machine_that_runs_it(sim, case):

@@ -31,6 +31,7 @@ from um_lab.sim.roofline import op_host_us, op_times_us
 from um_lab.sim.stepper import readmostly_write_us, run_step
 from um_lab.sim.trace import StepTrace, cached_trace, case_key, forget_trace
 from um_lab.sim.uvm import PREFETCH_STREAMS, AdviceTable, StepStats, UvmModel
+from um_lab.sim.workspaces import workspace_bytes
 from um_lab.sizing import available_host_bytes
 from um_lab.types import DATA_TYPES, RunSpec, StepRecord, positive_ratio, whole_bytes
 
@@ -162,7 +163,8 @@ class SimBackend(BackendBase):
         budget = self._budget(spec, prepared, policy, capacity)
         assert budget is not None
         simulate = simulate_staged if stages(spec, policy) else simulate_budget  # the model run() uses
-        simulate(prepared.trace, prepared.placement.final, self.profile, budget)
+        simulate(prepared.trace, prepared.placement.final, self.profile, budget - workspace_bytes(case, prepared,
+                                                                                                  self.profile))
         return {"budget_bytes": budget, "footprint_bytes": prepared.footprint_bytes, "capacity_bytes": capacity}
 
     def run(self, spec: RunSpec, case: ModelCase,
@@ -178,12 +180,14 @@ class SimBackend(BackendBase):
             from um_lab.sim.staged import staged_records
 
             return staged_records(prepared.trace, prepared.placement.final, self.profile, spec.steps,
-                                  spec.warmup_steps, budget, capacity, policy.name, self.name)
+                                  spec.warmup_steps, budget, capacity, policy.name, self.name,
+                                  workspace_bytes=workspace_bytes(case, prepared, self.profile))
         if budget is not None:  # the layer-ahead scheduler instead of the driver's demand paging (sim.budget)
             from um_lab.sim.budget import budget_records
 
             return budget_records(prepared.trace, prepared.placement.final, self.profile, spec.steps,
-                                  spec.warmup_steps, budget, capacity, policy.name, self.name)
+                                  spec.warmup_steps, budget, capacity, policy.name, self.name,
+                                  workspace_bytes=workspace_bytes(case, prepared, self.profile))
         return self._records(spec, prepared, policy, capacity)
 
     @staticmethod

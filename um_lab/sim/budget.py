@@ -82,13 +82,15 @@ def simulate_budget(trace: StepTrace, layout: Layout, profile: Profile, budget_b
 
 def budget_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
                    budget_bytes: int, capacity: int, policy_name: str, backend: str,
-                   lookahead: int = 2) -> Iterator[StepRecord]:
+                   lookahead: int = 2, workspace_bytes: int = 0) -> Iterator[StepRecord]:
     """The SimBackend's records for a run under the layer-ahead scheduler on ``trace`` placed by ``layout``:
-    every step the steady step (the first step, which learns the order on a GPU, is not modelled apart)."""
-    simulated = simulate_budget(trace, layout, profile, budget_bytes, lookahead)
+    every step the steady step (the first step, which learns the order on a GPU, is not modelled apart). The plan
+    is made under B less ``workspace_bytes`` (:mod:`um_lab.sim.workspaces`), reported with B."""
+    simulated = simulate_budget(trace, layout, profile, budget_bytes - workspace_bytes, lookahead)
     derived, plan, step = simulated.derived, simulated.plan, simulated.step
     moved_in, moved_out = moved_by_type(plan, layout)
-    return steady_records(trace, layout, plan, step, budget_extra(plan, step, derived, budget_bytes),
+    extra = {**budget_extra(plan, step, derived, budget_bytes), "workspace_bytes": int(workspace_bytes)}
+    return steady_records(trace, layout, plan, step, extra,
                           resident_by_type(plan, layout), moved_in, moved_out, steps=steps,
                           warmup_steps=warmup_steps, capacity=capacity, policy_name=policy_name, backend=backend)
 

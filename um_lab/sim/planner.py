@@ -11,7 +11,7 @@ simulator (:mod:`um_lab.sim.budget`, :mod:`um_lab.sim.staged`) what one training
   default), so it never crosses twice.
 
 A candidate's footprint is what the pools would hold (:func:`um_lab.sim.budget.budget_footprint`), plus, for a model
-with convolutions, cuDNN's workspaces, which the CPU trace does not see (:func:`conv_slack_bytes`); a candidate that
+with convolutions, cuDNN's workspaces, which the CPU trace does not see (:mod:`um_lab.sim.workspaces`); a candidate that
 moves data is simulated under B less that room, which the workspaces' segments take from what the scheduler plans
 (staged, from its fixed intermediate-results pool). A candidate whose footprint fits B moves nothing: on a GPU the
 scheduler idles (no hooks, the pools' own advice), so its step is the recompute's alone, simulated as a plain step.
@@ -31,11 +31,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch import nn
-
 from um_lab.errors import BudgetTooSmall, SpecError, gib
-from um_lab.types import DataType, Recompute, check_precision
+from um_lab.types import Recompute, check_precision
 
 #: how many evenly spaced layer counts the coarse search weighs before it refines the smallest that fits
 GRID_POINTS = 6
@@ -76,7 +73,7 @@ class MemoryPlan:
     fit_step_ms: float  #: the predicted everything-fits step (nothing recomputed, no budget)
     fit_footprint_bytes: int
     candidates: tuple[PlanCandidate, ...]
-    workspace_bytes: int = 0  #: counted in every footprint for cuDNN's workspaces (:func:`conv_slack_bytes`)
+    workspace_bytes: int = 0  #: the chosen plan's room for cuDNN's workspaces (:mod:`um_lab.sim.workspaces`)
 
     def describe(self) -> str:
         """One line: what is recomputed, what moves, the predicted step against the everything-fits one."""
@@ -99,33 +96,13 @@ class MemoryPlan:
         return d
 
 
-def _built_on_meta(case: Any) -> nn.Module:
-    try:
-        with torch.device("meta"):
-            return case.build_model()
-    except Exception:  # a constructor that computes with tensor values
-        return case.build_model()
-
-
 def count_layers(case: Any) -> int:
     """How many repeated layers ``case``'s model has (:func:`um_lab.training.layers`), built on the meta
     device where its constructor allows, else for real."""
+    from um_lab.sim.workspaces import built_on_meta
     from um_lab.training import layers
 
-    return len(layers(_built_on_meta(case)))
-
-
-def has_convolutions(case: Any) -> bool:
-    """Whether ``case``'s model has a convolution module (``torch.nn.Conv1d/2d/3d`` and their transposes), whose
-    cuDNN workspaces the simulator's trace does not see (see :func:`conv_slack_bytes`)."""
-    return any(isinstance(m, nn.modules.conv._ConvNd) for m in _built_on_meta(case).modules())  # noqa: SLF001
-
-
-def conv_slack_bytes(case: Any, fit_intermediate_bytes: int, profile: Any) -> int:
-    """What a budget session's pools hold for ``case`` beyond the simulator's footprint: the profile's
-    :attr:`~um_lab.sim.profile.Profile.conv_pool_slack` share of its everything-fits intermediate-results bytes for
-    a model with convolutions (cuDNN's workspaces), else 0."""
-    return int(profile.conv_pool_slack * fit_intermediate_bytes) if has_convolutions(case) else 0
+    return len(layers(built_on_meta(case)))
 
 
 _PLANS: dict[tuple[Any, ...], MemoryPlan] = {}
@@ -163,12 +140,11 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
         return hit
     fit_step = _plain_step_ms(sim, case, precision, 0)
     n_layers = count_layers(case)
-    slack = conv_slack_bytes(case, int(fit.placement.final.segment_bytes.get(DataType.ACT, 0)), sim.profile)
 
     @functools.cache
-    def footprint(k: int) -> int:  # as held in a budget session (the optimizer stepped in chunks)
+    def footprint(k: int) -> int:  # as held in a budget session (the optimizer stepped in chunks), workspaces too
         p = _prepared(sim, case, precision, k)
-        return budget_footprint(p.trace, p.placement.final, sim.profile, budget_bytes) + slack
+        return budget_footprint(p.trace, p.placement.final, sim.profile, budget_bytes) + _room(sim, case, precision, k)
 
     def fits(k: int) -> bool:
         return footprint(k) <= budget_bytes * (1 - FIT_MARGIN)
@@ -187,7 +163,7 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     for k in weighed:
         for staged in ((False,) if least_fit == k else (False, True)):
             idle = not staged and fits(k)  # the scheduler idles: a plain step
-            step_ms, crossing, why_not = _priced(sim, case, precision, k, staged, idle, budget_bytes - slack)
+            step_ms, crossing, why_not = _priced(sim, case, precision, k, staged, idle, budget_bytes)
             c = PlanCandidate(k, staged, footprint(k), step_ms, crossing, why_not)
             candidates.append(c)
             if idle:
@@ -206,7 +182,7 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     recompute: Recompute = {0: "none", n_layers: "every-layer"}.get(best.recompute_layers, best.recompute_layers)
     plan = MemoryPlan(case.name, precision, budget_bytes, n_layers, recompute, best.staged, float(best.step_ms or 0),
                       best.footprint_bytes, best.crossing_bytes, fit_step, fit.footprint_bytes, tuple(candidates),
-                      slack)
+                      _room(sim, case, precision, best.recompute_layers))
     with _LOCK:
         _PLANS[key] = plan
     return plan
@@ -228,17 +204,29 @@ def _plain_step_ms(sim: Any, case: Any, precision: str, k: int) -> float:
     return [r.wall_ms for r in sim.run(spec, with_training(case, precision, k if k else "none"), "um-default")][-1]
 
 
+def _room(sim: Any, case: Any, precision: str, k: int) -> int:
+    """The room cuDNN's workspaces take in a budget session of ``case`` with ``k`` layers recomputed
+    (:func:`um_lab.sim.workspaces.workspace_bytes`)."""
+    from um_lab.sim.workspaces import workspace_bytes
+    from um_lab.training import with_training
+
+    return workspace_bytes(with_training(case, precision, k if k else "none"), _prepared(sim, case, precision, k),
+                           sim.profile)
+
+
 def _priced(sim: Any, case: Any, precision: str, k: int, staged: bool, idle: bool,
-            usable_bytes: int) -> tuple[float | None, int, str]:
+            budget_bytes: int) -> tuple[float | None, int, str]:
     """(predicted step in ms, bytes that cross the link, why not) of one candidate: the plain step where the
-    scheduler idles, else the scheduler's plan under ``usable_bytes`` (B less the workspaces' room), staged or
-    not; a step of None with the reason where that plan cannot keep the budget."""
+    scheduler idles, else the scheduler's plan under B less the workspaces' room (:func:`_room`), staged or
+    not; a step of None with the reason (against B) where that plan cannot keep the budget."""
     from um_lab.sim.budget import simulate_budget
     from um_lab.sim.staged import simulate_staged
 
     if idle:
         return _plain_step_ms(sim, case, precision, k), 0, ""
     p = _prepared(sim, case, precision, k)
+    room = _room(sim, case, precision, k)
+    usable_bytes = budget_bytes - room
     try:
         if staged:
             st = simulate_staged(p.trace, p.placement.final, sim.profile, usable_bytes)
@@ -248,8 +236,8 @@ def _priced(sim: Any, case: Any, precision: str, k: int, staged: bool, idle: boo
         b = simulate_budget(p.trace, p.placement.final, sim.profile, usable_bytes)
         crossing = b.plan.prefetched_bytes + b.plan.evicted_bytes + 2 * b.plan.remote_bytes
         return b.step.wall_us / 1e3, int(crossing), ""
-    except BudgetTooSmall as e:
-        return None, 0, str(e)
+    except BudgetTooSmall as e:  # said against B, the room for the workspaces counted in what it needs
+        return None, 0, str(BudgetTooSmall(budget_bytes, e.needed + room, e.what))
 
 
 def price_plan(case: Any, plan: MemoryPlan, backend: Any) -> float | None:
@@ -264,8 +252,7 @@ def price_plan(case: Any, plan: MemoryPlan, backend: Any) -> float | None:
                         "plan")
     idle = plan.crossing_bytes == 0 and not plan.stage_activations and \
         plan.footprint_bytes <= plan.budget_bytes * (1 - FIT_MARGIN)
-    return _priced(backend, case, plan.precision, k, plan.stage_activations, idle,
-                   plan.budget_bytes - plan.workspace_bytes)[0]
+    return _priced(backend, case, plan.precision, k, plan.stage_activations, idle, plan.budget_bytes)[0]
 
 
 def planned_budget(plan: MemoryPlan, lookahead: int = 2) -> Any:

@@ -171,10 +171,10 @@ class Profile:
     #: under a budget the optimizer steps in chunks; its pool then keeps about this many chunks' temporaries cached
     #: beside the state (the planner's footprint of a run that fits B, :func:`um_lab.sim.budget.budget_footprint`)
     optimizer_cached_chunks: float = 1.0
-    #: a model with convolutions: what its pools hold under a budget beyond that footprint, as a share of its
-    #: everything-fits intermediate-results bytes (cuDNN's workspaces, which the CPU trace does not see, and the
-    #: segments the caching allocator keeps for them beside the live activations)
-    conv_pool_slack: float = 0.134
+    #: a model whose layers convolve: what its pools hold under a budget beyond that footprint, as a share of its
+    #: intermediate-results bytes (cuDNN's workspaces, which the CPU trace does not see, and the segments the
+    #: caching allocator keeps for them beside the live activations; :mod:`um_lab.sim.workspaces`)
+    conv_pool_slack: float = 0.30
     #: host time of the scheduler's hooks per position they open (every module call, a continuation after a child
     #: returns, each backward; pre/post, saved-tensor and gradient hooks and the ledger's work together), while it
     #: follows a plan; an idle scheduler runs none

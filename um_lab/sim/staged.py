@@ -21,8 +21,8 @@ ranges, under B less that pool and the optimizer's temporaries.
 copies out start once its ops are done; the host waits for the oldest while more than a window is in
 flight; restores start once forward stages no more (its last copy out issued: the session's
 ``forward_done``) and are issued a window ahead of backward; a position's ops wait for its own. A restore also
-waits for the compute issued before it (its device block comes from the compute stream's pool; since session
-16, after the H200 showed copies and kernels alternating in backward). The copy
+waits for the compute issued before it (its device block comes from the compute stream's pool; the H200 showed
+copies and kernels alternating in backward). The copy
 stream and the scheduler's side stream are modelled apart (they share the host link on a GPU: an
 optimistic assumption where both are busy).
 """
@@ -251,15 +251,17 @@ def _simulate_staged(trace: StepTrace, layout: Layout, profile: Profile, budget_
 
 def staged_records(trace: StepTrace, layout: Layout, profile: Profile, steps: int, warmup_steps: int,
                    budget_bytes: int, capacity: int, policy_name: str, backend: str,
-                   lookahead: int = 2) -> Iterator[StepRecord]:
+                   lookahead: int = 2, workspace_bytes: int = 0) -> Iterator[StepRecord]:
     """The SimBackend's records for a run under the policy ``layer-ahead-staged``: every step the steady step of
     :func:`simulate_staged`. Residency counts the fixed intermediate-results pool; the staged copies count in
-    the intermediate type's bytes each way (pinned copies, not migrations: ``extra["budget"]["staged_bytes"]``)."""
-    simulated = simulate_staged(trace, layout, profile, budget_bytes, lookahead)
+    the intermediate type's bytes each way (pinned copies, not migrations: ``extra["budget"]["staged_bytes"]``). The
+    plan is made under B less ``workspace_bytes`` (:mod:`um_lab.sim.workspaces`), reported with B."""
+    simulated = simulate_staged(trace, layout, profile, budget_bytes - workspace_bytes, lookahead)
     plan, step = simulated.plan, simulated.step
     extra = {**budget_extra(plan, step, simulated.derived, budget_bytes), "fixed_bytes": simulated.fixed_bytes,
+             "workspace_bytes": int(workspace_bytes),
              "staged_bytes": simulated.copies.staged_bytes, "window_bytes": simulated.copies.window,
-             "over_budget": plan.max_resident + simulated.fixed_bytes > budget_bytes,
+             "over_budget": plan.max_resident + simulated.fixed_bytes + workspace_bytes > budget_bytes,
              "model": "sim.staged: the plan around the fixed intermediate pool, copies on a stream of their own"}
     resident = resident_by_type(plan, layout)
     resident[DataType.ACT.value] += simulated.fixed_bytes

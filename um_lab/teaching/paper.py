@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "8efd9bd7921d8e55d11200dad36a3606bf3fd89faebd108f4319647f4858893b",
-    "sim_source_sha256": "d3b3cfeb6cefc3fa6d5e3e807f241e2e2f20b97b88eb1d35448e25a852718fb7",
+    "profile_sha256": "cc4c5ac295084875c34997078a586d9603afdf3f8e43358a84450b1d269c5d25",
+    "sim_source_sha256": "7074d714b7b5e4516efae7450dbb76309af11510e2b9f026db4188ef9ad29e50",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-07T20:45:26+00:00",
+    "date": "2026-12-07T21:11:26+00:00",
     "um_lab_version": "0.1.0",
 }
 
