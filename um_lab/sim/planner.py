@@ -75,14 +75,19 @@ class MemoryPlan:
     candidates: tuple[PlanCandidate, ...]
     workspace_bytes: int = 0  #: the chosen plan's room for cuDNN's workspaces (:mod:`um_lab.sim.workspaces`)
 
+    @property
+    def idles(self) -> bool:
+        """Nothing moves and the footprint fits B (with :data:`FIT_MARGIN` free): on a GPU the scheduler idles."""
+        return (self.crossing_bytes == 0 and not self.stage_activations
+                and self.footprint_bytes <= self.budget_bytes * (1 - FIT_MARGIN))
+
     def describe(self) -> str:
         """One line: what is recomputed, what moves, the predicted step against the everything-fits one."""
         what = {"none": "nothing recomputed", "every-layer": f"every layer ({self.layers}) recomputed"}.get(
             str(self.recompute), f"the first {self.recompute} of {self.layers} layers recomputed")
-        fits = self.footprint_bytes <= self.budget_bytes * (1 - FIT_MARGIN)
         moves = (("activations staged through pinned host memory" if self.stage_activations
                   else "the scheduler moves the rest") if self.crossing_bytes > 0
-                 else "nothing moves, the scheduler idles" if fits else "nothing moves, the scheduler follows it")
+                 else "nothing moves, the scheduler idles" if self.idles else "nothing moves, the scheduler follows it")
         if self.workspace_bytes:
             moves += f" (with {gib(self.workspace_bytes)} for cuDNN's workspaces)"
         return (f"{self.model} ({self.precision}) in {gib(self.budget_bytes)}: {what}, {moves}; predicted step "
@@ -188,30 +193,32 @@ def plan_memory(case: Any, budget: Any, *, precision: str = "fp32", backend: Any
     return plan
 
 
-def _prepared(sim: Any, case: Any, precision: str, k: int) -> Any:
-    """``case`` in ``precision`` with its first ``k`` layers recomputed, prepared by ``sim`` (which caches it)."""
+def _trained(case: Any, precision: str, k: int) -> Any:
+    """``case`` in ``precision`` with its first ``k`` layers recomputed."""
     from um_lab.training import with_training
 
-    return sim.prepare(with_training(case, precision, k if k else "none"))
+    return with_training(case, precision, k if k else "none")
+
+
+def _prepared(sim: Any, case: Any, precision: str, k: int) -> Any:
+    """:func:`_trained`, prepared by ``sim`` (which caches it)."""
+    return sim.prepare(_trained(case, precision, k))
 
 
 def _plain_step_ms(sim: Any, case: Any, precision: str, k: int) -> float:
     """The steady step with the first ``k`` layers recomputed, nothing moving and no scheduler running."""
-    from um_lab.training import with_training
     from um_lab.types import RunSpec
 
     spec = RunSpec(model="mlp", steps=PLAIN_STEPS, warmup_steps=0)
-    return [r.wall_ms for r in sim.run(spec, with_training(case, precision, k if k else "none"), "um-default")][-1]
+    return [r.wall_ms for r in sim.run(spec, _trained(case, precision, k), "um-default")][-1]
 
 
 def _room(sim: Any, case: Any, precision: str, k: int) -> int:
     """The room cuDNN's workspaces take in a budget session of ``case`` with ``k`` layers recomputed
     (:func:`um_lab.sim.workspaces.workspace_bytes`)."""
     from um_lab.sim.workspaces import workspace_bytes
-    from um_lab.training import with_training
 
-    return workspace_bytes(with_training(case, precision, k if k else "none"), _prepared(sim, case, precision, k),
-                           sim.profile)
+    return workspace_bytes(_trained(case, precision, k), _prepared(sim, case, precision, k), sim.profile)
 
 
 def _priced(sim: Any, case: Any, precision: str, k: int, staged: bool, idle: bool,
@@ -250,9 +257,7 @@ def price_plan(case: Any, plan: MemoryPlan, backend: Any) -> float | None:
     if not isinstance(k, int):
         raise SpecError(f"price_plan prices the planner's own plans (recompute: a count); got {plan.recompute!r}",
                         "plan")
-    idle = plan.crossing_bytes == 0 and not plan.stage_activations and \
-        plan.footprint_bytes <= plan.budget_bytes * (1 - FIT_MARGIN)
-    return _priced(backend, case, plan.precision, k, plan.stage_activations, idle, plan.budget_bytes)[0]
+    return _priced(backend, case, plan.precision, k, plan.stage_activations, plan.idles, plan.budget_bytes)[0]
 
 
 def planned_budget(plan: MemoryPlan, lookahead: int = 2) -> Any:
