@@ -167,9 +167,10 @@ def corpus_case(name: str, small: bool = False) -> tuple[ModelCase, dict[str, An
     if library in ("timm", "torchvision"):
         size, batch, classes = (TIMM if library == "timm" else TORCHVISION)[model], 1 if small else IMAGE_BATCH, 1000
         if library == "timm":
-            build = lambda: mod.create_model(model, pretrained=False)  # noqa: E731
+            # num_classes: timm builds some configurations (eva02) headless, which labels would then overrun
+            build = lambda: mod.create_model(model, pretrained=False, num_classes=classes)  # noqa: E731
             family = mod.models.model_entrypoint(model).__module__
-            call = f"timm.create_model({model!r}, pretrained=False)"
+            call = f"timm.create_model({model!r}, pretrained=False, num_classes={classes})"
         else:
             build = lambda: mod.models.get_model(model, weights=None)  # noqa: E731
             family = mod.models.get_model_builder(model).__module__
