@@ -9,7 +9,8 @@ Each measured row is put in one of three sets, as ``bench/sim_fidelity.py`` and 
   were written and kept in ``sim_fidelity_heldout/<that time>/``: ``predicted.json`` committed before the rows
   were measured; once measured, ``measured.json`` holds the measurements (re-simulated since with later profiles
   for the older ones, so no longer blind) and those predictions under ``predictions``. :data:`HELDOUT` lists the
-  checks measured on the H200 (the corpus check of 2026-12-06 keeps its first measurement, on an H100, beside).
+  checks measured (the corpus check of 2026-12-06 on the H200, its first measurement, on an H100, beside; the corpus
+  check of 2026-12-07 on an H100 alone, with the profile fitted to that machine's probes beside the blind H200 one).
 
 error = simulated / measured - 1.
 """
@@ -27,7 +28,7 @@ from um_lab.errors import UmLabError
 
 #: the held-out checks, oldest first: folders of ``sim_fidelity_heldout/`` named by when the predictions were written
 HELDOUT = ("2026-11-30T0756", "2026-12-01T0344", "2026-12-01T0545", "2026-12-01T0602", "2026-12-01T0959",
-           "2026-12-01T2124", "2026-12-02T0134", "2026-12-06T0710")
+           "2026-12-01T2124", "2026-12-02T0134", "2026-12-06T0710", "2026-12-07T1730")
 
 
 def heldout_label(folder: str) -> str:
