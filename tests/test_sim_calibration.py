@@ -279,22 +279,25 @@ def test_the_host_scale_fitted_to_host_bound_steps_is_recovered() -> None:
         with_host_scale(profile, 0.0)
 
 
-def test_a_machine_fit_recovers_the_host_gpu_and_link_factors_of_its_probes() -> None:
-    """Probes timed on a machine whose host is 1.3x slower, GPU 1.25x slower and link 1.4x slower than the
-    profile's: the fit finds each factor and the fitted profile reproduces every probe."""
+def test_a_machine_fit_recovers_each_kind_of_factor_from_its_probes() -> None:
+    """Probes timed on a machine whose host is 1.3x slower, GPU 1.25x slower, link 1.6x slower and the scheduler's
+    hooks 1.4x the profile's: the fit finds each factor, and the fitted profile reproduces every probe."""
     from um_lab.sim.calibration import simulate_ms
-    from um_lab.sim.machine_calibration import GPU_FIELDS, HOST_FIELDS, LINK_FIELDS, fit_machine, with_scale
+    from um_lab.sim.machine_calibration import KINDS, fit_machine, with_scale
     from um_lab.sim.profile import load_profile
 
     profile = load_profile("h200")
+    small = {"batch_size": 64, "width": 2048, "depth": 4}
     probes = {
         "host": {"model": "mlp", "model_kwargs": {"batch_size": 8, "width": 256, "depth": 16}, "policy": "um-default"},
         "gpu": {"model": "mlp", "model_kwargs": {"batch_size": 4096, "width": 4096, "depth": 2},
                 "policy": "um-default"},
-        "link": {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 2048, "depth": 4},
-                 "policy": "layer-ahead", "budget": "0.5x"},
+        "link": {"model": "mlp", "model_kwargs": small, "policy": "zero-copy-params"},
+        "scheduler": {"model": "mlp", "model_kwargs": {"batch_size": 8, "width": 256, "depth": 32},
+                      "policy": "layer-ahead", "budget": "0.6x"},
     }
-    truth = {"host": 1.3, "gpu": 1.25, "link": 1.4}
+    assert list(probes) == list(KINDS)
+    truth = {"host": 1.3, "gpu": 1.25, "link": 1.6, "scheduler": 1.4}
     machine = profile
     for kind, scale in truth.items():
         machine = with_scale(machine, kind, scale)
@@ -304,9 +307,25 @@ def test_a_machine_fit_recovers_the_host_gpu_and_link_factors_of_its_probes() ->
     assert [p["fitted_ms"] for p in fit.probes] == pytest.approx([m["ms"] for m in measured], rel=0.03)
     assert fit.profile.cpu_op_us == pytest.approx(profile.cpu_op_us * fit.scales["host"], rel=1e-3)
     assert fit.profile.hbm_GBps == pytest.approx(profile.hbm_GBps / fit.scales["gpu"], rel=1e-3)
+    assert fit.profile.remote_GBps == pytest.approx(profile.remote_GBps / fit.scales["link"], rel=1e-3)
     assert fit.profile.remote_update_ms_per_GB == pytest.approx(
         profile.remote_update_ms_per_GB * fit.scales["link"], rel=1e-3)
-    assert len({*HOST_FIELDS, *GPU_FIELDS, *LINK_FIELDS}) == len(HOST_FIELDS) + len(GPU_FIELDS) + len(LINK_FIELDS)
-    assert fit.profile.fault_block_us == profile.fault_block_us  # nothing outside the three kinds moves
+    assert fit.profile.scheduler_hook_us == pytest.approx(profile.scheduler_hook_us * fit.scales["scheduler"], rel=1e-3)
+    fields = [f for _, kind_fields in KINDS.values() for f in kind_fields]
+    assert len(set(fields)) == len(fields)  # each constant belongs to one kind
+    assert fit.profile.fault_block_us == profile.fault_block_us  # nothing outside the kinds moves
     with pytest.raises(ValueError, match="kind"):
         fit_machine(profile, [{**probes["host"], "ms": 1.0}])
+
+
+def test_each_machine_probe_is_bound_by_what_its_kind_scales() -> None:
+    """Doubling a kind's constants lengthens its own probe by at least half (the probe measures that kind), so a
+    budgeted step's link time is not fitted as the scheduler's, nor the reverse."""
+    from um_lab.sim.calibration import simulate_ms
+    from um_lab.sim.machine_calibration import KINDS, with_scale
+    from um_lab.sim.profile import load_profile
+
+    profile = load_profile("h200")
+    for kind in ("link", "scheduler"):
+        for probe in KINDS[kind][0]:
+            assert simulate_ms(with_scale(profile, kind, 2.0), probe) > 1.5 * simulate_ms(profile, probe), probe

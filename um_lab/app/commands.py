@@ -247,8 +247,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 HOST_PROBE_NAMES = "GPT-2-small, ResNet-50 and an MLP at tiny batches"
-MACHINE_PROBE_NAMES = ("the host probes, GPT-2-small and ResNet-50 at full batches, and an MLP whose optimizer state "
-                       "is updated over the host link")
+MACHINE_PROBE_NAMES = ("the host probes, GPT-2-small and ResNet-50 at full batches, an MLP whose parameters are read "
+                       "and whose optimizer state is updated over the host link, and a 64-layer MLP under a budget")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

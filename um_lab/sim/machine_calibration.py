@@ -2,22 +2,23 @@
 
 Machines differ where a packaged profile cannot see: the same host-bound step took 1.5-2x longer on some lent H100
 machines than on the H200 host the packaged profile was fitted on (and varies between runs on one machine); an H100's
-memory is slower than an H200's; optimizer state updated over the host link took 53 ms per GB on the H200, and on one
-H100 host three budgeted steps took 70-79 ms per GB of it beyond their plain step and hooks. Three kinds of zoo
-probes, timed on this GPU, fit one factor each:
+memory is slower than an H200's; the link to host memory and the scheduler's hooks run at speeds of their own on
+each host. Four kinds of zoo probes, timed on this GPU, fit one factor each:
 
 * **host** (:data:`HOST_PROBES`, tiny batches: the GPU idles): every host constant (:data:`HOST_FIELDS`),
   :func:`fit_host_scale`, :func:`with_host_scale`;
 * **gpu** (:data:`GPU_PROBES`, GPU-bound steps): every GPU rate (:data:`GPU_FIELDS`), as a factor on time;
-* **link** (:data:`LINK_PROBES`, a budgeted step whose optimizer state is updated in host memory):
-  :data:`LINK_FIELDS`.
+* **link** (:data:`LINK_PROBES`, an MLP's parameters read from host memory, its optimizer state updated there):
+  :data:`LINK_FIELDS`;
+* **scheduler** (:data:`SCHEDULER_PROBES`, a budgeted step of many small layers): the scheduler's host time per
+  position (:data:`SCHEDULER_FIELDS`).
 
-:func:`fit_machine` fits the three in that order, twice (each probe feels the others a little). The probes are
-zoo models only, so a profile calibrated this way predicts any other model without having seen it::
+:func:`fit_machine` fits them in that order, twice (each probe feels the others a little). The probes are zoo models
+only, so a profile calibrated this way predicts any other model without having seen it::
 
     measured = measure_machine_probes()            # on the GPU machine, about a minute
     fit = fit_machine(load_profile("h200"), measured)
-    fit.profile, fit.scales                        # {"host": ..., "gpu": ..., "link": ...}
+    fit.profile, fit.scales                        # {"host": ..., "gpu": ..., "link": ..., "scheduler": ...}
 
 ``measure_host_probes`` / :func:`fit_host_scale` do the host part alone.
 """
@@ -32,8 +33,8 @@ from um_lab.sim.calibration import _golden, _log_err, measure_steps, simulate_ms
 from um_lab.sim.profile import Profile
 
 #: The profile's host constants (microseconds of host time), scaled together. The scheduler's hook time per
-#: position (``scheduler_hook_us``, Python in the scheduler's own hooks) stays as measured: on one H100 host the
-#: probes ran at 0.50-0.84x the profile's host while the hooks took 112-160 us a position, as the profile says.
+#: position (``scheduler_hook_us``, Python in the scheduler's own hooks) has its own probe: on one H100 host the
+#: host probes ran at 0.50-0.84x the profile's host while the hooks took 112-160 us a position, as the profile says.
 HOST_FIELDS = ("cpu_op_us", "cpu_bwd_op_us", "cpu_cudnn_call_us", "cpu_foreach_tensor_us", "cpu_view_op_us",
                "cpu_step_us")
 #: Host-bound zoo steps (tiny batches, no advice): a transformer, a convolutional network and a deep MLP.
@@ -52,19 +53,30 @@ GPU_PROBES: tuple[dict[str, Any], ...] = (
 )
 #: The profile's rates of kernels reading and writing host memory over the link (zero-copy data, optimizer state
 #: updated in host memory), and the scheduler's prices of remote optimizer state (per GB updated in place or copied
-#: in and back: scaled together, so its choice between them stays as the profile makes it).
+#: in and back: scaled together, so its choice between them stays as the profile makes it). Reads and in-place
+#: updates are scaled together: each probe's step does both (the optimizer updates zero-copy parameters in place).
 LINK_FIELDS = ("remote_GBps", "remote_write_GBps", "remote_inplace_GBps", "remote_rw_GBps", "remote_colreduce_GBps",
                "remote_update_ms_per_GB", "remote_copy_ms_per_GB")
-#: A budgeted zoo step whose time is mostly its optimizer state updated over the link (0.94 GB of it).
+#: Zoo steps whose time is mostly the link, no scheduler running: an MLP's 0.5 GB of parameters read from host
+#: memory, forward and backward, and its 0.94 GB of optimizer state updated there.
 LINK_PROBES: tuple[dict[str, Any], ...] = (
-    {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 4096, "depth": 8}, "policy": "layer-ahead",
-     "budget": "0.5x"},
+    {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 4096, "depth": 8}, "policy": "zero-copy-params"},
+    {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 4096, "depth": 8}, "policy": "offload-optimizer"},
+)
+#: The scheduler's host time per position its hooks open.
+SCHEDULER_FIELDS = ("scheduler_hook_us",)
+#: A budgeted step of 64 small layers, the host probe's MLP: mostly the scheduler's hooks. The link and the scheduler
+#: are probed apart, since a budgeted step of large layers mixes the two.
+SCHEDULER_PROBES: tuple[dict[str, Any], ...] = (
+    {"model": "mlp", "model_kwargs": {"batch_size": 8, "width": 256, "depth": 64}, "policy": "layer-ahead",
+     "budget": "0.6x"},
 )
 #: Each kind of probe: its probes and the fields its factor scales.
 KINDS: dict[str, tuple[tuple[dict[str, Any], ...], tuple[str, ...]]] = {
     "host": (HOST_PROBES, HOST_FIELDS),
     "gpu": (GPU_PROBES, GPU_FIELDS),
     "link": (LINK_PROBES, LINK_FIELDS),
+    "scheduler": (SCHEDULER_PROBES, SCHEDULER_FIELDS),
 }
 
 
@@ -75,7 +87,7 @@ def with_host_scale(profile: Profile, scale: float, name: str | None = None) -> 
 
 
 def with_scale(profile: Profile, kind: str, scale: float) -> Profile:
-    """``profile`` with the fields of one kind of probe (``"host"``, ``"gpu"``, ``"link"``: :data:`KINDS`) taking
+    """``profile`` with the fields of one kind of probe (:data:`KINDS`: ``"host"``, ``"gpu"``, ...) taking
     ``scale`` (> 0) times as long: times (``_us``, ``_ms_per_GB``) multiplied by it, rates divided."""
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
@@ -112,13 +124,13 @@ class MachineFit:
 
 def fit_machine(profile: Profile, measured: Iterable[Mapping[str, Any]], rounds: int = 2, lo: float = 0.25,
                 hi: float = 4.0) -> MachineFit:
-    """Fit ``profile`` to probes timed on this machine (:func:`measure_machine_probes`: targets with ``"kind"``
-    host, gpu or link and their ``"ms"``): one factor per kind present, in the order of :data:`KINDS`, each
+    """Fit ``profile`` to probes timed on this machine (:func:`measure_machine_probes`: targets with a ``"kind"`` of
+    :data:`KINDS` and their ``"ms"``): one factor per kind present, in the order of :data:`KINDS`, each
     least squares in log space with the others held, ``rounds`` times over."""
     targets = list(measured)
     kinds = [k for k in KINDS if any(t.get("kind") == k for t in targets)]
     if not kinds:
-        raise ValueError("no measured probes to fit (each needs a 'kind': host, gpu or link)")
+        raise ValueError(f"no measured probes to fit (each needs a 'kind': {', '.join(KINDS)})")
     scales = dict.fromkeys(kinds, 1.0)
 
     def scaled(values: Mapping[str, float]) -> Profile:
