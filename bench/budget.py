@@ -701,9 +701,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="no GPU: the simulator's predictions only (default out: bench/results/budget_predicted.json)")
     ap.add_argument("--no-sim", action="store_true", help="measured rows without sim_step_ms")
     ap.add_argument("--machine-calibrate", action="store_true",
-                    help="with --recompute auto: before any row, fit the profile's host, GPU and link constants to "
-                         "this machine (um_lab.sim.machine_calibration) and price each row's plan on it too "
-                         "(machine_calibrated_ms; the fit in the file's machine_calibration)")
+                    help="with --recompute auto: before any row, fit the profile's host, GPU, link and scheduler "
+                         "constants to this machine (um_lab.sim.machine_calibration) and price each row's plan on it "
+                         "too (machine_calibrated_ms; the fit in the file's machine_calibration)")
     ap.add_argument("--peer-steps", type=int, default=4, help="with --peers: each peer's measured steps")
     ap.add_argument("--fsdp2", action="store_true",
                     help="the peer: FSDP2 with CPUOffloadPolicy on the same model (bench/peers.py, a process "

@@ -366,7 +366,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def _machine_calibrated(sim: SimBackend, configs: list[tuple[str, dict[str, Any], str]],
                         out: Path) -> tuple[SimBackend, dict[str, Any]]:
-    """Before any row runs: the machine probes timed here (host, GPU and link: zoo models, none of them a row), the
+    """Before any row runs: the machine probes timed here (host, GPU, link and scheduler: zoo models, none a row), the
     profile fitted to them (:func:`um_lab.sim.machine_calibration.fit_machine`), and every row predicted with that
     profile, written to ``out/machine_calibrated_predictions.json``. Returns the calibrated simulator and the fit."""
     from um_lab.sim.machine_calibration import fit_machine, measure_machine_probes
@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--measured-name", help="file name for --measured's result (default sim_fidelity.json)")
     ap.add_argument("--machine-calibrate", action="store_true",
                     help="on the GPU, before any row runs: time the machine probes (um_lab.sim.machine_calibration), "
-                         "fit the profile's host, GPU and link constants to this machine, write those predictions "
+                         "fit the profile's host, GPU, link and scheduler constants to this machine, write those "
+                         "predictions "
                          "(machine_calibrated_predictions.json), then report each row's error against both")
     args = ap.parse_args(argv)
     sim = SimBackend(args.profile)
