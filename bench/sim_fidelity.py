@@ -298,16 +298,37 @@ def measure(model: str, kwargs: dict[str, Any], policy: str, steps: int, warmup:
            "ratio": timed[-1].oversubscription_ratio,
            "capacity": timed[-1].gpu_capacity_bytes, "live_GiB": timed[-1].live_total / 2**30,
            "run_s": time.perf_counter() - t}
+    budget = scheduler_numbers(timed)
+    if budget:
+        out["budget"] = budget
     del recs, timed, case
     gc.collect()
     torch.cuda.empty_cache()
     return out
 
 
+#: what a measured row under a budget keeps of its timed steps' scheduler numbers (``extra["budget"]``), medians
+BUDGET_NUMBERS = ("hooks_ms", "executor_ms", "positions", "host_wait_ms", "prefetched_bytes", "evicted_bytes",
+                  "unforeseen_bytes", "remote_bytes", "fixed_bytes", "max_resident_ledger", "held_bytes")
+
+
+def scheduler_numbers(timed: list[Any]) -> dict[str, Any]:
+    """The scheduler's numbers of the timed steps of a budgeted run (empty without a budget): the medians of
+    :data:`BUDGET_NUMBERS`, the idle steps and each step's reason to plan again; what tells a budget row's error
+    apart (host time in the hooks, moves, re-plans)."""
+    budgets = [r.extra["budget"] for r in timed if r.extra.get("budget")]
+    if not budgets:
+        return {}
+    out: dict[str, Any] = {k: statistics.median(float(b.get(k) or 0) for b in budgets) for k in BUDGET_NUMBERS}
+    out["idle_steps"] = sum(bool(b.get("idle")) for b in budgets)
+    out["replan_reasons"] = [str(b.get("replan_reason", "")) for b in budgets]
+    return out
+
+
 def versions() -> dict[str, str]:
     """Library versions of this run."""
     v = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "torchvision", "numpy", "cupy"):
+    for name in ("transformers", "torchvision", "timm", "numpy", "cupy"):
         try:
             v[name] = __import__(name).__version__
         except ImportError:
@@ -486,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row.update(measured_ms=round(m["measured_ms"], 3), simulated_ms=round(sim_ms, 3),
                        ratio=round(m["ratio"], 4), error=round(sim_ms / m["measured_ms"] - 1, 4),
                        measured_live_GiB=round(m["live_GiB"], 3), run_s=round(m["run_s"], 1),
-                       capacity=m["capacity"],
+                       capacity=m["capacity"], **({"budget": m["budget"]} if "budget" in m else {}),
                        sim={k: round(v, 4) for k, v in counters.items()})
             if machine is not None:
                 machine_ms = simulate(machine[0], model, kw, policy, m["capacity"], steps, warmup)[0]

@@ -64,3 +64,20 @@ def test_the_newest_corpus_set_runs_no_model_an_earlier_set_ran() -> None:
     earlier = {model for rows in sim_fidelity.HELDOUT_SETS.values() for model, _, _ in rows}
     earlier |= {model for model, _, _ in sim_fidelity.NEW_HELDOUT}
     assert not {model for model, _, _ in sim_fidelity.CORPUS_HELDOUT} & earlier
+
+
+def test_a_budget_rows_scheduler_numbers_are_kept_beside_its_step() -> None:
+    """A measured row under a budget keeps its timed steps' scheduler numbers (medians, idle steps, re-plan reasons),
+    what tells its error apart; a row without a budget keeps none."""
+    from types import SimpleNamespace
+
+    steps = [SimpleNamespace(extra={"budget": {"hooks_ms": h, "positions": 600, "evicted_bytes": e, "idle": idle,
+                                               "replan_reason": why}})
+             for h, e, idle, why in ((90.0, 0, False, "unforeseen"), (110.0, 4 << 20, False, ""),
+                                     (100.0, 2 << 20, True, ""))]
+    numbers = sim_fidelity.scheduler_numbers(steps)
+    assert numbers["hooks_ms"] == 100.0 and numbers["positions"] == 600 and numbers["evicted_bytes"] == 2 << 20
+    assert numbers["idle_steps"] == 1 and numbers["replan_reasons"] == ["unforeseen", "", ""]
+    assert numbers["remote_bytes"] == 0  # a number the steps did not report counts as none
+    assert set(sim_fidelity.BUDGET_NUMBERS) <= set(numbers)
+    assert sim_fidelity.scheduler_numbers([SimpleNamespace(extra={})]) == {}
