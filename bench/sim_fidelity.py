@@ -278,9 +278,12 @@ def simulate(sim: SimBackend, model: str, kwargs: dict[str, Any], policy: str, c
     recs = list(sim.run(spec, case, policy_named(policy)))
     timed = [r for r in recs if not r.warmup]
     last = timed[-1]
-    counters = {"faults": last.gpu_page_faults, "evictions": last.evictions,
-                "remote_GB": last.remote_bytes / 1e9,
-                "htod_GB": sum(last.htod_bytes.values()) / 1e9, "live_GiB": last.live_total / 2**30}
+    counters: dict[str, Any] = {"faults": last.gpu_page_faults, "evictions": last.evictions,
+                                "remote_GB": last.remote_bytes / 1e9,
+                                "htod_GB": sum(last.htod_bytes.values()) / 1e9, "live_GiB": last.live_total / 2**30}
+    budget = scheduler_numbers(timed)
+    if budget:  # beside the measured row's own: positions, moves, idle steps
+        counters["budget"] = budget
     return statistics.median(r.wall_ms for r in timed), last.oversubscription_ratio, counters
 
 
@@ -323,6 +326,11 @@ def scheduler_numbers(timed: list[Any]) -> dict[str, Any]:
     out["idle_steps"] = sum(bool(b.get("idle")) for b in budgets)
     out["replan_reasons"] = [str(b.get("replan_reason", "")) for b in budgets]
     return out
+
+
+def _rounded(counters: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's counters as a row keeps them: numbers to four decimals, the scheduler's numbers as they are."""
+    return {k: round(v, 4) if isinstance(v, (int, float)) else v for k, v in counters.items()}
 
 
 def versions() -> dict[str, str]:
@@ -425,7 +433,7 @@ def resimulate(sim: SimBackend, path: Path) -> dict[str, Any]:
                    new_heldout=(model, kw, policy) in NEW_HELDOUT + CORPUS_HELDOUT,
                    heldout_set=next((stamp for stamp, rows in HELDOUT_SETS.items() if (model, kw, policy) in rows),
                                     None),
-                   sim={k: round(v, 4) for k, v in counters.items()})
+                   sim=_rounded(counters))
         row["error"] = (round(sim_ms / r["measured_ms"] - 1, 4) if r.get("measured_ms") else None)
         rows.append(row)
         _print_row(row)
@@ -491,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "measured_ms": None, "simulated_ms": round(pred_ms, 3), "error": None,
                "steps": steps, "warmup_steps": warmup, "fitted": is_fitted(model, kw, policy),
                "new_heldout": (model, kw, policy) in NEW_HELDOUT + CORPUS_HELDOUT,
-               "sim": {k: round(v, 4) for k, v in counters.items()}}
+               "sim": _rounded(counters)}
         if measure_gpu:
             try:
                 m = measure(model, kw, policy, steps, warmup)
@@ -508,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        ratio=round(m["ratio"], 4), error=round(sim_ms / m["measured_ms"] - 1, 4),
                        measured_live_GiB=round(m["live_GiB"], 3), run_s=round(m["run_s"], 1),
                        capacity=m["capacity"], **({"budget": m["budget"]} if "budget" in m else {}),
-                       sim={k: round(v, 4) for k, v in counters.items()})
+                       sim=_rounded(counters))
             if machine is not None:
                 machine_ms = simulate(machine[0], model, kw, policy, m["capacity"], steps, warmup)[0]
                 row.update(machine_calibrated_ms=round(machine_ms, 3),

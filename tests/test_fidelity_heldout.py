@@ -81,3 +81,22 @@ def test_a_budget_rows_scheduler_numbers_are_kept_beside_its_step() -> None:
     assert numbers["remote_bytes"] == 0  # a number the steps did not report counts as none
     assert set(sim_fidelity.BUDGET_NUMBERS) <= set(numbers)
     assert sim_fidelity.scheduler_numbers([SimpleNamespace(extra={})]) == {}
+
+
+def test_a_simulated_budget_row_carries_the_schedulers_numbers_too() -> None:
+    """The simulator's side of a budget row keeps the same numbers (positions, moves), so the two can be set side by
+    side; a row without a budget has none."""
+    import warnings
+
+    from um_lab.sim.backend import SimBackend
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim = SimBackend()
+        kw = {"batch_size": 64, "width": 1024, "depth": 4}
+        _, _, budgeted = sim_fidelity.simulate(sim, "mlp", {**kw, "budget": "0.6x"}, "layer-ahead", None, 2, 1)
+        _, _, plain = sim_fidelity.simulate(sim, "mlp", kw, "um-default", None, 2, 1)
+    kept = sim_fidelity._rounded(budgeted)
+    assert kept["budget"]["positions"] > 0 and kept["budget"]["idle_steps"] == 0
+    assert set(sim_fidelity.BUDGET_NUMBERS) <= set(kept["budget"]) and isinstance(kept["live_GiB"], float)
+    assert "budget" not in plain
