@@ -461,8 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--machine-calibrate", action="store_true",
                     help="on the GPU, before any row runs: time the machine probes (um_lab.sim.machine_calibration), "
                          "fit the profile's host, GPU, link and scheduler constants to this machine, write those "
-                         "predictions "
-                         "(machine_calibrated_predictions.json), then report each row's error against both")
+                         "predictions (machine_calibrated_predictions.json), then report each row's error against both")
     args = ap.parse_args(argv)
     sim = SimBackend(args.profile)
     out = Path(args.out)
