@@ -196,13 +196,33 @@ CORPUS_HELDOUT_2026_12_06T0710 = [
     ("transformers/qwen2.5-0.5b", {"budget": "0.6x"}, "layer-ahead"),
     ("timm/vit_base_patch16_224", {"budget": "0.6x"}, "layer-ahead"),
 ]
-#: The newest held-out set on models users bring, after the scheduler's hooks were counted per position the hooks
+#: The newest held-out set on models users bring, after the machine calibration got four kinds of probe (host,
+#: GPU, link on plain steps, the scheduler's host time on a budgeted one). Rule, stated before any of them ran:
+#: corpus models that no held-out set has run, none in the zoo; five remote-heavy rows, four under ``layer-ahead``
+#: budgets, three plain; each well under 30 s a step. Predictions (``--subset corpus``, ``predicted.json`` of its
+#: folder) committed before measuring; ``--machine-calibrate`` writes the calibrated ones on the GPU machine before
+#: any row runs.
+CORPUS_HELDOUT = [
+    ("transformers/vit-base-patch16-224", {}, "zero-copy-params"),
+    ("timm/poolformer_s12", {}, "zero-copy-params"),
+    ("timm/twins_svt_small", {}, "act-remote"),
+    ("torchvision/vgg11_bn", {}, "offload-optimizer"),
+    ("timm/dm_nfnet_f0", {}, "offload-optimizer"),
+    ("timm/hiera_tiny_224", {"budget": "0.5x"}, "layer-ahead"),
+    ("torchvision/regnet_y_800mf", {"budget": "0.6x"}, "layer-ahead"),
+    ("timm/pvt_v2_b0", {"budget": "0.6x"}, "layer-ahead"),
+    ("torchvision/swin_t", {"budget": "0.5x"}, "layer-ahead"),
+    ("timm/densenet121", {}, "um-default"),
+    ("torchvision/googlenet", {}, "um-default"),
+    ("timm/levit_128", {}, "um-default"),
+]
+#: The held-out set on models users bring (predicted 2026-12-07 17:30) after the scheduler's hooks were counted per position the hooks
 #: open (the trace runs the scheduler's recorder) and the machine calibration (host, GPU and link probes of zoo
 #: models, :mod:`um_lab.sim.machine_calibration`). Rule, stated before any of them ran: corpus models that no
 #: held-out set has run, none in the zoo; five remote-heavy rows, four under ``layer-ahead`` budgets, three plain;
 #: each well under 30 s a step. Predictions (``--subset corpus``, ``predicted.json`` of its folder) committed
 #: before measuring; ``--machine-calibrate`` writes the calibrated ones on the GPU machine before any row runs.
-CORPUS_HELDOUT = [
+CORPUS_HELDOUT_2026_12_07T1730 = [
     ("timm/swin_tiny_patch4_window7_224", {}, "zero-copy-params"),
     ("timm/mixer_b16_224", {}, "zero-copy-params"),
     ("transformers/deit-base-patch16-224", {}, "act-remote"),
@@ -219,6 +239,7 @@ CORPUS_HELDOUT = [
 #: Earlier held-out sets, by the folder of sim_fidelity_heldout/ their predictions went to (their rows carry
 #: ``heldout_set``).
 HELDOUT_SETS = {
+    "2026-12-07T1730": CORPUS_HELDOUT_2026_12_07T1730,
     "2026-12-06T0710": CORPUS_HELDOUT_2026_12_06T0710,
     "2026-11-30T0756": HELDOUT_2026_11_30T0756,
     "2026-12-01T0344": HELDOUT_2026_12_01T0344,
