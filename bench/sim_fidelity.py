@@ -216,12 +216,11 @@ CORPUS_HELDOUT = [
     ("torchvision/googlenet", {}, "um-default"),
     ("timm/levit_128", {}, "um-default"),
 ]
-#: The held-out set on models users bring (predicted 2026-12-07 17:30) after the scheduler's hooks were counted per position the hooks
-#: open (the trace runs the scheduler's recorder) and the machine calibration (host, GPU and link probes of zoo
-#: models, :mod:`um_lab.sim.machine_calibration`). Rule, stated before any of them ran: corpus models that no
-#: held-out set has run, none in the zoo; five remote-heavy rows, four under ``layer-ahead`` budgets, three plain;
-#: each well under 30 s a step. Predictions (``--subset corpus``, ``predicted.json`` of its folder) committed
-#: before measuring; ``--machine-calibrate`` writes the calibrated ones on the GPU machine before any row runs.
+#: The held-out set on models users bring predicted 2026-12-07 17:30, after the scheduler's hooks were counted per
+#: position the hooks open (the trace runs the scheduler's recorder) and the machine calibration (host, GPU and link
+#: probes of zoo models, :mod:`um_lab.sim.machine_calibration`). Rule, stated before any of them ran: corpus models
+#: that no held-out set has run, none in the zoo; five remote-heavy rows, four under ``layer-ahead`` budgets, three
+#: plain; each well under 30 s a step. Predictions committed before measuring.
 CORPUS_HELDOUT_2026_12_07T1730 = [
     ("timm/swin_tiny_patch4_window7_224", {}, "zero-copy-params"),
     ("timm/mixer_b16_224", {}, "zero-copy-params"),

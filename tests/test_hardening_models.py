@@ -232,3 +232,21 @@ def test_a_trace_that_fails_leaves_no_hook_on_the_model_it_was_given(tmp_path):
     with pytest.raises(TraceError):
         um_lab.run(RunSpec(backend="sim", steps=1), case=case, out_dir=tmp_path / "runs")
     assert not shared._forward_pre_hooks and not shared._forward_hooks
+
+
+def test_labels_a_model_cannot_take_are_refused_on_its_first_step_naming_the_batch():
+    """A model built with fewer classes than its batch's labels (timm builds some without a head) would end a
+    GPU's CUDA context with a device-side assert in cross entropy: the default loss refuses it first, once."""
+    torch.manual_seed(0)
+    case = custom("three-classes", nn.Linear(8, 3), (torch.randn(4, 8), torch.tensor([0, 1, 2, 9])))
+    model = case.build_model()
+    x, y = case.make_batch(torch.Generator())
+    with pytest.raises(ModelConfigError, match=r"labels run from 0 to 9, but the model gives 3 classes") as e:
+        case.loss_fn(model, x, y)
+    assert e.value.field == "make_batch"
+    ok = custom("fits", nn.Linear(8, 3), (torch.randn(4, 8), torch.tensor([0, 2, -100, 1])))
+    model = ok.build_model()
+    assert torch.isfinite(ok.loss_fn(model, *ok.make_batch(torch.Generator())))  # -100 is cross entropy's ignore
+    assert model._um_lab_labels_checked  # checked once: later steps read no labels back
+    soft = custom("soft", nn.Linear(8, 3), (torch.randn(4, 8), torch.softmax(torch.randn(4, 3), 1)))
+    assert torch.isfinite(soft.loss_fn(soft.build_model(), *soft.make_batch(torch.Generator())))
