@@ -196,13 +196,30 @@ CORPUS_HELDOUT_2026_12_06T0710 = [
     ("transformers/qwen2.5-0.5b", {"budget": "0.6x"}, "layer-ahead"),
     ("timm/vit_base_patch16_224", {"budget": "0.6x"}, "layer-ahead"),
 ]
-#: The newest held-out set on models users bring, after the machine calibration got four kinds of probe (host,
-#: GPU, link on plain steps, the scheduler's host time on a budgeted one). Rule, stated before any of them ran:
-#: corpus models that no held-out set has run, none in the zoo; five remote-heavy rows, four under ``layer-ahead``
-#: budgets, three plain; each well under 30 s a step. Predictions (``--subset corpus``, ``predicted.json`` of its
-#: folder) committed before measuring; ``--machine-calibrate`` writes the calibrated ones on the GPU machine before
-#: any row runs.
+#: The newest held-out set on models users bring, after the scheduler's hooks were priced per tensor they record
+#: (``scheduler_tensor_us``). Rule, stated before any of them ran: corpus models that no held-out set has run, none
+#: in the zoo; five remote-heavy rows, four under ``layer-ahead`` budgets, three plain; each well under 30 s a step.
+#: Predictions (``--subset corpus``, ``predicted.json`` of its folder) committed before measuring;
+#: ``--machine-calibrate`` writes the calibrated ones on the GPU machine before any row runs.
 CORPUS_HELDOUT = [
+    ("timm/cait_xxs24_224", {}, "zero-copy-params"),
+    ("timm/dpn68", {}, "zero-copy-params"),
+    ("timm/efficientformer_l1", {}, "act-remote"),
+    ("timm/maxvit_tiny_tf_224", {}, "act-remote"),
+    ("torchvision/alexnet", {}, "offload-optimizer"),
+    ("timm/edgenext_small", {"budget": "0.6x"}, "layer-ahead"),
+    ("timm/mobilevit_s", {"budget": "0.5x"}, "layer-ahead"),
+    ("torchvision/mnasnet1_0", {"budget": "0.6x"}, "layer-ahead"),
+    ("timm/fastvit_t8", {"budget": "0.6x"}, "layer-ahead"),
+    ("timm/ghostnet_100", {}, "um-default"),
+    ("torchvision/shufflenet_v2_x1_0", {}, "um-default"),
+    ("timm/rexnet_100", {}, "um-default"),
+]
+#: The held-out set on models users bring predicted 2026-12-08 00:14, after the machine calibration got four kinds
+#: of probe (host, GPU, link on plain steps, the scheduler's host time on a budgeted one). Rule, stated before any
+#: of them ran: corpus models that no held-out set has run, none in the zoo; five remote-heavy rows, four under
+#: ``layer-ahead`` budgets, three plain; each well under 30 s a step. Predictions committed before measuring.
+CORPUS_HELDOUT_2026_12_08T0014 = [
     ("transformers/vit-base-patch16-224", {}, "zero-copy-params"),
     ("timm/poolformer_s12", {}, "zero-copy-params"),
     ("timm/twins_svt_small", {}, "act-remote"),
@@ -238,6 +255,7 @@ CORPUS_HELDOUT_2026_12_07T1730 = [
 #: Earlier held-out sets, by the folder of sim_fidelity_heldout/ their predictions went to (their rows carry
 #: ``heldout_set``).
 HELDOUT_SETS = {
+    "2026-12-08T0014": CORPUS_HELDOUT_2026_12_08T0014,
     "2026-12-07T1730": CORPUS_HELDOUT_2026_12_07T1730,
     "2026-12-06T0710": CORPUS_HELDOUT_2026_12_06T0710,
     "2026-11-30T0756": HELDOUT_2026_11_30T0756,

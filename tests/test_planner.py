@@ -71,7 +71,8 @@ def test_a_plan_that_fits_is_priced_as_the_plain_recompute_step_without_the_sche
     records = list(sim.run(RunSpec(model="mlp", steps=4, warmup_steps=0), plain, "um-default"))
     assert plan.step_ms == pytest.approx(records[-1].wall_ms) and 0 < k < plan.layers
     prepared = sim.prepare(plain)
-    costly = dataclasses.replace(sim.profile, scheduler_hook_us=sim.profile.scheduler_hook_us + 1000.0)
+    costly = dataclasses.replace(sim.profile, scheduler_hook_us=sim.profile.scheduler_hook_us + 1000.0,
+                                 scheduler_tensor_us=sim.profile.scheduler_tensor_us + 1000.0)
     followed = simulate_budget(prepared.trace, prepared.placement.final, sim.profile, plan.budget_bytes)
     slower = simulate_budget(prepared.trace, prepared.placement.final, costly, plan.budget_bytes)
     assert slower.step.wall_us > followed.step.wall_us + 500.0 * len(followed.derived.order.positions)

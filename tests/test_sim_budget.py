@@ -126,21 +126,33 @@ def test_the_trace_counts_the_hook_positions_the_recorder_opens_on_the_real_mode
     from um_lab.sim.replicas import model_case
     from um_lab.sim.trace import trace_step
 
+    class Counting(StepRecorder):
+        tensors = 0
+
+        def _spans(self, tensors):
+            spans = super()._spans(tensors)
+            self.tensors += len(spans)
+            return spans
+
     case = model_case(name, **kwargs)  # the simulator's replicas: ResNet-50 without torchvision
-    traced = trace_step(case).hook_positions
+    trace = trace_step(case)
     torch.manual_seed(0)
     model = case.build_model()
     batch = case.batch(0)
-    recorder = StepRecorder([model])
+    recorder = Counting([model])
     recorder.install()
     with recorder.recording() as order:
         loss = case.loss_fn(model, *batch)
-    forward = len(order.positions)
+    forward, forward_tensors = len(order.positions), recorder.tensors
     with recorder.backward():
         loss.backward()
     recorder.remove()
-    assert traced == (forward, len(order.positions) - forward)
-    assert forward > 0 and traced[1] > 0
+    assert trace.hook_positions == (forward, len(order.positions) - forward)
+    assert forward > 0 and trace.hook_positions[1] > 0
+    # the tensors the hooks record, what their host time scales with, counted as the real step's hooks count them
+    # (within 2%: GPT-2's fake step records two tensors more in forward than its real one)
+    assert trace.hook_tensors == pytest.approx((forward_tensors, recorder.tensors - forward_tensors), rel=0.02)
+    assert trace.hook_tensors[0] > forward and trace.hook_tensors[1] > 0
 
 
 def test_each_derived_position_carries_its_share_of_the_hook_positions_and_the_hooks_cost_host_time(prepared):
@@ -153,10 +165,26 @@ def test_each_derived_position_carries_its_share_of_the_hook_positions_and_the_h
         shares[phase] += share
     assert shares["forward"] == pytest.approx(forward) and shares["backward"] == pytest.approx(backward)
     assert shares["optimizer"] == phases.count("optimizer")
+    tensors = dict.fromkeys(shares, 0.0)
+    for phase, share in zip(phases, derived.hook_tensors, strict=True):
+        tensors[phase] += share
+    assert (tensors["forward"], tensors["backward"]) == pytest.approx(prep.trace.hook_tensors)
+    assert tensors["optimizer"] == 0  # an optimizer chunk is priced per position
     plan = plan_budget(derived, prep.footprint_bytes // 2)
-    dear = replay_plan(derived, plan, dataclasses.replace(sim.profile, scheduler_hook_us=1000.0))
-    dearer = replay_plan(derived, plan, dataclasses.replace(sim.profile, scheduler_hook_us=2000.0))
-    assert dearer.wall_us - dear.wall_us == pytest.approx(sum(derived.hook_positions) * 1000.0, rel=0.02)
+
+    def wall(**prices):
+        return replay_plan(derived, plan, dataclasses.replace(sim.profile, **prices)).wall_us
+
+    # forward and backward pay per tensor recorded, the optimizer's chunks per position
+    per_tensor = wall(scheduler_tensor_us=2000.0) - wall(scheduler_tensor_us=1000.0)
+    assert per_tensor == pytest.approx(sum(prep.trace.hook_tensors) * 1000.0, rel=0.02)
+    per_chunk = wall(scheduler_hook_us=2000.0) - wall(scheduler_hook_us=1000.0)  # partly under the GPU's time
+    assert 0 < per_chunk <= phases.count("optimizer") * 1000.0 * 1.02
+    # a trace without the tensor count prices every position at scheduler_hook_us, as before
+    uncounted = dataclasses.replace(derived, hook_tensors=())
+    old = (replay_plan(uncounted, plan, dataclasses.replace(sim.profile, scheduler_hook_us=2000.0)).wall_us
+           - replay_plan(uncounted, plan, dataclasses.replace(sim.profile, scheduler_hook_us=1000.0)).wall_us)
+    assert old == pytest.approx(sum(derived.hook_positions) * 1000.0, rel=0.02)
 
 
 def test_a_model_that_turns_saved_tensor_hooks_off_still_traces_and_counts_no_hook_positions():

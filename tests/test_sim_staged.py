@@ -190,7 +190,7 @@ def test_the_copies_back_run_under_forwards_last_positions(prepared):
     sim, prep = prepared
     trace, layout = prep.trace, prep.placement.final
     # without the hooks' host time the GPU, not the host, sets forward's pace: what this test is about
-    profile = dataclasses.replace(sim.profile, scheduler_hook_us=0.0)
+    profile = dataclasses.replace(sim.profile, scheduler_hook_us=0.0, scheduler_tensor_us=0.0)
     staged = simulate_staged(trace, layout, profile, int(prep.footprint_bytes * 0.6), partial=True)
     derived, copies = staged.derived, staged.copies
     start = next(i for i, p in enumerate(derived.order.positions) if p.phase == "backward")

@@ -52,6 +52,9 @@ class DerivedOrder:
     #: here groups ops by parameters, the hooks open one per module call (the trace's ``hook_positions``,
     #: spread evenly over the phase's positions); an optimizer position is one chunk, as on a GPU
     hook_positions: tuple[float, ...] = ()
+    #: per position, its share of the tensors the hooks record in its phase (the trace's ``hook_tensors``, spread
+    #: evenly like ``hook_positions``); 0 where they were not counted (an optimizer position, an old trace)
+    hook_tensors: tuple[float, ...] = ()
 
 
 def _layer_of_params(trace: StepTrace) -> tuple[dict[int, int], int]:
@@ -214,14 +217,16 @@ def derive_order(trace: StepTrace, layout: Layout, profile: Profile,
     if not runs:
         chunk_scratch = int(scratch.max()) if len(scratch) else 0
     return DerivedOrder(Order(positions, segments), compute, host_us, chunk_scratch, len(runs), grads,
-                        tuple(starts), tuple(costs), _hook_positions(positions, trace.hook_positions))
+                        tuple(starts), tuple(costs), _per_phase_share(positions, trace.hook_positions, 1.0),
+                        _per_phase_share(positions, trace.hook_tensors, 0.0))
 
 
-def _hook_positions(positions: list[Position], counted: tuple[int, int]) -> tuple[float, ...]:
-    """Each position's share of the hook positions the trace counted per phase (one each where uncounted)."""
+def _per_phase_share(positions: list[Position], counted: tuple[int, int], uncounted: float) -> tuple[float, ...]:
+    """Each position's share of what the trace counted per phase (forward, backward): hook positions or the
+    tensors they record; ``uncounted`` where the phase has no count (optimizer positions)."""
     per_phase = dict(zip(("forward", "backward"), counted, strict=True))
     here = {phase: sum(p.phase == phase for p in positions) for phase in per_phase}
-    return tuple(per_phase[p.phase] / here[p.phase] if per_phase.get(p.phase) else 1.0 for p in positions)
+    return tuple(per_phase[p.phase] / here[p.phase] if per_phase.get(p.phase) else uncounted for p in positions)
 
 
 def _type_runs(layout: Layout) -> list[Span]:

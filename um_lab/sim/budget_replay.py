@@ -61,6 +61,14 @@ class BudgetStep:
     remote_link_bytes: float = 0.0  #: bytes its kernels read and wrote over the link for it
 
 
+def hook_us(profile: Profile, positions: float, tensors: float) -> float:
+    """Host time of the scheduler's hooks at a position: ``scheduler_tensor_us`` per tensor they record where the
+    trace counted them, else ``scheduler_hook_us`` per hook position (an optimizer chunk, an old trace)."""
+    if tensors > 0:
+        return profile.scheduler_tensor_us * tensors
+    return profile.scheduler_hook_us * positions
+
+
 def plan_budget(derived: DerivedOrder, budget_bytes: int, lookahead: int = 2, discard: bool = False,
                 remote_optimizer: bool = False) -> Plan:
     """The scheduler's steady-state plan of ``derived`` under ``budget_bytes`` less the optimizer's
@@ -107,6 +115,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
     copy = 0.0  # the staging copy stream's clock
     backward = [pos.phase == "backward" for pos in derived.order.positions]
     hooks = derived.hook_positions
+    tensors = derived.hook_tensors or (0.0,) * n
     remote_us, remote_link = remote_extra_us(derived.remote_costs, plan.remote_blocks, n)  # state updated over the link
     copied = remote_state_bytes(derived.remote_costs, plan.remote_blocks, n) if remote_copies else [0] * n
     if remote_copies:
@@ -126,7 +135,7 @@ def replay_plan(derived: DerivedOrder, plan: Plan, profile: Profile, *,
         copy_in = copy_out = 0.0  # the remote state copies' two streams
         copied_in: dict[int, float] = {}
         for i in range(n):
-            cpu += p.scheduler_hook_us * (hooks[i] if hooks else 1.0)
+            cpu += hook_us(p, hooks[i] if hooks else 1.0, tensors[i])
             ready = 0.0
             for j in (i, i + 1):  # this position's copies in (if not issued yet), then the next one's
                 if j < n and copied[j] and j not in copied_in:

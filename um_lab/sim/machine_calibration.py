@@ -64,7 +64,7 @@ LINK_PROBES: tuple[dict[str, Any], ...] = (
     {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 4096, "depth": 8}, "policy": "offload-optimizer"},
 )
 #: The scheduler's host time per position its hooks open.
-SCHEDULER_FIELDS = ("scheduler_hook_us",)
+SCHEDULER_FIELDS = ("scheduler_hook_us", "scheduler_tensor_us")
 #: A budgeted step of 64 small layers, the host probe's MLP: mostly the scheduler's hooks. The link and the scheduler
 #: are probed apart, since a budgeted step of large layers mixes the two.
 SCHEDULER_PROBES: tuple[dict[str, Any], ...] = (

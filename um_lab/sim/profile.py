@@ -179,6 +179,10 @@ class Profile:
     #: returns, each backward; pre/post, saved-tensor and gradient hooks and the ledger's work together), while it
     #: follows a plan; an idle scheduler runs none
     scheduler_hook_us: float = 141.7
+    #: host time of those hooks per tensor they record (module inputs and outputs, saved tensors, gradients) in
+    #: forward and backward, where the trace counted them (``StepTrace.hook_tensors``): it follows the model better
+    #: than a price per position
+    scheduler_tensor_us: float = 54.2
     #: the rates at which the scheduler weighs a plan's moves (to the GPU; to the host)
     plan_prefetch_GBps: float = 47.0
     plan_evict_GBps: float = 13.0

@@ -137,6 +137,9 @@ class StepTrace:
     #: continuations after a child returns, each backward): the positions whose hooks a budgeted step pays
     #: for. ``(0, 0)``: not counted.
     hook_positions: tuple[int, int] = (0, 0)
+    #: the tensors the recorder's hooks record in forward and backward (module inputs and outputs, saved
+    #: tensors, gradients): what the hooks' host time scales with. ``(0, 0)``: not counted.
+    hook_tensors: tuple[int, int] = (0, 0)
 
     @property
     def n_ops(self) -> int:
@@ -387,7 +390,7 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
                 group["foreach"] = True
         batch = tuple(fake.from_tensor(b) for b in case.batch(seed))
     with _explained(case, model, phase_box), fake, CudaKernelChoices(), _DataDependentOps(seed):
-        hook_positions = _counted_step(case, model, batch, phase_box)
+        hook_positions, hook_tensors = _counted_step(case, model, batch, phase_box)
         phase_box["name"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -419,25 +422,27 @@ def _traced(case: ModelCase, seed: int) -> StepTrace:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         rec._collect_frees()
-    return _finish(rec, case_key(case, seed), hook_positions)
+    return _finish(rec, case_key(case, seed), hook_positions, hook_tensors)
 
 
 def _counted_step(case: ModelCase, model: torch.nn.Module, batch: tuple[Any, ...],
-                  phase_box: dict[str, Any]) -> tuple[int, int]:
-    """Forward and backward of the untraced first step, with the scheduler's hook positions counted: (forward,
-    backward). A model the recorder's hooks cannot run on (one that turns saved-tensor hooks off) runs the step
-    again without them and counts none: the scheduler could not follow it either."""
+                  phase_box: dict[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Forward and backward of the untraced first step, with the scheduler's hook positions and the tensors its
+    hooks record counted: ((forward, backward) positions, (forward, backward) tensors). A model the recorder's
+    hooks cannot run on (one that turns saved-tensor hooks off) runs the step again without them and counts none:
+    the scheduler could not follow it either."""
     positions = _PositionCounter([model])
     positions.install()
     try:  # the hooks come off the model whatever the step does
         phase_box["name"] = "forward"
         with positions.recording() as order:
             loss = case.loss_fn(model, *batch)
-        forward = len(order.positions)
+        forward, forward_tensors = len(order.positions), positions.tensors
         phase_box["name"] = "backward"
         with positions.backward():
             loss.backward()
-        return forward, len(order.positions) - forward
+        return ((forward, len(order.positions) - forward),
+                (forward_tensors, positions.tensors - forward_tensors))
     except Exception:  # noqa: BLE001 - the plain step below raises again what is the model's own
         model.zero_grad(set_to_none=True)
     finally:
@@ -446,18 +451,23 @@ def _counted_step(case: ModelCase, model: torch.nn.Module, batch: tuple[Any, ...
     loss = case.loss_fn(model, *batch)
     phase_box["name"] = "backward"
     loss.backward()
-    return 0, 0
+    return (0, 0), (0, 0)
 
 
 class _PositionCounter(StepRecorder):
     """The scheduler's recorder with one placeholder range per tensor (fake tensors have no address): it opens
-    the positions a real step's hooks open, and records nothing else of use."""
+    the positions a real step's hooks open and counts the tensors they record (``tensors``), nothing else of use."""
+
+    tensors = 0
 
     def _spans(self, tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
-        return [(0, 1) for t in tensors if t.numel() > 0]
+        spans = [(0, 1) for t in tensors if t.numel() > 0]
+        self.tensors += len(spans)
+        return spans
 
 
-def _finish(rec: _Recorder, key: str, hook_positions: tuple[int, int] = (0, 0)) -> StepTrace:
+def _finish(rec: _Recorder, key: str, hook_positions: tuple[int, int] = (0, 0),
+            hook_tensors: tuple[int, int] = (0, 0)) -> StepTrace:
     n = len(rec.ops)
     st_free = np.array(rec.free, np.int32)
     persistent = np.array([a < 0 for a in rec.alloc], bool)
@@ -496,6 +506,7 @@ def _finish(rec: _Recorder, key: str, hook_positions: tuple[int, int] = (0, 0)) 
         op_host_only=np.array([rec.host_only_before.get(i, 0) for i in range(n)], np.int32),
         op_16bit=np.array([o[5] for o in rec.ops], bool) if any(o[5] for o in rec.ops) else None,
         hook_positions=hook_positions,
+        hook_tensors=hook_tensors,
     )
 
 
