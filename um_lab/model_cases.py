@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,13 +46,16 @@ def _classification_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
     return nn.functional.cross_entropy(logits, y)
 
 
+_LABELS_CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  #: models whose labels were checked
+
+
 def _check_labels_once(model: nn.Module, logits: torch.Tensor, y: torch.Tensor) -> None:
     """Refuse, on a model's first step, class labels its outputs cannot take (a model built without its head, or
     with fewer classes than the batch uses): on a GPU cross entropy would end the CUDA context with a device-side
     assert. One read of the labels per model; probabilities as targets, fake and meta tensors are not checked."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if (getattr(model, "_um_lab_labels_checked", False) or y.is_floating_point() or is_fake(y)
+    if (model in _LABELS_CHECKED or y.is_floating_point() or is_fake(y)
             or y.device.type == "meta" or logits.dim() == 0):
         return
     classes = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
@@ -61,7 +65,7 @@ def _check_labels_once(model: nn.Module, logits: torch.Tensor, y: torch.Tensor) 
         raise ModelConfigError(f"the batch's class labels run from {lo} to {hi}, but the model gives {classes} "
                                f"classes (outputs of shape {tuple(logits.shape)}): build it with as many classes "
                                "as the labels use, or pass a loss_fn", "make_batch")
-    model._um_lab_labels_checked = True
+    _LABELS_CHECKED.add(model)
 
 
 def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
