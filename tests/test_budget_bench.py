@@ -258,8 +258,9 @@ def test_planned_rows_train_as_the_planner_chooses_and_carry_its_prediction(benc
 
 
 def test_a_planned_row_is_priced_again_on_the_machines_fitted_profile_before_it_runs(bench):
-    """With a simulator on a profile fitted to the machine (here: a GPU 1.4x slower), each planned row carries its
-    plan's step on that profile too, and --machine-calibrate is refused where there is nothing to price."""
+    """With a simulator on a profile fitted to the machine (here: the scheduler's hooks 1.4x slower), each planned
+    row carries its plan's step on that profile too, and --machine-calibrate is refused where there is nothing to
+    price."""
     import warnings
 
     from um_lab.sim.backend import SimBackend
@@ -267,7 +268,7 @@ def test_a_planned_row_is_priced_again_on_the_machines_fitted_profile_before_it_
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        machine = SimBackend(with_scale(bench.sim_backend().profile, "gpu", 1.4))
+        machine = SimBackend(with_scale(bench.sim_backend().profile, "scheduler", 1.4))
     lines: list[str] = []
     row = bench.bench_model("mlp", [2.0], 4, 1 << 40, False, lines.append, planned=True, machine_sim=machine)[0]
     assert row["sim_step_ms"] < row["machine_calibrated_ms"] <= 1.4 * row["sim_step_ms"] + 1e-6

@@ -28,7 +28,8 @@ from um_lab.errors import UmLabError
 
 #: the held-out checks, oldest first: folders of ``sim_fidelity_heldout/`` named by when the predictions were written
 HELDOUT = ("2026-11-30T0756", "2026-12-01T0344", "2026-12-01T0545", "2026-12-01T0602", "2026-12-01T0959",
-           "2026-12-01T2124", "2026-12-02T0134", "2026-12-06T0710", "2026-12-07T1730", "2026-12-08T0014")
+           "2026-12-01T2124", "2026-12-02T0134", "2026-12-06T0710", "2026-12-07T1730", "2026-12-08T0014",
+           "2026-12-08T0038")
 
 
 def heldout_label(folder: str) -> str:
