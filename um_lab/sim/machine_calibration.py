@@ -11,7 +11,7 @@ each host. Four kinds of zoo probes, timed on this GPU, fit one factor each:
 * **link** (:data:`LINK_PROBES`, an MLP's parameters read from host memory, its optimizer state updated there):
   :data:`LINK_FIELDS`;
 * **scheduler** (:data:`SCHEDULER_PROBES`, a budgeted step of many small layers): the scheduler's host time per
-  position (:data:`SCHEDULER_FIELDS`).
+  position and per tensor its hooks record (:data:`SCHEDULER_FIELDS`).
 
 :func:`fit_machine` fits them in that order, twice (each probe feels the others a little). The probes are zoo models
 only, so a profile calibrated this way predicts any other model without having seen it::
@@ -63,7 +63,7 @@ LINK_PROBES: tuple[dict[str, Any], ...] = (
     {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 4096, "depth": 8}, "policy": "zero-copy-params"},
     {"model": "mlp", "model_kwargs": {"batch_size": 64, "width": 4096, "depth": 8}, "policy": "offload-optimizer"},
 )
-#: The scheduler's host time per position its hooks open.
+#: The scheduler's host time per position its hooks open and per tensor they record.
 SCHEDULER_FIELDS = ("scheduler_hook_us", "scheduler_tensor_us")
 #: A budgeted step of 64 small layers, the host probe's MLP: mostly the scheduler's hooks. The link and the scheduler
 #: are probed apart, since a budgeted step of large layers mixes the two.

@@ -17,10 +17,10 @@ moves data is simulated under B less that room, which the workspaces' segments t
 scheduler idles (no hooks, the pools' own advice), so its step is the recompute's alone, simulated as a plain step.
 Where one fits, the planner takes it: the least recompute that fits. Only where none fits does it take the candidate
 with the least predicted step, which the scheduler then follows; that step carries the scheduler's host time per
-position (:attr:`~um_lab.sim.profile.Profile.scheduler_hook_us`) but not the link reads of activations rebuilt under
-the budget's host advice; measured on an H100 (GPT-2-large, fp32, ratio 2), a plan that moved nothing but did not
-let the scheduler idle ran at 1.5x its prediction. Every candidate weighed is kept in the plan
-(:attr:`MemoryPlan.candidates`) with its predicted step, footprint and bytes that cross the link.
+tensor its hooks record (:attr:`~um_lab.sim.profile.Profile.scheduler_tensor_us`) but not the link reads of
+activations rebuilt under the budget's host advice; measured on an H100 (GPT-2-large, fp32, ratio 2), a plan that
+moved nothing but did not let the scheduler idle ran at 1.5x its prediction. Every candidate weighed is kept in the
+plan (:attr:`MemoryPlan.candidates`) with its predicted step, footprint and bytes that cross the link.
 """
 
 from __future__ import annotations
