@@ -356,7 +356,7 @@ presets: Mapping[str, Policy] = types.MappingProxyType({
             input_data=_GPU_PINNED,
             description=(
                 "Choi & Lee (2021)'s three types as chosen by this project's simulator experiment"
-                " (notebooks/03_paper_three_types, bench/paper_three_types.py, run 2026-12-07 with the packaged"
+                " (notebooks/03_paper_three_types, bench/paper_three_types.py, run 2026-12-08 with the packaged"
                 " h200 profile): model parameters no advice,"
                 " intermediate results preferred on and mapped by the GPU and prefetched to it before use,"
                 " input data preferred on and mapped by the GPU. Best of 252 mappings on GPT-2-medium,"

@@ -82,10 +82,10 @@ PRESET_PROVENANCE: dict[str, Any] = {
     "mapping": {"model parameters": "none", "intermediate results": "pin-gpu+prefetch", "input data": "pin-gpu"},
     "results_json": RESULTS_JSON,
     "profile": "h200",
-    "profile_sha256": "cc4c5ac295084875c34997078a586d9603afdf3f8e43358a84450b1d269c5d25",
-    "sim_source_sha256": "7074d714b7b5e4516efae7450dbb76309af11510e2b9f026db4188ef9ad29e50",
+    "profile_sha256": "018429d8827b38b4c1ec32a1000d3ff09a3b9a045f5dacca64150aed15c9bc07",
+    "sim_source_sha256": "4773e8c7a145eef8b3b7162aaed33f76d5dbaccc2647ccb5dc4f5744d63dcea3",
     # a 2-core CPU machine, all three models in one run (torch 2.14.1 + torchvision 0.29.1)
-    "date": "2026-12-07T21:11:26+00:00",
+    "date": "2026-12-08T01:13:33+00:00",
     "um_lab_version": "0.1.0",
 }
 
