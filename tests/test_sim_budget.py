@@ -172,8 +172,8 @@ def test_each_derived_position_carries_its_share_of_the_hook_positions_and_the_h
     assert tensors["optimizer"] == 0  # an optimizer chunk is priced per position
     plan = plan_budget(derived, prep.footprint_bytes // 2)
 
-    def wall(**prices):
-        return replay_plan(derived, plan, dataclasses.replace(sim.profile, **prices)).wall_us
+    def wall(order=derived, **prices):
+        return replay_plan(order, plan, dataclasses.replace(sim.profile, **prices)).wall_us
 
     # forward and backward pay per tensor recorded, the optimizer's chunks per position
     per_tensor = wall(scheduler_tensor_us=2000.0) - wall(scheduler_tensor_us=1000.0)
@@ -182,9 +182,8 @@ def test_each_derived_position_carries_its_share_of_the_hook_positions_and_the_h
     assert 0 < per_chunk <= phases.count("optimizer") * 1000.0 * 1.02
     # a trace without the tensor count prices every position at scheduler_hook_us, as before
     uncounted = dataclasses.replace(derived, hook_tensors=())
-    old = (replay_plan(uncounted, plan, dataclasses.replace(sim.profile, scheduler_hook_us=2000.0)).wall_us
-           - replay_plan(uncounted, plan, dataclasses.replace(sim.profile, scheduler_hook_us=1000.0)).wall_us)
-    assert old == pytest.approx(sum(derived.hook_positions) * 1000.0, rel=0.02)
+    per_position = wall(uncounted, scheduler_hook_us=2000.0) - wall(uncounted, scheduler_hook_us=1000.0)
+    assert per_position == pytest.approx(sum(derived.hook_positions) * 1000.0, rel=0.02)
 
 
 def test_a_model_that_turns_saved_tensor_hooks_off_still_traces_and_counts_no_hook_positions():
